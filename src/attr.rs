@@ -1,0 +1,154 @@
+//! Attributes and extended attributes: getattr, setattr, readlink, the xattr calls.
+//!
+//! Changing anything about a lower object copies it up first — metadata only: a regular file
+//! becomes a partial file without a single data block (chown -R of a tree of large files writes
+//! no data). mosaicfs' and the overlays' own xattrs are hidden from the merged view.
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Result, errno};
+use crate::inode::{Ino, Node};
+use crate::layers::{LayerId, UPPER, is_internal_xattr};
+use crate::overlay::Overlay;
+use crate::sys::{self, Attr, Time};
+
+/// What a setattr asks to change.
+#[derive(Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<Time>,
+    pub mtime: Option<Time>,
+}
+
+impl Overlay {
+    pub fn getattr(&self, ino: Ino) -> Result<Attr> {
+        let node = self.node(ino)?;
+        let attr = self.stat_layer(&node)?;
+        Ok(self.present(&node, attr))
+    }
+
+    /// The directory holding the layer file of `path` and its name in it (`None` for a layer root).
+    fn at(&self, layer: LayerId, path: &Path) -> Result<(OwnedFd, Option<OsString>)> {
+        if path.as_os_str().is_empty() {
+            return Ok((self.layers.dir(layer, path)?, None));
+        }
+        let (dir, name) = self.parent_of(layer, path)?;
+        Ok((dir, Some(name.to_os_string())))
+    }
+
+    fn upper_at(&self, node: &Node) -> Result<(OwnedFd, OsString)> {
+        let (dir, name) = self.at(UPPER, &self.upper_path(node.ino)?)?;
+        Ok((dir, name.unwrap_or_else(|| ".".into())))
+    }
+
+    pub fn setattr(&self, ino: Ino, set: SetAttr) -> Result<Attr> {
+        self.check_writable()?;
+        let node: Arc<Node> = self.node(ino)?;
+        if let Some(size) = set.size {
+            match node.kind() {
+                libc::S_IFDIR => return Err(errno(libc::EISDIR)),
+                libc::S_IFREG => self.truncate(&node, size)?,
+                _ => return Err(errno(libc::EINVAL)),
+            }
+        }
+        if set.mode.is_some() || set.uid.is_some() || set.gid.is_some() || set.atime.is_some() || set.mtime.is_some() {
+            self.copy_up(&node)?;
+            let (dir, name) = self.upper_at(&node)?;
+            let (dir, name) = (dir.as_fd(), name.as_os_str());
+            if set.uid.is_some() || set.gid.is_some() {
+                let uid = set.uid.map(|u| self.config.uid_map.to_outside(u));
+                let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
+                sys::chown_at(dir, name, uid, gid)?;
+            }
+            if let Some(mode) = set.mode {
+                if node.kind() != libc::S_IFLNK {
+                    sys::chmod_at(dir, name, mode)?;
+                }
+            }
+            if set.atime.is_some() || set.mtime.is_some() {
+                sys::utimens_at(dir, name, set.atime.unwrap_or(Time::Omit), set.mtime.unwrap_or(Time::Omit))?;
+            }
+        }
+        self.getattr(ino)
+    }
+
+    pub fn readlink(&self, ino: Ino) -> Result<OsString> {
+        let node = self.node(ino)?;
+        let (layer, path) = self.top_path(&node)?;
+        let (dir, name) = self.parent_of(layer, &path)?;
+        sys::read_link_at(dir.as_fd(), name)
+    }
+
+    fn check_xattr_name(&self, name: &OsStr) -> Result<()> {
+        if !self.config.xattrs {
+            return Err(errno(libc::EOPNOTSUPP));
+        }
+        if !self.config.acl && name.as_bytes().starts_with(b"system.posix_acl_") {
+            return Err(errno(libc::EOPNOTSUPP));
+        }
+        Ok(())
+    }
+
+    pub fn getxattr(&self, ino: Ino, name: &OsStr) -> Result<Vec<u8>> {
+        self.check_xattr_name(name)?;
+        if is_internal_xattr(name.as_bytes()) {
+            return Err(errno(libc::ENODATA));
+        }
+        let node = self.node(ino)?;
+        let (layer, path) = self.top_path(&node)?;
+        let (dir, file) = self.at(layer, &path)?;
+        sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
+    }
+
+    pub fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
+        if !self.config.xattrs {
+            return Ok(Vec::new());
+        }
+        let node = self.node(ino)?;
+        let (layer, path) = self.top_path(&node)?;
+        let (dir, file) = self.at(layer, &path)?;
+        let mut out = Vec::new();
+        for n in sys::list_xattr(dir.as_fd(), file.as_deref())? {
+            let b = n.as_bytes();
+            if is_internal_xattr(b) || (!self.config.acl && b.starts_with(b"system.posix_acl_")) {
+                continue;
+            }
+            out.extend_from_slice(b);
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    pub fn setxattr(&self, ino: Ino, name: &OsStr, value: &[u8], flags: i32) -> Result<()> {
+        self.check_xattr_name(name)?;
+        self.check_writable()?;
+        if is_internal_xattr(name.as_bytes()) {
+            return Err(errno(libc::EPERM));
+        }
+        let node = self.node(ino)?;
+        self.copy_up(&node)?;
+        let (dir, file) = self.upper_at(&node)?;
+        sys::set_xattr(dir.as_fd(), Some(&file), name, value, flags)
+    }
+
+    pub fn removexattr(&self, ino: Ino, name: &OsStr) -> Result<()> {
+        self.check_xattr_name(name)?;
+        self.check_writable()?;
+        if is_internal_xattr(name.as_bytes()) {
+            return Err(errno(libc::ENODATA));
+        }
+        let node = self.node(ino)?;
+        // Removing an xattr the file does not have must not copy it up.
+        self.getxattr(ino, name)?;
+        self.copy_up(&node)?;
+        let (dir, file) = self.upper_at(&node)?;
+        sys::remove_xattr(dir.as_fd(), Some(&file), name)
+    }
+}

@@ -1,0 +1,176 @@
+//! Copy-up: giving a lower object a place in the upper layer.
+//!
+//! No operation ever copies a whole file. A regular file is copied up as a *partial file*: a
+//! sparse upper file of the same size holding no blocks, marked with the lower file it patches
+//! (partial.rs). Directories, symlinks and special files are recreated. Owner, mode, times and
+//! xattrs (ACLs included) come along; the origin's inode number is kept in `mosaicfs.origin`.
+//!
+//! Every object is built in the work directory and renamed into place, so the upper layer never
+//! holds a half-made object: after a crash the object is either absent (the lower one shows) or
+//! complete with its mark.
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rustix::fs::{Mode, OFlags, RenameFlags};
+
+use crate::error::{Error, Result, errno};
+use crate::inode::{Node, ROOT_INO};
+use crate::layers::{UPPER, is_internal_xattr};
+use crate::overlay::Overlay;
+use crate::partial::PartialMark;
+use crate::sys::{self, Attr, Time};
+
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh name in the work directory.
+pub fn temp_name(tag: &str) -> OsString {
+    let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    OsString::from(format!("{tag}-{}-{n}", std::process::id()))
+}
+
+impl Overlay {
+    /// Makes sure `node` exists in the upper layer; a regular file becomes a partial file.
+    pub fn copy_up(&self, node: &Node) -> Result<()> {
+        self.copy_up_with(node, false)
+    }
+
+    /// Copies `node` up; with `empty`, a regular file comes up empty and complete (for a
+    /// truncate to zero), so not even a partial file is needed.
+    pub fn copy_up_with(&self, node: &Node, empty: bool) -> Result<()> {
+        self.check_writable()?;
+        if node.ino == ROOT_INO {
+            return Ok(());
+        }
+        let _serial = node.copy_up.lock().unwrap_or_else(|e| e.into_inner());
+        let (parent, name, lower) = {
+            let st = node.state();
+            if st.upper {
+                return Ok(());
+            }
+            let (p, n) = st.links.first().cloned().ok_or_else(|| errno(libc::ENOENT))?;
+            (p, n, st.lower.clone().ok_or_else(|| errno(libc::ENOENT))?)
+        };
+        let pnode = self.node(parent)?;
+        self.copy_up(&pnode)?;
+        let (ldir, lname) = self.parent_of(lower.top(), &lower.path)?;
+        let lattr = sys::stat_at(ldir.as_fd(), lname)?;
+        let work = self.layers.work()?;
+        let tmp = temp_name("copyup");
+        let built = self.build_copy(work, &tmp, ldir.as_fd(), lname, &lattr, node, empty, &lower);
+        if let Err(e) = built {
+            let _ = crate::layers::remove_tree(work, &tmp);
+            return Err(e);
+        }
+        let udir = self.layers.dir(UPPER, &self.upper_path(parent)?)?;
+        if let Err(e) = sys::rename_at(work, &tmp, udir.as_fd(), &name, RenameFlags::NOREPLACE) {
+            let _ = crate::layers::remove_tree(work, &tmp);
+            return Err(e);
+        }
+        node.state().upper = true;
+        self.refresh_open(node)
+    }
+
+    /// Builds the upper copy of a lower object as `tmp` in the work directory.
+    #[allow(clippy::too_many_arguments)]
+    fn build_copy(
+        &self,
+        work: BorrowedFd<'_>,
+        tmp: &OsStr,
+        ldir: BorrowedFd<'_>,
+        lname: &OsStr,
+        lattr: &Attr,
+        node: &Node,
+        empty: bool,
+        lower: &crate::inode::LowerRef,
+    ) -> Result<()> {
+        match lattr.file_type() {
+            libc::S_IFREG => {
+                let fd = rustix::fs::openat(
+                    work,
+                    tmp,
+                    OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )?;
+                if !empty && lattr.size > 0 {
+                    if self.sparse.sparse {
+                        rustix::fs::ftruncate(&fd, lattr.size)?;
+                        let mark = PartialMark::for_lower(lower.top(), lower.path.clone(), lattr);
+                        rustix::fs::fsetxattr(
+                            &fd,
+                            self.layers.xattr.partial.as_str(),
+                            &mark.encode(),
+                            rustix::fs::XattrFlags::empty(),
+                        )?;
+                    } else {
+                        // No sparse files on the upper file system (reported at mount): the
+                        // only correct copy-up left is a whole one.
+                        let src = sys::open_beneath(self.layers.root(lower.top()), &lower.path, OFlags::RDONLY, 0)?;
+                        copy_all(src.as_fd(), fd.as_fd(), lattr.size)?;
+                    }
+                }
+            }
+            libc::S_IFDIR => rustix::fs::mkdirat(work, tmp, Mode::from_raw_mode(0o700))?,
+            libc::S_IFLNK => {
+                let target = sys::read_link_at(ldir, lname)?;
+                rustix::fs::symlinkat(target.as_os_str(), work, tmp)?;
+            }
+            kind => sys::mknod_at(work, tmp, kind | 0o600, lattr.rdev)?,
+        }
+        self.copy_xattrs(ldir, lname, work, tmp)?;
+        let origin = node.ino.to_string();
+        if let Err(e) = sys::set_xattr(work, Some(tmp), &self.layers.xattr.origin, origin.as_bytes(), 0) {
+            // user.* xattrs cannot sit on symlinks or devices: their inode number then changes
+            // on copy-up. Anything else is a real failure.
+            if lattr.is_reg() || lattr.is_dir() {
+                return Err(e);
+            }
+        }
+        sys::chown_at(work, tmp, Some(lattr.uid), Some(lattr.gid))?;
+        if !lattr.is_symlink() {
+            sys::chmod_at(work, tmp, lattr.mode)?;
+        }
+        sys::utimens_at(
+            work,
+            tmp,
+            Time::At(lattr.atime.0, lattr.atime.1),
+            Time::At(lattr.mtime.0, lattr.mtime.1),
+        )?;
+        Ok(())
+    }
+
+    /// Copies the xattrs of a lower object that belong to the file, not to an overlay.
+    fn copy_xattrs(&self, sdir: BorrowedFd<'_>, sname: &OsStr, ddir: BorrowedFd<'_>, dname: &OsStr) -> Result<()> {
+        for key in sys::list_xattr(sdir, Some(sname))? {
+            if is_internal_xattr(key.as_encoded_bytes()) {
+                continue;
+            }
+            let Ok(value) = sys::get_xattr_raw(sdir, Some(sname), &key) else { continue };
+            match sys::set_xattr(ddir, Some(dname), &key, &value, 0) {
+                Ok(()) => {}
+                // security.* labels the upper file system will not take are not file content.
+                Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) || e.is(libc::EACCES) => {
+                    log::debug!("xattr {key:?} not copied up: {e}");
+                }
+                Err(e) => return Err(Error::with_context(e.errno(), format!("copying xattr {key:?}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies `len` bytes, for upper file systems without sparse files only.
+fn copy_all(src: BorrowedFd<'_>, dst: BorrowedFd<'_>, len: u64) -> Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0;
+    while off < len {
+        let n = sys::pread_full(src, &mut buf, off)?;
+        if n == 0 {
+            break;
+        }
+        sys::pwrite_full(dst, &buf[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
+}

@@ -1,0 +1,223 @@
+//! The command: parse options, check the layers, mount, serve until unmounted.
+//!
+//! Without `-f` the command forks once before any thread exists; the parent waits until the
+//! child reports the mount live (or why it failed) and exits 0 only then, which is what
+//! containers/storage and mount(8) wait for.
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use crate::fuse::MosaicFs;
+use crate::layers::LayerStack;
+use crate::options::{self, Command, Options};
+use crate::overlay::{Config, Overlay};
+
+struct StderrLogger {
+    level: log::LevelFilter,
+}
+
+impl log::Log for StderrLogger {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.level() <= self.level
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) && r.target().starts_with("mosaicfs") {
+            eprintln!("mosaicfs: {}: {}", r.level().as_str().to_lowercase(), r.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
+fn init_log(debug: bool) {
+    let level = match std::env::var("MOSAICFS_LOG").ok().as_deref() {
+        Some("debug") => log::LevelFilter::Debug,
+        Some("info") => log::LevelFilter::Info,
+        _ if debug => log::LevelFilter::Debug,
+        _ => log::LevelFilter::Warn,
+    };
+    let _ = log::set_boxed_logger(Box::new(StderrLogger { level }));
+    log::set_max_level(level);
+}
+
+/// Arguments as mount(8) passes them to a `mount.fuse.mosaicfs` helper, reduced to ours.
+fn strip_mount_helper_flags(args: Vec<OsString>) -> Vec<OsString> {
+    let mut out = Vec::new();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        match a.to_str() {
+            Some("-n") | Some("-s") | Some("-v") | Some("-i") => {}
+            Some("-t") | Some("-N") => {
+                it.next();
+            }
+            _ => out.push(a),
+        }
+    }
+    out
+}
+
+pub fn main() -> i32 {
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let args = strip_mount_helper_flags(args);
+    let opts = match options::parse_args(args) {
+        Ok(Command::Help) => {
+            println!("{}", options::USAGE);
+            return 0;
+        }
+        Ok(Command::Version) => {
+            println!("mosaicfs version {}", env!("CARGO_PKG_VERSION"));
+            println!("fuse-overlayfs compatible; FUSE library: fuser 0.18");
+            return 0;
+        }
+        Ok(Command::Mount(o)) => o,
+        Err(e) => {
+            eprintln!("mosaicfs: {e}");
+            return 2;
+        }
+    };
+    init_log(opts.debug);
+    for w in &opts.warnings {
+        eprintln!("mosaicfs: warning: {w}");
+    }
+    match mount(*opts) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("mosaicfs: {e}");
+            1
+        }
+    }
+}
+
+fn check_mountpoint(opts: &Options) -> Result<(), String> {
+    match std::fs::metadata(&opts.mountpoint) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(format!("mount point '{}' is not a directory", opts.mountpoint.display())),
+        Err(e) => Err(format!(
+            "mount point '{}' cannot be used: {e}; create it first",
+            opts.mountpoint.display()
+        )),
+    }
+}
+
+fn mount(opts: Options) -> Result<(), String> {
+    check_mountpoint(&opts)?;
+    let layers = LayerStack::open(
+        &opts.lowerdirs,
+        opts.upperdir.as_deref(),
+        opts.workdir.as_deref(),
+        opts.read_only,
+    )?;
+    let overlay = Overlay::new(layers, Config::from_options(&opts))?;
+    if overlay.layers.work.is_some() && !overlay.sparse.sparse {
+        eprintln!(
+            "mosaicfs: warning: the upper file system does not report holes in sparse files; \
+             files are copied up whole (block-level copy-up needs ext4, xfs, btrfs or tmpfs)"
+        );
+    }
+    let overlay = Arc::new(overlay);
+
+    let mut notify: Option<OwnedFd> = None;
+    if !opts.foreground {
+        let (r, w) = rustix::pipe::pipe().map_err(|e| format!("pipe: {e}"))?;
+        match crate::sys::fork().map_err(|e| format!("fork: {e}"))? {
+            Some(_child) => {
+                drop(w);
+                return wait_for_child(r);
+            }
+            None => {
+                drop(r);
+                let _ = rustix::process::setsid();
+                notify = Some(w);
+            }
+        }
+    }
+    let result = serve(overlay, &opts, notify.as_ref());
+    if let (Err(e), Some(w)) = (&result, notify) {
+        let mut f = std::fs::File::from(w);
+        let _ = f.write_all(e.as_bytes());
+    }
+    result
+}
+
+fn wait_for_child(r: OwnedFd) -> Result<(), String> {
+    let mut f = std::fs::File::from(r);
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    match buf.as_slice() {
+        [0] => Ok(()),
+        [] => Err("the mount daemon exited before the mount was live".into()),
+        msg => Err(String::from_utf8_lossy(msg).into_owned()),
+    }
+}
+
+fn fuser_config(opts: &Options) -> fuser::Config {
+    use fuser::MountOption as M;
+    let mut mo = vec![
+        M::FSName(opts.fsname.clone()),
+        M::CUSTOM("subtype=mosaicfs".into()),
+    ];
+    if opts.default_permissions {
+        mo.push(M::DefaultPermissions);
+    }
+    mo.push(if opts.read_only { M::RO } else { M::RW });
+    mo.push(if opts.suid { M::Suid } else { M::NoSuid });
+    mo.push(if opts.dev { M::Dev } else { M::NoDev });
+    mo.push(if opts.exec { M::Exec } else { M::NoExec });
+    if opts.noatime {
+        mo.push(M::NoAtime);
+    }
+    if opts.sync {
+        mo.push(M::Sync);
+    }
+    if opts.dirsync {
+        mo.push(M::DirSync);
+    }
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options = mo;
+    cfg.acl = if opts.allow_other && rustix::process::geteuid().is_root() {
+        fuser::SessionACL::All
+    } else {
+        fuser::SessionACL::Owner
+    };
+    cfg.n_threads = Some(opts.threads);
+    cfg.clone_fd = true;
+    cfg
+}
+
+fn serve(overlay: Arc<Overlay>, opts: &Options, notify: Option<&OwnedFd>) -> Result<(), String> {
+    let fs = MosaicFs {
+        core: overlay,
+        max_write: opts.max_write,
+    };
+    let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts))
+        .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
+    spawn_signal_handler(opts.mountpoint.clone());
+    if let Some(w) = notify {
+        let mut f = std::fs::File::from(w.try_clone().map_err(|e| e.to_string())?);
+        let _ = f.write_all(&[0]);
+        detach_stdio();
+    }
+    session.run().map_err(|e| format!("FUSE session ended: {e}"))
+}
+
+/// SIGTERM, SIGINT and SIGHUP unmount (lazily), which ends the session cleanly.
+fn spawn_signal_handler(mountpoint: std::path::PathBuf) {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]) else {
+        return;
+    };
+    std::thread::spawn(move || {
+        if signals.forever().next().is_some() {
+            let _ = rustix::mount::unmount(&mountpoint, rustix::mount::UnmountFlags::DETACH);
+        }
+    });
+}
+
+fn detach_stdio() {
+    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+        let _ = rustix::stdio::dup2_stdin(&null);
+        let _ = rustix::stdio::dup2_stdout(&null);
+        let _ = rustix::stdio::dup2_stderr(&null);
+    }
+}

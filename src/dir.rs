@@ -1,0 +1,483 @@
+//! Namespace changes: create, mkdir, mknod, symlink, link, unlink, rmdir, rename.
+//!
+//! A name that a lower layer still has is removed from the merged view with a whiteout. A new
+//! object that takes the place of a whiteout replaces it with one rename, built in the work
+//! directory; a directory made there is opaque, so the deleted lower directory stays hidden.
+//! Renaming a directory that has lower parts records a redirect to its lower path (as kernel
+//! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
+
+use crate::copy_up::temp_name;
+use crate::error::{Result, errno};
+use crate::inode::{Found, Ino, Node};
+use crate::layers::{UPPER, is_reserved_name, remove_tree, wh_name};
+use crate::namei::{Entry, check_name};
+use crate::overlay::{Caller, DirView, Overlay};
+use crate::sys::{self, Attr};
+
+/// What is in the upper directory at a name the merged view does not show.
+enum Shadow {
+    Nothing,
+    /// A whiteout object at the name itself (char 0/0 or an xattr-marked file).
+    Whiteout,
+    /// A `.wh.NAME` file beside it.
+    WhFile,
+}
+
+impl Overlay {
+    fn check_new_name(&self, name: &OsStr) -> Result<()> {
+        check_name(name)?;
+        if is_reserved_name(name) {
+            return Err(errno(libc::EINVAL));
+        }
+        Ok(())
+    }
+
+    fn shadow(&self, udir: BorrowedFd<'_>, name: &OsStr) -> Result<Shadow> {
+        if sys::stat_opt(udir, name)?.is_some() {
+            return Ok(Shadow::Whiteout);
+        }
+        if self.layers.has_wh_file(udir, name)? {
+            return Ok(Shadow::WhFile);
+        }
+        Ok(Shadow::Nothing)
+    }
+
+    /// The upper directory of `parent`, copied up if needed.
+    fn upper_dir(&self, parent: &Node) -> Result<OwnedFd> {
+        self.copy_up(parent)?;
+        self.layers.dir(UPPER, &self.upper_path(parent.ino)?)
+    }
+
+    /// Creates a new object `name` in `parent` with `make`, owned by the caller.
+    fn create_object(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        caller: &Caller,
+        make: impl Fn(BorrowedFd<'_>, &OsStr) -> Result<()>,
+    ) -> Result<(Arc<Node>, Attr)> {
+        self.check_writable()?;
+        self.check_new_name(name)?;
+        let pnode = self.node(parent)?;
+        let view = self.dir_view(&pnode)?;
+        if self.resolve(&view, name)?.is_some() {
+            return Err(errno(libc::EEXIST));
+        }
+        let udir = self.upper_dir(&pnode)?;
+        let udir = udir.as_fd();
+        let pattr = sys::fstat(udir)?;
+        crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
+        let shadow = self.shadow(udir, name)?;
+        let (target_dir, target) = match shadow {
+            Shadow::Nothing => (udir, name.to_os_string()),
+            _ => (self.layers.work()?, temp_name("create")),
+        };
+        make(target_dir, &target)?;
+        let finish = || -> Result<()> {
+            self.own_new(target_dir, &target, caller, &pattr)?;
+            match shadow {
+                Shadow::Nothing => Ok(()),
+                Shadow::Whiteout => self.replace_whiteout(target_dir, &target, udir, name),
+                Shadow::WhFile => {
+                    self.mark_opaque_if_dir(target_dir, &target)?;
+                    sys::rename_at(target_dir, &target, udir, name, RenameFlags::NOREPLACE)?;
+                    rustix::fs::unlinkat(udir, wh_name(name).as_os_str(), AtFlags::empty())?;
+                    Ok(())
+                }
+            }
+        };
+        if let Err(e) = finish() {
+            let _ = remove_tree(target_dir, &target);
+            return Err(e);
+        }
+        let attr = sys::stat_at(udir, name)?;
+        let found = Found {
+            ino: self.map_ino(UPPER, attr.ino),
+            kind: attr.file_type(),
+            upper: true,
+            lower: None,
+        };
+        let node = self.inodes.remember(parent, name, &found);
+        let attr = self.present(&node, attr);
+        Ok((node, attr))
+    }
+
+    /// Gives a new object its owner: the caller, with the group of a setgid parent.
+    fn own_new(&self, dir: BorrowedFd<'_>, name: &OsStr, caller: &Caller, parent: &Attr) -> Result<()> {
+        let before = sys::stat_at(dir, name)?;
+        let gid = if parent.mode & libc::S_ISGID != 0 {
+            parent.gid
+        } else {
+            self.config.gid_map.to_outside(caller.gid)
+        };
+        let uid = self.config.uid_map.to_outside(caller.uid);
+        if before.uid != uid || before.gid != gid {
+            sys::chown_at(dir, name, Some(uid), Some(gid))?;
+            // chown clears set-id bits of non-directories; the creator asked for them.
+            if !before.is_dir() && !before.is_symlink() && before.mode & 0o6000 != 0 {
+                let mut mode = before.mode;
+                if parent.mode & libc::S_ISGID == 0 && caller.uid != 0 && gid != self.config.gid_map.to_outside(caller.gid) {
+                    mode &= !libc::S_ISGID;
+                }
+                sys::chmod_at(dir, name, mode)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn mark_opaque_if_dir(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        if sys::stat_at(dir, name)?.is_dir() {
+            self.layers.make_opaque(dir, name)?;
+        }
+        Ok(())
+    }
+
+    /// Moves the new object `tmp` (in the work dir) over the whiteout `name` in `udir`.
+    fn replace_whiteout(&self, work: BorrowedFd<'_>, tmp: &OsStr, udir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        if sys::stat_at(work, tmp)?.is_dir() {
+            // A directory cannot replace a non-directory by rename: exchange, then drop the
+            // whiteout. It is opaque: the lower directory it replaces was deleted.
+            self.layers.make_opaque(work, tmp)?;
+            sys::rename_at(work, tmp, udir, name, RenameFlags::EXCHANGE)?;
+            remove_tree(work, tmp)
+        } else {
+            sys::rename_at(work, tmp, udir, name, RenameFlags::empty())
+        }
+    }
+
+    pub fn mkdir(&self, parent: Ino, name: &OsStr, mode: u32, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
+        self.create_object(parent, name, caller, |dir, n| {
+            Ok(rustix::fs::mkdirat(dir, n, Mode::from_raw_mode(mode & 0o7777))?)
+        })
+    }
+
+    pub fn mknod(&self, parent: Ino, name: &OsStr, mode: u32, rdev: u64, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
+        let kind = mode & libc::S_IFMT;
+        if kind == libc::S_IFCHR && rdev == 0 {
+            // A char device 0/0 is a whiteout in every overlay format.
+            return Err(errno(libc::EPERM));
+        }
+        self.create_object(parent, name, caller, |dir, n| {
+            if kind == libc::S_IFREG || kind == 0 {
+                let fd = rustix::fs::openat(
+                    dir,
+                    n,
+                    OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(mode & 0o7777),
+                )?;
+                drop(fd);
+                Ok(())
+            } else {
+                sys::mknod_at(dir, n, mode, rdev)
+            }
+        })
+    }
+
+    pub fn symlink(&self, parent: Ino, name: &OsStr, target: &Path, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
+        self.create_object(parent, name, caller, |dir, n| Ok(rustix::fs::symlinkat(target, dir, n)?))
+    }
+
+    /// create(2): makes the file and opens it. An existing file is opened unless `O_EXCL`.
+    pub fn create(&self, parent: Ino, name: &OsStr, mode: u32, flags: i32, caller: &Caller) -> Result<(Arc<Node>, Attr, u64)> {
+        let made = self.create_object(parent, name, caller, |dir, n| {
+            let fd = rustix::fs::openat(
+                dir,
+                n,
+                OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
+                Mode::from_raw_mode(mode & 0o7777),
+            )?;
+            drop(fd);
+            Ok(())
+        });
+        let (node, attr) = match made {
+            Ok(v) => v,
+            Err(e) if e.is(libc::EEXIST) && flags & libc::O_EXCL == 0 => self.lookup(parent, name)?,
+            Err(e) => return Err(e),
+        };
+        if node.kind() == libc::S_IFDIR {
+            return Err(errno(libc::EISDIR));
+        }
+        let fh = self.open(node.ino, flags)?;
+        Ok((node, attr, fh))
+    }
+
+    pub fn link(&self, ino: Ino, newparent: Ino, newname: &OsStr) -> Result<(Arc<Node>, Attr)> {
+        self.check_writable()?;
+        self.check_new_name(newname)?;
+        let node = self.node(ino)?;
+        if node.is_dir() {
+            return Err(errno(libc::EPERM));
+        }
+        let pnode = self.node(newparent)?;
+        let view = self.dir_view(&pnode)?;
+        if self.resolve(&view, newname)?.is_some() {
+            return Err(errno(libc::EEXIST));
+        }
+        self.copy_up(&node)?;
+        let udir = self.upper_dir(&pnode)?;
+        let udir = udir.as_fd();
+        let src = self.upper_path(ino)?;
+        let (sdir, sname) = self.parent_of(UPPER, &src)?;
+        match self.shadow(udir, newname)? {
+            Shadow::Nothing => rustix::fs::linkat(sdir.as_fd(), sname, udir, newname, AtFlags::empty())?,
+            shadow => {
+                let work = self.layers.work()?;
+                let tmp = temp_name("link");
+                rustix::fs::linkat(sdir.as_fd(), sname, work, &tmp, AtFlags::empty())?;
+                sys::rename_at(work, &tmp, udir, newname, RenameFlags::empty())?;
+                if matches!(shadow, Shadow::WhFile) {
+                    rustix::fs::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
+                }
+            }
+        }
+        let found = {
+            let st = node.state();
+            Found {
+                ino,
+                kind: st.kind,
+                upper: true,
+                lower: st.lower.clone(),
+            }
+        };
+        let node = self.inodes.remember(newparent, newname, &found);
+        let attr = self.stat_layer(&node)?;
+        Ok((node.clone(), self.present(&node, attr)))
+    }
+
+    /// Removes `name` from the upper directory of `parent`, leaving a whiteout when a lower
+    /// layer still has it. `entry` is what the name resolved to.
+    fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
+        let needs_whiteout = self.lower_has(pnode, name)?;
+        let udir = self.upper_dir(pnode)?;
+        let udir = udir.as_fd();
+        let work = self.layers.work()?;
+        if !entry.found.upper {
+            return self.layers.make_whiteout(udir, name);
+        }
+        let tmp = temp_name("remove");
+        if needs_whiteout && self.layers.whiteout_chardev {
+            // One atomic step: the whiteout takes the object's place, the object goes to work.
+            sys::mknod_at(work, &tmp, libc::S_IFCHR, 0)?;
+            let flags = if entry.attr.is_dir() { RenameFlags::EXCHANGE } else { RenameFlags::empty() };
+            if let Err(e) = sys::rename_at(work, &tmp, udir, name, flags) {
+                let _ = rustix::fs::unlinkat(work, &tmp, AtFlags::empty());
+                return Err(e);
+            }
+            return remove_tree(work, &tmp);
+        }
+        sys::rename_at(udir, name, work, &tmp, RenameFlags::NOREPLACE)?;
+        if needs_whiteout {
+            self.layers.make_whiteout(udir, name)?;
+        }
+        remove_tree(work, &tmp)
+    }
+
+    fn forget_name(&self, ino: Ino, parent: Ino, name: &OsStr) {
+        if let Some(node) = self.inodes.get(ino) {
+            let mut st = node.state();
+            st.links.retain(|(p, n)| !(*p == parent && n == name));
+            if st.links.is_empty() {
+                st.unlinked = true;
+            }
+        }
+    }
+
+    pub fn unlink(&self, parent: Ino, name: &OsStr) -> Result<()> {
+        self.check_writable()?;
+        check_name(name)?;
+        let pnode = self.node(parent)?;
+        let view = self.dir_view(&pnode)?;
+        let entry = self.resolve(&view, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        if entry.attr.is_dir() {
+            return Err(errno(libc::EISDIR));
+        }
+        self.remove_entry(&pnode, name, &entry)?;
+        self.forget_name(entry.found.ino, parent, name);
+        Ok(())
+    }
+
+    fn entry_view(&self, parent: &Node, name: &OsStr, entry: &Entry) -> Result<DirView> {
+        Ok(DirView {
+            upper: if entry.found.upper { Some(self.upper_path(parent.ino)?.join(name)) } else { None },
+            lower: entry.found.lower.clone(),
+        })
+    }
+
+    fn check_empty_dir(&self, parent: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
+        if !self.list_view(&self.entry_view(parent, name, entry)?)?.is_empty() {
+            return Err(errno(libc::ENOTEMPTY));
+        }
+        Ok(())
+    }
+
+    pub fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<()> {
+        self.check_writable()?;
+        check_name(name)?;
+        if name == "." {
+            return Err(errno(libc::EINVAL));
+        }
+        let pnode = self.node(parent)?;
+        let view = self.dir_view(&pnode)?;
+        let entry = self.resolve(&view, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        if !entry.attr.is_dir() {
+            return Err(errno(libc::ENOTDIR));
+        }
+        self.check_empty_dir(&pnode, name, &entry)?;
+        self.remove_entry(&pnode, name, &entry)?;
+        self.forget_name(entry.found.ino, parent, name);
+        Ok(())
+    }
+
+    /// Records where a directory's lower part is, before the directory moves away from it.
+    fn set_redirect(&self, node: &Node) -> Result<()> {
+        let Some(lower) = node.state().lower.clone() else { return Ok(()) };
+        let path = self.upper_path(node.ino)?;
+        let (dir, name) = self.parent_of(UPPER, &path)?;
+        let mut target = b"/".to_vec();
+        target.extend_from_slice(lower.path.as_os_str().as_bytes());
+        sys::set_xattr(dir.as_fd(), Some(name), &self.layers.xattr.redirect, &target, 0)
+    }
+
+    fn node_for(&self, parent: Ino, name: &OsStr, entry: &Entry) -> Arc<Node> {
+        match self.inodes.get(entry.found.ino) {
+            Some(n) => n,
+            None => {
+                // The kernel knows every name it renames; this is only reached in races.
+                let n = self.inodes.remember(parent, name, &entry.found);
+                self.inodes.forget(n.ino, 1);
+                n
+            }
+        }
+    }
+
+    pub fn rename(&self, parent: Ino, name: &OsStr, newparent: Ino, newname: &OsStr, flags: u32) -> Result<()> {
+        self.check_writable()?;
+        check_name(name)?;
+        self.check_new_name(newname)?;
+        let exchange = flags & libc::RENAME_EXCHANGE != 0;
+        let noreplace = flags & libc::RENAME_NOREPLACE != 0;
+        if flags & !(libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) != 0 || (exchange && noreplace) {
+            return Err(errno(libc::EINVAL));
+        }
+        let pnode = self.node(parent)?;
+        let npnode = self.node(newparent)?;
+        let src = self.resolve(&self.dir_view(&pnode)?, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        let dst = self.resolve(&self.dir_view(&npnode)?, newname)?;
+        match (&dst, exchange) {
+            (Some(_), false) if noreplace => return Err(errno(libc::EEXIST)),
+            (None, true) => return Err(errno(libc::ENOENT)),
+            _ => {}
+        }
+        if let Some(d) = &dst {
+            if d.found.ino == src.found.ino && !exchange {
+                return Ok(()); // two names of one file: rename does nothing
+            }
+            if !exchange {
+                match (src.attr.is_dir(), d.attr.is_dir()) {
+                    (true, false) => return Err(errno(libc::ENOTDIR)),
+                    (false, true) => return Err(errno(libc::EISDIR)),
+                    (true, true) => self.check_empty_dir(&npnode, newname, d)?,
+                    _ => {}
+                }
+            }
+        }
+        let snode = self.node_for(parent, name, &src);
+        let dnode = dst.as_ref().map(|d| self.node_for(newparent, newname, d));
+        let src_needs_whiteout = !exchange && self.lower_has(&pnode, name)?;
+        self.copy_up(&snode)?;
+        if snode.is_dir() {
+            self.set_redirect(&snode)?;
+        }
+        if let (Some(d), true) = (&dnode, exchange) {
+            self.copy_up(d)?;
+            if d.is_dir() {
+                self.set_redirect(d)?;
+            }
+        }
+        let sdir = self.layers.dir(UPPER, &self.upper_path(parent)?)?;
+        let ddir = self.upper_dir(&npnode)?;
+        let (sdir, ddir) = (sdir.as_fd(), ddir.as_fd());
+        // A directory without lower parts that lands on a name a lower layer has must hide it.
+        let opaque_src = snode.is_dir() && snode.state().lower.is_none() && self.lower_has(&npnode, newname)?;
+        if opaque_src {
+            self.layers.make_opaque(sdir, name)?;
+        }
+        if let (Some(d), true) = (&dnode, exchange) {
+            if d.is_dir() && d.state().lower.is_none() && self.lower_has(&pnode, name)? {
+                self.layers.make_opaque(ddir, newname)?;
+            }
+        }
+        let mut wh_file_after = false;
+        if !exchange {
+            match self.shadow(ddir, newname)? {
+                Shadow::Whiteout if dst.as_ref().is_none_or(|d| !d.found.upper) => {
+                    if src.attr.is_dir() {
+                        // rename(2) will not put a directory over a whiteout device.
+                        rustix::fs::unlinkat(ddir, newname, AtFlags::empty())?;
+                    }
+                }
+                Shadow::WhFile => wh_file_after = true,
+                _ => {}
+            }
+            if let Some(d) = &dst {
+                if d.found.upper && d.attr.is_dir() {
+                    // The merged view says it is empty; the upper part may still hold whiteouts.
+                    let dsub = self.layers.dir(UPPER, &self.upper_path(newparent)?.join(newname))?;
+                    for e in sys::read_dir(ddir, Path::new(newname))? {
+                        remove_tree(dsub.as_fd(), &e.name)?;
+                    }
+                }
+            }
+        }
+        let mut rflags = RenameFlags::empty();
+        if exchange {
+            rflags |= RenameFlags::EXCHANGE;
+        }
+        if noreplace {
+            rflags |= RenameFlags::NOREPLACE;
+        }
+        if src_needs_whiteout && self.layers.whiteout_chardev {
+            match sys::rename_at(sdir, name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
+                Ok(()) => {}
+                Err(e) if e.is(libc::EINVAL) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {
+                    sys::rename_at(sdir, name, ddir, newname, rflags)?;
+                    self.layers.make_whiteout(sdir, name)?;
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            sys::rename_at(sdir, name, ddir, newname, rflags)?;
+            if src_needs_whiteout {
+                self.layers.make_whiteout(sdir, name)?;
+            }
+        }
+        if wh_file_after {
+            let _ = rustix::fs::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
+        }
+        self.move_name(&snode, (parent, name), (newparent, newname));
+        if let Some(d) = dnode {
+            if exchange {
+                self.move_name(&d, (newparent, newname), (parent, name));
+            } else {
+                self.forget_name(d.ino, newparent, newname);
+            }
+        }
+        Ok(())
+    }
+
+    fn move_name(&self, node: &Node, from: (Ino, &OsStr), to: (Ino, &OsStr)) {
+        let mut st = node.state();
+        st.links.retain(|(p, n)| !(*p == from.0 && n == from.1));
+        st.links.retain(|(p, n)| !(*p == to.0 && n == to.1));
+        st.links.insert(0, (to.0, OsString::from(to.1)));
+        st.upper = true;
+    }
+}

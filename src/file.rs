@@ -1,0 +1,489 @@
+//! File data: open files, reads, writes, truncation and preallocation, partial files included.
+//!
+//! All handles open on one inode share one `OpenFile`, so a reader that opened a lower file
+//! read-only sees the bytes another handle writes after copy-up (the bug old kernel overlayfs
+//! had). An `OpenFile` is in one of three states: `Lower` (untouched lower file), `Partial` (some
+//! blocks in the upper layer, see partial.rs), `Upper` (a complete upper file). Its `RwLock` is
+//! the per-file lock: reads share it, writes and size changes take it exclusively.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use rustix::fs::{FallocateFlags, OFlags};
+
+use crate::error::{Error, Result, errno};
+use crate::handles::HandleMap;
+use crate::inode::{Ino, Node};
+use crate::layers::UPPER;
+use crate::overlay::Overlay;
+use crate::partial::{BlockMap, PartialMark};
+use crate::sys::{self, Attr};
+
+pub enum FileData {
+    Lower(OwnedFd),
+    Partial(PartialFile),
+    Upper(OwnedFd),
+}
+
+pub struct OpenFile {
+    pub ino: Ino,
+    data: RwLock<FileData>,
+}
+
+/// An open partial file: the upper sparse file, the lower file it patches, and its block map.
+pub struct PartialFile {
+    pub upper: OwnedFd,
+    pub lower: OwnedFd,
+    pub mark: PartialMark,
+    pub blocks: BlockMap,
+    pub size: u64,
+    pub block: u64,
+}
+
+pub struct Handle {
+    pub file: Arc<OpenFile>,
+    pub node: Arc<Node>,
+    pub append: bool,
+    pub writable: bool,
+}
+
+pub type HandleTable = HandleMap<Handle>;
+
+impl OpenFile {
+    fn read_data(&self) -> RwLockReadGuard<'_, FileData> {
+        self.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_data(&self) -> RwLockWriteGuard<'_, FileData> {
+        self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `stat` of the upper file, when this file has one.
+    pub fn fstat(&self) -> Result<Option<Attr>> {
+        match &*self.read_data() {
+            FileData::Lower(_) => Ok(None),
+            FileData::Partial(p) => Ok(Some(sys::fstat(p.upper.as_fd())?)),
+            FileData::Upper(fd) => Ok(Some(sys::fstat(fd.as_fd())?)),
+        }
+    }
+
+    pub fn is_lower(&self) -> bool {
+        matches!(&*self.read_data(), FileData::Lower(_))
+    }
+
+    /// Blocks present and blocks in all, for a partial file.
+    pub fn partial_blocks(&self) -> Option<(u64, u64)> {
+        match &*self.read_data() {
+            FileData::Partial(p) => Some((p.blocks.block_count(), p.size.div_ceil(p.block))),
+            _ => None,
+        }
+    }
+}
+
+impl PartialFile {
+    /// Reads `len` bytes at `off`, block by block from the upper file or the lower file.
+    pub fn read(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        let end = (off + len as u64).min(self.size);
+        if off >= end {
+            return Ok(Vec::new());
+        }
+        let mut buf = vec![0u8; (end - off) as usize];
+        let bs = self.block;
+        let mut cursor = off;
+        for (s, e) in self.blocks.present_in(off / bs, end.div_ceil(bs)) {
+            let (ps, pe) = ((s * bs).max(off), (e * bs).min(end));
+            self.read_absent(&mut buf, off, cursor, ps)?;
+            sys::pread_full(self.upper.as_fd(), &mut buf[(ps - off) as usize..(pe - off) as usize], ps)?;
+            cursor = pe;
+        }
+        self.read_absent(&mut buf, off, cursor, end)?;
+        Ok(buf)
+    }
+
+    /// Fills `buf[a-base..b-base]`, a range with no upper block, from the lower file below
+    /// `valid` (the buffer is zero past it).
+    fn read_absent(&self, buf: &mut [u8], base: u64, a: u64, b: u64) -> Result<()> {
+        let b = b.min(self.mark.valid);
+        if a < b {
+            sys::pread_full(self.lower.as_fd(), &mut buf[(a - base) as usize..(b - base) as usize], a)?;
+        }
+        Ok(())
+    }
+
+    fn needs_fill(&self, blk: u64) -> bool {
+        blk * self.block < self.mark.valid && !self.blocks.contains(blk)
+    }
+
+    /// Writes `data` at `off`. An edge block not yet present is completed from the lower file
+    /// first, so the upper file only ever receives whole, final blocks below `valid`.
+    pub fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let bs = self.block;
+        let end = off + data.len() as u64;
+        let new_size = self.size.max(end);
+        let head = off / bs;
+        let tail = (end - 1) / bs;
+        let mut start = off;
+        let mut prefix = Vec::new();
+        let mut suffix = Vec::new();
+        if off % bs != 0 && self.needs_fill(head) {
+            start = head * bs;
+            prefix = self.read(start, (off - start) as usize)?;
+            prefix.resize((off - start) as usize, 0);
+        }
+        if end % bs != 0 && self.needs_fill(tail) {
+            let block_end = ((tail + 1) * bs).min(new_size);
+            if block_end > end {
+                suffix = self.read(end, (block_end - end) as usize)?;
+                suffix.resize((block_end - end) as usize, 0);
+            }
+        }
+        if prefix.is_empty() && suffix.is_empty() {
+            sys::pwrite_full(self.upper.as_fd(), data, off)?;
+        } else {
+            let mut whole = Vec::with_capacity(prefix.len() + data.len() + suffix.len());
+            whole.extend_from_slice(&prefix);
+            whole.extend_from_slice(data);
+            whole.extend_from_slice(&suffix);
+            sys::pwrite_full(self.upper.as_fd(), &whole, start)?;
+        }
+        let written_end = end + suffix.len() as u64;
+        self.blocks.insert(start / bs, written_end.div_ceil(bs));
+        self.size = new_size;
+        Ok(())
+    }
+
+    fn save_mark(&self, names: &crate::layers::XattrNames) -> Result<()> {
+        rustix::fs::fsetxattr(
+            &self.upper,
+            names.partial.as_str(),
+            &self.mark.encode(),
+            rustix::fs::XattrFlags::empty(),
+        )?;
+        Ok(())
+    }
+
+    /// Changes the size. Shrinking below `valid` shortens the valid lower prefix, so that bytes
+    /// past the new end read as zeros if the file grows again. Returns true when the file no
+    /// longer needs its lower file (nothing of it is valid any more).
+    pub fn set_size(&mut self, new: u64, names: &crate::layers::XattrNames) -> Result<bool> {
+        // Order: the size first, then the mark. A crash between leaves a mark whose `valid` is
+        // larger than the file, which only matters if the file is later extended.
+        rustix::fs::ftruncate(&self.upper, new)?;
+        if new < self.size {
+            self.blocks.truncate(new.div_ceil(self.block));
+        }
+        self.size = new;
+        if new < self.mark.valid {
+            self.mark.valid = new;
+            if new == 0 {
+                rustix::fs::fremovexattr(&self.upper, names.partial.as_str())?;
+                return Ok(true);
+            }
+            self.save_mark(names)?;
+        }
+        Ok(false)
+    }
+
+    /// fallocate on a partial file, translated so that a hole below `valid` is never created
+    /// where data must read as zeros, and no block below `valid` is allocated without its data.
+    pub fn fallocate(&mut self, off: u64, len: u64, mode: FallocateFlags, names: &crate::layers::XattrNames) -> Result<()> {
+        let end = off.checked_add(len).ok_or_else(|| errno(libc::EFBIG))?;
+        let keep = mode.contains(FallocateFlags::KEEP_SIZE);
+        let bs = self.block;
+        if mode.intersects(FallocateFlags::COLLAPSE_RANGE | FallocateFlags::INSERT_RANGE | FallocateFlags::UNSHARE_RANGE) {
+            return Err(errno(libc::EOPNOTSUPP));
+        }
+        if mode.intersects(FallocateFlags::PUNCH_HOLE | FallocateFlags::ZERO_RANGE) {
+            if mode.contains(FallocateFlags::PUNCH_HOLE) && !keep {
+                return Err(errno(libc::EINVAL));
+            }
+            let old_size = self.size;
+            let zero_end = end.min(self.mark.valid).min(old_size);
+            if off < self.mark.valid && end >= old_size {
+                // Everything from `off` to the end reads as zeros now: shorten the valid prefix.
+                self.mark.valid = off;
+                self.save_mark(names)?;
+            } else if off < zero_end {
+                // Below `valid` a hole would read the lower file: write real zeros there.
+                let zeros = vec![0u8; (bs as usize * 64).min((zero_end - off) as usize)];
+                let mut pos = off;
+                while pos < zero_end {
+                    let n = zeros.len().min((zero_end - pos) as usize);
+                    self.write(pos, &zeros[..n])?;
+                    pos += n as u64;
+                }
+            }
+            let from = off.max(self.mark.valid);
+            if from < end {
+                rustix::fs::fallocate(&self.upper, mode, from, end - from)?;
+            }
+            if !keep && end > self.size {
+                self.size = end;
+            }
+            self.size = sys::fstat(self.upper.as_fd())?.size;
+            self.blocks = BlockMap::from_file(self.upper.as_fd(), self.size, bs)?;
+            return Ok(());
+        }
+        // Plain allocation: blocks below `valid` get their data first, so none is an empty
+        // allocated block that would hide the lower data.
+        let fill_end = end.min(self.mark.valid);
+        let mut blk = off / bs;
+        while blk * bs < fill_end {
+            if self.needs_fill(blk) {
+                let bstart = blk * bs;
+                let bend = ((blk + 1) * bs).min(self.size);
+                let data = self.read(bstart, (bend - bstart) as usize)?;
+                sys::pwrite_full(self.upper.as_fd(), &data, bstart)?;
+                self.blocks.insert(blk, blk + 1);
+            }
+            blk += 1;
+        }
+        rustix::fs::fallocate(&self.upper, mode, off, len)?;
+        if !keep && end > self.size {
+            self.size = end;
+        }
+        self.blocks = BlockMap::from_file(self.upper.as_fd(), self.size, bs)?;
+        Ok(())
+    }
+}
+
+impl Overlay {
+    /// Opens the data of `node` in its current state.
+    fn open_data(&self, node: &Node) -> Result<FileData> {
+        let (upper, lower) = {
+            let st = node.state();
+            if st.kind != libc::S_IFREG {
+                return Err(errno(libc::EINVAL));
+            }
+            (st.upper, st.lower.clone())
+        };
+        if !upper {
+            let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
+            let fd = sys::open_beneath(self.layers.root(lower.top()), &lower.path, OFlags::RDONLY, 0)?;
+            return Ok(FileData::Lower(fd));
+        }
+        let path = self.upper_path(node.ino)?;
+        let fd = if self.config.read_only {
+            sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDONLY, 0)?
+        } else {
+            sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDWR, 0)?
+        };
+        let mut buf = vec![0u8; 4096];
+        let raw = match rustix::fs::fgetxattr(&fd, self.layers.xattr.partial.as_str(), &mut buf[..]) {
+            Ok(n) => &buf[..n],
+            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => return Ok(FileData::Upper(fd)),
+            Err(e) => return Err(e.into()),
+        };
+        let mark = PartialMark::decode(raw).map_err(|why| {
+            let msg = format!("damaged {} xattr on upper file '{}': {why}", self.layers.xattr.partial, path.display());
+            log::error!("{msg}");
+            Error::with_context(libc::EIO, msg)
+        })?;
+        let lower = self.open_partial_lower(&mark, &path)?;
+        let attr = sys::fstat(fd.as_fd())?;
+        let blocks = BlockMap::from_file(fd.as_fd(), attr.size, self.sparse.block)?;
+        Ok(FileData::Partial(PartialFile {
+            upper: fd,
+            lower,
+            mark,
+            blocks,
+            size: attr.size,
+            block: self.sparse.block,
+        }))
+    }
+
+    /// Opens the lower file a partial file patches, refusing one that changed since.
+    fn open_partial_lower(&self, mark: &PartialMark, upper: &std::path::Path) -> Result<OwnedFd> {
+        let refuse = |why: String| {
+            let msg = format!(
+                "partial file '{}' cannot be read: its lower file '{}' in layer {} {why}; \
+                 restore that layer or remove the upper file",
+                upper.display(),
+                mark.path.display(),
+                mark.layer
+            );
+            log::error!("{msg}");
+            Error::with_context(libc::EIO, msg)
+        };
+        if mark.layer as usize > self.layers.lower_count() {
+            return Err(refuse("is not in this mount".into()));
+        }
+        let fd = sys::open_beneath(self.layers.root(mark.layer), &mark.path, OFlags::RDONLY, 0)
+            .map_err(|e| refuse(format!("cannot be opened ({e})")))?;
+        let attr = sys::fstat(fd.as_fd())?;
+        if !mark.matches(&attr) {
+            return Err(refuse("changed since the partial file was made (size or mtime differ)".into()));
+        }
+        Ok(fd)
+    }
+
+    /// The shared open state of `node`, opened if no handle has it yet.
+    pub fn open_file(&self, node: &Arc<Node>) -> Result<Arc<OpenFile>> {
+        if let Some(f) = node.state().open.upgrade() {
+            return Ok(f);
+        }
+        let data = self.open_data(node)?;
+        let mut st = node.state();
+        if let Some(f) = st.open.upgrade() {
+            return Ok(f);
+        }
+        let f = Arc::new(OpenFile {
+            ino: node.ino,
+            data: RwLock::new(data),
+        });
+        st.open = Arc::downgrade(&f);
+        Ok(f)
+    }
+
+    /// After `node` was copied up, moves its open state (if any) to the upper file.
+    pub fn refresh_open(&self, node: &Node) -> Result<()> {
+        let Some(f) = node.state().open.upgrade() else { return Ok(()) };
+        let mut data = f.write_data();
+        if matches!(&*data, FileData::Lower(_)) {
+            *data = self.open_data(node)?;
+        }
+        Ok(())
+    }
+
+    pub fn open(&self, ino: Ino, flags: i32) -> Result<u64> {
+        let node = self.node(ino)?;
+        let acc = flags & libc::O_ACCMODE;
+        let writable = acc != libc::O_RDONLY;
+        if writable {
+            self.check_writable()?;
+        }
+        if node.kind() != libc::S_IFREG {
+            return Err(errno(libc::EINVAL));
+        }
+        let file = self.open_file(&node)?;
+        Ok(self.handles.insert(Handle {
+            file,
+            node,
+            append: flags & libc::O_APPEND != 0,
+            writable,
+        }))
+    }
+
+    pub fn release(&self, fh: u64) {
+        self.handles.remove(fh);
+    }
+
+    fn handle(&self, fh: u64) -> Result<Arc<Handle>> {
+        self.handles.get(fh).ok_or_else(|| errno(libc::EBADF))
+    }
+
+    pub fn read(&self, fh: u64, off: u64, size: u32) -> Result<Vec<u8>> {
+        let h = self.handle(fh)?;
+        let data = h.file.read_data();
+        match &*data {
+            FileData::Lower(fd) | FileData::Upper(fd) => {
+                let mut buf = vec![0u8; size as usize];
+                let n = sys::pread_full(fd.as_fd(), &mut buf, off)?;
+                buf.truncate(n);
+                Ok(buf)
+            }
+            FileData::Partial(p) => p.read(off, size as usize),
+        }
+    }
+
+    /// Makes the file behind `h` writable in the upper layer: a metadata-only copy-up.
+    fn ensure_upper(&self, node: &Node, file: &OpenFile) -> Result<()> {
+        if file.is_lower() {
+            self.copy_up(node)?;
+            self.refresh_open(node)?;
+        }
+        Ok(())
+    }
+
+    pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> Result<u32> {
+        let h = self.handle(fh)?;
+        self.check_writable()?;
+        self.ensure_upper(&h.node, &h.file)?;
+        let mut fd_data = h.file.write_data();
+        match &mut *fd_data {
+            FileData::Upper(fd) => {
+                let off = if h.append { sys::fstat(fd.as_fd())?.size } else { off };
+                sys::pwrite_full(fd.as_fd(), data, off)?;
+            }
+            FileData::Partial(p) => {
+                let off = if h.append { p.size } else { off };
+                p.write(off, data)?;
+            }
+            FileData::Lower(_) => return Err(Error::with_context(libc::EIO, "write to a file not copied up")),
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Sets the size of `node`, copying up as little as that needs.
+    pub fn truncate(&self, node: &Arc<Node>, size: u64) -> Result<()> {
+        self.check_writable()?;
+        if !node.state().upper {
+            self.copy_up_with(node, size == 0)?;
+        }
+        let file = self.open_file(node)?;
+        self.ensure_upper(node, &file)?;
+        let mut data = file.write_data();
+        match &mut *data {
+            FileData::Upper(fd) => rustix::fs::ftruncate(&*fd, size)?,
+            FileData::Partial(p) => {
+                if p.set_size(size, &self.layers.xattr)? {
+                    // Nothing of the lower file is valid any more: the file is complete.
+                    let upper = p.upper.try_clone()?;
+                    *data = FileData::Upper(upper);
+                }
+            }
+            FileData::Lower(_) => return Err(errno(libc::EIO)),
+        }
+        Ok(())
+    }
+
+    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> Result<()> {
+        let h = self.handle(fh)?;
+        self.check_writable()?;
+        let mode = FallocateFlags::from_bits(mode as _).ok_or_else(|| errno(libc::EOPNOTSUPP))?;
+        self.ensure_upper(&h.node, &h.file)?;
+        let mut data = h.file.write_data();
+        match &mut *data {
+            FileData::Upper(fd) => rustix::fs::fallocate(&*fd, mode, off, len)?,
+            FileData::Partial(p) => p.fallocate(off, len, mode, &self.layers.xattr)?,
+            FileData::Lower(_) => return Err(errno(libc::EIO)),
+        }
+        Ok(())
+    }
+
+    pub fn fsync(&self, fh: u64, datasync: bool) -> Result<()> {
+        if self.config.skip_fsync {
+            return Ok(());
+        }
+        let h = self.handle(fh)?;
+        let data = h.file.read_data();
+        let fd = match &*data {
+            FileData::Upper(fd) => fd,
+            FileData::Partial(p) => &p.upper,
+            FileData::Lower(_) => return Ok(()),
+        };
+        if datasync {
+            rustix::fs::fdatasync(fd)?;
+        } else {
+            rustix::fs::fsync(fd)?;
+        }
+        Ok(())
+    }
+
+    pub fn fsyncdir(&self, ino: Ino) -> Result<()> {
+        if self.config.skip_fsync || !self.layers.has_upper {
+            return Ok(());
+        }
+        let node = self.node(ino)?;
+        if !node.state().upper {
+            return Ok(());
+        }
+        let path = self.upper_path(ino)?;
+        let fd = sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDONLY | OFlags::DIRECTORY, 0)?;
+        rustix::fs::fsync(&fd)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,63 @@
+//! A sharded table of open handles, keyed by the `fh` number handed to the kernel.
+//!
+//! The next number comes from one atomic counter, touched on open only (never on read or
+//! write); lookups touch one shard's lock.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+const SHARDS: usize = 16;
+
+pub struct HandleMap<T> {
+    next: AtomicU64,
+    shards: [Mutex<HashMap<u64, Arc<T>>>; SHARDS],
+}
+
+impl<T> Default for HandleMap<T> {
+    fn default() -> Self {
+        HandleMap {
+            next: AtomicU64::new(1),
+            shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+        }
+    }
+}
+
+impl<T> HandleMap<T> {
+    fn shard(&self, fh: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<T>>> {
+        self.shards[(fh as usize) % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn insert(&self, value: T) -> u64 {
+        let fh = self.next.fetch_add(1, Ordering::Relaxed);
+        self.shard(fh).insert(fh, Arc::new(value));
+        fh
+    }
+
+    pub fn get(&self, fh: u64) -> Option<Arc<T>> {
+        self.shard(fh).get(&fh).cloned()
+    }
+
+    pub fn remove(&self, fh: u64) -> Option<Arc<T>> {
+        self.shard(fh).remove(&fh)
+    }
+
+    pub fn clear(&self) {
+        for s in &self.shards {
+            s.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,400 @@
+//! The layer stack and the on-disk conventions shared with kernel overlayfs and fuse-overlayfs.
+//!
+//! Layer 0 is the upper layer (when there is one), layers 1..=N the lower layers from top to
+//! bottom. Lower layers are never written. Each layer is held by one `O_PATH` fd on its root; all
+//! access below it goes through `sys::open_beneath`.
+//!
+//! Whiteouts read: char device 0/0, `.wh.NAME`, and a zero-size regular file carrying an overlay
+//! whiteout xattr. Opaque dirs read: `trusted.overlay.opaque`, `user.overlay.opaque`,
+//! `user.fuseoverlayfs.opaque` set to `y`, or a `.wh..wh..opq` file inside. Written: char 0/0
+//! where mknod works, else `.wh.NAME` files — the rule of fuse-overlayfs.
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::OFlags;
+
+use crate::error::{Error, Result, errno};
+use crate::sys::{self, Attr};
+
+pub type LayerId = u16;
+pub const UPPER: LayerId = 0;
+
+pub const WHITEOUT_PREFIX: &[u8] = b".wh.";
+pub const OPAQUE_WHITEOUT: &str = ".wh..wh..opq";
+/// The directory inside workdir that mosaicfs owns; everything in it is temporary.
+pub const WORK_SUBDIR: &str = "mosaicfs-work";
+
+const OPAQUE_XATTRS: [&str; 3] = [
+    "trusted.overlay.opaque",
+    "user.overlay.opaque",
+    "user.fuseoverlayfs.opaque",
+];
+const WHITEOUT_XATTRS: [&str; 2] = ["trusted.overlay.whiteout", "user.overlay.whiteout"];
+
+pub struct Layer {
+    pub root: OwnedFd,
+    pub path: PathBuf,
+    pub dev: u64,
+    /// Index of this layer's device among the distinct devices of the stack (for inode numbers).
+    pub dev_index: u64,
+}
+
+/// The names of mosaicfs' own xattrs, in the namespace chosen at mount.
+#[derive(Debug, Clone)]
+pub struct XattrNames {
+    pub prefix: &'static str,
+    pub origin: String,
+    pub partial: String,
+    pub redirect: String,
+    pub opaque: &'static str,
+}
+
+impl XattrNames {
+    pub fn new(trusted: bool) -> Self {
+        let prefix = if trusted { "trusted." } else { "user." };
+        XattrNames {
+            prefix,
+            origin: format!("{prefix}mosaicfs.origin"),
+            partial: format!("{prefix}mosaicfs.partial"),
+            redirect: format!("{prefix}mosaicfs.redirect"),
+            opaque: if trusted {
+                "trusted.overlay.opaque"
+            } else {
+                "user.overlay.opaque"
+            },
+        }
+    }
+}
+
+/// Whether an xattr belongs to an overlay's bookkeeping and is hidden in the merged view.
+pub fn is_internal_xattr(name: &[u8]) -> bool {
+    const HIDDEN: [&[u8]; 5] = [
+        b"trusted.mosaicfs.",
+        b"user.mosaicfs.",
+        b"trusted.overlay.",
+        b"user.overlay.",
+        b"user.fuseoverlayfs.",
+    ];
+    HIDDEN.iter().any(|p| name.starts_with(p))
+}
+
+pub struct LayerStack {
+    /// Index 0 is the upper layer when `has_upper`; otherwise a placeholder equal to lower 1.
+    layers: Vec<Layer>,
+    pub has_upper: bool,
+    /// `workdir/mosaicfs-work`, on the upper file system: copy-up builds objects here and renames
+    /// them into place, so that a crash never leaves a half-made object in the upper layer.
+    pub work: Option<OwnedFd>,
+    pub xattr: XattrNames,
+    /// Whether whiteouts can be char devices 0/0 (mknod works on the upper layer).
+    pub whiteout_chardev: bool,
+}
+
+fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Attr), String> {
+    let fd = rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, rustix::fs::Mode::empty())
+        .map_err(|e| {
+            let e = std::io::Error::from(e);
+            match e.raw_os_error() {
+                Some(libc::ENOENT) => format!("{what} '{}' does not exist: create it or fix the path", path.display()),
+                Some(libc::ENOTDIR) => format!("{what} '{}' is not a directory", path.display()),
+                _ => format!("{what} '{}' cannot be opened: {e}", path.display()),
+            }
+        })?;
+    let attr = sys::fstat(fd.as_fd()).map_err(|e| format!("{what} '{}': {e}", path.display()))?;
+    Ok((fd, attr))
+}
+
+/// The file systems a layer may not sit on, with the reason.
+fn unsupported_fs(fd: BorrowedFd<'_>) -> Option<&'static str> {
+    let st = rustix::fs::fstatfs(fd).ok()?;
+    const PROC: i64 = 0x9fa0;
+    const SYSFS: i64 = 0x6265_6572;
+    match st.f_type as i64 {
+        PROC => Some("procfs"),
+        SYSFS => Some("sysfs"),
+        _ => None,
+    }
+}
+
+impl LayerStack {
+    /// Opens and checks every layer. Errors are one line naming the problem and what to do.
+    pub fn open(
+        lowers: &[PathBuf],
+        upper: Option<&Path>,
+        work: Option<&Path>,
+        read_only: bool,
+    ) -> std::result::Result<LayerStack, String> {
+        let mut layers = Vec::new();
+        let mut devs: Vec<u64> = Vec::new();
+        let mut add = |fd: OwnedFd, attr: Attr, path: PathBuf| {
+            let dev_index = match devs.iter().position(|d| *d == attr.dev) {
+                Some(i) => i,
+                None => {
+                    devs.push(attr.dev);
+                    devs.len() - 1
+                }
+            } as u64;
+            layers.push(Layer {
+                root: fd,
+                path,
+                dev: attr.dev,
+                dev_index,
+            });
+        };
+        let trusted = rustix::process::geteuid().is_root();
+        let mut work_fd = None;
+        let mut has_upper = false;
+        let mut whiteout_chardev = false;
+        if let (Some(upper), Some(work)) = (upper, work) {
+            let upper = canonical(upper, "upperdir")?;
+            let work = canonical(work, "workdir")?;
+            let (ufd, uattr) = open_layer_root(&upper, "upperdir")?;
+            let (wfd, wattr) = open_layer_root(&work, "workdir")?;
+            if uattr.dev != wattr.dev {
+                return Err(format!(
+                    "upperdir '{}' and workdir '{}' are on different file systems: put both on one",
+                    upper.display(),
+                    work.display()
+                ));
+            }
+            if work.starts_with(&upper) || upper.starts_with(&work) {
+                return Err(format!(
+                    "workdir '{}' and upperdir '{}' must not contain one another: use sibling directories",
+                    work.display(),
+                    upper.display()
+                ));
+            }
+            if let Some(fs) = unsupported_fs(ufd.as_fd()) {
+                return Err(format!("upperdir '{}' is on {fs}, which cannot hold an upper layer", upper.display()));
+            }
+            if !read_only {
+                let wsub = prepare_work_dir(wfd.as_fd(), &work)?;
+                whiteout_chardev = probe_whiteout(wsub.as_fd());
+                probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted)).map_err(|e| {
+                    format!(
+                        "upperdir '{}' does not support extended attributes ({e}), which mosaicfs needs \
+                         to mark partial files: use ext4, xfs, btrfs or tmpfs",
+                        upper.display()
+                    )
+                })?;
+                work_fd = Some(wsub);
+            }
+            add(ufd, uattr, upper);
+            has_upper = true;
+        }
+        for (i, lower) in lowers.iter().enumerate() {
+            let what = format!("lowerdir #{}", i + 1);
+            let path = canonical(lower, &what)?;
+            let (fd, attr) = open_layer_root(&path, &what)?;
+            if let Some(fs) = unsupported_fs(fd.as_fd()) {
+                return Err(format!("{what} '{}' is on {fs}, which cannot be a layer", path.display()));
+            }
+            if !has_upper && i == 0 {
+                // Keep indices stable: layer 0 is the upper layer or a stand-in for it.
+                let dup = fd.try_clone().map_err(|e| e.to_string())?;
+                add(dup, attr, path.clone());
+            }
+            add(fd, attr, path);
+        }
+        Ok(LayerStack {
+            layers,
+            has_upper,
+            work: work_fd,
+            xattr: XattrNames::new(trusted),
+            whiteout_chardev,
+        })
+    }
+
+    pub fn root(&self, layer: LayerId) -> BorrowedFd<'_> {
+        self.layers[layer as usize].root.as_fd()
+    }
+
+    pub fn layer(&self, layer: LayerId) -> &Layer {
+        &self.layers[layer as usize]
+    }
+
+    /// The lower layers' ids, top to bottom.
+    pub fn lower_ids(&self) -> impl Iterator<Item = LayerId> + '_ {
+        (1..self.layers.len()).map(|i| i as LayerId)
+    }
+
+    pub fn lower_count(&self) -> usize {
+        self.layers.len() - 1
+    }
+
+    pub fn work(&self) -> Result<BorrowedFd<'_>> {
+        self.work.as_ref().map(|w| w.as_fd()).ok_or_else(|| errno(libc::EROFS))
+    }
+
+    pub fn upper(&self) -> Result<BorrowedFd<'_>> {
+        if self.has_upper && self.work.is_some() {
+            Ok(self.root(UPPER))
+        } else {
+            Err(errno(libc::EROFS))
+        }
+    }
+
+    /// Opens the directory `rel` in `layer` as an `O_PATH` handle.
+    pub fn dir(&self, layer: LayerId, rel: &Path) -> Result<OwnedFd> {
+        sys::open_dir(self.root(layer), rel)
+    }
+
+    /// Whether `name` in `dir` (whose stat is `attr`) is a whiteout in any format.
+    pub fn is_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr, attr: &Attr) -> Result<bool> {
+        match attr.file_type() {
+            libc::S_IFCHR => Ok(attr.rdev == 0),
+            libc::S_IFREG if attr.size == 0 => {
+                for key in WHITEOUT_XATTRS {
+                    if sys::get_xattr(dir, Some(name), key)?.is_some() {
+                        return Ok(true);
+                    }
+                }
+                Ok(false)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Whether a `.wh.NAME` file in `dir` hides `name`.
+    pub fn has_wh_file(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
+        let wh = wh_name(name);
+        if wh.len() > 255 {
+            return Ok(false);
+        }
+        Ok(sys::stat_opt(dir, &wh)?.is_some())
+    }
+
+    /// Whether the directory `name` in `dir` is opaque (hides the layers below it).
+    pub fn is_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
+        let names = sys::list_xattr(dir, Some(name))?;
+        for key in OPAQUE_XATTRS {
+            if names.iter().any(|n| n.as_bytes() == key.as_bytes()) {
+                if let Some(v) = sys::get_xattr(dir, Some(name), key)? {
+                    if v.first() == Some(&b'y') {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+        let sub = sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
+        Ok(sys::stat_opt(sub.as_fd(), OsStr::new(OPAQUE_WHITEOUT))?.is_some())
+    }
+
+    /// Writes a whiteout for `name` in the upper directory `dir` (which must not hold `name`).
+    pub fn make_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        if self.whiteout_chardev {
+            match sys::mknod_at(dir, name, libc::S_IFCHR, 0) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let fd = rustix::fs::openat(
+            dir,
+            wh_name(name).as_os_str(),
+            OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )?;
+        drop(fd);
+        Ok(())
+    }
+
+    /// Marks the upper directory `name` in `dir` opaque.
+    pub fn make_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        match sys::set_xattr(dir, Some(name), self.xattr.opaque, b"y", 0) {
+            Ok(()) => Ok(()),
+            Err(_) => {
+                let sub = sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
+                let fd = rustix::fs::openat(
+                    sub.as_fd(),
+                    OPAQUE_WHITEOUT,
+                    OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
+                    rustix::fs::Mode::from_raw_mode(0o600),
+                )?;
+                drop(fd);
+                Ok(())
+            }
+        }
+    }
+}
+
+pub fn wh_name(name: &OsStr) -> OsString {
+    let mut v = WHITEOUT_PREFIX.to_vec();
+    v.extend_from_slice(name.as_bytes());
+    std::os::unix::ffi::OsStringExt::from_vec(v)
+}
+
+/// Names the merged view never shows and never lets a user create.
+pub fn is_reserved_name(name: &OsStr) -> bool {
+    name.as_bytes().starts_with(WHITEOUT_PREFIX)
+}
+
+fn canonical(p: &Path, what: &str) -> std::result::Result<PathBuf, String> {
+    std::fs::canonicalize(p).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => format!("{what} '{}' does not exist: create it or fix the path", p.display()),
+        _ => format!("{what} '{}' cannot be resolved: {e}", p.display()),
+    })
+}
+
+/// Creates `workdir/mosaicfs-work` and empties it: whatever is there is left from a crash.
+fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<OwnedFd, String> {
+    let name = OsStr::new(WORK_SUBDIR);
+    match rustix::fs::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::EXIST) => {}
+        Err(rustix::io::Errno::ROFS) | Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::PERM) => {
+            return Err(format!(
+                "workdir '{}' is not writable: mosaicfs needs to create '{WORK_SUBDIR}' in it",
+                path.display()
+            ));
+        }
+        Err(e) => return Err(format!("workdir '{}': {}", path.display(), std::io::Error::from(e))),
+    }
+    let fd = sys::open_dir(work, Path::new(WORK_SUBDIR)).map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    let entries = sys::read_dir(work, Path::new(WORK_SUBDIR)).map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    for e in entries {
+        remove_tree(fd.as_fd(), &e.name).map_err(|e| format!("cannot clean workdir '{}': {e}", path.display()))?;
+    }
+    Ok(fd)
+}
+
+/// Removes `name` in `dir` and, if it is a directory, everything below it.
+pub fn remove_tree(dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+    match rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::empty()) {
+        Ok(()) => return Ok(()),
+        Err(rustix::io::Errno::ISDIR) | Err(rustix::io::Errno::PERM) => {}
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    }
+    let sub = sys::open_dir(dir, Path::new(name))?;
+    for e in sys::read_dir(dir, Path::new(name))? {
+        remove_tree(sub.as_fd(), &e.name)?;
+    }
+    drop(sub);
+    rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::REMOVEDIR)?;
+    Ok(())
+}
+
+fn probe_whiteout(work: BorrowedFd<'_>) -> bool {
+    let name = OsStr::new("probe-whiteout");
+    let ok = sys::mknod_at(work, name, libc::S_IFCHR, 0).is_ok();
+    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    ok
+}
+
+fn probe_xattrs(work: BorrowedFd<'_>, names: &XattrNames) -> Result<()> {
+    let name = OsStr::new("probe-xattr");
+    let fd = rustix::fs::openat(
+        work,
+        name,
+        OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )?;
+    drop(fd);
+    let r = sys::set_xattr(work, Some(name), &names.origin, b"probe", 0);
+    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    r.map_err(|e| Error::with_context(e.errno(), "setxattr"))
+}

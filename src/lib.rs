@@ -1,0 +1,20 @@
+//! mosaicfs: a userspace overlay filesystem for container storage with block-level
+//! copy-on-write. The overlay core (everything but `fuse` and `daemon`) knows nothing of FUSE.
+
+pub mod attr;
+pub mod copy_up;
+pub mod creds;
+pub mod daemon;
+pub mod dir;
+pub mod error;
+pub mod file;
+pub mod fuse;
+pub mod handles;
+pub mod inode;
+pub mod layers;
+pub mod namei;
+pub mod options;
+pub mod overlay;
+pub mod partial;
+pub mod readdir;
+pub mod sys;

@@ -1,0 +1,204 @@
+//! Lookup: finding a name through the layers, top down.
+//!
+//! The upper layer is asked first. A whiteout there (or a `.wh.NAME` file) hides the name; a
+//! non-directory there is the answer; a directory there is merged with the lower directories of
+//! the same name unless it is opaque or carries a redirect (then the lower directories are the
+//! ones at the redirect's path). In the lower layers the first match wins for non-directories,
+//! and directories merge downwards until an opaque one, a whiteout or a non-directory stops them.
+
+use std::ffi::OsStr;
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Result, errno};
+use crate::inode::{Found, Ino, LowerRef, Node};
+use crate::layers::{UPPER, is_reserved_name};
+use crate::overlay::{DirView, Overlay};
+use crate::sys::{self, Attr};
+
+/// A name resolved in the merged view.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub found: Found,
+    /// `stat` of the topmost layer file.
+    pub attr: Attr,
+}
+
+pub fn check_name(name: &OsStr) -> Result<()> {
+    if name.len() > 255 {
+        return Err(errno(libc::ENAMETOOLONG));
+    }
+    if name.as_bytes().contains(&b'/') || name.is_empty() {
+        return Err(errno(libc::EINVAL));
+    }
+    Ok(())
+}
+
+impl Overlay {
+    /// Looks `name` up in `parent` and records it for the kernel (one more reference).
+    pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
+        check_name(name)?;
+        let pnode = self.node(parent)?;
+        let view = self.dir_view(&pnode)?;
+        let entry = self.resolve(&view, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        let node = self.inodes.remember(parent, name, &entry.found);
+        let attr = self.present(&node, entry.attr);
+        Ok((node, attr))
+    }
+
+    /// Resolves `name` in the directory `view` without recording anything.
+    pub fn resolve(&self, view: &DirView, name: &OsStr) -> Result<Option<Entry>> {
+        if is_reserved_name(name) {
+            return Ok(None);
+        }
+        if let Some(up) = &view.upper {
+            let dir = self.layers.dir(UPPER, up)?;
+            let dir = dir.as_fd();
+            if let Some(attr) = sys::stat_opt(dir, name)? {
+                if self.layers.is_whiteout(dir, name, &attr)? {
+                    return Ok(None);
+                }
+                let ino = self.origin_ino(dir, name)?.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
+                let lower = if !attr.is_dir() {
+                    None
+                } else if self.layers.is_opaque(dir, name)? {
+                    None
+                } else if let Some(target) = sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect)? {
+                    self.resolve_redirect(Path::new(OsStr::from_bytes(&target)))?
+                } else {
+                    match &view.lower {
+                        Some(l) => self
+                            .resolve_lower(l, name)?
+                            .filter(|(a, _)| a.is_dir())
+                            .map(|(_, r)| r),
+                        None => None,
+                    }
+                };
+                let found = Found {
+                    ino,
+                    kind: attr.file_type(),
+                    upper: true,
+                    lower,
+                };
+                return Ok(Some(Entry { found, attr }));
+            }
+            if self.layers.has_wh_file(dir, name)? {
+                return Ok(None);
+            }
+        }
+        let Some(l) = &view.lower else { return Ok(None) };
+        Ok(self.resolve_lower(l, name)?.map(|(attr, lower)| Entry {
+            found: Found {
+                ino: self.map_ino(lower.top(), attr.ino),
+                kind: attr.file_type(),
+                upper: false,
+                lower: Some(lower),
+            },
+            attr,
+        }))
+    }
+
+    /// Resolves `name` in the lower directories `dir` only.
+    pub fn resolve_lower(&self, dir: &LowerRef, name: &OsStr) -> Result<Option<(Attr, LowerRef)>> {
+        let mut result: Option<(Attr, LowerRef)> = None;
+        for &layer in &dir.layers {
+            let fd = match self.layers.dir(layer, &dir.path) {
+                Ok(fd) => fd,
+                Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
+                Err(e) => return Err(e),
+            };
+            let fd = fd.as_fd();
+            let Some(attr) = sys::stat_opt(fd, name)? else {
+                if self.layers.has_wh_file(fd, name)? {
+                    break;
+                }
+                continue;
+            };
+            if self.layers.is_whiteout(fd, name, &attr)? {
+                break;
+            }
+            match &mut result {
+                None => {
+                    let lower = LowerRef {
+                        path: dir.path.join(name),
+                        layers: vec![layer],
+                    };
+                    if !attr.is_dir() {
+                        return Ok(Some((attr, lower)));
+                    }
+                    result = Some((attr, lower));
+                }
+                Some((_, lower)) => {
+                    if !attr.is_dir() {
+                        break;
+                    }
+                    lower.layers.push(layer);
+                }
+            }
+            if self.layers.is_opaque(fd, name)? {
+                break;
+            }
+        }
+        Ok(result)
+    }
+
+    /// The lower directories at `target`, for a renamed directory's redirect.
+    pub fn resolve_redirect(&self, target: &Path) -> Result<Option<LowerRef>> {
+        let target: PathBuf = target.components().filter(|c| matches!(c, std::path::Component::Normal(_))).collect();
+        let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+            return Ok(None);
+        };
+        let mut lower = LowerRef {
+            path: target.clone(),
+            layers: Vec::new(),
+        };
+        for layer in self.layers.lower_ids() {
+            let fd = match self.layers.dir(layer, parent) {
+                Ok(fd) => fd,
+                Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
+                Err(e) => return Err(e),
+            };
+            match sys::stat_opt(fd.as_fd(), name)? {
+                Some(a) if a.is_dir() => {
+                    lower.layers.push(layer);
+                    if self.layers.is_opaque(fd.as_fd(), name)? {
+                        break;
+                    }
+                }
+                Some(_) => break,
+                None => {}
+            }
+        }
+        Ok((!lower.layers.is_empty()).then_some(lower))
+    }
+
+    /// The inode number a copied-up object keeps from its origin, if it has one.
+    pub fn origin_ino(&self, dir: std::os::fd::BorrowedFd<'_>, name: &OsStr) -> Result<Option<Ino>> {
+        let Some(raw) = sys::get_xattr(dir, Some(name), &self.layers.xattr.origin)? else {
+            return Ok(None);
+        };
+        match std::str::from_utf8(&raw).ok().and_then(|s| s.parse::<u64>().ok()) {
+            Some(ino) if ino > 1 => Ok(Some(ino)),
+            _ => {
+                log::warn!(
+                    "ignoring damaged {} xattr on {:?}: the inode number will change",
+                    self.layers.xattr.origin,
+                    name
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// Whether `name` in the directory `node` is visible in a lower layer, so that removing it
+    /// from the merged view needs a whiteout.
+    pub fn lower_has(&self, dir: &Node, name: &OsStr) -> Result<bool> {
+        let lower = dir.state().lower.clone();
+        match lower {
+            Some(l) => Ok(self.resolve_lower(&l, name)?.is_some()),
+            None => Ok(false),
+        }
+    }
+}

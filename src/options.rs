@@ -1,0 +1,479 @@
+//! The command line and `-o` mount options, compatible with fuse-overlayfs.
+//!
+//! Both forms work: `mosaicfs -o lowerdir=..,upperdir=..,workdir=.. MNT` and the mount.fuse form
+//! `mosaicfs SOURCE MNT -o ...`. Option values may be double-quoted (`context="a,b"`), a backslash
+//! escapes the next character (`\,` in any value, `\:` in a lower path). Every option
+//! fuse-overlayfs accepts is accepted: it works, or one warning says it is ignored. An unknown
+//! option is an error, as it is for fuse-overlayfs.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// One range of an id mapping: `inside..inside+len` in the merged view is
+/// `outside..outside+len` on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdRange {
+    pub inside: u32,
+    pub outside: u32,
+    pub len: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IdMap(pub Vec<IdRange>);
+
+impl IdMap {
+    /// Disk id to the id shown in the merged view. Unmapped ids show as the overflow id.
+    pub fn to_inside(&self, outside: u32) -> u32 {
+        if self.0.is_empty() {
+            return outside;
+        }
+        for r in &self.0 {
+            if outside >= r.outside && outside - r.outside < r.len {
+                return r.inside + (outside - r.outside);
+            }
+        }
+        65534
+    }
+
+    /// Merged-view id to the id stored on disk.
+    pub fn to_outside(&self, inside: u32) -> u32 {
+        if self.0.is_empty() {
+            return inside;
+        }
+        for r in &self.0 {
+            if inside >= r.inside && inside - r.inside < r.len {
+                return r.outside + (inside - r.inside);
+            }
+        }
+        65534
+    }
+
+    fn parse(value: &str) -> Result<IdMap, String> {
+        let nums: Result<Vec<u32>, _> = value.split(':').map(|s| s.trim().parse::<u32>()).collect();
+        let nums = nums.map_err(|_| format!("'{value}' is not a list of numbers"))?;
+        if nums.is_empty() || nums.len() % 3 != 0 {
+            return Err(format!(
+                "'{value}' must be triples INSIDE:OUTSIDE:LENGTH separated by ':'"
+            ));
+        }
+        Ok(IdMap(
+            nums.chunks(3)
+                .map(|c| IdRange {
+                    inside: c[0],
+                    outside: c[1],
+                    len: c[2],
+                })
+                .collect(),
+        ))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub lowerdirs: Vec<PathBuf>,
+    pub upperdir: Option<PathBuf>,
+    pub workdir: Option<PathBuf>,
+    pub mountpoint: PathBuf,
+    /// The SOURCE of the mount.fuse form, shown as the mount's source in /proc/mounts.
+    pub fsname: String,
+    pub foreground: bool,
+    pub debug: bool,
+    pub read_only: bool,
+    pub allow_other: bool,
+    pub default_permissions: bool,
+    pub suid: bool,
+    pub dev: bool,
+    pub exec: bool,
+    pub noatime: bool,
+    pub sync: bool,
+    pub dirsync: bool,
+    pub acl: bool,
+    pub xattrs: bool,
+    /// `volatile` or `fsync=0`: fsync requests are not passed to the disk.
+    pub skip_fsync: bool,
+    pub static_nlink: bool,
+    pub squash_uid: Option<u32>,
+    pub squash_gid: Option<u32>,
+    pub uid_map: IdMap,
+    pub gid_map: IdMap,
+    pub timeout: Duration,
+    pub threads: usize,
+    pub max_write: Option<u32>,
+    pub warnings: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            lowerdirs: Vec::new(),
+            upperdir: None,
+            workdir: None,
+            mountpoint: PathBuf::new(),
+            fsname: "mosaicfs".into(),
+            foreground: false,
+            debug: false,
+            read_only: false,
+            allow_other: true,
+            default_permissions: true,
+            suid: true,
+            dev: true,
+            exec: true,
+            noatime: false,
+            sync: false,
+            dirsync: false,
+            acl: true,
+            xattrs: true,
+            skip_fsync: false,
+            static_nlink: false,
+            squash_uid: None,
+            squash_gid: None,
+            uid_map: IdMap::default(),
+            gid_map: IdMap::default(),
+            timeout: Duration::from_secs(1),
+            threads: default_threads(),
+            max_write: None,
+            warnings: Vec::new(),
+        }
+    }
+}
+
+fn default_threads() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    (cpus * 2).clamp(2, 16)
+}
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Command {
+    Mount(Box<Options>),
+    Help,
+    Version,
+}
+
+pub const USAGE: &str = "\
+usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=WORK][,OPTIONS] MOUNTPOINT
+       mosaicfs SOURCE MOUNTPOINT -o lowerdir=...   (mount.fuse form)
+       mosaicfs --version | --help
+
+  -f            stay in the foreground
+  -d, --debug   foreground, log every request to stderr
+  -o OPTIONS    comma-separated mount options (see README: option table)
+
+Without upperdir the overlay is read-only.";
+
+/// Splits an option string at commas that are neither quoted nor escaped, keeping escapes in
+/// place for the value parser.
+fn split_options(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                cur.push(c);
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                }
+            }
+            '"' => {
+                quoted = !quoted;
+                cur.push(c);
+            }
+            ',' if !quoted => out.push(std::mem::take(&mut cur)),
+            _ => cur.push(c),
+        }
+    }
+    out.push(cur);
+    out.into_iter().filter(|o| !o.is_empty()).collect()
+}
+
+/// Removes quotes and escapes from a value; with `split_colon`, unescaped colons separate items.
+fn unescape(value: &str, split_colon: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut chars = value.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                }
+            }
+            '"' => quoted = !quoted,
+            ':' if split_colon && !quoted => out.push(std::mem::take(&mut cur)),
+            _ => cur.push(c),
+        }
+    }
+    out.push(cur);
+    out
+}
+
+fn parse_bool(name: &str, value: Option<&str>) -> Result<bool, String> {
+    match value.map(|v| v.to_ascii_lowercase()) {
+        None => Ok(true),
+        Some(v) => match v.as_str() {
+            "1" | "on" | "yes" | "true" | "y" => Ok(true),
+            "0" | "off" | "no" | "false" | "n" => Ok(false),
+            _ => Err(format!("option '{name}' takes 0/1 or on/off, not '{v}'")),
+        },
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(name: &str, value: Option<&str>) -> Result<T, String> {
+    let v = value.ok_or_else(|| format!("option '{name}' needs a value: {name}=N"))?;
+    v.parse::<T>()
+        .map_err(|_| format!("option '{name}' takes a number, not '{v}'"))
+}
+
+impl Options {
+    fn apply(&mut self, opt: &str) -> Result<(), String> {
+        let (name, value) = match opt.split_once('=') {
+            Some((n, v)) => (n, Some(v)),
+            None => (opt, None),
+        };
+        let need = |v: Option<&str>| -> Result<String, String> {
+            let v = v.ok_or_else(|| format!("option '{name}' needs a value: {name}=..."))?;
+            Ok(unescape(v, false).concat())
+        };
+        match name {
+            "lowerdir" => {
+                let v = value.ok_or("option 'lowerdir' needs a value: lowerdir=DIR[:DIR...]")?;
+                self.lowerdirs = unescape(v, true)
+                    .into_iter()
+                    .filter(|p| !p.is_empty())
+                    .map(PathBuf::from)
+                    .collect();
+                if self.lowerdirs.is_empty() {
+                    return Err("option 'lowerdir' names no directory".into());
+                }
+            }
+            "upperdir" => self.upperdir = Some(PathBuf::from(need(value)?)),
+            "workdir" => self.workdir = Some(PathBuf::from(need(value)?)),
+            "uidmapping" => self.uid_map = IdMap::parse(&need(value)?).map_err(|e| format!("uidmapping: {e}"))?,
+            "gidmapping" => self.gid_map = IdMap::parse(&need(value)?).map_err(|e| format!("gidmapping: {e}"))?,
+            "squash_to_root" => {
+                self.squash_uid = Some(0);
+                self.squash_gid = Some(0);
+            }
+            "squash_to_uid" => self.squash_uid = Some(parse_num(name, value)?),
+            "squash_to_gid" => self.squash_gid = Some(parse_num(name, value)?),
+            "static_nlink" => self.static_nlink = parse_bool(name, value)?,
+            "noacl" => self.acl = !parse_bool(name, value)?,
+            "acl" => self.acl = parse_bool(name, value)?,
+            "noxattrs" => {
+                self.xattrs = !parse_bool(name, value)?;
+                if !self.xattrs {
+                    self.acl = false;
+                }
+            }
+            "timeout" | "entry_timeout" | "attr_timeout" => {
+                let secs: f64 = parse_num(name, value)?;
+                if !(0.0..=86400.0 * 365.0).contains(&secs) {
+                    return Err(format!("option '{name}' must be between 0 and one year"));
+                }
+                self.timeout = Duration::from_secs_f64(secs);
+            }
+            "threaded" => {
+                if !parse_bool(name, value)? {
+                    self.threads = 1;
+                }
+            }
+            "fsync" => self.skip_fsync = !parse_bool(name, value)?,
+            "volatile" => self.skip_fsync = true,
+            "max_write" => self.max_write = Some(parse_num(name, value)?),
+            "fsname" => self.fsname = need(value)?,
+            "ro" => self.read_only = true,
+            "rw" => self.read_only = false,
+            "allow_other" | "allow_root" => self.allow_other = true,
+            "default_permissions" => self.default_permissions = true,
+            "suid" => self.suid = true,
+            "nosuid" => self.suid = false,
+            "dev" => self.dev = true,
+            "nodev" => self.dev = false,
+            "exec" => self.exec = true,
+            "noexec" => self.exec = false,
+            "noatime" => self.noatime = true,
+            "atime" | "relatime" | "strictatime" | "nodiratime" | "diratime" | "lazytime" => {}
+            "sync" => self.sync = true,
+            "async" => self.sync = false,
+            "dirsync" => self.dirsync = true,
+            "debug" => {
+                self.debug = true;
+                self.foreground = true;
+            }
+            // Inode numbers are always stable and unique (see inode.rs), whatever is asked.
+            "xino" | "fast_ino" | "redirect_dir" | "index" | "metacopy" | "userxattr" => {}
+            // Options that only mount(8) or fstab read.
+            "defaults" | "auto" | "noauto" | "user" | "users" | "nouser" | "nofail" | "_netdev" | "owner" => {}
+            _ if name.starts_with("x-") || name.starts_with("comment=") => {}
+            // Options of libfuse's high-level API that have no meaning for a low-level daemon.
+            "use_ino" | "readdir_ino" | "hard_remove" | "big_writes" | "kernel_cache" | "auto_cache"
+            | "nonempty" | "max_read" | "negative_timeout" | "subtype" | "blkdev" | "blksize"
+            | "clone_fd" | "max_idle_threads" | "max_threads" | "splice_read" | "splice_write"
+            | "splice_move" | "no_splice_read" | "no_splice_write" | "no_splice_move" => {}
+            "context" | "fscontext" | "defcontext" | "rootcontext" => {
+                need(value)?;
+                self.warn(format!(
+                    "option '{name}' is accepted but SELinux labels are not applied by mosaicfs; it is ignored"
+                ));
+            }
+            "ino32_t" => self.warn("option 'ino32_t' is ignored: inode numbers are 64-bit".into()),
+            "writeback" => self.warn(
+                "option 'writeback' is ignored: mosaicfs does not use the FUSE writeback cache".into(),
+            ),
+            "plugins" => {
+                self.warn("option 'plugins' is ignored: mosaicfs has no layer plugins".into())
+            }
+            "xattr_permissions" => self.warn(
+                "option 'xattr_permissions' is ignored: xattrs are stored on the upper layer as they are".into(),
+            ),
+            "auto_unmount" => self.warn(
+                "option 'auto_unmount' is ignored: unmount with 'umount MNT' or 'fusermount3 -u MNT'".into(),
+            ),
+            _ => {
+                return Err(format!(
+                    "unknown mount option '{opt}': see 'mosaicfs --help' and the README option table"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn warn(&mut self, w: String) {
+        if !self.warnings.contains(&w) {
+            self.warnings.push(w);
+        }
+    }
+}
+
+/// Parses the whole command line (without argv[0]).
+pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, String> {
+    let mut opts = Options::default();
+    let mut positional: Vec<OsString> = Vec::new();
+    let mut option_strings: Vec<String> = Vec::new();
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let s = arg.to_string_lossy().into_owned();
+        match s.as_str() {
+            "-h" | "--help" => return Ok(Command::Help),
+            "-V" | "--version" => return Ok(Command::Version),
+            "-f" => opts.foreground = true,
+            "-d" | "--debug" => {
+                opts.debug = true;
+                opts.foreground = true;
+            }
+            "-s" => {} // single-threaded libfuse flag: accepted, the daemon decides its threads
+            "-o" => {
+                let v = args
+                    .next()
+                    .ok_or("-o needs an argument: -o lowerdir=...,upperdir=...,workdir=...")?;
+                option_strings.push(v.to_string_lossy().into_owned());
+            }
+            _ if s.starts_with("-o") => option_strings.push(s[2..].to_string()),
+            _ if s.starts_with('-') && s.len() > 1 => {
+                return Err(format!("unknown argument '{s}': see 'mosaicfs --help'"));
+            }
+            _ => positional.push(arg),
+        }
+    }
+    for o in &option_strings {
+        for opt in split_options(o) {
+            opts.apply(&opt)?;
+        }
+    }
+    match positional.len() {
+        1 => opts.mountpoint = PathBuf::from(&positional[0]),
+        2 => {
+            opts.fsname = positional[0].to_string_lossy().into_owned();
+            opts.mountpoint = PathBuf::from(&positional[1]);
+        }
+        0 => return Err("no mount point given\n".to_string() + USAGE),
+        _ => return Err(format!("too many arguments: {positional:?}\n{USAGE}")),
+    }
+    if opts.lowerdirs.is_empty() {
+        return Err("no lowerdir given: pass -o lowerdir=DIR[:DIR...]".into());
+    }
+    if opts.upperdir.is_some() != opts.workdir.is_some() {
+        return Err("upperdir and workdir go together: give both, or neither for a read-only overlay".into());
+    }
+    if opts.upperdir.is_none() {
+        opts.read_only = true;
+    }
+    Ok(Command::Mount(Box::new(opts)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Options, String> {
+        match parse_args(args.iter().map(OsString::from))? {
+            Command::Mount(o) => Ok(*o),
+            c => panic!("unexpected {c:?}"),
+        }
+    }
+
+    #[test]
+    fn fuse_overlayfs_form_parses() {
+        let o = parse(&["-o", "lowerdir=/a:/b,upperdir=/u,workdir=/w", "/mnt"]).unwrap();
+        assert_eq!(o.lowerdirs, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(o.upperdir, Some("/u".into()));
+        assert_eq!(o.mountpoint, PathBuf::from("/mnt"));
+        assert!(!o.read_only);
+    }
+
+    #[test]
+    fn mount_fuse_form_takes_source_first() {
+        let o = parse(&["overlay", "/mnt", "-o", "lowerdir=/a"]).unwrap();
+        assert_eq!(o.fsname, "overlay");
+        assert!(o.read_only, "no upperdir means read-only");
+    }
+
+    #[test]
+    fn quoted_values_keep_commas() {
+        let o = parse(&["-o", "lowerdir=/a,context=\"system_u:object_r:x:s0:c1,c2\"", "/m"]).unwrap();
+        assert_eq!(o.warnings.len(), 1);
+        assert_eq!(o.lowerdirs, vec![PathBuf::from("/a")]);
+    }
+
+    #[test]
+    fn escaped_colon_stays_in_lower_path() {
+        let o = parse(&["-o", r"lowerdir=/a\:b:/c", "/m"]).unwrap();
+        assert_eq!(o.lowerdirs, vec![PathBuf::from("/a:b"), PathBuf::from("/c")]);
+    }
+
+    #[test]
+    fn unknown_option_is_an_error_naming_it() {
+        let e = parse(&["-o", "lowerdir=/a,frobnicate", "/m"]).unwrap_err();
+        assert!(e.contains("frobnicate"), "{e}");
+    }
+
+    #[test]
+    fn upper_without_work_is_an_error() {
+        assert!(parse(&["-o", "lowerdir=/a,upperdir=/u", "/m"]).is_err());
+    }
+
+    #[test]
+    fn every_fuse_overlayfs_option_is_accepted() {
+        let all = "lowerdir=/a,upperdir=/u,workdir=/w,uidmapping=0:100000:65536,gidmapping=0:100000:65536,\
+            squash_to_root,squash_to_uid=1,squash_to_gid=1,static_nlink,noacl,xino=auto,ino32_t,\
+            redirect_dir=on,context=\"x\",timeout=5,threaded=1,fsync=0,volatile,fast_ino=1,writeback=1,\
+            noxattrs=0,plugins=/p,xattr_permissions=1,allow_other,default_permissions,ro,max_write=131072,\
+            nosuid,nodev,noexec,noatime";
+        let o = parse(&["-o", all, "/m"]).unwrap();
+        assert_eq!(o.uid_map.to_inside(100005), 5);
+        assert_eq!(o.uid_map.to_outside(5), 100005);
+        assert!(o.skip_fsync && o.read_only && !o.acl);
+    }
+
+    #[test]
+    fn bad_numbers_are_named() {
+        let e = parse(&["-o", "lowerdir=/a,timeout=soon", "/m"]).unwrap_err();
+        assert!(e.contains("timeout") && e.contains("soon"), "{e}");
+        let e = parse(&["-o", "lowerdir=/a,uidmapping=0:1", "/m"]).unwrap_err();
+        assert!(e.contains("uidmapping"), "{e}");
+    }
+}

@@ -1,0 +1,268 @@
+//! The overlay core: one mounted overlay, independent of FUSE.
+//!
+//! The operations live in files by concern, like kernel overlayfs: `namei.rs` (lookup),
+//! `readdir.rs` (merged listing), `dir.rs` (create, unlink, rename), `attr.rs` (attributes and
+//! xattrs), `copy_up.rs`, `file.rs` (data and partial files). This file holds what they share.
+
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result, errno};
+use crate::file::HandleTable;
+use crate::inode::{Ino, InoMap, InodeTable, LowerRef, Node, ROOT_INO};
+use crate::layers::{LayerId, LayerStack, UPPER};
+use crate::options::{IdMap, Options};
+use crate::partial::{self, SparseSupport};
+use crate::readdir::DirHandleTable;
+use crate::sys::{self, Attr};
+
+/// Who asks: the caller's credentials and umask, from the FUSE request.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+    pub umask: u32,
+}
+
+impl Caller {
+    pub fn root() -> Self {
+        Caller {
+            uid: 0,
+            gid: 0,
+            pid: 0,
+            umask: 0o022,
+        }
+    }
+}
+
+/// The mount options the core needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub read_only: bool,
+    pub xattrs: bool,
+    pub acl: bool,
+    pub skip_fsync: bool,
+    pub static_nlink: bool,
+    pub squash_uid: Option<u32>,
+    pub squash_gid: Option<u32>,
+    pub uid_map: IdMap,
+    pub gid_map: IdMap,
+    pub timeout: Duration,
+}
+
+impl Config {
+    pub fn from_options(o: &Options) -> Self {
+        Config {
+            read_only: o.read_only,
+            xattrs: o.xattrs,
+            acl: o.acl,
+            skip_fsync: o.skip_fsync,
+            static_nlink: o.static_nlink,
+            squash_uid: o.squash_uid,
+            squash_gid: o.squash_gid,
+            uid_map: o.uid_map.clone(),
+            gid_map: o.gid_map.clone(),
+            timeout: o.timeout,
+        }
+    }
+}
+
+pub struct Overlay {
+    pub layers: LayerStack,
+    pub inodes: InodeTable,
+    pub ino_map: InoMap,
+    pub config: Config,
+    pub sparse: SparseSupport,
+    pub handles: HandleTable,
+    pub dirs: DirHandleTable,
+}
+
+/// A directory as the merged view sees it: where its upper part is (if any) and its lower parts.
+#[derive(Debug, Clone)]
+pub struct DirView {
+    pub upper: Option<PathBuf>,
+    pub lower: Option<LowerRef>,
+}
+
+impl Overlay {
+    pub fn new(layers: LayerStack, config: Config) -> std::result::Result<Self, String> {
+        let devices = {
+            let mut devs: Vec<u64> = (0..=layers.lower_count()).map(|i| layers.layer(i as LayerId).dev).collect();
+            devs.sort_unstable();
+            devs.dedup();
+            devs.len() as u64
+        };
+        let sparse = match layers.work.as_ref() {
+            Some(w) => partial::probe_sparse(w.as_fd()).map_err(|e| format!("cannot probe the upper file system: {e}"))?,
+            None => SparseSupport { block: 4096, sparse: true },
+        };
+        let mut root_lower = LowerRef {
+            path: PathBuf::new(),
+            layers: Vec::new(),
+        };
+        let opaque_root = layers.has_upper && layers_root_opaque(&layers);
+        if !opaque_root {
+            for l in layers.lower_ids() {
+                root_lower.layers.push(l);
+                if lower_root_opaque(&layers, l) {
+                    break;
+                }
+            }
+        }
+        let root_lower = (!root_lower.layers.is_empty()).then_some(root_lower);
+        Ok(Overlay {
+            inodes: InodeTable::new(layers.has_upper, root_lower),
+            ino_map: InoMap { devices },
+            config,
+            sparse,
+            handles: HandleTable::default(),
+            dirs: DirHandleTable::default(),
+            layers,
+        })
+    }
+
+    pub fn node(&self, ino: Ino) -> Result<Arc<Node>> {
+        self.inodes.get(ino).ok_or_else(|| errno(libc::ESTALE))
+    }
+
+    /// The path of `ino` relative to the upper layer's root, built from its parent chain.
+    pub fn upper_path(&self, ino: Ino) -> Result<PathBuf> {
+        let mut names = Vec::new();
+        let mut cur = ino;
+        while cur != ROOT_INO {
+            let node = self.node(cur)?;
+            let (parent, name) = node.state().links.first().cloned().ok_or_else(|| errno(libc::ENOENT))?;
+            names.push(name);
+            cur = parent;
+            if names.len() > 4096 {
+                return Err(Error::with_context(libc::ELOOP, "parent chain too deep"));
+            }
+        }
+        let mut p = PathBuf::new();
+        for n in names.iter().rev() {
+            p.push(n);
+        }
+        Ok(p)
+    }
+
+    /// The merged view of directory `node`.
+    pub fn dir_view(&self, node: &Node) -> Result<DirView> {
+        let (upper, lower) = {
+            let st = node.state();
+            if st.kind != libc::S_IFDIR {
+                return Err(errno(libc::ENOTDIR));
+            }
+            (st.upper, st.lower.clone())
+        };
+        Ok(DirView {
+            upper: if upper { Some(self.upper_path(node.ino)?) } else { None },
+            lower,
+        })
+    }
+
+    /// Opens the parent directory of `rel` in `layer` and returns it with the final name.
+    pub fn parent_of<'a>(&self, layer: LayerId, rel: &'a Path) -> Result<(OwnedFd, &'a OsStr)> {
+        match (rel.parent(), rel.file_name()) {
+            (Some(parent), Some(name)) => Ok((self.layers.dir(layer, parent)?, name)),
+            _ => Err(errno(libc::EINVAL)),
+        }
+    }
+
+    /// The layer file the merged object `node` shows now: upper if it has an upper part.
+    pub fn top_path(&self, node: &Node) -> Result<(LayerId, PathBuf)> {
+        let (upper, lower) = {
+            let st = node.state();
+            (st.upper, st.lower.clone())
+        };
+        if upper {
+            Ok((UPPER, self.upper_path(node.ino)?))
+        } else if let Some(l) = lower {
+            Ok((l.top(), l.path))
+        } else {
+            Err(errno(libc::ENOENT))
+        }
+    }
+
+    /// `stat` of the layer file behind `node`, not yet adjusted for the merged view.
+    pub fn stat_layer(&self, node: &Node) -> Result<Attr> {
+        if let Some(open) = node.state().open.upgrade() {
+            if let Some(a) = open.fstat()? {
+                return Ok(a);
+            }
+        }
+        let (layer, path) = self.top_path(node)?;
+        if path.as_os_str().is_empty() {
+            return sys::fstat(self.layers.root(layer));
+        }
+        let (dir, name) = self.parent_of(layer, &path)?;
+        sys::stat_at(dir.as_fd(), name)
+    }
+
+    pub fn map_ino(&self, layer: LayerId, st_ino: u64) -> Ino {
+        self.ino_map.map(self.layers.layer(layer).dev_index, st_ino)
+    }
+
+    /// The merged view's attributes of `node`: its own inode number, overlay nlink rules, the
+    /// id mapping and squashing options.
+    pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
+        a.ino = node.ino;
+        let (unlinked, merged_dir) = {
+            let st = node.state();
+            (st.unlinked, st.kind == libc::S_IFDIR && st.upper && st.lower.is_some())
+        };
+        if unlinked {
+            a.nlink = 0;
+        } else if a.is_dir() && (merged_dir || self.config.static_nlink) {
+            // Like kernel overlayfs: a merged directory's link count is not known cheaply.
+            a.nlink = 1;
+        }
+        a.uid = self.config.squash_uid.unwrap_or_else(|| self.config.uid_map.to_inside(a.uid));
+        a.gid = self.config.squash_gid.unwrap_or_else(|| self.config.gid_map.to_inside(a.gid));
+        a
+    }
+
+    /// The on-disk owner for a merged-view owner.
+    pub fn disk_ids(&self, uid: u32, gid: u32) -> (u32, u32) {
+        (self.config.uid_map.to_outside(uid), self.config.gid_map.to_outside(gid))
+    }
+
+    pub fn check_writable(&self) -> Result<()> {
+        if self.config.read_only || !self.layers.has_upper {
+            return Err(errno(libc::EROFS));
+        }
+        Ok(())
+    }
+
+    pub fn statfs(&self) -> Result<rustix::fs::StatVfs> {
+        Ok(rustix::fs::fstatvfs(self.layers.root(UPPER))?)
+    }
+
+    /// Completes what is pending and lets go of every open file (unmount).
+    pub fn shutdown(&self) {
+        self.handles.clear();
+        self.dirs.clear();
+    }
+}
+
+fn layers_root_opaque(layers: &LayerStack) -> bool {
+    // An opaque upper root hides every lower layer.
+    sys::get_xattr(layers.root(UPPER), None, layers.xattr.opaque)
+        .ok()
+        .flatten()
+        .is_some_and(|v| v.first() == Some(&b'y'))
+}
+
+fn lower_root_opaque(layers: &LayerStack, l: LayerId) -> bool {
+    ["trusted.overlay.opaque", "user.overlay.opaque", "user.fuseoverlayfs.opaque"]
+        .iter()
+        .any(|k| {
+            sys::get_xattr(layers.root(l), None, k)
+                .ok()
+                .flatten()
+                .is_some_and(|v| v.first() == Some(&b'y'))
+        })
+}

@@ -1,0 +1,288 @@
+//! Partial files: upper-layer files that hold only some blocks of a lower file.
+//!
+//! A partial file is a sparse upper regular file of the file's full logical size, marked by the
+//! `mosaicfs.partial` xattr (format in docs/FORMAT.md). Which blocks it holds is the allocation
+//! map of the upper file (SEEK_DATA/SEEK_HOLE), cached here as a `BlockMap`.
+//!
+//! The invariant everything else relies on: **only whole, final blocks are ever written to a
+//! partial file** below `valid` (the length of the lower prefix that is still the file's
+//! content). So after a crash an allocated block always holds correct data, and a hole always
+//! means "read the lower file" (below `valid`) or "zeros" (at or past `valid`). Blocks wholly at
+//! or past `valid` may be written partially: zeros are their content either way.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::layers::LayerId;
+use crate::sys::{self, Attr};
+
+/// What a partial file patches: the mark stored in its xattr.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartialMark {
+    /// The lower layer holding the original file.
+    pub layer: LayerId,
+    /// Path of the original file, relative to that layer's root.
+    pub path: PathBuf,
+    /// Bytes `0..valid` not present in the upper file read from the lower file.
+    pub valid: u64,
+    /// Fingerprint of the lower file when the partial file was made: a changed lower is refused.
+    pub lower_size: u64,
+    pub lower_mtime: (i64, u32),
+}
+
+const MARK_VERSION: &str = "v1";
+
+impl PartialMark {
+    pub fn for_lower(layer: LayerId, path: PathBuf, lower: &Attr) -> Self {
+        PartialMark {
+            layer,
+            path,
+            valid: lower.size,
+            lower_size: lower.size,
+            lower_mtime: lower.mtime,
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = format!(
+            "{MARK_VERSION}\nlayer={}\nvalid={}\nsize={}\nmtime={}.{}\npath=",
+            self.layer, self.valid, self.lower_size, self.lower_mtime.0, self.lower_mtime.1
+        )
+        .into_bytes();
+        v.extend_from_slice(self.path.as_os_str().as_bytes());
+        v
+    }
+
+    /// Parses a mark. Anything malformed is an error: a damaged mark must never be guessed at.
+    pub fn decode(raw: &[u8]) -> std::result::Result<Self, String> {
+        let path_at = find(raw, b"\npath=").ok_or("no path field")?;
+        let (head, path) = (&raw[..path_at], &raw[path_at + 6..]);
+        let head = std::str::from_utf8(head).map_err(|_| "header is not text")?;
+        let mut lines = head.split('\n');
+        if lines.next() != Some(MARK_VERSION) {
+            return Err(format!("unknown format version (this mosaicfs reads {MARK_VERSION})"));
+        }
+        let (mut layer, mut valid, mut size, mut mtime) = (None, None, None, None);
+        for line in lines {
+            let (k, v) = line.split_once('=').ok_or("field without '='")?;
+            match k {
+                "layer" => layer = Some(v.parse::<LayerId>().map_err(|_| "bad layer")?),
+                "valid" => valid = Some(v.parse::<u64>().map_err(|_| "bad valid")?),
+                "size" => size = Some(v.parse::<u64>().map_err(|_| "bad size")?),
+                "mtime" => {
+                    let (s, n) = v.split_once('.').ok_or("bad mtime")?;
+                    mtime = Some((
+                        s.parse::<i64>().map_err(|_| "bad mtime")?,
+                        n.parse::<u32>().map_err(|_| "bad mtime")?,
+                    ));
+                }
+                _ => return Err(format!("unknown field '{k}'")),
+            }
+        }
+        if path.is_empty() || path.starts_with(b"/") || path.split(|b| *b == b'/').any(|c| c == b"..") {
+            return Err("bad lower path".into());
+        }
+        let mark = PartialMark {
+            layer: layer.ok_or("no layer")?,
+            valid: valid.ok_or("no valid length")?,
+            lower_size: size.ok_or("no size")?,
+            lower_mtime: mtime.ok_or("no mtime")?,
+            path: PathBuf::from(OsString::from_vec(path.to_vec())),
+        };
+        if mark.layer == 0 || mark.valid > mark.lower_size {
+            return Err("inconsistent fields".into());
+        }
+        Ok(mark)
+    }
+
+    /// Whether the lower file is still the one this mark was made from.
+    pub fn matches(&self, lower: &Attr) -> bool {
+        lower.is_reg() && lower.size == self.lower_size && lower.mtime == self.lower_mtime
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The set of blocks present in a partial file, as ranges `start..end` of block numbers.
+#[derive(Debug, Default, Clone)]
+pub struct BlockMap {
+    ranges: BTreeMap<u64, u64>,
+}
+
+impl BlockMap {
+    /// Reads the allocation map of `fd` (a file of `size` bytes) with SEEK_DATA/SEEK_HOLE.
+    pub fn from_file(fd: BorrowedFd<'_>, size: u64, block: u64) -> Result<Self> {
+        let mut map = BlockMap::default();
+        let mut pos = 0;
+        while pos < size {
+            let Some(start) = sys::seek_data(fd, pos)? else { break };
+            if start >= size {
+                break;
+            }
+            let end = sys::seek_hole(fd, start)?.min(size);
+            map.insert(start / block, end.div_ceil(block));
+            pos = end;
+        }
+        Ok(map)
+    }
+
+    pub fn contains(&self, blk: u64) -> bool {
+        self.ranges
+            .range(..=blk)
+            .next_back()
+            .is_some_and(|(_, end)| blk < *end)
+    }
+
+    /// Adds blocks `start..end`, merging with neighbours.
+    pub fn insert(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some((&s, &e)) = self.ranges.range(..=start).next_back() {
+            if e >= start {
+                start = s;
+                end = end.max(e);
+            }
+        }
+        let overlapping: Vec<u64> = self.ranges.range(start..=end).map(|(s, _)| *s).collect();
+        for s in overlapping {
+            let e = self.ranges.remove(&s).unwrap();
+            end = end.max(e);
+        }
+        self.ranges.insert(start, end);
+    }
+
+    /// Removes every block at or after `from`.
+    pub fn truncate(&mut self, from: u64) {
+        let tail: Vec<u64> = self.ranges.range(from..).map(|(s, _)| *s).collect();
+        for s in tail {
+            self.ranges.remove(&s);
+        }
+        if let Some((_, e)) = self.ranges.range_mut(..from).next_back() {
+            if *e > from {
+                *e = from;
+            }
+        }
+    }
+
+    /// Present ranges overlapping blocks `start..end`, clipped to it.
+    pub fn present_in(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        if let Some((_, &e)) = self.ranges.range(..start).next_back() {
+            if e > start {
+                out.push((start, e.min(end)));
+            }
+        }
+        for (&s, &e) in self.ranges.range(start..end) {
+            out.push((s, e.min(end)));
+        }
+        out
+    }
+
+    pub fn block_count(&self) -> u64 {
+        self.ranges.iter().map(|(s, e)| e - s).sum()
+    }
+}
+
+/// What the upper file system can do with sparse files, measured once at mount.
+#[derive(Debug, Clone, Copy)]
+pub struct SparseSupport {
+    /// The block size partial files use: at least 4 KiB and at least the file system's
+    /// allocation granularity, so that writing one block never allocates a neighbour.
+    pub block: u64,
+    pub sparse: bool,
+}
+
+/// Writes one block into the middle of a sparse probe file and checks that exactly that block
+/// reads back as data. A file system that allocates at a coarser grain gets a larger block size;
+/// one that does not report holes at all is reported as not sparse.
+pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
+    use rustix::fs::{Mode, OFlags};
+    let name = std::ffi::OsStr::new("probe-sparse");
+    let fd = rustix::fs::openat(
+        work,
+        name,
+        OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    let grain = sys::fstat(fd.as_fd())?.blksize.max(4096) as u64;
+    let size = 64 * 1024 * 1024u64;
+    rustix::fs::ftruncate(&fd, size)?;
+    let mut block = grain;
+    while block <= 2 * 1024 * 1024 {
+        let at = size / 2;
+        sys::pwrite_full(fd.as_fd(), &vec![0xa5u8; block as usize], at)?;
+        let start = sys::seek_data(fd.as_fd(), 0)?;
+        let end = sys::seek_hole(fd.as_fd(), at)?;
+        if start == Some(size) || start.is_none() {
+            // Data written but not reported: SEEK_DATA does not work here.
+            return Ok(SparseSupport { block: grain, sparse: false });
+        }
+        if start == Some(0) && end == size {
+            return Ok(SparseSupport { block: grain, sparse: false });
+        }
+        if start == Some(at) && end == at + block {
+            return Ok(SparseSupport { block, sparse: true });
+        }
+        rustix::fs::ftruncate(&fd, 0)?;
+        rustix::fs::ftruncate(&fd, size)?;
+        block *= 2;
+    }
+    Err(Error::with_context(libc::EOPNOTSUPP, "sparse probe found no usable block size"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mark_round_trips() {
+        let m = PartialMark {
+            layer: 2,
+            path: PathBuf::from("usr/lib/x y\nz"),
+            valid: 100,
+            lower_size: 4096,
+            lower_mtime: (1700000000, 123),
+        };
+        assert_eq!(PartialMark::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn damaged_marks_are_refused() {
+        let good = PartialMark {
+            layer: 1,
+            path: PathBuf::from("a"),
+            valid: 1,
+            lower_size: 1,
+            lower_mtime: (1, 1),
+        }
+        .encode();
+        assert!(PartialMark::decode(&good[..good.len() - 3]).is_err());
+        assert!(PartialMark::decode(b"v9\nlayer=1\npath=a").is_err());
+        assert!(PartialMark::decode(b"v1\nlayer=1\nvalid=5\nsize=1\nmtime=1.1\npath=a").is_err());
+        assert!(PartialMark::decode(b"v1\nlayer=1\nvalid=1\nsize=1\nmtime=1.1\npath=../etc").is_err());
+        assert!(PartialMark::decode(b"garbage").is_err());
+    }
+
+    #[test]
+    fn block_map_merges_and_truncates() {
+        let mut m = BlockMap::default();
+        m.insert(0, 2);
+        m.insert(5, 7);
+        m.insert(2, 5);
+        assert_eq!(m.present_in(0, 100), vec![(0, 7)]);
+        m.insert(10, 12);
+        assert!(m.contains(11) && !m.contains(8) && m.contains(6));
+        m.truncate(6);
+        assert_eq!(m.present_in(0, 100), vec![(0, 6)]);
+        assert_eq!(m.present_in(3, 4), vec![(3, 4)]);
+        assert_eq!(m.block_count(), 6);
+    }
+}

@@ -1,0 +1,165 @@
+//! The merged directory listing.
+//!
+//! Upper entries first, then each lower layer's entries not already seen, top to bottom. A
+//! whiteout hides its name in the layers below the one holding it; an opaque directory ends the
+//! listing (its view simply has no lower part). Whiteouts and `.wh.` names never show.
+//!
+//! A listing is taken once per open directory handle and served from that snapshot, so the
+//! offsets given to the kernel (index + 1) are stable for seekdir/telldir; a read from offset 0
+//! (rewinddir) takes a fresh snapshot.
+
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::Mutex;
+
+use crate::error::Result;
+use crate::handles::HandleMap;
+use crate::inode::{Ino, ROOT_INO};
+use crate::layers::{OPAQUE_WHITEOUT, UPPER, WHITEOUT_PREFIX};
+use crate::overlay::{DirView, Overlay};
+use crate::sys;
+
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    pub name: OsString,
+    pub ino: Ino,
+    /// S_IFMT bits.
+    pub kind: u32,
+}
+
+pub struct DirHandle {
+    pub ino: Ino,
+    pub entries: Mutex<Option<Vec<DirEntry>>>,
+}
+
+pub type DirHandleTable = HandleMap<DirHandle>;
+
+impl Overlay {
+    pub fn opendir(&self, ino: Ino) -> Result<u64> {
+        let node = self.node(ino)?;
+        self.dir_view(&node)?;
+        Ok(self.dirs.insert(DirHandle {
+            ino,
+            entries: Mutex::new(None),
+        }))
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.remove(fh);
+    }
+
+    /// Entries of the open directory `fh` from `offset` on, with the offset of the next one.
+    pub fn readdir(&self, ino: Ino, fh: u64, offset: u64, mut emit: impl FnMut(&DirEntry, u64) -> bool) -> Result<()> {
+        let handle = match self.dirs.get(fh) {
+            Some(h) if h.ino == ino => h,
+            _ => return Err(crate::error::errno(libc::EBADF)),
+        };
+        let mut entries = handle.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if offset == 0 || entries.is_none() {
+            *entries = Some(self.list_dir(ino)?);
+        }
+        let list = entries.as_ref().expect("listed above");
+        for (i, e) in list.iter().enumerate().skip(offset as usize) {
+            if emit(e, i as u64 + 1) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The merged listing of directory `ino`, with `.` and `..` first.
+    pub fn list_dir(&self, ino: Ino) -> Result<Vec<DirEntry>> {
+        let node = self.node(ino)?;
+        let view = self.dir_view(&node)?;
+        let parent = if ino == ROOT_INO {
+            ROOT_INO
+        } else {
+            node.state().links.first().map_or(ROOT_INO, |l| l.0)
+        };
+        let mut out = vec![
+            DirEntry { name: ".".into(), ino, kind: libc::S_IFDIR },
+            DirEntry { name: "..".into(), ino: parent, kind: libc::S_IFDIR },
+        ];
+        out.extend(self.list_view(&view)?);
+        Ok(out)
+    }
+
+    /// The merged entries of a directory view, without `.` and `..`.
+    pub fn list_view(&self, view: &DirView) -> Result<Vec<DirEntry>> {
+        let mut out = Vec::new();
+        let mut hidden: HashSet<OsString> = HashSet::new();
+        if let Some(up) = &view.upper {
+            let dir = self.layers.dir(UPPER, up)?;
+            for e in sys::read_dir(self.layers.root(UPPER), up)? {
+                if let Some(target) = whiteout_target(&e.name) {
+                    hidden.extend(target);
+                    continue;
+                }
+                let Some(kind) = self.entry_kind(dir.as_fd(), &e)? else {
+                    hidden.insert(e.name);
+                    continue;
+                };
+                let ino = self.origin_ino(dir.as_fd(), &e.name)?.unwrap_or_else(|| self.map_ino(UPPER, e.ino));
+                hidden.insert(e.name.clone());
+                out.push(DirEntry { name: e.name, ino, kind });
+            }
+        }
+        if let Some(lower) = &view.lower {
+            for &layer in &lower.layers {
+                let entries = match sys::read_dir(self.layers.root(layer), &lower.path) {
+                    Ok(e) => e,
+                    Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
+                    Err(e) => return Err(e),
+                };
+                let dir = self.layers.dir(layer, &lower.path)?;
+                let mut whiteouts = Vec::new();
+                for e in entries {
+                    if let Some(target) = whiteout_target(&e.name) {
+                        whiteouts.extend(target);
+                        continue;
+                    }
+                    if hidden.contains(&e.name) {
+                        continue;
+                    }
+                    let Some(kind) = self.entry_kind(dir.as_fd(), &e)? else {
+                        whiteouts.push(e.name);
+                        continue;
+                    };
+                    hidden.insert(e.name.clone());
+                    out.push(DirEntry { ino: self.map_ino(layer, e.ino), name: e.name, kind });
+                }
+                hidden.extend(whiteouts);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The type of a listed entry, or `None` if it is a whiteout.
+    fn entry_kind(&self, dir: std::os::fd::BorrowedFd<'_>, e: &sys::RawDirEntry) -> Result<Option<u32>> {
+        match e.kind {
+            libc::S_IFCHR | libc::S_IFREG | 0 => {
+                let Some(attr) = sys::stat_opt(dir, &e.name)? else { return Ok(None) };
+                if self.layers.is_whiteout(dir, &e.name, &attr)? {
+                    Ok(None)
+                } else {
+                    Ok(Some(attr.file_type()))
+                }
+            }
+            k => Ok(Some(k)),
+        }
+    }
+}
+
+/// For a `.wh.NAME` entry, the name it hides (none for the opaque marker).
+fn whiteout_target(name: &OsStr) -> Option<Option<OsString>> {
+    let b = name.as_bytes();
+    if !b.starts_with(WHITEOUT_PREFIX) {
+        return None;
+    }
+    if b == OPAQUE_WHITEOUT.as_bytes() {
+        return Some(None);
+    }
+    Some(Some(OsStr::from_bytes(&b[WHITEOUT_PREFIX.len()..]).to_os_string()))
+}

@@ -1,0 +1,412 @@
+//! Thin wrappers over the system calls mosaicfs needs, in one place.
+//!
+//! Every access to a layer is fd-relative: a path inside a layer is opened with `openat2` and
+//! `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`, so neither a symlink nor `..` in a layer can lead the
+//! daemon outside it. Paths we build never cross a symlink on purpose (the merged view resolves
+//! symlinks in the kernel, not here), so refusing every symlink in the middle of a path is right.
+//! Calls that take a final name use `AT_SYMLINK_NOFOLLOW` or the `l*` variants.
+
+use std::ffi::{CStr, CString, OsStr, OsString};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::Path;
+
+use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
+
+use crate::error::{Result, errno};
+
+/// The attributes of one file in one layer, as `stat` gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub dev: u64,
+    pub ino: u64,
+    pub mode: u32,
+    pub nlink: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u64,
+    pub size: u64,
+    pub blocks: u64,
+    pub blksize: u32,
+    pub atime: (i64, u32),
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
+}
+
+impl Attr {
+    pub fn file_type(&self) -> u32 {
+        self.mode & libc::S_IFMT
+    }
+    pub fn is_dir(&self) -> bool {
+        self.file_type() == libc::S_IFDIR
+    }
+    pub fn is_reg(&self) -> bool {
+        self.file_type() == libc::S_IFREG
+    }
+    pub fn is_symlink(&self) -> bool {
+        self.file_type() == libc::S_IFLNK
+    }
+}
+
+impl From<rustix::fs::Stat> for Attr {
+    fn from(s: rustix::fs::Stat) -> Self {
+        Attr {
+            dev: s.st_dev,
+            ino: s.st_ino,
+            mode: s.st_mode,
+            nlink: s.st_nlink,
+            uid: s.st_uid,
+            gid: s.st_gid,
+            rdev: s.st_rdev,
+            size: s.st_size.max(0) as u64,
+            blocks: s.st_blocks.max(0) as u64,
+            blksize: s.st_blksize.max(0) as u32,
+            atime: (s.st_atime, s.st_atime_nsec as u32),
+            mtime: (s.st_mtime, s.st_mtime_nsec as u32),
+            ctime: (s.st_ctime, s.st_ctime_nsec as u32),
+        }
+    }
+}
+
+const BENEATH: ResolveFlags = ResolveFlags::BENEATH
+    .union(ResolveFlags::NO_SYMLINKS)
+    .union(ResolveFlags::NO_MAGICLINKS);
+
+fn rel_or_dot(rel: &Path) -> &Path {
+    if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    }
+}
+
+/// Opens `rel` below `root` without ever leaving it. `rel` is relative; empty means `root` itself.
+pub fn open_beneath(root: BorrowedFd<'_>, rel: &Path, flags: OFlags, mode: u32) -> Result<OwnedFd> {
+    loop {
+        match rustix::fs::openat2(
+            root,
+            rel_or_dot(rel),
+            flags | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::from_raw_mode(mode),
+            BENEATH,
+        ) {
+            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
+            r => return Ok(r?),
+        }
+    }
+}
+
+/// An `O_PATH` handle on the directory `rel` below `root`, to use with the `*at` calls.
+pub fn open_dir(root: BorrowedFd<'_>, rel: &Path) -> Result<OwnedFd> {
+    open_beneath(root, rel, OFlags::PATH | OFlags::DIRECTORY, 0)
+}
+
+pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<Attr> {
+    Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?.into())
+}
+
+/// `stat_at` where a missing name is an answer, not an error.
+pub fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> Result<Option<Attr>> {
+    match stat_at(dir, name) {
+        Ok(a) => Ok(Some(a)),
+        Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+pub fn fstat(fd: BorrowedFd<'_>) -> Result<Attr> {
+    Ok(rustix::fs::fstat(fd)?.into())
+}
+
+/// A path through `/proc/self/fd` naming `name` inside the directory `dir` (or `dir` itself when
+/// `name` is `None`). The directory's magic link is only ever an intermediate component, and the
+/// `l*xattr` calls do not follow the final one, so this reaches symlinks and devices too, which
+/// cannot be opened for `f*xattr`.
+fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> CString {
+    let mut p = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
+    match name {
+        Some(n) => p.extend_from_slice(n.as_bytes()),
+        None => p.push(b'.'),
+    }
+    CString::new(p).expect("file names hold no NUL")
+}
+
+fn xattr_missing(e: rustix::io::Errno) -> bool {
+    e == rustix::io::Errno::NODATA || e == rustix::io::Errno::NOTSUP
+}
+
+/// Reads one extended attribute; `Ok(None)` when it is absent or the file cannot carry it.
+pub fn get_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
+    let path = proc_path(dir, name);
+    let mut buf = vec![0u8; 256];
+    loop {
+        match rustix::fs::lgetxattr(path.as_c_str(), key, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(Some(buf));
+            }
+            Err(rustix::io::Errno::RANGE) => {
+                let n: usize = rustix::fs::lgetxattr(path.as_c_str(), key, &mut [0u8; 0][..])?;
+                buf.resize(n.max(buf.len() * 2), 0);
+            }
+            Err(e) if xattr_missing(e) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Reads one extended attribute, passing every error through (for the merged view's getxattr).
+pub fn get_xattr_raw(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &OsStr) -> Result<Vec<u8>> {
+    let path = proc_path(dir, name);
+    let mut buf = vec![0u8; 256];
+    loop {
+        match rustix::fs::lgetxattr(path.as_c_str(), key, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(buf);
+            }
+            Err(rustix::io::Errno::RANGE) => {
+                let n: usize = rustix::fs::lgetxattr(path.as_c_str(), key, &mut [0u8; 0][..])?;
+                buf.resize(n.max(buf.len() * 2), 0);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+pub fn set_xattr(
+    dir: BorrowedFd<'_>,
+    name: Option<&OsStr>,
+    key: impl AsRef<OsStr>,
+    value: &[u8],
+    flags: i32,
+) -> Result<()> {
+    let path = proc_path(dir, name);
+    let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
+    Ok(rustix::fs::lsetxattr(path.as_c_str(), key.as_ref(), value, flags)?)
+}
+
+pub fn remove_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: impl AsRef<OsStr>) -> Result<()> {
+    let path = proc_path(dir, name);
+    Ok(rustix::fs::lremovexattr(path.as_c_str(), key.as_ref())?)
+}
+
+/// All extended attribute names of a file. A file system without xattrs has none.
+pub fn list_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Vec<OsString>> {
+    let path = proc_path(dir, name);
+    let mut buf = vec![0u8; 1024];
+    let n = loop {
+        match rustix::fs::llistxattr(path.as_c_str(), &mut buf[..]) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::RANGE) => {
+                let n: usize = rustix::fs::llistxattr(path.as_c_str(), &mut [0u8; 0][..])?;
+                buf.resize(n.max(buf.len() * 2), 0);
+            }
+            Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
+            Err(e) => return Err(e.into()),
+        }
+    };
+    Ok(buf[..n]
+        .split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| OsString::from_vec(s.to_vec()))
+        .collect())
+}
+
+/// One entry of a directory as `getdents` gives it.
+#[derive(Debug, Clone)]
+pub struct RawDirEntry {
+    pub name: OsString,
+    pub ino: u64,
+    /// `S_IFMT` bits, or 0 when the file system did not say (then `stat` tells).
+    pub kind: u32,
+}
+
+pub fn read_dir(root: BorrowedFd<'_>, rel: &Path) -> Result<Vec<RawDirEntry>> {
+    let fd = open_beneath(root, rel, OFlags::RDONLY | OFlags::DIRECTORY, 0)?;
+    let dir = rustix::fs::Dir::new(fd)?;
+    let mut out = Vec::new();
+    for ent in dir {
+        let ent = ent?;
+        let name = ent.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
+        use rustix::fs::FileType as T;
+        let kind = match ent.file_type() {
+            T::RegularFile => libc::S_IFREG,
+            T::Directory => libc::S_IFDIR,
+            T::Symlink => libc::S_IFLNK,
+            T::Fifo => libc::S_IFIFO,
+            T::Socket => libc::S_IFSOCK,
+            T::CharacterDevice => libc::S_IFCHR,
+            T::BlockDevice => libc::S_IFBLK,
+            T::Unknown => 0,
+        };
+        out.push(RawDirEntry {
+            name: OsString::from_vec(name.to_vec()),
+            ino: ent.ino(),
+            kind,
+        });
+    }
+    Ok(out)
+}
+
+/// Where the next data at or after `offset` starts, or `None` if only a hole follows.
+pub fn seek_data(fd: BorrowedFd<'_>, offset: u64) -> Result<Option<u64>> {
+    match rustix::fs::seek(fd, rustix::fs::SeekFrom::Data(offset)) {
+        Ok(p) => Ok(Some(p)),
+        Err(rustix::io::Errno::NXIO) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Where the hole at or after `offset` starts (end of file counts as a hole).
+pub fn seek_hole(fd: BorrowedFd<'_>, offset: u64) -> Result<u64> {
+    Ok(rustix::fs::seek(fd, rustix::fs::SeekFrom::Hole(offset))?)
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, or fewer at end of file.
+pub fn pread_full(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match rustix::io::pread(fd, &mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(done)
+}
+
+pub fn pwrite_full(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match rustix::io::pwrite(fd, &buf[done..], offset + done as u64) {
+            Ok(0) => return Err(errno(libc::EIO)),
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+pub fn mknod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32, rdev: u64) -> Result<()> {
+    let kind = rustix::fs::FileType::from_raw_mode(mode);
+    rustix::fs::mknodat(dir, name, kind, Mode::from_raw_mode(mode & 0o7777), rdev)?;
+    Ok(())
+}
+
+pub fn rename_at(
+    from_dir: BorrowedFd<'_>,
+    from: &OsStr,
+    to_dir: BorrowedFd<'_>,
+    to: &OsStr,
+    flags: rustix::fs::RenameFlags,
+) -> Result<()> {
+    Ok(rustix::fs::renameat_with(
+        from_dir, from, to_dir, to, flags,
+    )?)
+}
+
+pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
+    let uid = uid.map(|u| rustix::fs::Uid::from_raw(u));
+    let gid = gid.map(|g| rustix::fs::Gid::from_raw(g));
+    Ok(rustix::fs::chownat(
+        dir,
+        name,
+        uid,
+        gid,
+        AtFlags::SYMLINK_NOFOLLOW,
+    )?)
+}
+
+/// chmod of `name` in `dir`. Symlinks have no mode of their own on Linux: callers skip them.
+pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<()> {
+    Ok(rustix::fs::chmodat(
+        dir,
+        name,
+        Mode::from_raw_mode(mode & 0o7777),
+        AtFlags::empty(),
+    )?)
+}
+
+pub enum Time {
+    Now,
+    Omit,
+    At(i64, u32),
+}
+
+fn timespec(t: &Time) -> rustix::fs::Timespec {
+    match t {
+        Time::Now => rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_NOW,
+        },
+        Time::Omit => rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_OMIT,
+        },
+        Time::At(s, n) => rustix::fs::Timespec {
+            tv_sec: *s,
+            tv_nsec: *n as _,
+        },
+    }
+}
+
+pub fn utimens_at(dir: BorrowedFd<'_>, name: &OsStr, atime: Time, mtime: Time) -> Result<()> {
+    let ts = rustix::fs::Timestamps {
+        last_access: timespec(&atime),
+        last_modification: timespec(&mtime),
+    };
+    Ok(rustix::fs::utimensat(
+        dir,
+        name,
+        &ts,
+        AtFlags::SYMLINK_NOFOLLOW,
+    )?)
+}
+
+pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OsString> {
+    let target = rustix::fs::readlinkat(dir, name, Vec::new())?;
+    Ok(OsString::from_vec(target.into_bytes()))
+}
+
+/// The per-thread file-system context (cwd, root, umask) of FUSE worker threads is private, so
+/// that each can set the umask of the request it serves without racing the others.
+pub fn unshare_fs_context() -> Result<()> {
+    // SAFETY: CLONE_FS only separates cwd, root and umask of this thread; no file descriptor
+    // table is unshared, so every fd stays valid on every thread.
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::FS)? };
+    Ok(())
+}
+
+pub fn set_umask(mask: u32) -> u32 {
+    rustix::process::umask(Mode::from_raw_mode(mask)).as_raw_mode()
+}
+
+/// `fork(2)`. Only called before any thread is started.
+pub fn fork() -> Result<Option<i32>> {
+    // SAFETY: called from main() before the FUSE session or any other thread exists, so the
+    // child inherits no lock held by another thread.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(std::io::Error::last_os_error().into()),
+        0 => Ok(None),
+        pid => Ok(Some(pid)),
+    }
+}
+
+pub fn as_cstr(s: &OsStr) -> Result<CString> {
+    CString::new(s.as_bytes()).map_err(|_| errno(libc::EINVAL))
+}
+
+pub fn cstr_to_os(s: &CStr) -> OsString {
+    OsString::from_vec(s.to_bytes().to_vec())
+}
+
+pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
+    fd.as_fd()
+}
