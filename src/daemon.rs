@@ -132,7 +132,7 @@ fn mount(opts: Options) -> Result<(), String> {
             }
         }
     }
-    let result = serve(overlay, &opts, notify.as_ref());
+    let result = serve(overlay, &opts, &mut notify);
     if let (Err(e), Some(w)) = (&result, notify) {
         let mut f = std::fs::File::from(w);
         let _ = f.write_all(e.as_bytes());
@@ -185,7 +185,7 @@ fn fuser_config(opts: &Options) -> fuser::Config {
     cfg
 }
 
-fn serve(overlay: Arc<Overlay>, opts: &Options, notify: Option<&OwnedFd>) -> Result<(), String> {
+fn serve(overlay: Arc<Overlay>, opts: &Options, notify: &mut Option<OwnedFd>) -> Result<(), String> {
     let fs = MosaicFs {
         core: overlay,
         max_write: opts.max_write,
@@ -193,9 +193,11 @@ fn serve(overlay: Arc<Overlay>, opts: &Options, notify: Option<&OwnedFd>) -> Res
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     spawn_signal_handler(opts.mountpoint.clone());
-    if let Some(w) = notify {
-        let mut f = std::fs::File::from(w.try_clone().map_err(|e| e.to_string())?);
+    if let Some(w) = notify.take() {
+        // Closing the pipe after the byte lets the waiting parent exit.
+        let mut f = std::fs::File::from(w);
         let _ = f.write_all(&[0]);
+        drop(f);
         detach_stdio();
     }
     session.run().map_err(|e| format!("FUSE session ended: {e}"))

@@ -1,0 +1,233 @@
+//! Test fixture: real mosaicfs mounts over real directories, unmounted on drop.
+#![allow(dead_code)]
+
+use std::ffi::OsStr;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_mosaicfs");
+
+/// A mounted overlay: `lowers[0]` is the top lower layer.
+pub struct Mount {
+    pub dir: tempfile::TempDir,
+    pub lowers: Vec<PathBuf>,
+    pub upper: PathBuf,
+    pub work: PathBuf,
+    pub mnt: PathBuf,
+    pub extra: Vec<String>,
+    child: Option<Child>,
+}
+
+pub fn is_mounted(mnt: &Path) -> bool {
+    let info = fs::read("/proc/self/mountinfo").unwrap();
+    let want = mnt.as_os_str().as_bytes();
+    info.split(|b| *b == b'\n').any(|line| {
+        let fields: Vec<&[u8]> = line.split(|b| *b == b' ').collect();
+        fields.len() > 4 && fields[4] == want
+    })
+}
+
+impl Mount {
+    /// Layers made empty; fill them with `lower(i)` / `upper` before `mount()`.
+    pub fn new(nlower: usize) -> Mount {
+        let dir = tempfile::Builder::new().prefix("mosaicfs-test").tempdir_in("/tmp").unwrap();
+        let lowers: Vec<PathBuf> = (0..nlower).map(|i| dir.path().join(format!("lower{i}"))).collect();
+        for l in &lowers {
+            fs::create_dir(l).unwrap();
+        }
+        let (upper, work, mnt) = (dir.path().join("upper"), dir.path().join("work"), dir.path().join("mnt"));
+        for d in [&upper, &work, &mnt] {
+            fs::create_dir(d).unwrap();
+        }
+        Mount { dir, lowers, upper, work, mnt, extra: Vec::new(), child: None }
+    }
+
+    /// A mounted overlay whose single lower layer is built by `fill`.
+    pub fn with(fill: impl FnOnce(&Path)) -> Mount {
+        let mut m = Mount::new(1);
+        fill(&m.lowers[0]);
+        m.mount();
+        m
+    }
+
+    pub fn lower(&self, i: usize) -> &Path {
+        &self.lowers[i]
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mnt.join(rel)
+    }
+
+    pub fn options(&self) -> String {
+        let lowers: Vec<String> = self.lowers.iter().map(|l| l.display().to_string()).collect();
+        let mut o = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lowers.join(":"),
+            self.upper.display(),
+            self.work.display()
+        );
+        for e in &self.extra {
+            o.push(',');
+            o.push_str(e);
+        }
+        o
+    }
+
+    pub fn mount(&mut self) {
+        let opts = self.options();
+        self.mount_with(&opts);
+    }
+
+    pub fn mount_with(&mut self, opts: &str) {
+        assert!(self.child.is_none(), "already mounted");
+        let child = Command::new(BIN)
+            .args(["-f", "-o", opts])
+            .arg(&self.mnt)
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn mosaicfs");
+        self.child = Some(child);
+        let start = Instant::now();
+        while !is_mounted(&self.mnt) {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                let out = self.child.take().unwrap().wait_with_output().unwrap();
+                panic!("mosaicfs exited with {status}: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "mount did not come up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Unmounts and waits for the daemon; returns what it printed on stderr.
+    pub fn unmount(&mut self) -> String {
+        let Some(child) = self.child.take() else { return String::new() };
+        let start = Instant::now();
+        loop {
+            match rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::empty()) {
+                Ok(()) => break,
+                Err(rustix::io::Errno::BUSY) if start.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => {
+                    let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+                    eprintln!("unmount {}: {e}", self.mnt.display());
+                    break;
+                }
+            }
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "daemon failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    pub fn remount(&mut self) {
+        self.unmount();
+        self.mount();
+    }
+
+    /// Kills the daemon with SIGKILL and detaches the dead mount.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+            let start = Instant::now();
+            while child.try_wait().ok().flatten().is_none() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn write(p: impl AsRef<Path>, data: impl AsRef<[u8]>) {
+    if let Some(parent) = p.as_ref().parent() {
+        fs::create_dir_all(parent).unwrap();
+    }
+    fs::write(p, data).unwrap();
+}
+
+pub fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
+    r.expect_err("expected an error").raw_os_error().unwrap()
+}
+
+pub fn names(dir: impl AsRef<Path>) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+pub fn get_xattr(p: &Path, name: &str) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; 4096];
+    match rustix::fs::lgetxattr(p, name, &mut buf[..]) {
+        Ok(n) => Some(buf[..n].to_vec()),
+        Err(_) => None,
+    }
+}
+
+pub fn set_xattr(p: &Path, name: &str, value: &[u8]) {
+    rustix::fs::lsetxattr(p, name, value, rustix::fs::XattrFlags::empty()).unwrap();
+}
+
+pub fn list_xattr(p: &Path) -> Vec<String> {
+    let mut buf = vec![0u8; 65536];
+    let n = rustix::fs::llistxattr(p, &mut buf[..]).unwrap();
+    buf[..n]
+        .split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
+
+pub fn mknod_whiteout(dir: &Path, name: &str) {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        dir.join(name),
+        rustix::fs::FileType::CharacterDevice,
+        rustix::fs::Mode::empty(),
+        0,
+    )
+    .unwrap();
+}
+
+/// Runs a shell command, asserting success; returns stdout.
+pub fn sh(cmd: &str) -> String {
+    let out = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
+    assert!(
+        out.status.success(),
+        "`{cmd}` failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn os(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+/// Disk usage of a file in bytes (allocated blocks).
+pub fn allocated(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(p).unwrap().blocks() * 512
+}

@@ -1,0 +1,442 @@
+//! The merged view and every namespace operation, on real mounts.
+
+mod common;
+
+use std::fs;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use common::*;
+
+#[test]
+fn upper_layer_wins_over_lower_and_top_lower_over_bottom() {
+    let mut m = Mount::new(2);
+    write(m.lower(1).join("a"), "bottom");
+    write(m.lower(0).join("a"), "top");
+    write(m.lower(1).join("only-bottom"), "b");
+    write(m.upper.join("u"), "upper");
+    write(m.lower(0).join("u"), "lower");
+    m.mount();
+    assert_eq!(fs::read_to_string(m.path("a")).unwrap(), "top");
+    assert_eq!(fs::read_to_string(m.path("only-bottom")).unwrap(), "b");
+    assert_eq!(fs::read_to_string(m.path("u")).unwrap(), "upper");
+    assert_eq!(names(&m.mnt), ["a", "only-bottom", "u"]);
+}
+
+#[test]
+fn whiteouts_of_every_format_hide_lower_names_and_never_show() {
+    let mut m = Mount::new(2);
+    for n in ["chr", "wh", "xattr", "kept"] {
+        write(m.lower(1).join(n), n);
+    }
+    mknod_whiteout(m.lower(0), "chr");
+    write(m.lower(0).join(".wh.wh"), "");
+    write(m.lower(0).join("xattr"), "");
+    set_xattr(&m.lower(0).join("xattr"), "trusted.overlay.whiteout", b"");
+    m.mount();
+    assert_eq!(names(&m.mnt), ["kept"]);
+    for n in ["chr", "wh", "xattr", ".wh.wh"] {
+        assert_eq!(errno_of(fs::metadata(m.path(n))), libc::ENOENT, "{n}");
+    }
+}
+
+#[test]
+fn opaque_directories_of_every_format_hide_lower_contents() {
+    let mut m = Mount::new(2);
+    for d in ["t", "u", "f", "w"] {
+        write(m.lower(1).join(d).join("hidden"), "x");
+        fs::create_dir(m.lower(0).join(d)).unwrap();
+        write(m.lower(0).join(d).join("shown"), "y");
+    }
+    set_xattr(&m.lower(0).join("t"), "trusted.overlay.opaque", b"y");
+    set_xattr(&m.lower(0).join("u"), "user.overlay.opaque", b"y");
+    set_xattr(&m.lower(0).join("f"), "user.fuseoverlayfs.opaque", b"y");
+    write(m.lower(0).join("w/.wh..wh..opq"), "");
+    m.mount();
+    for d in ["t", "u", "f", "w"] {
+        assert_eq!(names(m.path(d)), ["shown"], "{d}");
+        assert!(!m.path(d).join("hidden").exists());
+    }
+    let xattrs = list_xattr(&m.path("t"));
+    assert!(xattrs.iter().all(|x| !x.contains("overlay")), "{xattrs:?}");
+}
+
+#[test]
+fn merged_directories_list_each_name_once() {
+    let mut m = Mount::new(2);
+    write(m.lower(1).join("d/a"), "1");
+    write(m.lower(1).join("d/b"), "1");
+    write(m.lower(0).join("d/b"), "2");
+    write(m.lower(0).join("d/c"), "2");
+    write(m.upper.join("d/c"), "3");
+    write(m.upper.join("d/e"), "3");
+    m.mount();
+    assert_eq!(names(m.path("d")), ["a", "b", "c", "e"]);
+    assert_eq!(fs::read_to_string(m.path("d/b")).unwrap(), "2");
+    assert_eq!(fs::read_to_string(m.path("d/c")).unwrap(), "3");
+}
+
+#[test]
+fn seekdir_and_telldir_offsets_are_stable() {
+    let m = Mount::with(|l| {
+        for i in 0..300 {
+            write(l.join(format!("d/f{i:03}")), "x");
+        }
+    });
+    let path = std::ffi::CString::new(m.path("d").to_str().unwrap()).unwrap();
+    // SAFETY: plain libc directory stream calls on a valid, NUL-terminated path.
+    unsafe {
+        let d = libc::opendir(path.as_ptr());
+        assert!(!d.is_null());
+        let mut seen = Vec::new();
+        let mut mark = None;
+        loop {
+            let e = libc::readdir(d);
+            if e.is_null() {
+                break;
+            }
+            let name = std::ffi::CStr::from_ptr((*e).d_name.as_ptr()).to_string_lossy().into_owned();
+            seen.push(name.clone());
+            if seen.len() == 150 {
+                mark = Some((libc::telldir(d), name));
+            }
+        }
+        let (pos, _) = mark.clone().unwrap();
+        libc::seekdir(d, pos);
+        let e = libc::readdir(d);
+        let after = std::ffi::CStr::from_ptr((*e).d_name.as_ptr()).to_string_lossy().into_owned();
+        assert_eq!(after, seen[150]);
+        libc::closedir(d);
+        assert_eq!(seen.len(), 302);
+    }
+}
+
+#[test]
+fn create_write_read_and_unlink_in_lower_directories() {
+    let mut m = Mount::with(|l| write(l.join("dir/old"), "old"));
+    write(m.path("dir/new"), "new");
+    assert_eq!(fs::read_to_string(m.path("dir/new")).unwrap(), "new");
+    fs::remove_file(m.path("dir/old")).unwrap();
+    assert_eq!(names(m.path("dir")), ["new"]);
+    m.remount();
+    assert_eq!(names(m.path("dir")), ["new"]);
+    assert_eq!(fs::read_to_string(m.lower(0).join("dir/old")).unwrap(), "old", "lower untouched");
+    assert!(m.upper.join("dir").is_dir(), "directory copied up");
+}
+
+#[test]
+fn recreating_a_deleted_lower_name_shows_only_the_new_object() {
+    let m = Mount::with(|l| {
+        write(l.join("f"), "lower");
+        write(l.join("d/inner"), "x");
+    });
+    fs::remove_file(m.path("f")).unwrap();
+    write(m.path("f"), "new");
+    assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "new");
+    fs::remove_dir_all(m.path("d")).unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    assert!(names(m.path("d")).is_empty(), "deleted lower contents stay hidden");
+    fs::remove_file(m.path("f")).unwrap();
+    assert!(!m.path("f").exists(), "lower file stays deleted");
+}
+
+#[test]
+fn special_files_can_be_made() {
+    let m = Mount::with(|_| {});
+    sh(&format!("mkfifo {0}/fifo && mknod {0}/chr c 1 3 && mknod {0}/blk b 7 0", m.mnt.display()));
+    let sock = std::os::unix::net::UnixListener::bind(m.path("sock")).unwrap();
+    assert!(fs::symlink_metadata(m.path("fifo")).unwrap().file_type().is_fifo());
+    let chr = fs::symlink_metadata(m.path("chr")).unwrap();
+    assert!(chr.file_type().is_char_device());
+    assert_eq!(chr.rdev(), libc::makedev(1, 3));
+    assert!(fs::symlink_metadata(m.path("blk")).unwrap().file_type().is_block_device());
+    assert!(fs::symlink_metadata(m.path("sock")).unwrap().file_type().is_socket());
+    drop(sock);
+    assert_eq!(
+        errno_of(rustix::fs::mknodat(rustix::fs::CWD, m.path("wh"), rustix::fs::FileType::CharacterDevice, rustix::fs::Mode::empty(), 0).map_err(std::io::Error::from)),
+        libc::EPERM,
+        "a 0/0 device would be a whiteout"
+    );
+}
+
+#[test]
+fn symlinks_and_hard_links() {
+    let m = Mount::with(|l| write(l.join("target"), "t"));
+    std::os::unix::fs::symlink("target", m.path("link")).unwrap();
+    assert_eq!(fs::read_link(m.path("link")).unwrap(), Path::new("target"));
+    assert_eq!(fs::read_to_string(m.path("link")).unwrap(), "t");
+    fs::hard_link(m.path("target"), m.path("hard")).unwrap();
+    let (a, b) = (fs::metadata(m.path("target")).unwrap(), fs::metadata(m.path("hard")).unwrap());
+    assert_eq!(a.ino(), b.ino());
+    assert_eq!(a.nlink(), 2);
+    fs::write(m.path("hard"), "changed").unwrap();
+    assert_eq!(fs::read_to_string(m.path("target")).unwrap(), "changed");
+}
+
+#[test]
+fn rmdir_judges_emptiness_on_the_merged_view() {
+    let m = Mount::with(|l| write(l.join("d/f"), "x"));
+    assert_eq!(errno_of(fs::remove_dir(m.path("d"))), libc::ENOTEMPTY);
+    fs::remove_file(m.path("d/f")).unwrap();
+    fs::remove_dir(m.path("d")).unwrap();
+    assert!(!m.path("d").exists());
+    assert_eq!(errno_of(fs::remove_dir(m.path("nope"))), libc::ENOENT);
+}
+
+#[test]
+fn renaming_a_lower_directory_keeps_its_contents_across_remount() {
+    let mut m = Mount::with(|l| {
+        write(l.join("a/b/c"), "deep");
+        write(l.join("a/x"), "x");
+    });
+    fs::rename(m.path("a"), m.path("z")).unwrap();
+    assert!(!m.path("a").exists());
+    assert_eq!(fs::read_to_string(m.path("z/b/c")).unwrap(), "deep");
+    fs::rename(m.path("z/b"), m.path("b2")).unwrap();
+    assert_eq!(fs::read_to_string(m.path("b2/c")).unwrap(), "deep");
+    fs::remove_file(m.path("z/x")).unwrap();
+    m.remount();
+    assert_eq!(names(&m.mnt), ["b2", "z"]);
+    assert!(names(m.path("z")).is_empty());
+    assert_eq!(fs::read_to_string(m.path("b2/c")).unwrap(), "deep");
+}
+
+#[test]
+fn rename_replaces_files_and_empty_directories() {
+    let m = Mount::with(|l| {
+        write(l.join("src"), "s");
+        write(l.join("dst"), "d");
+        fs::create_dir_all(l.join("emptydir")).unwrap();
+        write(l.join("full/f"), "f");
+    });
+    fs::rename(m.path("src"), m.path("dst")).unwrap();
+    assert_eq!(fs::read_to_string(m.path("dst")).unwrap(), "s");
+    assert!(!m.path("src").exists());
+    fs::create_dir(m.path("newdir")).unwrap();
+    fs::rename(m.path("newdir"), m.path("emptydir")).unwrap();
+    assert!(m.path("emptydir").is_dir());
+    assert_eq!(errno_of(fs::rename(m.path("emptydir"), m.path("full"))), libc::ENOTEMPTY);
+    assert_eq!(errno_of(fs::rename(m.path("dst"), m.path("full"))), libc::EISDIR);
+    assert_eq!(errno_of(fs::rename(m.path("full"), m.path("dst"))), libc::ENOTDIR);
+}
+
+fn renameat2(from: &Path, to: &Path, flags: rustix::fs::RenameFlags) -> std::io::Result<()> {
+    rustix::fs::renameat_with(rustix::fs::CWD, from, rustix::fs::CWD, to, flags).map_err(Into::into)
+}
+
+#[test]
+fn rename_noreplace_and_exchange() {
+    let m = Mount::with(|l| {
+        write(l.join("a"), "A");
+        write(l.join("b"), "B");
+        write(l.join("d/in"), "in");
+    });
+    assert_eq!(errno_of(renameat2(&m.path("a"), &m.path("b"), rustix::fs::RenameFlags::NOREPLACE)), libc::EEXIST);
+    renameat2(&m.path("a"), &m.path("c"), rustix::fs::RenameFlags::NOREPLACE).unwrap();
+    renameat2(&m.path("c"), &m.path("b"), rustix::fs::RenameFlags::EXCHANGE).unwrap();
+    assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "A");
+    assert_eq!(fs::read_to_string(m.path("c")).unwrap(), "B");
+    renameat2(&m.path("d"), &m.path("c"), rustix::fs::RenameFlags::EXCHANGE).unwrap();
+    assert_eq!(fs::read_to_string(m.path("c/in")).unwrap(), "in");
+    assert_eq!(fs::read_to_string(m.path("d")).unwrap(), "B");
+}
+
+#[test]
+fn setattr_changes_mode_owner_times_and_size() {
+    let m = Mount::with(|l| write(l.join("f"), "0123456789"));
+    let f = m.path("f");
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o640)).unwrap();
+    std::os::unix::fs::chown(&f, Some(1234), Some(5678)).unwrap();
+    let t = std::time::UNIX_EPOCH + std::time::Duration::new(1_000_000_000, 5);
+    fs::File::options().write(true).open(&f).unwrap().set_times(fs::FileTimes::new().set_modified(t).set_accessed(t)).unwrap();
+    let md = fs::metadata(&f).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o640);
+    assert_eq!((md.uid(), md.gid()), (1234, 5678));
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_000_000_000, 5));
+    fs::File::options().write(true).open(&f).unwrap().set_len(4).unwrap();
+    assert_eq!(fs::read_to_string(&f).unwrap(), "0123");
+    assert_eq!(fs::read_to_string(m.lower(0).join("f")).unwrap(), "0123456789");
+}
+
+#[test]
+fn xattrs_round_trip_and_internal_ones_are_hidden() {
+    let m = Mount::with(|l| write(l.join("f"), "x"));
+    let f = m.path("f");
+    set_xattr(&f, "user.test", b"value");
+    assert_eq!(get_xattr(&f, "user.test").unwrap(), b"value");
+    let names = list_xattr(&f);
+    assert!(names.contains(&"user.test".to_string()));
+    assert!(names.iter().all(|n| !n.contains("mosaicfs") && !n.contains("overlay")), "{names:?}");
+    assert!(get_xattr(&f, "trusted.mosaicfs.partial").is_none());
+    rustix::fs::lremovexattr(&f, "user.test").unwrap();
+    assert!(get_xattr(&f, "user.test").is_none());
+}
+
+#[test]
+fn posix_acls_are_stored_and_enforced() {
+    let m = Mount::with(|l| write(l.join("f"), "secret"));
+    sh(&format!("chmod 600 {0}/f && setfacl -m u:4321:r {0}/f", m.mnt.display()));
+    let acl = sh(&format!("getfacl -c {}/f", m.mnt.display()));
+    assert!(acl.contains("user:4321:r"), "{acl}");
+    let out = std::process::Command::new("cat")
+        .arg(m.path("f"))
+        .uid(4321)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ACL grants read: {}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new("cat").arg(m.path("f")).uid(4322).output().unwrap();
+    assert!(!out.status.success(), "no ACL entry, mode 600: denied");
+}
+
+use std::os::unix::process::CommandExt;
+
+#[test]
+fn new_files_belong_to_the_caller() {
+    let m = Mount::with(|l| fs::create_dir(l.join("shared")).unwrap());
+    fs::set_permissions(m.path("shared"), fs::Permissions::from_mode(0o777)).unwrap();
+    let status = std::process::Command::new("sh")
+        .args(["-c", &format!("touch {0}/shared/mine && mkdir {0}/shared/dir", m.mnt.display())])
+        .uid(1000)
+        .gid(1001)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for n in ["shared/mine", "shared/dir"] {
+        let md = fs::metadata(m.path(n)).unwrap();
+        assert_eq!((md.uid(), md.gid()), (1000, 1001), "{n}");
+    }
+}
+
+#[test]
+fn statfs_reports_the_upper_file_system() {
+    let m = Mount::with(|_| {});
+    let a = rustix::fs::statvfs(&m.mnt).unwrap();
+    let b = rustix::fs::statvfs(&m.upper).unwrap();
+    assert_eq!(a.f_blocks, b.f_blocks);
+    assert!(a.f_namemax >= 255);
+}
+
+#[test]
+fn fsync_flock_and_fcntl_locks_work() {
+    let m = Mount::with(|l| write(l.join("f"), "x"));
+    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    f.sync_all().unwrap();
+    f.sync_data().unwrap();
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+    let g = fs::File::open(m.path("f")).unwrap();
+    assert!(rustix::fs::flock(&g, rustix::fs::FlockOperation::NonBlockingLockShared).is_err());
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::Unlock).unwrap();
+    rustix::fs::flock(&g, rustix::fs::FlockOperation::NonBlockingLockShared).unwrap();
+    let lock = libc::flock { l_type: libc::F_WRLCK as i16, l_whence: 0, l_start: 0, l_len: 0, l_pid: 0 };
+    // SAFETY: fcntl with a valid fd and a pointer to a live flock struct.
+    assert_eq!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_SETLK, &lock) }, 0);
+    fs::File::open(m.mnt.clone()).unwrap().sync_all().unwrap();
+}
+
+#[test]
+fn shared_writable_mmap_reaches_the_file() {
+    let m = Mount::with(|l| write(l.join("f"), vec![b'a'; 8192]));
+    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    // SAFETY: mapping 8192 bytes of a file of that size, unmapped below before the file closes.
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), 8192, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(&f), 0);
+        assert_ne!(p, libc::MAP_FAILED);
+        *(p as *mut u8).add(5000) = b'Z';
+        assert_eq!(libc::msync(p, 8192, libc::MS_SYNC), 0);
+        libc::munmap(p, 8192);
+    }
+    drop(f);
+    let data = fs::read(m.path("f")).unwrap();
+    assert_eq!(data[5000], b'Z');
+    assert_eq!(data.iter().filter(|b| **b == b'a').count(), 8191);
+}
+
+#[test]
+fn inode_numbers_survive_copy_up_and_remount() {
+    let mut m = Mount::with(|l| {
+        write(l.join("f"), "x");
+        write(l.join("d/g"), "y");
+        fs::hard_link(l.join("f"), l.join("f2")).unwrap();
+    });
+    let ino = |p: &str, m: &Mount| fs::symlink_metadata(m.path(p)).unwrap().ino();
+    let (f, d, g) = (ino("f", &m), ino("d", &m), ino("d/g", &m));
+    assert_eq!(ino("f2", &m), f, "lower hard links share one inode");
+    assert_eq!(fs::metadata(m.path("f")).unwrap().nlink(), 2);
+    fs::set_permissions(m.path("f"), fs::Permissions::from_mode(0o600)).unwrap();
+    write(m.path("d/g"), "changed");
+    assert_eq!((ino("f", &m), ino("d", &m), ino("d/g", &m)), (f, d, g));
+    m.remount();
+    assert_eq!((ino("f", &m), ino("d", &m), ino("d/g", &m)), (f, d, g));
+    write(m.path("new"), "n");
+    let n = ino("new", &m);
+    m.remount();
+    assert_eq!(ino("new", &m), n);
+    let mut all: Vec<u64> = ["f", "d", "d/g", "new", "."].iter().map(|p| ino(p, &m)).collect();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), 5, "unique in the mount");
+}
+
+#[test]
+fn open_unlinked_file_has_no_links_and_keeps_its_data() {
+    let m = Mount::with(|l| write(l.join("lowerfile"), "lower"));
+    write(m.path("upperfile"), "upper");
+    for name in ["upperfile", "lowerfile"] {
+        let mut f = fs::File::open(m.path(name)).unwrap();
+        fs::remove_file(m.path(name)).unwrap();
+        assert_eq!(f.metadata().unwrap().nlink(), 0, "{name}");
+        let mut s = String::new();
+        f.read_to_string(&mut s).unwrap();
+        assert!(s == "upper" || s == "lower");
+    }
+}
+
+#[test]
+fn overlong_names_give_enametoolong() {
+    let m = Mount::with(|_| {});
+    let long = "x".repeat(256);
+    assert_eq!(errno_of(fs::write(m.path(&long), "x")), libc::ENAMETOOLONG);
+    assert_eq!(errno_of(fs::metadata(m.path(&long))), libc::ENAMETOOLONG);
+    write(m.path(&"y".repeat(255)), "ok");
+}
+
+#[test]
+fn append_and_seek_on_lower_files() {
+    let m = Mount::with(|l| write(l.join("log"), "line1\n"));
+    let mut f = fs::OpenOptions::new().append(true).open(m.path("log")).unwrap();
+    f.write_all(b"line2\n").unwrap();
+    drop(f);
+    let mut f = fs::OpenOptions::new().read(true).write(true).open(m.path("log")).unwrap();
+    f.seek(SeekFrom::Start(4)).unwrap();
+    f.write_all(b"X").unwrap();
+    drop(f);
+    assert_eq!(fs::read_to_string(m.path("log")).unwrap(), "lineX\nline2\n");
+}
+
+#[test]
+fn read_only_overlay_without_upper() {
+    let mut m = Mount::new(2);
+    write(m.lower(0).join("a"), "A");
+    write(m.lower(1).join("b"), "B");
+    let opts = format!("lowerdir={}:{}", m.lower(0).display(), m.lower(1).display());
+    m.mount_with(&opts);
+    assert_eq!(names(&m.mnt), ["a", "b"]);
+    assert_eq!(errno_of(fs::write(m.path("c"), "x")), libc::EROFS);
+    assert_eq!(errno_of(fs::OpenOptions::new().write(true).open(m.path("a"))), libc::EROFS);
+}
+
+#[test]
+fn lower_symlinks_never_lead_outside_the_layer() {
+    let m = Mount::with(|l| {
+        std::os::unix::fs::symlink("/etc", l.join("escape")).unwrap();
+        std::os::unix::fs::symlink("../../..", l.join("up")).unwrap();
+    });
+    // Through the mount, the kernel resolves symlinks in the merged view; the daemon never
+    // follows them itself, so creating below them goes to the real /etc only via the kernel,
+    // and a name inside the symlink is not a directory of the layer.
+    assert_eq!(fs::read_link(m.path("escape")).unwrap(), Path::new("/etc"));
+    assert!(fs::symlink_metadata(m.path("up")).unwrap().file_type().is_symlink());
+    assert!(m.path("escape/passwd").exists(), "kernel follows the link to the host /etc");
+    assert!(!m.upper.join("etc").exists());
+}
