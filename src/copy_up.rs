@@ -116,7 +116,12 @@ impl Overlay {
                 let target = sys::read_link_at(ldir, lname)?;
                 rustix::fs::symlinkat(target.as_os_str(), work, tmp)?;
             }
-            kind => sys::mknod_at(work, tmp, kind | 0o600, lattr.rdev)?,
+            kind => {
+                sys::mknod_at(work, tmp, kind | 0o600, lattr.rdev)?;
+                if kind == libc::S_IFCHR && lattr.rdev == 0 {
+                    sys::set_xattr(work, Some(tmp), &self.layers.xattr.device, b"y", 0)?;
+                }
+            }
         }
         self.copy_xattrs(ldir, lname, work, tmp)?;
         let origin = node.ino.to_string();

@@ -161,11 +161,17 @@ impl Overlay {
 
     pub fn mknod(&self, parent: Ino, name: &OsStr, mode: u32, rdev: u64, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
         let kind = mode & libc::S_IFMT;
-        if kind == libc::S_IFCHR && rdev == 0 {
-            // A char device 0/0 is a whiteout in every overlay format.
+        let device_0_0 = kind == libc::S_IFCHR && rdev == 0;
+        if device_0_0 && self.layers.xattr.prefix != "trusted." {
+            // A char device 0/0 is a whiteout in every overlay format; only a trusted xattr
+            // (which devices can carry) can say this one is not.
             return Err(errno(libc::EPERM));
         }
         self.create_object(parent, name, caller, |dir, n| {
+            if device_0_0 {
+                sys::mknod_at(dir, n, mode, 0)?;
+                return sys::set_xattr(dir, Some(n), &self.layers.xattr.device, b"y", 0);
+            }
             if kind == libc::S_IFREG || kind == 0 {
                 let fd = rustix::fs::openat(
                     dir,

@@ -116,7 +116,7 @@ impl MosaicFs {
 
     fn entry(&self, reply: ReplyEntry, r: crate::error::Result<(Arc<crate::inode::Node>, Attr)>) {
         match r {
-            Ok((_, attr)) => reply.entry(&self.ttl(), &fuse_attr(&attr), Generation(0)),
+            Ok((node, attr)) => reply.entry(&self.ttl(), &fuse_attr(&attr), Generation(node.generation())),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -144,7 +144,7 @@ impl Filesystem for MosaicFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match self.core.lookup(parent.0, name) {
-            Ok((_, attr)) => reply.entry(&self.ttl(), &fuse_attr(&attr), Generation(0)),
+            Ok((node, attr)) => reply.entry(&self.ttl(), &fuse_attr(&attr), Generation(node.generation())),
             Err(e) if e.is(libc::ENOENT) => {
                 // A negative entry the kernel may cache: nothing appears here behind its back.
                 let mut a = fuse_attr(&Attr {
@@ -424,7 +424,13 @@ impl Filesystem for MosaicFs {
 
     fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
         match self.core.create(parent.0, name, mode, flags, &caller(req, umask)) {
-            Ok((_, attr, fh)) => reply.created(&self.ttl(), &fuse_attr(&attr), Generation(0), FileHandle(fh), FopenFlags::empty()),
+            Ok((node, attr, fh)) => reply.created(
+                &self.ttl(),
+                &fuse_attr(&attr),
+                Generation(node.generation()),
+                FileHandle(fh),
+                FopenFlags::empty(),
+            ),
             Err(e) => reply.error(errno(e)),
         }
     }

@@ -59,6 +59,10 @@ pub struct NodeState {
 
 pub struct Node {
     pub ino: Ino,
+    /// Bumped when the number is reused for a new object while the kernel may still hold the
+    /// old one (upper file systems reuse inode numbers): the kernel tells the two apart by
+    /// (nodeid, generation), and would otherwise take the new directory for the dead one.
+    generation: AtomicU64,
     state: Mutex<NodeState>,
     lookups: AtomicU64,
     /// Serialises copy-up of this object (held across the copy, unlike `state`).
@@ -72,6 +76,10 @@ impl Node {
 
     pub fn kind(&self) -> u32 {
         self.state().kind
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
     }
 
     pub fn is_dir(&self) -> bool {
@@ -102,6 +110,7 @@ impl InodeTable {
         };
         let root = Arc::new(Node {
             ino: ROOT_INO,
+            generation: AtomicU64::new(0),
             state: Mutex::new(NodeState {
                 kind: libc::S_IFDIR,
                 links: vec![(ROOT_INO, OsString::new())],
@@ -140,6 +149,7 @@ impl InodeTable {
                 .or_insert_with(|| {
                     Arc::new(Node {
                         ino: found.ino,
+                        generation: AtomicU64::new(0),
                         state: Mutex::new(NodeState {
                             kind: found.kind,
                             links: Vec::new(),
@@ -157,6 +167,12 @@ impl InodeTable {
         node.lookups.fetch_add(1, Ordering::Relaxed);
         {
             let mut st = node.state();
+            if st.unlinked || st.kind != found.kind {
+                // A new object under a number the old one left behind.
+                node.generation.fetch_add(1, Ordering::Relaxed);
+                st.open = Weak::new();
+                st.links.clear();
+            }
             st.kind = found.kind;
             st.upper = found.upper;
             st.lower = found.lower.clone();

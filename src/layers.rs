@@ -49,6 +49,8 @@ pub struct XattrNames {
     pub origin: String,
     pub partial: String,
     pub redirect: String,
+    /// On a char device 0/0: this is a real device made through the mount, not a whiteout.
+    pub device: String,
     pub opaque: &'static str,
 }
 
@@ -60,6 +62,7 @@ impl XattrNames {
             origin: format!("{prefix}mosaicfs.origin"),
             partial: format!("{prefix}mosaicfs.partial"),
             redirect: format!("{prefix}mosaicfs.redirect"),
+            device: format!("{prefix}mosaicfs.device"),
             opaque: if trusted {
                 "trusted.overlay.opaque"
             } else {
@@ -245,7 +248,8 @@ impl LayerStack {
     /// Whether `name` in `dir` (whose stat is `attr`) is a whiteout in any format.
     pub fn is_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr, attr: &Attr) -> Result<bool> {
         match attr.file_type() {
-            libc::S_IFCHR => Ok(attr.rdev == 0),
+            libc::S_IFCHR if attr.rdev == 0 => Ok(sys::get_xattr(dir, Some(name), &self.xattr.device)?.is_none()),
+            libc::S_IFCHR => Ok(false),
             libc::S_IFREG if attr.size == 0 => {
                 for key in WHITEOUT_XATTRS {
                     if sys::get_xattr(dir, Some(name), key)?.is_some() {

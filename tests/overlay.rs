@@ -153,11 +153,23 @@ fn special_files_can_be_made() {
     assert!(fs::symlink_metadata(m.path("blk")).unwrap().file_type().is_block_device());
     assert!(fs::symlink_metadata(m.path("sock")).unwrap().file_type().is_socket());
     drop(sock);
-    assert_eq!(
-        errno_of(rustix::fs::mknodat(rustix::fs::CWD, m.path("wh"), rustix::fs::FileType::CharacterDevice, rustix::fs::Mode::empty(), 0).map_err(std::io::Error::from)),
-        libc::EPERM,
-        "a 0/0 device would be a whiteout"
-    );
+}
+
+#[test]
+fn a_char_device_0_0_made_through_the_mount_is_a_device_not_a_whiteout() {
+    let mut m = Mount::with(|_| {});
+    rustix::fs::mknodat(rustix::fs::CWD, m.path("null0"), rustix::fs::FileType::CharacterDevice, rustix::fs::Mode::from_raw_mode(0o644), 0).unwrap();
+    let check = |m: &Mount| {
+        let md = fs::symlink_metadata(m.path("null0")).unwrap();
+        assert!(md.file_type().is_char_device());
+        assert_eq!(md.rdev(), 0);
+        assert_eq!(names(&m.mnt), ["null0"]);
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    fs::remove_file(m.path("null0")).unwrap();
+    assert!(names(&m.mnt).is_empty());
 }
 
 #[test]
