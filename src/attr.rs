@@ -58,7 +58,12 @@ impl Overlay {
                 _ => return Err(errno(libc::EINVAL)),
             }
         }
-        if set.mode.is_some() || set.uid.is_some() || set.gid.is_some() || set.atime.is_some() || set.mtime.is_some() {
+        if set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || set.atime.is_some()
+            || set.mtime.is_some()
+        {
             self.copy_up(&node)?;
             let (dir, name) = self.upper_at(&node)?;
             let (dir, name) = (dir.as_fd(), name.as_os_str());
@@ -73,7 +78,12 @@ impl Overlay {
                 }
             }
             if set.atime.is_some() || set.mtime.is_some() {
-                sys::utimens_at(dir, name, set.atime.unwrap_or(Time::Omit), set.mtime.unwrap_or(Time::Omit))?;
+                sys::utimens_at(
+                    dir,
+                    name,
+                    set.atime.unwrap_or(Time::Omit),
+                    set.mtime.unwrap_or(Time::Omit),
+                )?;
             }
         }
         self.getattr(ino)

@@ -49,7 +49,11 @@ impl Overlay {
             if st.upper {
                 return Ok(());
             }
-            let (p, n) = st.links.first().cloned().ok_or_else(|| errno(libc::ENOENT))?;
+            let (p, n) = st
+                .links
+                .first()
+                .cloned()
+                .ok_or_else(|| errno(libc::ENOENT))?;
             (p, n, st.lower.clone().ok_or_else(|| errno(libc::ENOENT))?)
         };
         let pnode = self.node(parent)?;
@@ -106,7 +110,12 @@ impl Overlay {
                     } else {
                         // No sparse files on the upper file system (reported at mount): the
                         // only correct copy-up left is a whole one.
-                        let src = sys::open_beneath(self.layers.root(lower.top()), &lower.path, OFlags::RDONLY, 0)?;
+                        let src = sys::open_beneath(
+                            self.layers.root(lower.top()),
+                            &lower.path,
+                            OFlags::RDONLY,
+                            0,
+                        )?;
                         copy_all(src.as_fd(), fd.as_fd(), lattr.size)?;
                     }
                 }
@@ -125,7 +134,13 @@ impl Overlay {
         }
         self.copy_xattrs(ldir, lname, work, tmp)?;
         let origin = node.ino.to_string();
-        if let Err(e) = sys::set_xattr(work, Some(tmp), &self.layers.xattr.origin, origin.as_bytes(), 0) {
+        if let Err(e) = sys::set_xattr(
+            work,
+            Some(tmp),
+            &self.layers.xattr.origin,
+            origin.as_bytes(),
+            0,
+        ) {
             // user.* xattrs cannot sit on symlinks or devices: their inode number then changes
             // on copy-up. Anything else is a real failure.
             if lattr.is_reg() || lattr.is_dir() {
@@ -146,19 +161,32 @@ impl Overlay {
     }
 
     /// Copies the xattrs of a lower object that belong to the file, not to an overlay.
-    fn copy_xattrs(&self, sdir: BorrowedFd<'_>, sname: &OsStr, ddir: BorrowedFd<'_>, dname: &OsStr) -> Result<()> {
+    fn copy_xattrs(
+        &self,
+        sdir: BorrowedFd<'_>,
+        sname: &OsStr,
+        ddir: BorrowedFd<'_>,
+        dname: &OsStr,
+    ) -> Result<()> {
         for key in sys::list_xattr(sdir, Some(sname))? {
             if is_internal_xattr(key.as_encoded_bytes()) {
                 continue;
             }
-            let Ok(value) = sys::get_xattr_raw(sdir, Some(sname), &key) else { continue };
+            let Ok(value) = sys::get_xattr_raw(sdir, Some(sname), &key) else {
+                continue;
+            };
             match sys::set_xattr(ddir, Some(dname), &key, &value, 0) {
                 Ok(()) => {}
                 // security.* labels the upper file system will not take are not file content.
                 Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) || e.is(libc::EACCES) => {
                     log::debug!("xattr {key:?} not copied up: {e}");
                 }
-                Err(e) => return Err(Error::with_context(e.errno(), format!("copying xattr {key:?}"))),
+                Err(e) => {
+                    return Err(Error::with_context(
+                        e.errno(),
+                        format!("copying xattr {key:?}"),
+                    ));
+                }
             }
         }
         Ok(())

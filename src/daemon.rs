@@ -24,7 +24,11 @@ impl log::Log for StderrLogger {
     }
     fn log(&self, r: &log::Record<'_>) {
         if self.enabled(r.metadata()) && r.target().starts_with("mosaicfs") {
-            eprintln!("mosaicfs: {}: {}", r.level().as_str().to_lowercase(), r.args());
+            eprintln!(
+                "mosaicfs: {}: {}",
+                r.level().as_str().to_lowercase(),
+                r.args()
+            );
         }
     }
     fn flush(&self) {}
@@ -71,6 +75,7 @@ pub fn main() -> i32 {
             return 0;
         }
         Ok(Command::Mount(o)) => o,
+        Ok(Command::Remount(o)) => return remount(&o),
         Err(e) => {
             eprintln!("mosaicfs: {e}");
             return 2;
@@ -89,10 +94,44 @@ pub fn main() -> i32 {
     }
 }
 
+/// Remounting changes only the kernel's mount flags; the daemon serving the mount stays.
+fn remount(opts: &Options) -> i32 {
+    let flags = if opts.read_only {
+        rustix::mount::MountFlags::RDONLY
+    } else {
+        rustix::mount::MountFlags::empty()
+    };
+    // The kernel answers EBUSY while an unlinked file's last RELEASE is still in flight to the
+    // daemon (FUSE releases asynchronously): give those a moment to finish.
+    let mut tries = 0;
+    let result = loop {
+        match rustix::mount::mount_remount(&opts.mountpoint, flags, "") {
+            Err(rustix::io::Errno::BUSY) if opts.read_only && tries < 40 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            r => break r,
+        }
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!(
+                "mosaicfs: cannot remount '{}': {e}",
+                opts.mountpoint.display()
+            );
+            1
+        }
+    }
+}
+
 fn check_mountpoint(opts: &Options) -> Result<(), String> {
     match std::fs::metadata(&opts.mountpoint) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(format!("mount point '{}' is not a directory", opts.mountpoint.display())),
+        Ok(_) => Err(format!(
+            "mount point '{}' is not a directory",
+            opts.mountpoint.display()
+        )),
         Err(e) => Err(format!(
             "mount point '{}' cannot be used: {e}; create it first",
             opts.mountpoint.display()
@@ -185,7 +224,11 @@ fn fuser_config(opts: &Options) -> fuser::Config {
     cfg
 }
 
-fn serve(overlay: Arc<Overlay>, opts: &Options, notify: &mut Option<OwnedFd>) -> Result<(), String> {
+fn serve(
+    overlay: Arc<Overlay>,
+    opts: &Options,
+    notify: &mut Option<OwnedFd>,
+) -> Result<(), String> {
     let fs = MosaicFs {
         core: overlay,
         max_write: opts.max_write,
@@ -200,7 +243,9 @@ fn serve(overlay: Arc<Overlay>, opts: &Options, notify: &mut Option<OwnedFd>) ->
         drop(f);
         detach_stdio();
     }
-    session.run().map_err(|e| format!("FUSE session ended: {e}"))
+    session
+        .run()
+        .map_err(|e| format!("FUSE session ended: {e}"))
 }
 
 /// SIGTERM, SIGINT and SIGHUP unmount (lazily), which ends the session cleanly.
@@ -217,7 +262,11 @@ fn spawn_signal_handler(mountpoint: std::path::PathBuf) {
 }
 
 fn detach_stdio() {
-    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
         let _ = rustix::stdio::dup2_stdin(&null);
         let _ = rustix::stdio::dup2_stdout(&null);
         let _ = rustix::stdio::dup2_stderr(&null);

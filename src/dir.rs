@@ -111,7 +111,13 @@ impl Overlay {
     }
 
     /// Gives a new object its owner: the caller, with the group of a setgid parent.
-    fn own_new(&self, dir: BorrowedFd<'_>, name: &OsStr, caller: &Caller, parent: &Attr) -> Result<()> {
+    fn own_new(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &OsStr,
+        caller: &Caller,
+        parent: &Attr,
+    ) -> Result<()> {
         let before = sys::stat_at(dir, name)?;
         let gid = if parent.mode & libc::S_ISGID != 0 {
             parent.gid
@@ -124,7 +130,10 @@ impl Overlay {
             // chown clears set-id bits of non-directories; the creator asked for them.
             if !before.is_dir() && !before.is_symlink() && before.mode & 0o6000 != 0 {
                 let mut mode = before.mode;
-                if parent.mode & libc::S_ISGID == 0 && caller.uid != 0 && gid != self.config.gid_map.to_outside(caller.gid) {
+                if parent.mode & libc::S_ISGID == 0
+                    && caller.uid != 0
+                    && gid != self.config.gid_map.to_outside(caller.gid)
+                {
                     mode &= !libc::S_ISGID;
                 }
                 sys::chmod_at(dir, name, mode)?;
@@ -141,7 +150,13 @@ impl Overlay {
     }
 
     /// Moves the new object `tmp` (in the work dir) over the whiteout `name` in `udir`.
-    fn replace_whiteout(&self, work: BorrowedFd<'_>, tmp: &OsStr, udir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+    fn replace_whiteout(
+        &self,
+        work: BorrowedFd<'_>,
+        tmp: &OsStr,
+        udir: BorrowedFd<'_>,
+        name: &OsStr,
+    ) -> Result<()> {
         if sys::stat_at(work, tmp)?.is_dir() {
             // A directory cannot replace a non-directory by rename: exchange, then drop the
             // whiteout. It is opaque: the lower directory it replaces was deleted.
@@ -153,13 +168,30 @@ impl Overlay {
         }
     }
 
-    pub fn mkdir(&self, parent: Ino, name: &OsStr, mode: u32, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
+    pub fn mkdir(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        mode: u32,
+        caller: &Caller,
+    ) -> Result<(Arc<Node>, Attr)> {
         self.create_object(parent, name, caller, |dir, n| {
-            Ok(rustix::fs::mkdirat(dir, n, Mode::from_raw_mode(mode & 0o7777))?)
+            Ok(rustix::fs::mkdirat(
+                dir,
+                n,
+                Mode::from_raw_mode(mode & 0o7777),
+            )?)
         })
     }
 
-    pub fn mknod(&self, parent: Ino, name: &OsStr, mode: u32, rdev: u64, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
+    pub fn mknod(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        mode: u32,
+        rdev: u64,
+        caller: &Caller,
+    ) -> Result<(Arc<Node>, Attr)> {
         let kind = mode & libc::S_IFMT;
         let device_0_0 = kind == libc::S_IFCHR && rdev == 0;
         if device_0_0 && self.layers.xattr.prefix != "trusted." {
@@ -187,12 +219,27 @@ impl Overlay {
         })
     }
 
-    pub fn symlink(&self, parent: Ino, name: &OsStr, target: &Path, caller: &Caller) -> Result<(Arc<Node>, Attr)> {
-        self.create_object(parent, name, caller, |dir, n| Ok(rustix::fs::symlinkat(target, dir, n)?))
+    pub fn symlink(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        target: &Path,
+        caller: &Caller,
+    ) -> Result<(Arc<Node>, Attr)> {
+        self.create_object(parent, name, caller, |dir, n| {
+            Ok(rustix::fs::symlinkat(target, dir, n)?)
+        })
     }
 
     /// create(2): makes the file and opens it. An existing file is opened unless `O_EXCL`.
-    pub fn create(&self, parent: Ino, name: &OsStr, mode: u32, flags: i32, caller: &Caller) -> Result<(Arc<Node>, Attr, u64)> {
+    pub fn create(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        mode: u32,
+        flags: i32,
+        caller: &Caller,
+    ) -> Result<(Arc<Node>, Attr, u64)> {
         let made = self.create_object(parent, name, caller, |dir, n| {
             let fd = rustix::fs::openat(
                 dir,
@@ -205,7 +252,9 @@ impl Overlay {
         });
         let (node, attr) = match made {
             Ok(v) => v,
-            Err(e) if e.is(libc::EEXIST) && flags & libc::O_EXCL == 0 => self.lookup(parent, name)?,
+            Err(e) if e.is(libc::EEXIST) && flags & libc::O_EXCL == 0 => {
+                self.lookup(parent, name)?
+            }
             Err(e) => return Err(e),
         };
         if node.kind() == libc::S_IFDIR {
@@ -233,7 +282,9 @@ impl Overlay {
         let src = self.upper_path(ino)?;
         let (sdir, sname) = self.parent_of(UPPER, &src)?;
         match self.shadow(udir, newname)? {
-            Shadow::Nothing => rustix::fs::linkat(sdir.as_fd(), sname, udir, newname, AtFlags::empty())?,
+            Shadow::Nothing => {
+                rustix::fs::linkat(sdir.as_fd(), sname, udir, newname, AtFlags::empty())?
+            }
             shadow => {
                 let work = self.layers.work()?;
                 let tmp = temp_name("link");
@@ -272,7 +323,11 @@ impl Overlay {
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
             sys::mknod_at(work, &tmp, libc::S_IFCHR, 0)?;
-            let flags = if entry.attr.is_dir() { RenameFlags::EXCHANGE } else { RenameFlags::empty() };
+            let flags = if entry.attr.is_dir() {
+                RenameFlags::EXCHANGE
+            } else {
+                RenameFlags::empty()
+            };
             if let Err(e) = sys::rename_at(work, &tmp, udir, name, flags) {
                 let _ = rustix::fs::unlinkat(work, &tmp, AtFlags::empty());
                 return Err(e);
@@ -301,7 +356,9 @@ impl Overlay {
         check_name(name)?;
         let pnode = self.node(parent)?;
         let view = self.dir_view(&pnode)?;
-        let entry = self.resolve(&view, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        let entry = self
+            .resolve(&view, name)?
+            .ok_or_else(|| errno(libc::ENOENT))?;
         if entry.attr.is_dir() {
             return Err(errno(libc::EISDIR));
         }
@@ -312,13 +369,20 @@ impl Overlay {
 
     fn entry_view(&self, parent: &Node, name: &OsStr, entry: &Entry) -> Result<DirView> {
         Ok(DirView {
-            upper: if entry.found.upper { Some(self.upper_path(parent.ino)?.join(name)) } else { None },
+            upper: if entry.found.upper {
+                Some(self.upper_path(parent.ino)?.join(name))
+            } else {
+                None
+            },
             lower: entry.found.lower.clone(),
         })
     }
 
     fn check_empty_dir(&self, parent: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
-        if !self.list_view(&self.entry_view(parent, name, entry)?)?.is_empty() {
+        if !self
+            .list_view(&self.entry_view(parent, name, entry)?)?
+            .is_empty()
+        {
             return Err(errno(libc::ENOTEMPTY));
         }
         Ok(())
@@ -332,7 +396,9 @@ impl Overlay {
         }
         let pnode = self.node(parent)?;
         let view = self.dir_view(&pnode)?;
-        let entry = self.resolve(&view, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        let entry = self
+            .resolve(&view, name)?
+            .ok_or_else(|| errno(libc::ENOENT))?;
         if !entry.attr.is_dir() {
             return Err(errno(libc::ENOTDIR));
         }
@@ -344,12 +410,20 @@ impl Overlay {
 
     /// Records where a directory's lower part is, before the directory moves away from it.
     fn set_redirect(&self, node: &Node) -> Result<()> {
-        let Some(lower) = node.state().lower.clone() else { return Ok(()) };
+        let Some(lower) = node.state().lower.clone() else {
+            return Ok(());
+        };
         let path = self.upper_path(node.ino)?;
         let (dir, name) = self.parent_of(UPPER, &path)?;
         let mut target = b"/".to_vec();
         target.extend_from_slice(lower.path.as_os_str().as_bytes());
-        sys::set_xattr(dir.as_fd(), Some(name), &self.layers.xattr.redirect, &target, 0)
+        sys::set_xattr(
+            dir.as_fd(),
+            Some(name),
+            &self.layers.xattr.redirect,
+            &target,
+            0,
+        )
     }
 
     fn node_for(&self, parent: Ino, name: &OsStr, entry: &Entry) -> Arc<Node> {
@@ -364,18 +438,28 @@ impl Overlay {
         }
     }
 
-    pub fn rename(&self, parent: Ino, name: &OsStr, newparent: Ino, newname: &OsStr, flags: u32) -> Result<()> {
+    pub fn rename(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        newparent: Ino,
+        newname: &OsStr,
+        flags: u32,
+    ) -> Result<()> {
         self.check_writable()?;
         check_name(name)?;
         self.check_new_name(newname)?;
         let exchange = flags & libc::RENAME_EXCHANGE != 0;
         let noreplace = flags & libc::RENAME_NOREPLACE != 0;
-        if flags & !(libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) != 0 || (exchange && noreplace) {
+        if flags & !(libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) != 0 || (exchange && noreplace)
+        {
             return Err(errno(libc::EINVAL));
         }
         let pnode = self.node(parent)?;
         let npnode = self.node(newparent)?;
-        let src = self.resolve(&self.dir_view(&pnode)?, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        let src = self
+            .resolve(&self.dir_view(&pnode)?, name)?
+            .ok_or_else(|| errno(libc::ENOENT))?;
         let dst = self.resolve(&self.dir_view(&npnode)?, newname)?;
         match (&dst, exchange) {
             (Some(_), false) if noreplace => return Err(errno(libc::EEXIST)),
@@ -412,7 +496,8 @@ impl Overlay {
         let ddir = self.upper_dir(&npnode)?;
         let (sdir, ddir) = (sdir.as_fd(), ddir.as_fd());
         // A directory without lower parts that lands on a name a lower layer has must hide it.
-        let opaque_src = snode.is_dir() && snode.state().lower.is_none() && self.lower_has(&npnode, newname)?;
+        let opaque_src =
+            snode.is_dir() && snode.state().lower.is_none() && self.lower_has(&npnode, newname)?;
         if opaque_src {
             self.layers.make_opaque(sdir, name)?;
         }
@@ -436,7 +521,9 @@ impl Overlay {
             if let Some(d) = &dst {
                 if d.found.upper && d.attr.is_dir() {
                     // The merged view says it is empty; the upper part may still hold whiteouts.
-                    let dsub = self.layers.dir(UPPER, &self.upper_path(newparent)?.join(newname))?;
+                    let dsub = self
+                        .layers
+                        .dir(UPPER, &self.upper_path(newparent)?.join(newname))?;
                     for e in sys::read_dir(ddir, Path::new(newname))? {
                         remove_tree(dsub.as_fd(), &e.name)?;
                     }

@@ -93,7 +93,11 @@ impl PartialFile {
         for (s, e) in self.blocks.present_in(off / bs, end.div_ceil(bs)) {
             let (ps, pe) = ((s * bs).max(off), (e * bs).min(end));
             self.read_absent(&mut buf, off, cursor, ps)?;
-            sys::pread_full(self.upper.as_fd(), &mut buf[(ps - off) as usize..(pe - off) as usize], ps)?;
+            sys::pread_full(
+                self.upper.as_fd(),
+                &mut buf[(ps - off) as usize..(pe - off) as usize],
+                ps,
+            )?;
             cursor = pe;
         }
         self.read_absent(&mut buf, off, cursor, end)?;
@@ -105,7 +109,11 @@ impl PartialFile {
     fn read_absent(&self, buf: &mut [u8], base: u64, a: u64, b: u64) -> Result<()> {
         let b = b.min(self.mark.valid);
         if a < b {
-            sys::pread_full(self.lower.as_fd(), &mut buf[(a - base) as usize..(b - base) as usize], a)?;
+            sys::pread_full(
+                self.lower.as_fd(),
+                &mut buf[(a - base) as usize..(b - base) as usize],
+                a,
+            )?;
         }
         Ok(())
     }
@@ -189,11 +197,21 @@ impl PartialFile {
 
     /// fallocate on a partial file, translated so that a hole below `valid` is never created
     /// where data must read as zeros, and no block below `valid` is allocated without its data.
-    pub fn fallocate(&mut self, off: u64, len: u64, mode: FallocateFlags, names: &crate::layers::XattrNames) -> Result<()> {
+    pub fn fallocate(
+        &mut self,
+        off: u64,
+        len: u64,
+        mode: FallocateFlags,
+        names: &crate::layers::XattrNames,
+    ) -> Result<()> {
         let end = off.checked_add(len).ok_or_else(|| errno(libc::EFBIG))?;
         let keep = mode.contains(FallocateFlags::KEEP_SIZE);
         let bs = self.block;
-        if mode.intersects(FallocateFlags::COLLAPSE_RANGE | FallocateFlags::INSERT_RANGE | FallocateFlags::UNSHARE_RANGE) {
+        if mode.intersects(
+            FallocateFlags::COLLAPSE_RANGE
+                | FallocateFlags::INSERT_RANGE
+                | FallocateFlags::UNSHARE_RANGE,
+        ) {
             return Err(errno(libc::EOPNOTSUPP));
         }
         if mode.intersects(FallocateFlags::PUNCH_HOLE | FallocateFlags::ZERO_RANGE) {
@@ -262,7 +280,12 @@ impl Overlay {
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
-            let fd = sys::open_beneath(self.layers.root(lower.top()), &lower.path, OFlags::RDONLY, 0)?;
+            let fd = sys::open_beneath(
+                self.layers.root(lower.top()),
+                &lower.path,
+                OFlags::RDONLY,
+                0,
+            )?;
             return Ok(FileData::Lower(fd));
         }
         let path = self.upper_path(node.ino)?;
@@ -272,13 +295,20 @@ impl Overlay {
             sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDWR, 0)?
         };
         let mut buf = vec![0u8; 4096];
-        let raw = match rustix::fs::fgetxattr(&fd, self.layers.xattr.partial.as_str(), &mut buf[..]) {
+        let raw = match rustix::fs::fgetxattr(&fd, self.layers.xattr.partial.as_str(), &mut buf[..])
+        {
             Ok(n) => &buf[..n],
-            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => return Ok(FileData::Upper(fd)),
+            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => {
+                return Ok(FileData::Upper(fd));
+            }
             Err(e) => return Err(e.into()),
         };
         let mark = PartialMark::decode(raw).map_err(|why| {
-            let msg = format!("damaged {} xattr on upper file '{}': {why}", self.layers.xattr.partial, path.display());
+            let msg = format!(
+                "damaged {} xattr on upper file '{}': {why}",
+                self.layers.xattr.partial,
+                path.display()
+            );
             log::error!("{msg}");
             Error::with_context(libc::EIO, msg)
         })?;
@@ -315,7 +345,9 @@ impl Overlay {
             .map_err(|e| refuse(format!("cannot be opened ({e})")))?;
         let attr = sys::fstat(fd.as_fd())?;
         if !mark.matches(&attr) {
-            return Err(refuse("changed since the partial file was made (size or mtime differ)".into()));
+            return Err(refuse(
+                "changed since the partial file was made (size or mtime differ)".into(),
+            ));
         }
         Ok(fd)
     }
@@ -340,7 +372,9 @@ impl Overlay {
 
     /// After `node` was copied up, moves its open state (if any) to the upper file.
     pub fn refresh_open(&self, node: &Node) -> Result<()> {
-        let Some(f) = node.state().open.upgrade() else { return Ok(()) };
+        let Some(f) = node.state().open.upgrade() else {
+            return Ok(());
+        };
         let mut data = f.write_data();
         if matches!(&*data, FileData::Lower(_)) {
             *data = self.open_data(node)?;
@@ -405,14 +439,23 @@ impl Overlay {
         let mut fd_data = h.file.write_data();
         match &mut *fd_data {
             FileData::Upper(fd) => {
-                let off = if h.append { sys::fstat(fd.as_fd())?.size } else { off };
+                let off = if h.append {
+                    sys::fstat(fd.as_fd())?.size
+                } else {
+                    off
+                };
                 sys::pwrite_full(fd.as_fd(), data, off)?;
             }
             FileData::Partial(p) => {
                 let off = if h.append { p.size } else { off };
                 p.write(off, data)?;
             }
-            FileData::Lower(_) => return Err(Error::with_context(libc::EIO, "write to a file not copied up")),
+            FileData::Lower(_) => {
+                return Err(Error::with_context(
+                    libc::EIO,
+                    "write to a file not copied up",
+                ));
+            }
         }
         Ok(data.len() as u32)
     }
@@ -482,7 +525,12 @@ impl Overlay {
             return Ok(());
         }
         let path = self.upper_path(ino)?;
-        let fd = sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDONLY | OFlags::DIRECTORY, 0)?;
+        let fd = sys::open_beneath(
+            self.layers.root(UPPER),
+            &path,
+            OFlags::RDONLY | OFlags::DIRECTORY,
+            0,
+        )?;
         rustix::fs::fsync(&fd)?;
         Ok(())
     }

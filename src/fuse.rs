@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
-    WriteFlags,
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::attr::SetAttr;
@@ -116,7 +116,11 @@ impl MosaicFs {
 
     fn entry(&self, reply: ReplyEntry, r: crate::error::Result<(Arc<crate::inode::Node>, Attr)>) {
         match r {
-            Ok((node, attr)) => reply.entry(&self.ttl(), &fuse_attr(&attr), Generation(node.generation())),
+            Ok((node, attr)) => reply.entry(
+                &self.ttl(),
+                &fuse_attr(&attr),
+                Generation(node.generation()),
+            ),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -144,12 +148,27 @@ impl Filesystem for MosaicFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match self.core.lookup(parent.0, name) {
-            Ok((node, attr)) => reply.entry(&self.ttl(), &fuse_attr(&attr), Generation(node.generation())),
+            Ok((node, attr)) => reply.entry(
+                &self.ttl(),
+                &fuse_attr(&attr),
+                Generation(node.generation()),
+            ),
             Err(e) if e.is(libc::ENOENT) => {
                 // A negative entry the kernel may cache: nothing appears here behind its back.
                 let mut a = fuse_attr(&Attr {
-                    dev: 0, ino: 0, mode: 0, nlink: 0, uid: 0, gid: 0, rdev: 0, size: 0, blocks: 0,
-                    blksize: 0, atime: (0, 0), mtime: (0, 0), ctime: (0, 0),
+                    dev: 0,
+                    ino: 0,
+                    mode: 0,
+                    nlink: 0,
+                    uid: 0,
+                    gid: 0,
+                    rdev: 0,
+                    size: 0,
+                    blocks: 0,
+                    blksize: 0,
+                    atime: (0, 0),
+                    mtime: (0, 0),
+                    ctime: (0, 0),
                 });
                 a.ino = INodeNo(0);
                 reply.entry(&self.ttl(), &a, Generation(0))
@@ -208,12 +227,31 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
-        let r = self.core.mknod(parent.0, name, mode, decode_dev(rdev), &caller(req, umask));
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = self
+            .core
+            .mknod(parent.0, name, mode, decode_dev(rdev), &caller(req, umask));
         self.entry(reply, r)
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
         let r = self.core.mkdir(parent.0, name, mode, &caller(req, umask));
         self.entry(reply, r)
     }
@@ -232,8 +270,17 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
-        let r = self.core.symlink(parent.0, link_name, target, &caller(req, 0));
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let r = self
+            .core
+            .symlink(parent.0, link_name, target, &caller(req, 0));
         self.entry(reply, r)
     }
 
@@ -247,13 +294,23 @@ impl Filesystem for MosaicFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self.core.rename(parent.0, name, newparent.0, newname, flags.bits()) {
+        match self
+            .core
+            .rename(parent.0, name, newparent.0, newname, flags.bits())
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
         let r = self.core.link(ino.0, newparent.0, newname);
         self.entry(reply, r)
     }
@@ -300,7 +357,14 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         reply.ok();
     }
 
@@ -318,7 +382,14 @@ impl Filesystem for MosaicFs {
         reply.ok();
     }
 
-    fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.core.fsync(fh.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -332,7 +403,14 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let r = self.core.readdir(ino.0, fh.0, offset, |e, next| {
             reply.add(INodeNo(e.ino), next, file_type(e.kind), &e.name)
         });
@@ -342,16 +420,37 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn readdirplus(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _offset: u64, reply: ReplyDirectoryPlus) {
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        reply: ReplyDirectoryPlus,
+    ) {
         reply.error(Errno::ENOSYS);
     }
 
-    fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
         self.core.releasedir(fh.0);
         reply.ok();
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.core.fsyncdir(ino.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -422,8 +521,20 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
-        match self.core.create(parent.0, name, mode, flags, &caller(req, umask)) {
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        match self
+            .core
+            .create(parent.0, name, mode, flags, &caller(req, umask))
+        {
             Ok((node, attr, fh)) => reply.created(
                 &self.ttl(),
                 &fuse_attr(&attr),
@@ -435,7 +546,16 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn fallocate(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
         match self.core.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),

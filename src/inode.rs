@@ -122,7 +122,11 @@ impl InodeTable {
             lookups: AtomicU64::new(1),
             copy_up: Mutex::new(()),
         });
-        table.shard(ROOT_INO).write().unwrap().insert(ROOT_INO, root);
+        table
+            .shard(ROOT_INO)
+            .write()
+            .unwrap()
+            .insert(ROOT_INO, root);
         table
     }
 
@@ -143,7 +147,10 @@ impl InodeTable {
     /// Records a lookup of `name` in `parent` and counts one kernel reference to it.
     pub fn remember(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
         let node = {
-            let mut shard = self.shard(found.ino).write().unwrap_or_else(|e| e.into_inner());
+            let mut shard = self
+                .shard(found.ino)
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
             shard
                 .entry(found.ino)
                 .or_insert_with(|| {
@@ -195,7 +202,10 @@ impl InodeTable {
         }
         let mut shard = self.shard(ino).write().unwrap_or_else(|e| e.into_inner());
         if let Some(node) = shard.get(&ino) {
-            let prev = node.lookups.fetch_sub(n.min(node.lookups.load(Ordering::Relaxed)), Ordering::Relaxed);
+            let prev = node.lookups.fetch_sub(
+                n.min(node.lookups.load(Ordering::Relaxed)),
+                Ordering::Relaxed,
+            );
             if prev <= n {
                 shard.remove(&ino);
             }
@@ -203,7 +213,10 @@ impl InodeTable {
     }
 
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.read().map_or(0, |s| s.len())).sum()
+        self.shards
+            .iter()
+            .map(|s| s.read().map_or(0, |s| s.len()))
+            .sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -227,7 +240,8 @@ impl InoMap {
             st_ino | ((dev_index + 1) << TAG_SHIFT)
         } else {
             // Too large to tag: fold, keeping the tag. Collisions need 2^56 inodes on one layer.
-            (st_ino ^ (st_ino >> TAG_SHIFT)) & ((1 << TAG_SHIFT) - 1) | ((dev_index + 1) << TAG_SHIFT)
+            (st_ino ^ (st_ino >> TAG_SHIFT)) & ((1 << TAG_SHIFT) - 1)
+                | ((dev_index + 1) << TAG_SHIFT)
         };
         // 1 is the FUSE root and 0 is invalid; a file system's own root may be numbered 1.
         match ino {

@@ -97,15 +97,22 @@ pub struct LayerStack {
 }
 
 fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Attr), String> {
-    let fd = rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, rustix::fs::Mode::empty())
-        .map_err(|e| {
-            let e = std::io::Error::from(e);
-            match e.raw_os_error() {
-                Some(libc::ENOENT) => format!("{what} '{}' does not exist: create it or fix the path", path.display()),
-                Some(libc::ENOTDIR) => format!("{what} '{}' is not a directory", path.display()),
-                _ => format!("{what} '{}' cannot be opened: {e}", path.display()),
-            }
-        })?;
+    let fd = rustix::fs::open(
+        path,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| {
+        let e = std::io::Error::from(e);
+        match e.raw_os_error() {
+            Some(libc::ENOENT) => format!(
+                "{what} '{}' does not exist: create it or fix the path",
+                path.display()
+            ),
+            Some(libc::ENOTDIR) => format!("{what} '{}' is not a directory", path.display()),
+            _ => format!("{what} '{}' cannot be opened: {e}", path.display()),
+        }
+    })?;
     let attr = sys::fstat(fd.as_fd()).map_err(|e| format!("{what} '{}': {e}", path.display()))?;
     Ok((fd, attr))
 }
@@ -171,7 +178,10 @@ impl LayerStack {
                 ));
             }
             if let Some(fs) = unsupported_fs(ufd.as_fd()) {
-                return Err(format!("upperdir '{}' is on {fs}, which cannot hold an upper layer", upper.display()));
+                return Err(format!(
+                    "upperdir '{}' is on {fs}, which cannot hold an upper layer",
+                    upper.display()
+                ));
             }
             if !read_only {
                 let wsub = prepare_work_dir(wfd.as_fd(), &work)?;
@@ -193,7 +203,10 @@ impl LayerStack {
             let path = canonical(lower, &what)?;
             let (fd, attr) = open_layer_root(&path, &what)?;
             if let Some(fs) = unsupported_fs(fd.as_fd()) {
-                return Err(format!("{what} '{}' is on {fs}, which cannot be a layer", path.display()));
+                return Err(format!(
+                    "{what} '{}' is on {fs}, which cannot be a layer",
+                    path.display()
+                ));
             }
             if !has_upper && i == 0 {
                 // Keep indices stable: layer 0 is the upper layer or a stand-in for it.
@@ -229,7 +242,10 @@ impl LayerStack {
     }
 
     pub fn work(&self) -> Result<BorrowedFd<'_>> {
-        self.work.as_ref().map(|w| w.as_fd()).ok_or_else(|| errno(libc::EROFS))
+        self.work
+            .as_ref()
+            .map(|w| w.as_fd())
+            .ok_or_else(|| errno(libc::EROFS))
     }
 
     pub fn upper(&self) -> Result<BorrowedFd<'_>> {
@@ -248,7 +264,9 @@ impl LayerStack {
     /// Whether `name` in `dir` (whose stat is `attr`) is a whiteout in any format.
     pub fn is_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr, attr: &Attr) -> Result<bool> {
         match attr.file_type() {
-            libc::S_IFCHR if attr.rdev == 0 => Ok(sys::get_xattr(dir, Some(name), &self.xattr.device)?.is_none()),
+            libc::S_IFCHR if attr.rdev == 0 => {
+                Ok(sys::get_xattr(dir, Some(name), &self.xattr.device)?.is_none())
+            }
             libc::S_IFCHR => Ok(false),
             libc::S_IFREG if attr.size == 0 => {
                 for key in WHITEOUT_XATTRS {
@@ -311,7 +329,8 @@ impl LayerStack {
         match sys::set_xattr(dir, Some(name), self.xattr.opaque, b"y", 0) {
             Ok(()) => Ok(()),
             Err(_) => {
-                let sub = sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
+                let sub =
+                    sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
                 let fd = rustix::fs::openat(
                     sub.as_fd(),
                     OPAQUE_WHITEOUT,
@@ -338,7 +357,10 @@ pub fn is_reserved_name(name: &OsStr) -> bool {
 
 fn canonical(p: &Path, what: &str) -> std::result::Result<PathBuf, String> {
     std::fs::canonicalize(p).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) => format!("{what} '{}' does not exist: create it or fix the path", p.display()),
+        Some(libc::ENOENT) => format!(
+            "{what} '{}' does not exist: create it or fix the path",
+            p.display()
+        ),
         _ => format!("{what} '{}' cannot be resolved: {e}", p.display()),
     })
 }
@@ -349,18 +371,29 @@ fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<Ow
     match rustix::fs::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
         Ok(()) => {}
         Err(rustix::io::Errno::EXIST) => {}
-        Err(rustix::io::Errno::ROFS) | Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::PERM) => {
+        Err(rustix::io::Errno::ROFS)
+        | Err(rustix::io::Errno::ACCESS)
+        | Err(rustix::io::Errno::PERM) => {
             return Err(format!(
                 "workdir '{}' is not writable: mosaicfs needs to create '{WORK_SUBDIR}' in it",
                 path.display()
             ));
         }
-        Err(e) => return Err(format!("workdir '{}': {}", path.display(), std::io::Error::from(e))),
+        Err(e) => {
+            return Err(format!(
+                "workdir '{}': {}",
+                path.display(),
+                std::io::Error::from(e)
+            ));
+        }
     }
-    let fd = sys::open_dir(work, Path::new(WORK_SUBDIR)).map_err(|e| format!("workdir '{}': {e}", path.display()))?;
-    let entries = sys::read_dir(work, Path::new(WORK_SUBDIR)).map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    let fd = sys::open_dir(work, Path::new(WORK_SUBDIR))
+        .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    let entries = sys::read_dir(work, Path::new(WORK_SUBDIR))
+        .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
     for e in entries {
-        remove_tree(fd.as_fd(), &e.name).map_err(|e| format!("cannot clean workdir '{}': {e}", path.display()))?;
+        remove_tree(fd.as_fd(), &e.name)
+            .map_err(|e| format!("cannot clean workdir '{}': {e}", path.display()))?;
     }
     Ok(fd)
 }

@@ -42,7 +42,9 @@ impl Overlay {
         check_name(name)?;
         let pnode = self.node(parent)?;
         let view = self.dir_view(&pnode)?;
-        let entry = self.resolve(&view, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+        let entry = self
+            .resolve(&view, name)?
+            .ok_or_else(|| errno(libc::ENOENT))?;
         let node = self.inodes.remember(parent, name, &entry.found);
         let attr = self.present(&node, entry.attr);
         Ok((node, attr))
@@ -60,12 +62,16 @@ impl Overlay {
                 if self.layers.is_whiteout(dir, name, &attr)? {
                     return Ok(None);
                 }
-                let ino = self.origin_ino(dir, name)?.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
+                let ino = self
+                    .origin_ino(dir, name)?
+                    .unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
                 let lower = if !attr.is_dir() {
                     None
                 } else if self.layers.is_opaque(dir, name)? {
                     None
-                } else if let Some(target) = sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect)? {
+                } else if let Some(target) =
+                    sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect)?
+                {
                     self.resolve_redirect(Path::new(OsStr::from_bytes(&target)))?
                 } else {
                     match &view.lower {
@@ -88,7 +94,9 @@ impl Overlay {
                 return Ok(None);
             }
         }
-        let Some(l) = &view.lower else { return Ok(None) };
+        let Some(l) = &view.lower else {
+            return Ok(None);
+        };
         Ok(self.resolve_lower(l, name)?.map(|(attr, lower)| Entry {
             found: Found {
                 ino: self.map_ino(lower.top(), attr.ino),
@@ -146,7 +154,10 @@ impl Overlay {
 
     /// The lower directories at `target`, for a renamed directory's redirect.
     pub fn resolve_redirect(&self, target: &Path) -> Result<Option<LowerRef>> {
-        let target: PathBuf = target.components().filter(|c| matches!(c, std::path::Component::Normal(_))).collect();
+        let target: PathBuf = target
+            .components()
+            .filter(|c| matches!(c, std::path::Component::Normal(_)))
+            .collect();
         let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
             return Ok(None);
         };
@@ -175,11 +186,18 @@ impl Overlay {
     }
 
     /// The inode number a copied-up object keeps from its origin, if it has one.
-    pub fn origin_ino(&self, dir: std::os::fd::BorrowedFd<'_>, name: &OsStr) -> Result<Option<Ino>> {
+    pub fn origin_ino(
+        &self,
+        dir: std::os::fd::BorrowedFd<'_>,
+        name: &OsStr,
+    ) -> Result<Option<Ino>> {
         let Some(raw) = sys::get_xattr(dir, Some(name), &self.layers.xattr.origin)? else {
             return Ok(None);
         };
-        match std::str::from_utf8(&raw).ok().and_then(|s| s.parse::<u64>().ok()) {
+        match std::str::from_utf8(&raw)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+        {
             Some(ino) if ino > 1 => Ok(Some(ino)),
             _ => {
                 log::warn!(

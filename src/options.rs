@@ -100,6 +100,8 @@ pub struct Options {
     pub timeout: Duration,
     pub threads: usize,
     pub max_write: Option<u32>,
+    /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
+    pub remount: bool,
     pub warnings: Vec<String>,
 }
 
@@ -133,6 +135,7 @@ impl Default for Options {
             timeout: Duration::from_secs(1),
             threads: default_threads(),
             max_write: None,
+            remount: false,
             warnings: Vec::new(),
         }
     }
@@ -147,6 +150,8 @@ fn default_threads() -> usize {
 #[derive(Debug)]
 pub enum Command {
     Mount(Box<Options>),
+    /// Change the flags of a live mount (read-only or read-write).
+    Remount(Box<Options>),
     Help,
     Version,
 }
@@ -285,6 +290,7 @@ impl Options {
             "volatile" => self.skip_fsync = true,
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
+            "remount" => self.remount = true,
             "ro" => self.read_only = true,
             "rw" => self.read_only = false,
             "allow_other" | "allow_root" => self.allow_other = true,
@@ -306,6 +312,8 @@ impl Options {
             }
             // Inode numbers are always stable and unique (see inode.rs), whatever is asked.
             "xino" | "fast_ino" | "redirect_dir" | "index" | "metacopy" | "userxattr" => {}
+            // The kernel's own FUSE mount options, which mount(8) repeats on a remount.
+            "user_id" | "group_id" | "rootmode" | "fd" => {}
             // Options that only mount(8) or fstab read.
             "defaults" | "auto" | "noauto" | "user" | "users" | "nouser" | "nofail" | "_netdev" | "owner" => {}
             _ if name.starts_with("x-") || name.starts_with("comment=") => {}
@@ -393,11 +401,17 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
         0 => return Err("no mount point given\n".to_string() + USAGE),
         _ => return Err(format!("too many arguments: {positional:?}\n{USAGE}")),
     }
+    if opts.remount {
+        return Ok(Command::Remount(Box::new(opts)));
+    }
     if opts.lowerdirs.is_empty() {
         return Err("no lowerdir given: pass -o lowerdir=DIR[:DIR...]".into());
     }
     if opts.upperdir.is_some() != opts.workdir.is_some() {
-        return Err("upperdir and workdir go together: give both, or neither for a read-only overlay".into());
+        return Err(
+            "upperdir and workdir go together: give both, or neither for a read-only overlay"
+                .into(),
+        );
     }
     if opts.upperdir.is_none() {
         opts.read_only = true;
@@ -434,7 +448,12 @@ mod tests {
 
     #[test]
     fn quoted_values_keep_commas() {
-        let o = parse(&["-o", "lowerdir=/a,context=\"system_u:object_r:x:s0:c1,c2\"", "/m"]).unwrap();
+        let o = parse(&[
+            "-o",
+            "lowerdir=/a,context=\"system_u:object_r:x:s0:c1,c2\"",
+            "/m",
+        ])
+        .unwrap();
         assert_eq!(o.warnings.len(), 1);
         assert_eq!(o.lowerdirs, vec![PathBuf::from("/a")]);
     }
@@ -442,7 +461,10 @@ mod tests {
     #[test]
     fn escaped_colon_stays_in_lower_path() {
         let o = parse(&["-o", r"lowerdir=/a\:b:/c", "/m"]).unwrap();
-        assert_eq!(o.lowerdirs, vec![PathBuf::from("/a:b"), PathBuf::from("/c")]);
+        assert_eq!(
+            o.lowerdirs,
+            vec![PathBuf::from("/a:b"), PathBuf::from("/c")]
+        );
     }
 
     #[test]
@@ -467,6 +489,14 @@ mod tests {
         assert_eq!(o.uid_map.to_inside(100005), 5);
         assert_eq!(o.uid_map.to_outside(5), 100005);
         assert!(o.skip_fsync && o.read_only && !o.acl);
+    }
+
+    #[test]
+    fn remount_needs_no_layers() {
+        match parse_args(["-o", "remount,ro", "/m"].iter().map(OsString::from)).unwrap() {
+            Command::Remount(o) => assert!(o.read_only),
+            c => panic!("unexpected {c:?}"),
+        }
     }
 
     #[test]

@@ -91,14 +91,20 @@ pub struct DirView {
 impl Overlay {
     pub fn new(layers: LayerStack, config: Config) -> std::result::Result<Self, String> {
         let devices = {
-            let mut devs: Vec<u64> = (0..=layers.lower_count()).map(|i| layers.layer(i as LayerId).dev).collect();
+            let mut devs: Vec<u64> = (0..=layers.lower_count())
+                .map(|i| layers.layer(i as LayerId).dev)
+                .collect();
             devs.sort_unstable();
             devs.dedup();
             devs.len() as u64
         };
         let sparse = match layers.work.as_ref() {
-            Some(w) => partial::probe_sparse(w.as_fd()).map_err(|e| format!("cannot probe the upper file system: {e}"))?,
-            None => SparseSupport { block: 4096, sparse: true },
+            Some(w) => partial::probe_sparse(w.as_fd())
+                .map_err(|e| format!("cannot probe the upper file system: {e}"))?,
+            None => SparseSupport {
+                block: 4096,
+                sparse: true,
+            },
         };
         let mut root_lower = LowerRef {
             path: PathBuf::new(),
@@ -135,7 +141,12 @@ impl Overlay {
         let mut cur = ino;
         while cur != ROOT_INO {
             let node = self.node(cur)?;
-            let (parent, name) = node.state().links.first().cloned().ok_or_else(|| errno(libc::ENOENT))?;
+            let (parent, name) = node
+                .state()
+                .links
+                .first()
+                .cloned()
+                .ok_or_else(|| errno(libc::ENOENT))?;
             names.push(name);
             cur = parent;
             if names.len() > 4096 {
@@ -159,7 +170,11 @@ impl Overlay {
             (st.upper, st.lower.clone())
         };
         Ok(DirView {
-            upper: if upper { Some(self.upper_path(node.ino)?) } else { None },
+            upper: if upper {
+                Some(self.upper_path(node.ino)?)
+            } else {
+                None
+            },
             lower,
         })
     }
@@ -212,7 +227,10 @@ impl Overlay {
         a.ino = node.ino;
         let (unlinked, merged_dir) = {
             let st = node.state();
-            (st.unlinked, st.kind == libc::S_IFDIR && st.upper && st.lower.is_some())
+            (
+                st.unlinked,
+                st.kind == libc::S_IFDIR && st.upper && st.lower.is_some(),
+            )
         };
         if unlinked {
             a.nlink = 0;
@@ -220,14 +238,23 @@ impl Overlay {
             // Like kernel overlayfs: a merged directory's link count is not known cheaply.
             a.nlink = 1;
         }
-        a.uid = self.config.squash_uid.unwrap_or_else(|| self.config.uid_map.to_inside(a.uid));
-        a.gid = self.config.squash_gid.unwrap_or_else(|| self.config.gid_map.to_inside(a.gid));
+        a.uid = self
+            .config
+            .squash_uid
+            .unwrap_or_else(|| self.config.uid_map.to_inside(a.uid));
+        a.gid = self
+            .config
+            .squash_gid
+            .unwrap_or_else(|| self.config.gid_map.to_inside(a.gid));
         a
     }
 
     /// The on-disk owner for a merged-view owner.
     pub fn disk_ids(&self, uid: u32, gid: u32) -> (u32, u32) {
-        (self.config.uid_map.to_outside(uid), self.config.gid_map.to_outside(gid))
+        (
+            self.config.uid_map.to_outside(uid),
+            self.config.gid_map.to_outside(gid),
+        )
     }
 
     pub fn check_writable(&self) -> Result<()> {
@@ -257,12 +284,16 @@ fn layers_root_opaque(layers: &LayerStack) -> bool {
 }
 
 fn lower_root_opaque(layers: &LayerStack, l: LayerId) -> bool {
-    ["trusted.overlay.opaque", "user.overlay.opaque", "user.fuseoverlayfs.opaque"]
-        .iter()
-        .any(|k| {
-            sys::get_xattr(layers.root(l), None, k)
-                .ok()
-                .flatten()
-                .is_some_and(|v| v.first() == Some(&b'y'))
-        })
+    [
+        "trusted.overlay.opaque",
+        "user.overlay.opaque",
+        "user.fuseoverlayfs.opaque",
+    ]
+    .iter()
+    .any(|k| {
+        sys::get_xattr(layers.root(l), None, k)
+            .ok()
+            .flatten()
+            .is_some_and(|v| v.first() == Some(&b'y'))
+    })
 }

@@ -64,7 +64,9 @@ impl PartialMark {
         let head = std::str::from_utf8(head).map_err(|_| "header is not text")?;
         let mut lines = head.split('\n');
         if lines.next() != Some(MARK_VERSION) {
-            return Err(format!("unknown format version (this mosaicfs reads {MARK_VERSION})"));
+            return Err(format!(
+                "unknown format version (this mosaicfs reads {MARK_VERSION})"
+            ));
         }
         let (mut layer, mut valid, mut size, mut mtime) = (None, None, None, None);
         for line in lines {
@@ -83,7 +85,10 @@ impl PartialMark {
                 _ => return Err(format!("unknown field '{k}'")),
             }
         }
-        if path.is_empty() || path.starts_with(b"/") || path.split(|b| *b == b'/').any(|c| c == b"..") {
+        if path.is_empty()
+            || path.starts_with(b"/")
+            || path.split(|b| *b == b'/').any(|c| c == b"..")
+        {
             return Err("bad lower path".into());
         }
         let mark = PartialMark {
@@ -121,7 +126,9 @@ impl BlockMap {
         let mut map = BlockMap::default();
         let mut pos = 0;
         while pos < size {
-            let Some(start) = sys::seek_data(fd, pos)? else { break };
+            let Some(start) = sys::seek_data(fd, pos)? else {
+                break;
+            };
             if start >= size {
                 break;
             }
@@ -223,19 +230,31 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
         let end = sys::seek_hole(fd.as_fd(), at)?;
         if start == Some(size) || start.is_none() {
             // Data written but not reported: SEEK_DATA does not work here.
-            return Ok(SparseSupport { block: grain, sparse: false });
+            return Ok(SparseSupport {
+                block: grain,
+                sparse: false,
+            });
         }
         if start == Some(0) && end == size {
-            return Ok(SparseSupport { block: grain, sparse: false });
+            return Ok(SparseSupport {
+                block: grain,
+                sparse: false,
+            });
         }
         if start == Some(at) && end == at + block {
-            return Ok(SparseSupport { block, sparse: true });
+            return Ok(SparseSupport {
+                block,
+                sparse: true,
+            });
         }
         rustix::fs::ftruncate(&fd, 0)?;
         rustix::fs::ftruncate(&fd, size)?;
         block *= 2;
     }
-    Err(Error::with_context(libc::EOPNOTSUPP, "sparse probe found no usable block size"))
+    Err(Error::with_context(
+        libc::EOPNOTSUPP,
+        "sparse probe found no usable block size",
+    ))
 }
 
 #[cfg(test)]
@@ -267,7 +286,9 @@ mod tests {
         assert!(PartialMark::decode(&good[..good.len() - 3]).is_err());
         assert!(PartialMark::decode(b"v9\nlayer=1\npath=a").is_err());
         assert!(PartialMark::decode(b"v1\nlayer=1\nvalid=5\nsize=1\nmtime=1.1\npath=a").is_err());
-        assert!(PartialMark::decode(b"v1\nlayer=1\nvalid=1\nsize=1\nmtime=1.1\npath=../etc").is_err());
+        assert!(
+            PartialMark::decode(b"v1\nlayer=1\nvalid=1\nsize=1\nmtime=1.1\npath=../etc").is_err()
+        );
         assert!(PartialMark::decode(b"garbage").is_err());
     }
 

@@ -51,7 +51,13 @@ impl Overlay {
     }
 
     /// Entries of the open directory `fh` from `offset` on, with the offset of the next one.
-    pub fn readdir(&self, ino: Ino, fh: u64, offset: u64, mut emit: impl FnMut(&DirEntry, u64) -> bool) -> Result<()> {
+    pub fn readdir(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        mut emit: impl FnMut(&DirEntry, u64) -> bool,
+    ) -> Result<()> {
         let handle = match self.dirs.get(fh) {
             Some(h) if h.ino == ino => h,
             _ => return Err(crate::error::errno(libc::EBADF)),
@@ -79,8 +85,16 @@ impl Overlay {
             node.state().links.first().map_or(ROOT_INO, |l| l.0)
         };
         let mut out = vec![
-            DirEntry { name: ".".into(), ino, kind: libc::S_IFDIR },
-            DirEntry { name: "..".into(), ino: parent, kind: libc::S_IFDIR },
+            DirEntry {
+                name: ".".into(),
+                ino,
+                kind: libc::S_IFDIR,
+            },
+            DirEntry {
+                name: "..".into(),
+                ino: parent,
+                kind: libc::S_IFDIR,
+            },
         ];
         out.extend(self.list_view(&view)?);
         Ok(out)
@@ -101,9 +115,15 @@ impl Overlay {
                     hidden.insert(e.name);
                     continue;
                 };
-                let ino = self.origin_ino(dir.as_fd(), &e.name)?.unwrap_or_else(|| self.map_ino(UPPER, e.ino));
+                let ino = self
+                    .origin_ino(dir.as_fd(), &e.name)?
+                    .unwrap_or_else(|| self.map_ino(UPPER, e.ino));
                 hidden.insert(e.name.clone());
-                out.push(DirEntry { name: e.name, ino, kind });
+                out.push(DirEntry {
+                    name: e.name,
+                    ino,
+                    kind,
+                });
             }
         }
         if let Some(lower) = &view.lower {
@@ -128,7 +148,11 @@ impl Overlay {
                         continue;
                     };
                     hidden.insert(e.name.clone());
-                    out.push(DirEntry { ino: self.map_ino(layer, e.ino), name: e.name, kind });
+                    out.push(DirEntry {
+                        ino: self.map_ino(layer, e.ino),
+                        name: e.name,
+                        kind,
+                    });
                 }
                 hidden.extend(whiteouts);
             }
@@ -137,10 +161,16 @@ impl Overlay {
     }
 
     /// The type of a listed entry, or `None` if it is a whiteout.
-    fn entry_kind(&self, dir: std::os::fd::BorrowedFd<'_>, e: &sys::RawDirEntry) -> Result<Option<u32>> {
+    fn entry_kind(
+        &self,
+        dir: std::os::fd::BorrowedFd<'_>,
+        e: &sys::RawDirEntry,
+    ) -> Result<Option<u32>> {
         match e.kind {
             libc::S_IFCHR | libc::S_IFREG | 0 => {
-                let Some(attr) = sys::stat_opt(dir, &e.name)? else { return Ok(None) };
+                let Some(attr) = sys::stat_opt(dir, &e.name)? else {
+                    return Ok(None);
+                };
                 if self.layers.is_whiteout(dir, &e.name, &attr)? {
                     Ok(None)
                 } else {
@@ -161,5 +191,7 @@ fn whiteout_target(name: &OsStr) -> Option<Option<OsString>> {
     if b == OPAQUE_WHITEOUT.as_bytes() {
         return Some(None);
     }
-    Some(Some(OsStr::from_bytes(&b[WHITEOUT_PREFIX.len()..]).to_os_string()))
+    Some(Some(
+        OsStr::from_bytes(&b[WHITEOUT_PREFIX.len()..]).to_os_string(),
+    ))
 }

@@ -183,10 +183,19 @@ pub fn set_xattr(
 ) -> Result<()> {
     let path = proc_path(dir, name);
     let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
-    Ok(rustix::fs::lsetxattr(path.as_c_str(), key.as_ref(), value, flags)?)
+    Ok(rustix::fs::lsetxattr(
+        path.as_c_str(),
+        key.as_ref(),
+        value,
+        flags,
+    )?)
 }
 
-pub fn remove_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: impl AsRef<OsStr>) -> Result<()> {
+pub fn remove_xattr(
+    dir: BorrowedFd<'_>,
+    name: Option<&OsStr>,
+    key: impl AsRef<OsStr>,
+) -> Result<()> {
     let path = proc_path(dir, name);
     Ok(rustix::fs::lremovexattr(path.as_c_str(), key.as_ref())?)
 }
@@ -311,7 +320,12 @@ pub fn rename_at(
     )?)
 }
 
-pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
+pub fn chown_at(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    uid: Option<u32>,
+    gid: Option<u32>,
+) -> Result<()> {
     let uid = uid.map(|u| rustix::fs::Uid::from_raw(u));
     let gid = gid.map(|g| rustix::fs::Gid::from_raw(g));
     Ok(rustix::fs::chownat(

@@ -96,7 +96,9 @@ fn seekdir_and_telldir_offsets_are_stable() {
             if e.is_null() {
                 break;
             }
-            let name = std::ffi::CStr::from_ptr((*e).d_name.as_ptr()).to_string_lossy().into_owned();
+            let name = std::ffi::CStr::from_ptr((*e).d_name.as_ptr())
+                .to_string_lossy()
+                .into_owned();
             seen.push(name.clone());
             if seen.len() == 150 {
                 mark = Some((libc::telldir(d), name));
@@ -105,7 +107,9 @@ fn seekdir_and_telldir_offsets_are_stable() {
         let (pos, _) = mark.clone().unwrap();
         libc::seekdir(d, pos);
         let e = libc::readdir(d);
-        let after = std::ffi::CStr::from_ptr((*e).d_name.as_ptr()).to_string_lossy().into_owned();
+        let after = std::ffi::CStr::from_ptr((*e).d_name.as_ptr())
+            .to_string_lossy()
+            .into_owned();
         assert_eq!(after, seen[150]);
         libc::closedir(d);
         assert_eq!(seen.len(), 302);
@@ -121,7 +125,11 @@ fn create_write_read_and_unlink_in_lower_directories() {
     assert_eq!(names(m.path("dir")), ["new"]);
     m.remount();
     assert_eq!(names(m.path("dir")), ["new"]);
-    assert_eq!(fs::read_to_string(m.lower(0).join("dir/old")).unwrap(), "old", "lower untouched");
+    assert_eq!(
+        fs::read_to_string(m.lower(0).join("dir/old")).unwrap(),
+        "old",
+        "lower untouched"
+    );
     assert!(m.upper.join("dir").is_dir(), "directory copied up");
 }
 
@@ -136,7 +144,10 @@ fn recreating_a_deleted_lower_name_shows_only_the_new_object() {
     assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "new");
     fs::remove_dir_all(m.path("d")).unwrap();
     fs::create_dir(m.path("d")).unwrap();
-    assert!(names(m.path("d")).is_empty(), "deleted lower contents stay hidden");
+    assert!(
+        names(m.path("d")).is_empty(),
+        "deleted lower contents stay hidden"
+    );
     fs::remove_file(m.path("f")).unwrap();
     assert!(!m.path("f").exists(), "lower file stays deleted");
 }
@@ -144,21 +155,46 @@ fn recreating_a_deleted_lower_name_shows_only_the_new_object() {
 #[test]
 fn special_files_can_be_made() {
     let m = Mount::with(|_| {});
-    sh(&format!("mkfifo {0}/fifo && mknod {0}/chr c 1 3 && mknod {0}/blk b 7 0", m.mnt.display()));
+    sh(&format!(
+        "mkfifo {0}/fifo && mknod {0}/chr c 1 3 && mknod {0}/blk b 7 0",
+        m.mnt.display()
+    ));
     let sock = std::os::unix::net::UnixListener::bind(m.path("sock")).unwrap();
-    assert!(fs::symlink_metadata(m.path("fifo")).unwrap().file_type().is_fifo());
+    assert!(
+        fs::symlink_metadata(m.path("fifo"))
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
     let chr = fs::symlink_metadata(m.path("chr")).unwrap();
     assert!(chr.file_type().is_char_device());
     assert_eq!(chr.rdev(), libc::makedev(1, 3));
-    assert!(fs::symlink_metadata(m.path("blk")).unwrap().file_type().is_block_device());
-    assert!(fs::symlink_metadata(m.path("sock")).unwrap().file_type().is_socket());
+    assert!(
+        fs::symlink_metadata(m.path("blk"))
+            .unwrap()
+            .file_type()
+            .is_block_device()
+    );
+    assert!(
+        fs::symlink_metadata(m.path("sock"))
+            .unwrap()
+            .file_type()
+            .is_socket()
+    );
     drop(sock);
 }
 
 #[test]
 fn a_char_device_0_0_made_through_the_mount_is_a_device_not_a_whiteout() {
     let mut m = Mount::with(|_| {});
-    rustix::fs::mknodat(rustix::fs::CWD, m.path("null0"), rustix::fs::FileType::CharacterDevice, rustix::fs::Mode::from_raw_mode(0o644), 0).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        m.path("null0"),
+        rustix::fs::FileType::CharacterDevice,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
     let check = |m: &Mount| {
         let md = fs::symlink_metadata(m.path("null0")).unwrap();
         assert!(md.file_type().is_char_device());
@@ -179,7 +215,10 @@ fn symlinks_and_hard_links() {
     assert_eq!(fs::read_link(m.path("link")).unwrap(), Path::new("target"));
     assert_eq!(fs::read_to_string(m.path("link")).unwrap(), "t");
     fs::hard_link(m.path("target"), m.path("hard")).unwrap();
-    let (a, b) = (fs::metadata(m.path("target")).unwrap(), fs::metadata(m.path("hard")).unwrap());
+    let (a, b) = (
+        fs::metadata(m.path("target")).unwrap(),
+        fs::metadata(m.path("hard")).unwrap(),
+    );
     assert_eq!(a.ino(), b.ino());
     assert_eq!(a.nlink(), 2);
     fs::write(m.path("hard"), "changed").unwrap();
@@ -228,9 +267,18 @@ fn rename_replaces_files_and_empty_directories() {
     fs::create_dir(m.path("newdir")).unwrap();
     fs::rename(m.path("newdir"), m.path("emptydir")).unwrap();
     assert!(m.path("emptydir").is_dir());
-    assert_eq!(errno_of(fs::rename(m.path("emptydir"), m.path("full"))), libc::ENOTEMPTY);
-    assert_eq!(errno_of(fs::rename(m.path("dst"), m.path("full"))), libc::EISDIR);
-    assert_eq!(errno_of(fs::rename(m.path("full"), m.path("dst"))), libc::ENOTDIR);
+    assert_eq!(
+        errno_of(fs::rename(m.path("emptydir"), m.path("full"))),
+        libc::ENOTEMPTY
+    );
+    assert_eq!(
+        errno_of(fs::rename(m.path("dst"), m.path("full"))),
+        libc::EISDIR
+    );
+    assert_eq!(
+        errno_of(fs::rename(m.path("full"), m.path("dst"))),
+        libc::ENOTDIR
+    );
 }
 
 fn renameat2(from: &Path, to: &Path, flags: rustix::fs::RenameFlags) -> std::io::Result<()> {
@@ -244,12 +292,34 @@ fn rename_noreplace_and_exchange() {
         write(l.join("b"), "B");
         write(l.join("d/in"), "in");
     });
-    assert_eq!(errno_of(renameat2(&m.path("a"), &m.path("b"), rustix::fs::RenameFlags::NOREPLACE)), libc::EEXIST);
-    renameat2(&m.path("a"), &m.path("c"), rustix::fs::RenameFlags::NOREPLACE).unwrap();
-    renameat2(&m.path("c"), &m.path("b"), rustix::fs::RenameFlags::EXCHANGE).unwrap();
+    assert_eq!(
+        errno_of(renameat2(
+            &m.path("a"),
+            &m.path("b"),
+            rustix::fs::RenameFlags::NOREPLACE
+        )),
+        libc::EEXIST
+    );
+    renameat2(
+        &m.path("a"),
+        &m.path("c"),
+        rustix::fs::RenameFlags::NOREPLACE,
+    )
+    .unwrap();
+    renameat2(
+        &m.path("c"),
+        &m.path("b"),
+        rustix::fs::RenameFlags::EXCHANGE,
+    )
+    .unwrap();
     assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "A");
     assert_eq!(fs::read_to_string(m.path("c")).unwrap(), "B");
-    renameat2(&m.path("d"), &m.path("c"), rustix::fs::RenameFlags::EXCHANGE).unwrap();
+    renameat2(
+        &m.path("d"),
+        &m.path("c"),
+        rustix::fs::RenameFlags::EXCHANGE,
+    )
+    .unwrap();
     assert_eq!(fs::read_to_string(m.path("c/in")).unwrap(), "in");
     assert_eq!(fs::read_to_string(m.path("d")).unwrap(), "B");
 }
@@ -261,14 +331,27 @@ fn setattr_changes_mode_owner_times_and_size() {
     fs::set_permissions(&f, fs::Permissions::from_mode(0o640)).unwrap();
     std::os::unix::fs::chown(&f, Some(1234), Some(5678)).unwrap();
     let t = std::time::UNIX_EPOCH + std::time::Duration::new(1_000_000_000, 5);
-    fs::File::options().write(true).open(&f).unwrap().set_times(fs::FileTimes::new().set_modified(t).set_accessed(t)).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_times(fs::FileTimes::new().set_modified(t).set_accessed(t))
+        .unwrap();
     let md = fs::metadata(&f).unwrap();
     assert_eq!(md.mode() & 0o7777, 0o640);
     assert_eq!((md.uid(), md.gid()), (1234, 5678));
     assert_eq!((md.mtime(), md.mtime_nsec()), (1_000_000_000, 5));
-    fs::File::options().write(true).open(&f).unwrap().set_len(4).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(4)
+        .unwrap();
     assert_eq!(fs::read_to_string(&f).unwrap(), "0123");
-    assert_eq!(fs::read_to_string(m.lower(0).join("f")).unwrap(), "0123456789");
+    assert_eq!(
+        fs::read_to_string(m.lower(0).join("f")).unwrap(),
+        "0123456789"
+    );
 }
 
 #[test]
@@ -279,7 +362,12 @@ fn xattrs_round_trip_and_internal_ones_are_hidden() {
     assert_eq!(get_xattr(&f, "user.test").unwrap(), b"value");
     let names = list_xattr(&f);
     assert!(names.contains(&"user.test".to_string()));
-    assert!(names.iter().all(|n| !n.contains("mosaicfs") && !n.contains("overlay")), "{names:?}");
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.contains("mosaicfs") && !n.contains("overlay")),
+        "{names:?}"
+    );
     assert!(get_xattr(&f, "trusted.mosaicfs.partial").is_none());
     rustix::fs::lremovexattr(&f, "user.test").unwrap();
     assert!(get_xattr(&f, "user.test").is_none());
@@ -288,7 +376,10 @@ fn xattrs_round_trip_and_internal_ones_are_hidden() {
 #[test]
 fn posix_acls_are_stored_and_enforced() {
     let m = Mount::with(|l| write(l.join("f"), "secret"));
-    sh(&format!("chmod 600 {0}/f && setfacl -m u:4321:r {0}/f", m.mnt.display()));
+    sh(&format!(
+        "chmod 600 {0}/f && setfacl -m u:4321:r {0}/f",
+        m.mnt.display()
+    ));
     let acl = sh(&format!("getfacl -c {}/f", m.mnt.display()));
     assert!(acl.contains("user:4321:r"), "{acl}");
     let out = std::process::Command::new("cat")
@@ -296,8 +387,16 @@ fn posix_acls_are_stored_and_enforced() {
         .uid(4321)
         .output()
         .unwrap();
-    assert!(out.status.success(), "ACL grants read: {}", String::from_utf8_lossy(&out.stderr));
-    let out = std::process::Command::new("cat").arg(m.path("f")).uid(4322).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ACL grants read: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = std::process::Command::new("cat")
+        .arg(m.path("f"))
+        .uid(4322)
+        .output()
+        .unwrap();
     assert!(!out.status.success(), "no ACL entry, mode 600: denied");
 }
 
@@ -308,7 +407,13 @@ fn new_files_belong_to_the_caller() {
     let m = Mount::with(|l| fs::create_dir(l.join("shared")).unwrap());
     fs::set_permissions(m.path("shared"), fs::Permissions::from_mode(0o777)).unwrap();
     let status = std::process::Command::new("sh")
-        .args(["-c", &format!("touch {0}/shared/mine && mkdir {0}/shared/dir", m.mnt.display())])
+        .args([
+            "-c",
+            &format!(
+                "touch {0}/shared/mine && mkdir {0}/shared/dir",
+                m.mnt.display()
+            ),
+        ])
         .uid(1000)
         .gid(1001)
         .status()
@@ -332,7 +437,11 @@ fn statfs_reports_the_upper_file_system() {
 #[test]
 fn fsync_flock_and_fcntl_locks_work() {
     let m = Mount::with(|l| write(l.join("f"), "x"));
-    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     f.sync_all().unwrap();
     f.sync_data().unwrap();
     rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
@@ -340,19 +449,39 @@ fn fsync_flock_and_fcntl_locks_work() {
     assert!(rustix::fs::flock(&g, rustix::fs::FlockOperation::NonBlockingLockShared).is_err());
     rustix::fs::flock(&f, rustix::fs::FlockOperation::Unlock).unwrap();
     rustix::fs::flock(&g, rustix::fs::FlockOperation::NonBlockingLockShared).unwrap();
-    let lock = libc::flock { l_type: libc::F_WRLCK as i16, l_whence: 0, l_start: 0, l_len: 0, l_pid: 0 };
+    let lock = libc::flock {
+        l_type: libc::F_WRLCK as i16,
+        l_whence: 0,
+        l_start: 0,
+        l_len: 0,
+        l_pid: 0,
+    };
     // SAFETY: fcntl with a valid fd and a pointer to a live flock struct.
-    assert_eq!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_SETLK, &lock) }, 0);
+    assert_eq!(
+        unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_SETLK, &lock) },
+        0
+    );
     fs::File::open(m.mnt.clone()).unwrap().sync_all().unwrap();
 }
 
 #[test]
 fn shared_writable_mmap_reaches_the_file() {
     let m = Mount::with(|l| write(l.join("f"), vec![b'a'; 8192]));
-    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     // SAFETY: mapping 8192 bytes of a file of that size, unmapped below before the file closes.
     unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), 8192, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(&f), 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        );
         assert_ne!(p, libc::MAP_FAILED);
         *(p as *mut u8).add(5000) = b'Z';
         assert_eq!(libc::msync(p, 8192, libc::MS_SYNC), 0);
@@ -384,7 +513,10 @@ fn inode_numbers_survive_copy_up_and_remount() {
     let n = ino("new", &m);
     m.remount();
     assert_eq!(ino("new", &m), n);
-    let mut all: Vec<u64> = ["f", "d", "d/g", "new", "."].iter().map(|p| ino(p, &m)).collect();
+    let mut all: Vec<u64> = ["f", "d", "d/g", "new", "."]
+        .iter()
+        .map(|p| ino(p, &m))
+        .collect();
     all.sort();
     all.dedup();
     assert_eq!(all.len(), 5, "unique in the mount");
@@ -416,10 +548,17 @@ fn overlong_names_give_enametoolong() {
 #[test]
 fn append_and_seek_on_lower_files() {
     let m = Mount::with(|l| write(l.join("log"), "line1\n"));
-    let mut f = fs::OpenOptions::new().append(true).open(m.path("log")).unwrap();
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("log"))
+        .unwrap();
     f.write_all(b"line2\n").unwrap();
     drop(f);
-    let mut f = fs::OpenOptions::new().read(true).write(true).open(m.path("log")).unwrap();
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("log"))
+        .unwrap();
     f.seek(SeekFrom::Start(4)).unwrap();
     f.write_all(b"X").unwrap();
     drop(f);
@@ -435,7 +574,10 @@ fn read_only_overlay_without_upper() {
     m.mount_with(&opts);
     assert_eq!(names(&m.mnt), ["a", "b"]);
     assert_eq!(errno_of(fs::write(m.path("c"), "x")), libc::EROFS);
-    assert_eq!(errno_of(fs::OpenOptions::new().write(true).open(m.path("a"))), libc::EROFS);
+    assert_eq!(
+        errno_of(fs::OpenOptions::new().write(true).open(m.path("a"))),
+        libc::EROFS
+    );
 }
 
 #[test]
@@ -448,7 +590,15 @@ fn lower_symlinks_never_lead_outside_the_layer() {
     // follows them itself, so creating below them goes to the real /etc only via the kernel,
     // and a name inside the symlink is not a directory of the layer.
     assert_eq!(fs::read_link(m.path("escape")).unwrap(), Path::new("/etc"));
-    assert!(fs::symlink_metadata(m.path("up")).unwrap().file_type().is_symlink());
-    assert!(m.path("escape/passwd").exists(), "kernel follows the link to the host /etc");
+    assert!(
+        fs::symlink_metadata(m.path("up"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(
+        m.path("escape/passwd").exists(),
+        "kernel follows the link to the host /etc"
+    );
     assert!(!m.upper.join("etc").exists());
 }

@@ -33,16 +33,33 @@ pub fn is_mounted(mnt: &Path) -> bool {
 impl Mount {
     /// Layers made empty; fill them with `lower(i)` / `upper` before `mount()`.
     pub fn new(nlower: usize) -> Mount {
-        let dir = tempfile::Builder::new().prefix("mosaicfs-test").tempdir_in("/tmp").unwrap();
-        let lowers: Vec<PathBuf> = (0..nlower).map(|i| dir.path().join(format!("lower{i}"))).collect();
+        let dir = tempfile::Builder::new()
+            .prefix("mosaicfs-test")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let lowers: Vec<PathBuf> = (0..nlower)
+            .map(|i| dir.path().join(format!("lower{i}")))
+            .collect();
         for l in &lowers {
             fs::create_dir(l).unwrap();
         }
-        let (upper, work, mnt) = (dir.path().join("upper"), dir.path().join("work"), dir.path().join("mnt"));
+        let (upper, work, mnt) = (
+            dir.path().join("upper"),
+            dir.path().join("work"),
+            dir.path().join("mnt"),
+        );
         for d in [&upper, &work, &mnt] {
             fs::create_dir(d).unwrap();
         }
-        Mount { dir, lowers, upper, work, mnt, extra: Vec::new(), child: None }
+        Mount {
+            dir,
+            lowers,
+            upper,
+            work,
+            mnt,
+            extra: Vec::new(),
+            child: None,
+        }
     }
 
     /// A mounted overlay whose single lower layer is built by `fill`.
@@ -62,7 +79,11 @@ impl Mount {
     }
 
     pub fn options(&self) -> String {
-        let lowers: Vec<String> = self.lowers.iter().map(|l| l.display().to_string()).collect();
+        let lowers: Vec<String> = self
+            .lowers
+            .iter()
+            .map(|l| l.display().to_string())
+            .collect();
         let mut o = format!(
             "lowerdir={},upperdir={},workdir={}",
             lowers.join(":"),
@@ -95,16 +116,24 @@ impl Mount {
         while !is_mounted(&self.mnt) {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 let out = self.child.take().unwrap().wait_with_output().unwrap();
-                panic!("mosaicfs exited with {status}: {}", String::from_utf8_lossy(&out.stderr));
+                panic!(
+                    "mosaicfs exited with {status}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
-            assert!(start.elapsed() < Duration::from_secs(20), "mount did not come up");
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "mount did not come up"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
 
     /// Unmounts and waits for the daemon; returns what it printed on stderr.
     pub fn unmount(&mut self) -> String {
-        let Some(child) = self.child.take() else { return String::new() };
+        let Some(child) = self.child.take() else {
+            return String::new();
+        };
         let start = Instant::now();
         loop {
             match rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::empty()) {
@@ -120,7 +149,11 @@ impl Mount {
             }
         }
         let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "daemon failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "daemon failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stderr).into_owned()
     }
 
@@ -148,7 +181,9 @@ impl Drop for Mount {
         if let Some(mut child) = self.child.take() {
             let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
             let start = Instant::now();
-            while child.try_wait().ok().flatten().is_none() && start.elapsed() < Duration::from_secs(5) {
+            while child.try_wait().ok().flatten().is_none()
+                && start.elapsed() < Duration::from_secs(5)
+            {
                 std::thread::sleep(Duration::from_millis(20));
             }
             let _ = child.kill();

@@ -1,0 +1,32 @@
+# mosaicfs — build, install, demo and test. See README.md.
+PREFIX ?= /usr/local
+SBINDIR ?= /usr/sbin
+CARGO ?= cargo
+
+.PHONY: build install uninstall demo test unit-test integration-test pjdfstest bench clean
+
+build:
+	$(CARGO) build --release
+
+# The binary, plus the helper mount(8) runs for `mount -t fuse.mosaicfs`.
+install: build
+	install -D -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
+	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
+
+demo: build
+	./demo.sh
+
+# The full test suite (needs root and /dev/fuse): unit and integration tests on real mounts,
+# then pjdfstest against a mount.
+test: install
+	$(CARGO) test --release -- --test-threads=2
+	tests/pjdfstest/run.sh target/release/mosaicfs
+
+bench: build
+	bench/run.sh
+
+clean:
+	$(CARGO) clean
