@@ -1,0 +1,255 @@
+//! fsx-style randomized test: a long seeded sequence of operations applied both to a mount and
+//! to an in-memory model, compared byte for byte and by metadata after each step.
+//!
+//! Lower files are large (megabytes) so that writes, truncates and punches land in partial
+//! files; renames, unlinks, creates and remounts are in the mix. `FSX_OPS` sets the number of
+//! operations per seed, `FSX_SEED` runs one given seed (the failing seed is printed).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::FileExt;
+
+use common::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+type Model = BTreeMap<String, Vec<u8>>;
+
+fn initial_lower(seed: u64) -> Model {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut m = Model::new();
+    for (i, size) in [8 << 20, 3 << 20, 1 << 20, 65536, 4097, 100].into_iter().enumerate() {
+        let mut data = vec![0u8; size];
+        rng.fill(&mut data[..]);
+        m.insert(format!("f{i}"), data);
+    }
+    m
+}
+
+/// An offset near a block boundary more often than not: edge blocks are where bugs live.
+fn offset(rng: &mut StdRng, limit: usize) -> usize {
+    let limit = limit.max(1);
+    match rng.gen_range(0..3) {
+        0 => rng.gen_range(0..limit),
+        _ => {
+            let blk = rng.gen_range(0..limit.div_ceil(4096).max(1)) * 4096;
+            let jitter: i64 = rng.gen_range(-3..=3);
+            (blk as i64 + jitter).clamp(0, limit as i64) as usize
+        }
+    }
+}
+
+struct Run {
+    m: Mount,
+    model: Model,
+    /// Permission bits of each file in the model.
+    modes: BTreeMap<String, u32>,
+    rng: StdRng,
+    log: Vec<String>,
+}
+
+impl Run {
+    fn pick(&mut self) -> Option<String> {
+        if self.model.is_empty() {
+            return None;
+        }
+        let i = self.rng.gen_range(0..self.model.len());
+        self.model.keys().nth(i).cloned()
+    }
+
+    fn check_file(&self, name: &str) {
+        let want = &self.model[name];
+        let got = fs::read(self.m.path(name)).unwrap_or_else(|e| panic!("read {name}: {e}\n{}", self.trace()));
+        assert_eq!(got.len(), want.len(), "size of {name}\n{}", self.trace());
+        if let Some(pos) = got.iter().zip(want.iter()).position(|(a, b)| a != b) {
+            panic!("{name} differs at byte {pos} (block {})\n{}", pos / 4096, self.trace());
+        }
+        let md = fs::metadata(self.m.path(name)).unwrap();
+        assert_eq!(md.len(), want.len() as u64);
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(md.mode() & 0o7777, self.modes[name], "mode of {name}\n{}", self.trace());
+        assert_eq!(md.nlink(), 1, "links of {name}");
+    }
+
+    fn check_all(&self) {
+        let mut names = names(&self.m.mnt);
+        names.retain(|n| n != "lost+found");
+        let want: Vec<String> = self.model.keys().cloned().collect();
+        assert_eq!(names, want, "directory listing\n{}", self.trace());
+        for n in self.model.keys() {
+            self.check_file(n);
+        }
+    }
+
+    fn trace(&self) -> String {
+        let tail: Vec<&String> = self.log.iter().rev().take(15).collect();
+        format!("last operations (newest first):\n  {}", tail.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  "))
+    }
+
+    fn step(&mut self, i: usize) {
+        let op = self.rng.gen_range(0..100);
+        match op {
+            0..=39 => {
+                let Some(name) = self.pick() else { return };
+                let size = self.model[&name].len();
+                let off = offset(&mut self.rng, size + 8192);
+                let len = if self.rng.gen_bool(0.7) { self.rng.gen_range(1..5000) } else { self.rng.gen_range(1..70000) };
+                let mut data = vec![0u8; len];
+                self.rng.fill(&mut data[..]);
+                self.log.push(format!("{i}: write {name} off={off} len={len}"));
+                let f = fs::OpenOptions::new().write(true).open(self.m.path(&name)).unwrap();
+                f.write_all_at(&data, off as u64).unwrap();
+                let file = self.model.get_mut(&name).unwrap();
+                if file.len() < off + len {
+                    file.resize(off + len, 0);
+                }
+                file[off..off + len].copy_from_slice(&data);
+            }
+            40..=54 => {
+                let Some(name) = self.pick() else { return };
+                let size = self.model[&name].len();
+                let off = offset(&mut self.rng, size);
+                let len = self.rng.gen_range(1..100_000);
+                self.log.push(format!("{i}: read {name} off={off} len={len}"));
+                let f = fs::File::open(self.m.path(&name)).unwrap();
+                let mut buf = vec![0u8; len];
+                let mut got = 0;
+                while got < len {
+                    let n = f.read_at(&mut buf[got..], (off + got) as u64).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    got += n;
+                }
+                let want = &self.model[&name];
+                let end = (off + len).min(want.len());
+                let expect = if off < end { &want[off..end] } else { &[][..] };
+                assert!(&buf[..got] == expect, "read {name} at {off}+{len} differs\n{}", self.trace());
+            }
+            55..=64 => {
+                let Some(name) = self.pick() else { return };
+                let size = self.model[&name].len();
+                let new = match self.rng.gen_range(0..4) {
+                    0 => 0,
+                    1 => offset(&mut self.rng, size),
+                    _ => offset(&mut self.rng, size * 2 + 10000),
+                };
+                self.log.push(format!("{i}: truncate {name} {size}->{new}"));
+                fs::OpenOptions::new().write(true).open(self.m.path(&name)).unwrap().set_len(new as u64).unwrap();
+                self.model.get_mut(&name).unwrap().resize(new, 0);
+            }
+            65..=69 => {
+                let Some(name) = self.pick() else { return };
+                let size = self.model[&name].len();
+                if size == 0 {
+                    return;
+                }
+                let off = offset(&mut self.rng, size - 1).min(size - 1);
+                let len = self.rng.gen_range(1..=(size - off).min(100_000));
+                let zero = self.rng.gen_bool(0.5);
+                self.log.push(format!("{i}: {} {name} off={off} len={len}", if zero { "zero-range" } else { "punch" }));
+                let f = fs::OpenOptions::new().write(true).open(self.m.path(&name)).unwrap();
+                let mode = if zero {
+                    rustix::fs::FallocateFlags::ZERO_RANGE | rustix::fs::FallocateFlags::KEEP_SIZE
+                } else {
+                    rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE
+                };
+                rustix::fs::fallocate(&f, mode, off as u64, len as u64).unwrap();
+                self.model.get_mut(&name).unwrap()[off..off + len].fill(0);
+            }
+            70..=77 => {
+                let Some(name) = self.pick() else { return };
+                let mut data = vec![0u8; self.rng.gen_range(1..3000)];
+                self.rng.fill(&mut data[..]);
+                self.log.push(format!("{i}: append {name} len={}", data.len()));
+                let mut f = fs::OpenOptions::new().append(true).open(self.m.path(&name)).unwrap();
+                std::io::Write::write_all(&mut f, &data).unwrap();
+                self.model.get_mut(&name).unwrap().extend_from_slice(&data);
+            }
+            78..=84 => {
+                let Some(from) = self.pick() else { return };
+                let to = format!("f{}", self.rng.gen_range(0..9));
+                self.log.push(format!("{i}: rename {from} -> {to}"));
+                fs::rename(self.m.path(&from), self.m.path(&to)).unwrap();
+                let data = self.model.remove(&from).unwrap();
+                let mode = self.modes.remove(&from).unwrap();
+                self.model.insert(to.clone(), data);
+                self.modes.insert(to, mode);
+            }
+            85..=88 => {
+                let Some(name) = self.pick() else { return };
+                self.log.push(format!("{i}: unlink {name}"));
+                fs::remove_file(self.m.path(&name)).unwrap();
+                self.model.remove(&name);
+                self.modes.remove(&name);
+            }
+            89..=93 => {
+                let name = format!("f{}", self.rng.gen_range(0..9));
+                let mut data = vec![0u8; self.rng.gen_range(0..20000)];
+                self.rng.fill(&mut data[..]);
+                self.log.push(format!("{i}: create {name} len={}", data.len()));
+                let existed = self.model.contains_key(&name);
+                fs::write(self.m.path(&name), &data).unwrap();
+                self.model.insert(name.clone(), data);
+                if !existed {
+                    self.modes.insert(name, 0o644);
+                }
+            }
+            94..=95 => {
+                let Some(name) = self.pick() else { return };
+                let mode = self.rng.gen_range(0o400..0o1000u32);
+                self.log.push(format!("{i}: chmod {name} {mode:o}"));
+                use std::os::unix::fs::PermissionsExt;
+                fs::set_permissions(self.m.path(&name), fs::Permissions::from_mode(mode)).unwrap();
+                self.modes.insert(name, mode);
+            }
+            96 => {
+                let Some(name) = self.pick() else { return };
+                self.log.push(format!("{i}: check {name}"));
+                self.check_file(&name);
+            }
+            _ => {
+                self.log.push(format!("{i}: remount"));
+                self.m.remount();
+                self.check_all();
+            }
+        }
+    }
+}
+
+fn run_seed(seed: u64, ops: usize) {
+    let model = initial_lower(seed);
+    let mut m = Mount::new(1);
+    for (name, data) in &model {
+        write(m.lower(0).join(name), data);
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(m.lower(0).join(name), fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    m.mount();
+    let modes = model.keys().map(|k| (k.clone(), 0o644)).collect();
+    let mut run = Run { m, model, modes, rng: StdRng::seed_from_u64(seed), log: vec![format!("seed {seed}")] };
+    for i in 0..ops {
+        run.step(i);
+        if i % 250 == 249 {
+            run.check_all();
+        }
+    }
+    run.check_all();
+    run.m.remount();
+    run.check_all();
+}
+
+#[test]
+fn fsx_random_operations_match_the_model() {
+    let ops: usize = std::env::var("FSX_OPS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000);
+    let seeds: Vec<u64> = match std::env::var("FSX_SEED").ok().and_then(|s| s.parse().ok()) {
+        Some(s) => vec![s],
+        None => vec![1, 2, 3],
+    };
+    for seed in seeds {
+        eprintln!("fsx: seed {seed}, {ops} operations");
+        run_seed(seed, ops);
+    }
+}
