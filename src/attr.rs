@@ -72,10 +72,10 @@ impl Overlay {
                 let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
                 sys::chown_at(dir, name, uid, gid)?;
             }
-            if let Some(mode) = set.mode {
-                if node.kind() != libc::S_IFLNK {
-                    sys::chmod_at(dir, name, mode)?;
-                }
+            if let Some(mode) = set.mode
+                && node.kind() != libc::S_IFLNK
+            {
+                sys::chmod_at(dir, name, mode)?;
             }
             if set.atime.is_some() || set.mtime.is_some() {
                 sys::utimens_at(

@@ -16,10 +16,12 @@ thread_local! {
 /// Sets this thread's umask to `mask`, switching only when it differs.
 pub fn set_thread_umask(mask: u32) {
     UMASK.with(|cur| {
-        if cur.get().is_none() {
-            if let Err(e) = crate::sys::unshare_fs_context() {
-                log::warn!("cannot give this thread its own umask ({e}); creation modes may be masked twice");
-            }
+        if cur.get().is_none()
+            && let Err(e) = crate::sys::unshare_fs_context()
+        {
+            log::warn!(
+                "cannot give this thread its own umask ({e}); creation modes may be masked twice"
+            );
         }
         if cur.get() != Some(mask) {
             crate::sys::set_umask(mask & 0o777);

@@ -501,32 +501,35 @@ impl Overlay {
         if opaque_src {
             self.layers.make_opaque(sdir, name)?;
         }
-        if let (Some(d), true) = (&dnode, exchange) {
-            if d.is_dir() && d.state().lower.is_none() && self.lower_has(&pnode, name)? {
-                self.layers.make_opaque(ddir, newname)?;
-            }
+        if let (Some(d), true) = (&dnode, exchange)
+            && d.is_dir()
+            && d.state().lower.is_none()
+            && self.lower_has(&pnode, name)?
+        {
+            self.layers.make_opaque(ddir, newname)?;
         }
         let mut wh_file_after = false;
         if !exchange {
             match self.shadow(ddir, newname)? {
-                Shadow::Whiteout if dst.as_ref().is_none_or(|d| !d.found.upper) => {
-                    if src.attr.is_dir() {
-                        // rename(2) will not put a directory over a whiteout device.
-                        rustix::fs::unlinkat(ddir, newname, AtFlags::empty())?;
-                    }
+                Shadow::Whiteout
+                    if dst.as_ref().is_none_or(|d| !d.found.upper) && src.attr.is_dir() =>
+                {
+                    // rename(2) will not put a directory over a whiteout device.
+                    rustix::fs::unlinkat(ddir, newname, AtFlags::empty())?;
                 }
                 Shadow::WhFile => wh_file_after = true,
                 _ => {}
             }
-            if let Some(d) = &dst {
-                if d.found.upper && d.attr.is_dir() {
-                    // The merged view says it is empty; the upper part may still hold whiteouts.
-                    let dsub = self
-                        .layers
-                        .dir(UPPER, &self.upper_path(newparent)?.join(newname))?;
-                    for e in sys::read_dir(ddir, Path::new(newname))? {
-                        remove_tree(dsub.as_fd(), &e.name)?;
-                    }
+            if let Some(d) = &dst
+                && d.found.upper
+                && d.attr.is_dir()
+            {
+                // The merged view says it is empty; the upper part may still hold whiteouts.
+                let dsub = self
+                    .layers
+                    .dir(UPPER, &self.upper_path(newparent)?.join(newname))?;
+                for e in sys::read_dir(ddir, Path::new(newname))? {
+                    remove_tree(dsub.as_fd(), &e.name)?;
                 }
             }
         }

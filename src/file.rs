@@ -136,12 +136,12 @@ impl PartialFile {
         let mut start = off;
         let mut prefix = Vec::new();
         let mut suffix = Vec::new();
-        if off % bs != 0 && self.needs_fill(head) {
+        if !off.is_multiple_of(bs) && self.needs_fill(head) {
             start = head * bs;
             prefix = self.read(start, (off - start) as usize)?;
             prefix.resize((off - start) as usize, 0);
         }
-        if end % bs != 0 && self.needs_fill(tail) {
+        if !end.is_multiple_of(bs) && self.needs_fill(tail) {
             let block_end = ((tail + 1) * bs).min(new_size);
             if block_end > end {
                 suffix = self.read(end, (block_end - end) as usize)?;

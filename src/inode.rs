@@ -98,8 +98,10 @@ pub struct Found {
 
 const SHARDS: usize = 64;
 
+type Shard = RwLock<HashMap<Ino, Arc<Node>>>;
+
 pub struct InodeTable {
-    shards: Box<[RwLock<HashMap<Ino, Arc<Node>>>]>,
+    shards: Box<[Shard]>,
 }
 
 impl InodeTable {
@@ -130,7 +132,7 @@ impl InodeTable {
         table
     }
 
-    fn shard(&self, ino: Ino) -> &RwLock<HashMap<Ino, Arc<Node>>> {
+    fn shard(&self, ino: Ino) -> &Shard {
         // Inode numbers of one file system are dense; mix the bits so shards fill evenly.
         let h = ino.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
         &self.shards[h as usize % SHARDS]

@@ -293,12 +293,11 @@ impl LayerStack {
     pub fn is_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
         let names = sys::list_xattr(dir, Some(name))?;
         for key in OPAQUE_XATTRS {
-            if names.iter().any(|n| n.as_bytes() == key.as_bytes()) {
-                if let Some(v) = sys::get_xattr(dir, Some(name), key)? {
-                    if v.first() == Some(&b'y') {
-                        return Ok(true);
-                    }
-                }
+            if names.iter().any(|n| n.as_bytes() == key.as_bytes())
+                && let Some(v) = sys::get_xattr(dir, Some(name), key)?
+                && v.first() == Some(&b'y')
+            {
+                return Ok(true);
             }
         }
         let sub = sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;

@@ -65,9 +65,7 @@ impl Overlay {
                 let ino = self
                     .origin_ino(dir, name)?
                     .unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
-                let lower = if !attr.is_dir() {
-                    None
-                } else if self.layers.is_opaque(dir, name)? {
+                let lower = if !attr.is_dir() || self.layers.is_opaque(dir, name)? {
                     None
                 } else if let Some(target) =
                     sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect)?

@@ -204,10 +204,10 @@ impl Overlay {
 
     /// `stat` of the layer file behind `node`, not yet adjusted for the merged view.
     pub fn stat_layer(&self, node: &Node) -> Result<Attr> {
-        if let Some(open) = node.state().open.upgrade() {
-            if let Some(a) = open.fstat()? {
-                return Ok(a);
-            }
+        if let Some(open) = node.state().open.upgrade()
+            && let Some(a) = open.fstat()?
+        {
+            return Ok(a);
         }
         let (layer, path) = self.top_path(node)?;
         if path.as_os_str().is_empty() {

@@ -151,11 +151,11 @@ impl BlockMap {
         if start >= end {
             return;
         }
-        if let Some((&s, &e)) = self.ranges.range(..=start).next_back() {
-            if e >= start {
-                start = s;
-                end = end.max(e);
-            }
+        if let Some((&s, &e)) = self.ranges.range(..=start).next_back()
+            && e >= start
+        {
+            start = s;
+            end = end.max(e);
         }
         let overlapping: Vec<u64> = self.ranges.range(start..=end).map(|(s, _)| *s).collect();
         for s in overlapping {
@@ -171,20 +171,20 @@ impl BlockMap {
         for s in tail {
             self.ranges.remove(&s);
         }
-        if let Some((_, e)) = self.ranges.range_mut(..from).next_back() {
-            if *e > from {
-                *e = from;
-            }
+        if let Some((_, e)) = self.ranges.range_mut(..from).next_back()
+            && *e > from
+        {
+            *e = from;
         }
     }
 
     /// Present ranges overlapping blocks `start..end`, clipped to it.
     pub fn present_in(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
-        if let Some((_, &e)) = self.ranges.range(..start).next_back() {
-            if e > start {
-                out.push((start, e.min(end)));
-            }
+        if let Some((_, &e)) = self.ranges.range(..start).next_back()
+            && e > start
+        {
+            out.push((start, e.min(end)));
         }
         for (&s, &e) in self.ranges.range(start..end) {
             out.push((s, e.min(end)));

@@ -326,8 +326,8 @@ pub fn chown_at(
     uid: Option<u32>,
     gid: Option<u32>,
 ) -> Result<()> {
-    let uid = uid.map(|u| rustix::fs::Uid::from_raw(u));
-    let gid = gid.map(|g| rustix::fs::Gid::from_raw(g));
+    let uid = uid.map(rustix::fs::Uid::from_raw);
+    let gid = gid.map(rustix::fs::Gid::from_raw);
     Ok(rustix::fs::chownat(
         dir,
         name,

@@ -10,11 +10,17 @@ use common::*;
 
 fn run(args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn layers() -> (tempfile::TempDir, String) {
-    let d = tempfile::Builder::new().prefix("mosaicfs-cli").tempdir_in("/tmp").unwrap();
+    let d = tempfile::Builder::new()
+        .prefix("mosaicfs-cli")
+        .tempdir_in("/tmp")
+        .unwrap();
     for s in ["l", "u", "w", "m"] {
         fs::create_dir(d.path().join(s)).unwrap();
     }
@@ -43,13 +49,54 @@ fn version_and_help() {
 fn bad_input_is_one_clear_line_and_mounts_nothing() {
     let (_d, p) = layers();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["-o".into(), format!("upperdir={p}/u,workdir={p}/w"), format!("{p}/m")], "no lowerdir"),
-        (vec!["-o".into(), format!("lowerdir={p}/nope"), format!("{p}/m")], "does not exist"),
-        (vec!["-o".into(), format!("lowerdir={p}/l,upperdir={p}/u"), format!("{p}/m")], "workdir"),
-        (vec!["-o".into(), format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/u/w"), format!("{p}/m")], "must not contain"),
-        (vec!["-o".into(), format!("lowerdir={p}/l,bogus=1"), format!("{p}/m")], "unknown mount option 'bogus=1'"),
-        (vec!["-o".into(), format!("lowerdir={p}/l"), format!("{p}/nomnt")], "mount point"),
-        (vec!["-o".into(), format!("lowerdir={p}/l,timeout=x"), format!("{p}/m")], "timeout"),
+        (
+            vec![
+                "-o".into(),
+                format!("upperdir={p}/u,workdir={p}/w"),
+                format!("{p}/m"),
+            ],
+            "no lowerdir",
+        ),
+        (
+            vec!["-o".into(), format!("lowerdir={p}/nope"), format!("{p}/m")],
+            "does not exist",
+        ),
+        (
+            vec![
+                "-o".into(),
+                format!("lowerdir={p}/l,upperdir={p}/u"),
+                format!("{p}/m"),
+            ],
+            "workdir",
+        ),
+        (
+            vec![
+                "-o".into(),
+                format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/u/w"),
+                format!("{p}/m"),
+            ],
+            "must not contain",
+        ),
+        (
+            vec![
+                "-o".into(),
+                format!("lowerdir={p}/l,bogus=1"),
+                format!("{p}/m"),
+            ],
+            "unknown mount option 'bogus=1'",
+        ),
+        (
+            vec!["-o".into(), format!("lowerdir={p}/l"), format!("{p}/nomnt")],
+            "mount point",
+        ),
+        (
+            vec![
+                "-o".into(),
+                format!("lowerdir={p}/l,timeout=x"),
+                format!("{p}/m"),
+            ],
+            "timeout",
+        ),
     ];
     fs::create_dir_all(format!("{p}/u/w")).unwrap();
     for (args, want) in cases {
@@ -69,7 +116,14 @@ fn upper_and_work_on_different_file_systems_are_refused() {
     fs::create_dir(&tmpfs).unwrap();
     sh(&format!("mount -t tmpfs tmpfs {}", tmpfs.display()));
     fs::create_dir(tmpfs.join("w")).unwrap();
-    let (code, err) = run(&["-o", &format!("lowerdir={p}/l,upperdir={p}/u,workdir={}/w", tmpfs.display()), &format!("{p}/m")]);
+    let (code, err) = run(&[
+        "-o",
+        &format!(
+            "lowerdir={p}/l,upperdir={p}/u,workdir={}/w",
+            tmpfs.display()
+        ),
+        &format!("{p}/m"),
+    ]);
     sh(&format!("umount {}", tmpfs.display()));
     assert_ne!(code, 0);
     assert!(err.contains("different file systems"), "{err}");
@@ -81,21 +135,36 @@ fn background_mode_returns_once_live_and_umount_ends_the_daemon() {
     fs::write(format!("{p}/l/hello"), "hi").unwrap();
     let mnt = std::path::PathBuf::from(format!("{p}/m"));
     let status = Command::new(BIN)
-        .args(["-o", &format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"), &format!("{p}/m")])
+        .args([
+            "-o",
+            &format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"),
+            &format!("{p}/m"),
+        ])
         .status()
         .unwrap();
     assert!(status.success());
     assert!(is_mounted(&mnt), "live when the command returns");
     assert_eq!(fs::read_to_string(mnt.join("hello")).unwrap(), "hi");
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
-    assert!(mounts.lines().any(|l| l.contains(&format!("{p}/m fuse.mosaicfs"))), "{mounts}");
+    assert!(
+        mounts
+            .lines()
+            .any(|l| l.contains(&format!("{p}/m fuse.mosaicfs"))),
+        "{mounts}"
+    );
     let pids = sh(&format!("pgrep -f '[m]osaicfs -o lowerdir={p}/l' || true"));
     assert!(!pids.trim().is_empty(), "a daemon serves the mount");
     sh(&format!("umount {p}/m"));
     wait_unmounted(&mnt);
     let start = Instant::now();
-    while !sh(&format!("pgrep -f '[m]osaicfs -o lowerdir={p}/l' || true")).trim().is_empty() {
-        assert!(start.elapsed() < Duration::from_secs(10), "daemon did not exit");
+    while !sh(&format!("pgrep -f '[m]osaicfs -o lowerdir={p}/l' || true"))
+        .trim()
+        .is_empty()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "daemon did not exit"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -105,13 +174,27 @@ fn mount_fuse_form_and_fusermount3_unmount() {
     let (_d, p) = layers();
     let mnt = std::path::PathBuf::from(format!("{p}/m"));
     let status = Command::new(BIN)
-        .args(["mysource", &format!("{p}/m"), "-o", &format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w")])
+        .args([
+            "mysource",
+            &format!("{p}/m"),
+            "-o",
+            &format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"),
+        ])
         .status()
         .unwrap();
     assert!(status.success());
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
-    assert!(mounts.lines().any(|l| l.starts_with(&format!("mysource {p}/m fuse.mosaicfs"))), "{mounts}");
-    if Command::new("fusermount3").arg("--version").output().is_ok() {
+    assert!(
+        mounts
+            .lines()
+            .any(|l| l.starts_with(&format!("mysource {p}/m fuse.mosaicfs"))),
+        "{mounts}"
+    );
+    if Command::new("fusermount3")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
         sh(&format!("fusermount3 -u {p}/m"));
     } else {
         sh(&format!("umount {p}/m"));
@@ -128,8 +211,13 @@ fn mount_t_fuse_mosaicfs_through_the_helper() {
     }
     let (_d, p) = layers();
     fs::write(format!("{p}/l/f"), "via mount(8)").unwrap();
-    sh(&format!("mount -t fuse.mosaicfs overlay {p}/m -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"));
-    assert_eq!(fs::read_to_string(format!("{p}/m/f")).unwrap(), "via mount(8)");
+    sh(&format!(
+        "mount -t fuse.mosaicfs overlay {p}/m -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"
+    ));
+    assert_eq!(
+        fs::read_to_string(format!("{p}/m/f")).unwrap(),
+        "via mount(8)"
+    );
     sh(&format!("mount -o remount,ro {p}/m"));
     assert_eq!(errno_of(fs::write(format!("{p}/m/g"), "x")), libc::EROFS);
     sh(&format!("mount -o remount,rw {p}/m"));
@@ -141,12 +229,20 @@ fn mount_t_fuse_mosaicfs_through_the_helper() {
 #[test]
 fn ignored_options_warn_once_and_still_mount() {
     let mut m = Mount::new(1);
-    m.extra = vec!["writeback=1".into(), "context=\"system_u:object_r:container_file_t:s0:c1,c2\"".into(), "volatile".into(), "xino=auto".into()];
+    m.extra = vec![
+        "writeback=1".into(),
+        "context=\"system_u:object_r:container_file_t:s0:c1,c2\"".into(),
+        "volatile".into(),
+        "xino=auto".into(),
+    ];
     m.mount();
     write(m.path("x"), "ok");
     let log = m.unmount();
     assert_eq!(log.matches("warning").count(), 2, "{log}");
-    assert!(log.contains("writeback") && log.contains("context"), "{log}");
+    assert!(
+        log.contains("writeback") && log.contains("context"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -158,7 +254,10 @@ fn lower_paths_may_be_symlinks_with_dotdot_and_escaped_colons() {
     std::os::unix::fs::symlink(&weird, d.path().join("link")).unwrap();
     fs::write(format!("{p}/l/x"), "plain").unwrap();
     let opts = format!("lowerdir={p}/link/../a\\:b:{p}/l/../l,upperdir={p}/u,workdir={p}/w");
-    let mut child = Command::new(BIN).args(["-f", "-o", &opts, &format!("{p}/m")]).spawn().unwrap();
+    let mut child = Command::new(BIN)
+        .args(["-f", "-o", &opts, &format!("{p}/m")])
+        .spawn()
+        .unwrap();
     let mnt = std::path::PathBuf::from(format!("{p}/m"));
     let start = Instant::now();
     while !is_mounted(&mnt) {

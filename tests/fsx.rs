@@ -20,7 +20,10 @@ type Model = BTreeMap<String, Vec<u8>>;
 fn initial_lower(seed: u64) -> Model {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     let mut m = Model::new();
-    for (i, size) in [8 << 20, 3 << 20, 1 << 20, 65536, 4097, 100].into_iter().enumerate() {
+    for (i, size) in [8 << 20, 3 << 20, 1 << 20, 65536, 4097, 100]
+        .into_iter()
+        .enumerate()
+    {
         let mut data = vec![0u8; size];
         rng.fill(&mut data[..]);
         m.insert(format!("f{i}"), data);
@@ -61,15 +64,25 @@ impl Run {
 
     fn check_file(&self, name: &str) {
         let want = &self.model[name];
-        let got = fs::read(self.m.path(name)).unwrap_or_else(|e| panic!("read {name}: {e}\n{}", self.trace()));
+        let got = fs::read(self.m.path(name))
+            .unwrap_or_else(|e| panic!("read {name}: {e}\n{}", self.trace()));
         assert_eq!(got.len(), want.len(), "size of {name}\n{}", self.trace());
         if let Some(pos) = got.iter().zip(want.iter()).position(|(a, b)| a != b) {
-            panic!("{name} differs at byte {pos} (block {})\n{}", pos / 4096, self.trace());
+            panic!(
+                "{name} differs at byte {pos} (block {})\n{}",
+                pos / 4096,
+                self.trace()
+            );
         }
         let md = fs::metadata(self.m.path(name)).unwrap();
         assert_eq!(md.len(), want.len() as u64);
         use std::os::unix::fs::MetadataExt;
-        assert_eq!(md.mode() & 0o7777, self.modes[name], "mode of {name}\n{}", self.trace());
+        assert_eq!(
+            md.mode() & 0o7777,
+            self.modes[name],
+            "mode of {name}\n{}",
+            self.trace()
+        );
         assert_eq!(md.nlink(), 1, "links of {name}");
     }
 
@@ -85,7 +98,13 @@ impl Run {
 
     fn trace(&self) -> String {
         let tail: Vec<&String> = self.log.iter().rev().take(15).collect();
-        format!("last operations (newest first):\n  {}", tail.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  "))
+        format!(
+            "last operations (newest first):\n  {}",
+            tail.iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        )
     }
 
     fn step(&mut self, i: usize) {
@@ -95,11 +114,19 @@ impl Run {
                 let Some(name) = self.pick() else { return };
                 let size = self.model[&name].len();
                 let off = offset(&mut self.rng, size + 8192);
-                let len = if self.rng.gen_bool(0.7) { self.rng.gen_range(1..5000) } else { self.rng.gen_range(1..70000) };
+                let len = if self.rng.gen_bool(0.7) {
+                    self.rng.gen_range(1..5000)
+                } else {
+                    self.rng.gen_range(1..70000)
+                };
                 let mut data = vec![0u8; len];
                 self.rng.fill(&mut data[..]);
-                self.log.push(format!("{i}: write {name} off={off} len={len}"));
-                let f = fs::OpenOptions::new().write(true).open(self.m.path(&name)).unwrap();
+                self.log
+                    .push(format!("{i}: write {name} off={off} len={len}"));
+                let f = fs::OpenOptions::new()
+                    .write(true)
+                    .open(self.m.path(&name))
+                    .unwrap();
                 f.write_all_at(&data, off as u64).unwrap();
                 let file = self.model.get_mut(&name).unwrap();
                 if file.len() < off + len {
@@ -112,7 +139,8 @@ impl Run {
                 let size = self.model[&name].len();
                 let off = offset(&mut self.rng, size);
                 let len = self.rng.gen_range(1..100_000);
-                self.log.push(format!("{i}: read {name} off={off} len={len}"));
+                self.log
+                    .push(format!("{i}: read {name} off={off} len={len}"));
                 let f = fs::File::open(self.m.path(&name)).unwrap();
                 let mut buf = vec![0u8; len];
                 let mut got = 0;
@@ -126,7 +154,11 @@ impl Run {
                 let want = &self.model[&name];
                 let end = (off + len).min(want.len());
                 let expect = if off < end { &want[off..end] } else { &[][..] };
-                assert!(&buf[..got] == expect, "read {name} at {off}+{len} differs\n{}", self.trace());
+                assert!(
+                    &buf[..got] == expect,
+                    "read {name} at {off}+{len} differs\n{}",
+                    self.trace()
+                );
             }
             55..=64 => {
                 let Some(name) = self.pick() else { return };
@@ -137,7 +169,12 @@ impl Run {
                     _ => offset(&mut self.rng, size * 2 + 10000),
                 };
                 self.log.push(format!("{i}: truncate {name} {size}->{new}"));
-                fs::OpenOptions::new().write(true).open(self.m.path(&name)).unwrap().set_len(new as u64).unwrap();
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(self.m.path(&name))
+                    .unwrap()
+                    .set_len(new as u64)
+                    .unwrap();
                 self.model.get_mut(&name).unwrap().resize(new, 0);
             }
             65..=69 => {
@@ -149,8 +186,14 @@ impl Run {
                 let off = offset(&mut self.rng, size - 1).min(size - 1);
                 let len = self.rng.gen_range(1..=(size - off).min(100_000));
                 let zero = self.rng.gen_bool(0.5);
-                self.log.push(format!("{i}: {} {name} off={off} len={len}", if zero { "zero-range" } else { "punch" }));
-                let f = fs::OpenOptions::new().write(true).open(self.m.path(&name)).unwrap();
+                self.log.push(format!(
+                    "{i}: {} {name} off={off} len={len}",
+                    if zero { "zero-range" } else { "punch" }
+                ));
+                let f = fs::OpenOptions::new()
+                    .write(true)
+                    .open(self.m.path(&name))
+                    .unwrap();
                 let mode = if zero {
                     rustix::fs::FallocateFlags::ZERO_RANGE | rustix::fs::FallocateFlags::KEEP_SIZE
                 } else {
@@ -163,8 +206,12 @@ impl Run {
                 let Some(name) = self.pick() else { return };
                 let mut data = vec![0u8; self.rng.gen_range(1..3000)];
                 self.rng.fill(&mut data[..]);
-                self.log.push(format!("{i}: append {name} len={}", data.len()));
-                let mut f = fs::OpenOptions::new().append(true).open(self.m.path(&name)).unwrap();
+                self.log
+                    .push(format!("{i}: append {name} len={}", data.len()));
+                let mut f = fs::OpenOptions::new()
+                    .append(true)
+                    .open(self.m.path(&name))
+                    .unwrap();
                 std::io::Write::write_all(&mut f, &data).unwrap();
                 self.model.get_mut(&name).unwrap().extend_from_slice(&data);
             }
@@ -189,7 +236,8 @@ impl Run {
                 let name = format!("f{}", self.rng.gen_range(0..9));
                 let mut data = vec![0u8; self.rng.gen_range(0..20000)];
                 self.rng.fill(&mut data[..]);
-                self.log.push(format!("{i}: create {name} len={}", data.len()));
+                self.log
+                    .push(format!("{i}: create {name} len={}", data.len()));
                 let existed = self.model.contains_key(&name);
                 fs::write(self.m.path(&name), &data).unwrap();
                 self.model.insert(name.clone(), data);
@@ -229,7 +277,13 @@ fn run_seed(seed: u64, ops: usize) {
     }
     m.mount();
     let modes = model.keys().map(|k| (k.clone(), 0o644)).collect();
-    let mut run = Run { m, model, modes, rng: StdRng::seed_from_u64(seed), log: vec![format!("seed {seed}")] };
+    let mut run = Run {
+        m,
+        model,
+        modes,
+        rng: StdRng::seed_from_u64(seed),
+        log: vec![format!("seed {seed}")],
+    };
     for i in 0..ops {
         run.step(i);
         if i % 250 == 249 {
@@ -243,7 +297,10 @@ fn run_seed(seed: u64, ops: usize) {
 
 #[test]
 fn fsx_random_operations_match_the_model() {
-    let ops: usize = std::env::var("FSX_OPS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000);
+    let ops: usize = std::env::var("FSX_OPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
     let seeds: Vec<u64> = match std::env::var("FSX_SEED").ok().and_then(|s| s.parse().ok()) {
         Some(s) => vec![s],
         None => vec![1, 2, 3],

@@ -12,7 +12,9 @@ const MIB: usize = 1 << 20;
 
 /// Deterministic pseudo-random bytes.
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..len)
         .map(|_| {
             x ^= x << 13;
@@ -39,17 +41,34 @@ fn lower_with(name: &str, data: &[u8]) -> Mount {
 fn first_write_to_lower_copies_one_block() {
     let base = pattern(64 * MIB, 1);
     let m = lower_with("big", &base);
-    let f = fs::OpenOptions::new().write(true).open(m.path("big")).unwrap();
-    assert!(!m.upper.join("big").exists(), "opening for write copies nothing");
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("big"))
+        .unwrap();
+    assert!(
+        !m.upper.join("big").exists(),
+        "opening for write copies nothing"
+    );
     f.write_all_at(b"X", 1_000_000).unwrap();
     drop(f);
     let upper = m.upper.join("big");
-    assert_eq!(fs::metadata(&upper).unwrap().len(), 64 * MIB as u64, "partial file has the full size");
-    assert!(allocated(&upper) <= 8192, "one block (plus at most an xattr block): {}", allocated(&upper));
+    assert_eq!(
+        fs::metadata(&upper).unwrap().len(),
+        64 * MIB as u64,
+        "partial file has the full size"
+    );
+    assert!(
+        allocated(&upper) <= 8192,
+        "one block (plus at most an xattr block): {}",
+        allocated(&upper)
+    );
     let mut want = base.clone();
     want[1_000_000] = b'X';
     assert!(fs::read(m.path("big")).unwrap() == want, "merged content");
-    assert!(fs::read(m.lower(0).join("big")).unwrap() == base, "lower untouched");
+    assert!(
+        fs::read(m.lower(0).join("big")).unwrap() == base,
+        "lower untouched"
+    );
 }
 
 #[test]
@@ -64,7 +83,10 @@ fn metadata_changes_copy_no_data() {
     let upper = m.upper.join("f");
     assert!(!has_data(&upper), "no data block in the upper file");
     let md = fs::metadata(&f).unwrap();
-    assert_eq!((md.uid(), md.mode() & 0o777, md.mtime()), (1000, 0o600, 1000000));
+    assert_eq!(
+        (md.uid(), md.mode() & 0o777, md.mtime()),
+        (1000, 0o600, 1000000)
+    );
     assert!(fs::read(&f).unwrap() == base);
 }
 
@@ -72,14 +94,20 @@ fn metadata_changes_copy_no_data() {
 fn chown_recursive_of_a_tree_writes_no_data() {
     let m = Mount::with(|l| {
         for i in 0..50 {
-            write(l.join(format!("tree/d{}/f{i}", i % 5)), pattern(256 * 1024, i));
+            write(
+                l.join(format!("tree/d{}/f{i}", i % 5)),
+                pattern(256 * 1024, i),
+            );
         }
     });
     sh(&format!("chown -R 1234:1234 {}", m.path("tree").display()));
     let used = sh(&format!("du -sk {}", m.upper.display()));
     let kib: u64 = used.split_whitespace().next().unwrap().parse().unwrap();
     // ext4 keeps xattrs that do not fit in the inode in one 4 KiB block per file.
-    assert!(kib < 400, "only metadata in the upper layer, not 12.5 MiB: {kib} KiB");
+    assert!(
+        kib < 400,
+        "only metadata in the upper layer, not 12.5 MiB: {kib} KiB"
+    );
     for i in 0..50u64 {
         assert!(!has_data(&m.upper.join(format!("tree/d{}/f{i}", i % 5))));
         let p = m.path(&format!("tree/d{}/f{i}", i % 5));
@@ -92,28 +120,44 @@ fn chown_recursive_of_a_tree_writes_no_data() {
 fn truncate_down_then_up_reads_zeros_not_lower_data() {
     let base = pattern(100_000, 3);
     let m = lower_with("f", &base);
-    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     f.set_len(5000).unwrap();
     f.set_len(50_000).unwrap();
     let got = fs::read(m.path("f")).unwrap();
     assert_eq!(got.len(), 50_000);
     assert!(got[..5000] == base[..5000]);
-    assert!(got[5000..].iter().all(|b| *b == 0), "bytes past the shrink point are zeros");
+    assert!(
+        got[5000..].iter().all(|b| *b == 0),
+        "bytes past the shrink point are zeros"
+    );
     f.set_len(0).unwrap();
     assert_eq!(fs::read(m.path("f")).unwrap().len(), 0);
     f.write_all_at(b"abc", 10).unwrap();
     assert_eq!(fs::read(m.path("f")).unwrap(), b"\0\0\0\0\0\0\0\0\0\0abc");
-    assert!(get_xattr(&m.upper.join("f"), "trusted.mosaicfs.partial").is_none(), "nothing of the lower file is left: complete");
+    assert!(
+        get_xattr(&m.upper.join("f"), "trusted.mosaicfs.partial").is_none(),
+        "nothing of the lower file is left: complete"
+    );
 }
 
 #[test]
 fn appends_and_writes_past_eof() {
     let base = pattern(10_000, 4);
     let m = lower_with("f", &base);
-    let mut f = fs::OpenOptions::new().append(true).open(m.path("f")).unwrap();
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("f"))
+        .unwrap();
     f.write_all(b"tail").unwrap();
     drop(f);
-    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     f.write_all_at(b"far", 20_000).unwrap();
     let mut want = base.clone();
     want.extend_from_slice(b"tail");
@@ -130,7 +174,12 @@ fn o_trunc_on_a_lower_file_makes_an_empty_complete_file() {
     assert!(get_xattr(&m.upper.join("f"), "trusted.mosaicfs.partial").is_none());
 }
 
-fn fallocate(f: &fs::File, mode: rustix::fs::FallocateFlags, off: u64, len: u64) -> std::io::Result<()> {
+fn fallocate(
+    f: &fs::File,
+    mode: rustix::fs::FallocateFlags,
+    off: u64,
+    len: u64,
+) -> std::io::Result<()> {
     rustix::fs::fallocate(f, mode, off, len).map_err(Into::into)
 }
 
@@ -139,23 +188,41 @@ fn fallocate_modes_keep_content_exact() {
     use rustix::fs::FallocateFlags as F;
     let base = pattern(64 * 1024, 6);
     let m = lower_with("f", &base);
-    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     let mut want = base.clone();
     fallocate(&f, F::empty(), 1000, 10_000).unwrap();
-    assert!(fs::read(m.path("f")).unwrap() == want, "allocation keeps lower data");
+    assert!(
+        fs::read(m.path("f")).unwrap() == want,
+        "allocation keeps lower data"
+    );
     fallocate(&f, F::KEEP_SIZE | F::PUNCH_HOLE, 20_000, 9_000).unwrap();
     want[20_000..29_000].fill(0);
-    assert!(fs::read(m.path("f")).unwrap() == want, "punched range reads zeros, not lower data");
+    assert!(
+        fs::read(m.path("f")).unwrap() == want,
+        "punched range reads zeros, not lower data"
+    );
     fallocate(&f, F::ZERO_RANGE, 40_001, 3).unwrap();
     want[40_001..40_004].fill(0);
     assert!(fs::read(m.path("f")).unwrap() == want);
     fallocate(&f, F::empty(), 60_000, 10_000).unwrap();
     want.resize(70_000, 0);
-    assert!(fs::read(m.path("f")).unwrap() == want, "allocation past EOF extends with zeros");
+    assert!(
+        fs::read(m.path("f")).unwrap() == want,
+        "allocation past EOF extends with zeros"
+    );
     fallocate(&f, F::KEEP_SIZE | F::PUNCH_HOLE, 30_000, 1 << 20).unwrap();
     want[30_000..].fill(0);
     assert!(fs::read(m.path("f")).unwrap() == want, "punch to the end");
-    assert_eq!(fallocate(&f, F::COLLAPSE_RANGE, 0, 4096).unwrap_err().raw_os_error(), Some(libc::EOPNOTSUPP));
+    assert_eq!(
+        fallocate(&f, F::COLLAPSE_RANGE, 0, 4096)
+            .unwrap_err()
+            .raw_os_error(),
+        Some(libc::EOPNOTSUPP)
+    );
 }
 
 #[test]
@@ -164,13 +231,25 @@ fn copy_file_range_and_mmap_writes_give_exact_content() {
     let m = lower_with("f", &base);
     let src = fs::File::open(m.path("f")).unwrap();
     let dst = fs::File::create(m.path("copy")).unwrap();
-    let n = rustix::fs::copy_file_range(&src, Some(&mut 1000), &dst, Some(&mut 0), 100_000).unwrap();
+    let n =
+        rustix::fs::copy_file_range(&src, Some(&mut 1000), &dst, Some(&mut 0), 100_000).unwrap();
     assert!(n > 0);
     assert!(fs::read(m.path("copy")).unwrap() == base[1000..1000 + n]);
-    let rw = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let rw = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     // SAFETY: maps 256 KiB of a 256 KiB file, unmapped before the file is closed.
     unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), 256 * 1024, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(&rw), 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            256 * 1024,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&rw),
+            0,
+        );
         assert_ne!(p, libc::MAP_FAILED);
         std::ptr::write_bytes((p as *mut u8).add(70_000), b'M', 10);
         libc::msync(p, 256 * 1024, libc::MS_SYNC);
@@ -186,7 +265,10 @@ fn a_reader_of_the_lower_file_sees_later_writes() {
     let base = pattern(100_000, 8);
     let m = lower_with("f", &base);
     let mut reader = fs::File::open(m.path("f")).unwrap();
-    let writer = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    let writer = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     writer.write_all_at(b"NEW", 50_000).unwrap();
     let mut buf = [0u8; 3];
     reader.seek(SeekFrom::Start(50_000)).unwrap();
@@ -199,7 +281,10 @@ fn hard_links_to_a_partial_file_share_its_content() {
     let base = pattern(50_000, 9);
     let m = lower_with("f", &base);
     fs::hard_link(m.path("f"), m.path("g")).unwrap();
-    let f = fs::OpenOptions::new().write(true).open(m.path("g")).unwrap();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("g"))
+        .unwrap();
     f.write_all_at(b"via-g", 100).unwrap();
     let mut want = base.clone();
     want[100..105].copy_from_slice(b"via-g");
@@ -211,36 +296,60 @@ fn hard_links_to_a_partial_file_share_its_content() {
 fn partial_files_survive_remount() {
     let base = pattern(3 * MIB, 10);
     let mut m = lower_with("f", &base);
-    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     f.write_all_at(b"one", 5).unwrap();
-    f.write_all_at(&pattern(10_000, 11), 2 * MIB as u64 + 77).unwrap();
+    f.write_all_at(&pattern(10_000, 11), 2 * MIB as u64 + 77)
+        .unwrap();
     drop(f);
     let want = fs::read(m.path("f")).unwrap();
     m.remount();
     assert!(fs::read(m.path("f")).unwrap() == want);
     fs::rename(m.path("f"), m.path("moved")).unwrap();
     m.remount();
-    assert!(fs::read(m.path("moved")).unwrap() == want, "a renamed partial file still finds its lower");
+    assert!(
+        fs::read(m.path("moved")).unwrap() == want,
+        "a renamed partial file still finds its lower"
+    );
 }
 
 #[test]
 fn a_changed_lower_file_is_refused_with_eio() {
     let mut m = lower_with("f", &pattern(100_000, 12));
-    fs::OpenOptions::new().write(true).open(m.path("f")).unwrap().write_all_at(b"x", 10).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .write_all_at(b"x", 10)
+        .unwrap();
     m.unmount();
     fs::write(m.lower(0).join("f"), pattern(100_000, 13)).unwrap();
     m.mount();
     assert_eq!(errno_of(fs::read(m.path("f"))), libc::EIO);
     let log = m.unmount();
-    assert!(log.contains("changed since the partial file was made") && log.contains('f'), "{log}");
+    assert!(
+        log.contains("changed since the partial file was made") && log.contains('f'),
+        "{log}"
+    );
 }
 
 #[test]
 fn a_damaged_mark_is_refused_with_eio() {
     let mut m = lower_with("f", &pattern(100_000, 14));
-    fs::OpenOptions::new().write(true).open(m.path("f")).unwrap().write_all_at(b"x", 10).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .write_all_at(b"x", 10)
+        .unwrap();
     m.unmount();
-    set_xattr(&m.upper.join("f"), "trusted.mosaicfs.partial", b"v1\nlayer=1\nvalid=banana\npath=f");
+    set_xattr(
+        &m.upper.join("f"),
+        "trusted.mosaicfs.partial",
+        b"v1\nlayer=1\nvalid=banana\npath=f",
+    );
     m.mount();
     assert_eq!(errno_of(fs::read(m.path("f"))), libc::EIO);
     let log = m.unmount();
@@ -252,7 +361,10 @@ fn after_kill_9_every_block_is_old_or_new_and_synced_writes_are_there() {
     const BS: usize = 4096;
     let base = pattern(4 * MIB, 15);
     let mut m = lower_with("f", &base);
-    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     let new = pattern(4 * MIB, 16);
     // Unaligned writes over many blocks; the first half is fsynced.
     let mut synced = Vec::new();
@@ -271,12 +383,18 @@ fn after_kill_9_every_block_is_old_or_new_and_synced_writes_are_there() {
     let after = fs::read(m.path("f")).unwrap();
     assert_eq!(after.len(), base.len());
     for (b, chunk) in after.chunks(BS).enumerate() {
-        let (o, s) = (&base[b * BS..b * BS + chunk.len()], &synced[b * BS..b * BS + chunk.len()]);
+        let (o, s) = (
+            &base[b * BS..b * BS + chunk.len()],
+            &synced[b * BS..b * BS + chunk.len()],
+        );
         // Each byte is either the lower byte or a byte some write put there; and every byte
         // the fsync covered is at least as new as at the fsync.
         for (i, byte) in chunk.iter().enumerate() {
             let pos = b * BS + i;
-            assert!(*byte == o[i] || *byte == new[pos], "block {b} byte {i} is neither old nor new");
+            assert!(
+                *byte == o[i] || *byte == new[pos],
+                "block {b} byte {i} is neither old nor new"
+            );
             if s[i] != o[i] {
                 assert_eq!(*byte, s[i], "fsynced byte {pos} lost");
             }
