@@ -192,6 +192,23 @@ impl BlockMap {
         out
     }
 
+    /// The present range holding block `blk`, if any.
+    pub fn range_of(&self, blk: u64) -> Option<(u64, u64)> {
+        self.ranges
+            .range(..=blk)
+            .next_back()
+            .filter(|(_, e)| blk < **e)
+            .map(|(s, e)| (*s, *e))
+    }
+
+    /// The first present block at or after `blk`.
+    pub fn next_present(&self, blk: u64) -> Option<u64> {
+        if self.contains(blk) {
+            return Some(blk);
+        }
+        self.ranges.range(blk..).next().map(|(s, _)| *s)
+    }
+
     pub fn block_count(&self) -> u64 {
         self.ranges.iter().map(|(s, e)| e - s).sum()
     }

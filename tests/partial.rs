@@ -401,3 +401,40 @@ fn after_kill_9_every_block_is_old_or_new_and_synced_writes_are_there() {
         }
     }
 }
+
+fn seek(f: &fs::File, off: u64, data: bool) -> Option<u64> {
+    let whence = if data { rustix::fs::SeekFrom::Data(off) } else { rustix::fs::SeekFrom::Hole(off) };
+    rustix::fs::seek(f, whence).ok()
+}
+
+/// Checks SEEK_DATA/SEEK_HOLE answers against the content: a reported hole reads as zeros, and
+/// data is never reported past the end. (Whether the kernel asks the daemon is its choice.)
+fn check_seek_consistency(path: &std::path::Path) {
+    let content = fs::read(path).unwrap();
+    let f = fs::File::open(path).unwrap();
+    let size = content.len() as u64;
+    for off in (0..size).step_by(4093) {
+        let hole = seek(&f, off, false).expect("SEEK_HOLE below EOF succeeds");
+        assert!(hole >= off && hole <= size);
+        let next_data = seek(&f, hole, true).unwrap_or(size).min(size);
+        assert!(content[hole as usize..next_data as usize].iter().all(|b| *b == 0), "hole at {hole}..{next_data} holds data");
+        if let Some(d) = seek(&f, off, true) {
+            assert!(d >= off && d < size);
+            assert!(content[off as usize..d as usize].iter().all(|b| *b == 0), "data skipped before {d}");
+        }
+    }
+}
+
+#[test]
+fn seek_data_and_seek_hole_agree_with_the_merged_content() {
+    let base = pattern(1 << 20, 17);
+    let m = lower_with("f", &base);
+    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    f.write_all_at(b"x", 10).unwrap();
+    check_seek_consistency(&m.path("f"));
+    f.set_len(100_000).unwrap();
+    f.set_len(1 << 20).unwrap();
+    f.write_all_at(b"y", 500_000).unwrap();
+    check_seek_consistency(&m.path("f"));
+    assert_eq!(seek(&f, 2 << 20, true), None, "SEEK_DATA past EOF is ENXIO");
+}
