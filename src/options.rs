@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// One range of an id mapping: `inside..inside+len` in the merged view is
-/// `outside..outside+len` on disk.
+/// `outside..outside+len` on disk. Written `OUTSIDE:INSIDE:LEN` in the option, the order of
+/// fuse-overlayfs (containers/storage passes `uidmapping=0:100000:65536` to show an image's
+/// unshifted ids 0.. as 100000.. to a user-namespaced container).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IdRange {
     pub inside: u32,
@@ -54,14 +56,14 @@ impl IdMap {
         let nums = nums.map_err(|_| format!("'{value}' is not a list of numbers"))?;
         if nums.is_empty() || nums.len() % 3 != 0 {
             return Err(format!(
-                "'{value}' must be triples INSIDE:OUTSIDE:LENGTH separated by ':'"
+                "'{value}' must be triples DISK:MOUNT:LENGTH separated by ':'"
             ));
         }
         Ok(IdMap(
             nums.chunks(3)
                 .map(|c| IdRange {
-                    inside: c[0],
-                    outside: c[1],
+                    outside: c[0],
+                    inside: c[1],
                     len: c[2],
                 })
                 .collect(),
@@ -486,8 +488,9 @@ mod tests {
             noxattrs=0,plugins=/p,xattr_permissions=1,allow_other,default_permissions,ro,max_write=131072,\
             nosuid,nodev,noexec,noatime";
         let o = parse(&["-o", all, "/m"]).unwrap();
-        assert_eq!(o.uid_map.to_inside(100005), 5);
-        assert_eq!(o.uid_map.to_outside(5), 100005);
+        assert_eq!(o.uid_map.to_inside(5), 100005, "disk id 5 shows as 100005");
+        assert_eq!(o.uid_map.to_outside(100005), 5);
+        assert_eq!(o.uid_map.to_inside(70000), 65534, "unmapped ids show as the overflow id");
         assert!(o.skip_fsync && o.read_only && !o.acl);
     }
 
