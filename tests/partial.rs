@@ -438,3 +438,46 @@ fn seek_data_and_seek_hole_agree_with_the_merged_content() {
     check_seek_consistency(&m.path("f"));
     assert_eq!(seek(&f, 2 << 20, true), None, "SEEK_DATA past EOF is ENXIO");
 }
+
+#[test]
+fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
+    // A FUSE file system reports no holes (the kernel answers SEEK_DATA with "all data"):
+    // fuse-overlayfs serves as an upper file system without sparse-file support.
+    let dir = tempfile::Builder::new().prefix("mosaicfs-nosparse").tempdir_in("/tmp").unwrap();
+    let p = dir.path();
+    for d in ["fl", "fu", "fw", "host", "lower", "mnt"] {
+        fs::create_dir(p.join(d)).unwrap();
+    }
+    sh(&format!(
+        "fuse-overlayfs -o lowerdir={0}/fl,upperdir={0}/fu,workdir={0}/fw {0}/host",
+        p.display()
+    ));
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _host = Unmount(p.join("host"));
+    fs::create_dir(p.join("host/upper")).unwrap();
+    fs::create_dir(p.join("host/work")).unwrap();
+    let base = pattern(300_000, 18);
+    write(p.join("lower/f"), &base);
+    let out = std::process::Command::new(BIN)
+        .args(["-o", &format!("lowerdir={0}/lower,upperdir={0}/host/upper,workdir={0}/host/work", p.display())])
+        .arg(p.join("mnt"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _mnt = Unmount(p.join("mnt"));
+    let warning = String::from_utf8_lossy(&out.stderr);
+    assert!(warning.contains("does not report holes") && warning.contains("copied up whole"), "{warning}");
+    let f = fs::OpenOptions::new().write(true).open(p.join("mnt/f")).unwrap();
+    f.write_all_at(b"edge", 4094).unwrap();
+    drop(f);
+    let mut want = base.clone();
+    want[4094..4098].copy_from_slice(b"edge");
+    assert!(fs::read(p.join("mnt/f")).unwrap() == want);
+    assert!(get_xattr(&p.join("host/upper/f"), "trusted.mosaicfs.partial").is_none(), "a whole, unmarked copy");
+    assert!(fs::read(p.join("host/upper/f")).unwrap() == want);
+}
