@@ -73,6 +73,7 @@ impl Overlay {
             return Err(e);
         }
         node.state().upper = true;
+        self.stats.copy_ups.add(1);
         self.refresh_open(node)
     }
 

@@ -239,7 +239,7 @@ impl Overlay {
         mode: u32,
         flags: i32,
         caller: &Caller,
-    ) -> Result<(Arc<Node>, Attr, u64)> {
+    ) -> Result<(Arc<Node>, Attr, crate::file::Opened)> {
         let made = self.create_object(parent, name, caller, |dir, n| {
             let fd = rustix::fs::openat(
                 dir,
@@ -260,8 +260,8 @@ impl Overlay {
         if node.kind() == libc::S_IFDIR {
             return Err(errno(libc::EISDIR));
         }
-        let fh = self.open(node.ino, flags)?;
-        Ok((node, attr, fh))
+        let opened = self.open(node.ino, flags)?;
+        Ok((node, attr, opened))
     }
 
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &OsStr) -> Result<(Arc<Node>, Attr)> {

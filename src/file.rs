@@ -6,8 +6,9 @@
 //! blocks in the upper layer, see partial.rs), `Upper` (a complete upper file). Its `RwLock` is
 //! the per-file lock: reads share it, writes and size changes take it exclusively.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::any::Any;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
@@ -28,6 +29,44 @@ pub enum FileData {
 pub struct OpenFile {
     pub ino: Ino,
     data: RwLock<FileData>,
+    io: Mutex<IoState>,
+}
+
+/// How a handle does its I/O.
+///
+/// The kernel binds an inode to one backing file while any passthrough handle is open, and then
+/// fails every open that is not passthrough on that backing file with EIO (fs/fuse/iomode.c).
+/// So: a complete upper file passes through for every open; a read-only open of a lower file
+/// passes through only with `passthrough=all`, and then a writable open of that file while such
+/// a reader is open fails with ETXTBSY (writes must reach the daemon, never the lower file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoMode {
+    /// Reads and writes go from the kernel to the layer file, never through the daemon.
+    Passthrough,
+    /// Through the daemon, with the page cache kept across opens (every change to the data goes
+    /// through the mount, so the cache is never stale).
+    Cached,
+}
+
+/// Which files pass through (mount option `passthrough=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassthroughPolicy {
+    Off,
+    /// Complete upper files (the default).
+    Upper,
+    /// Complete upper files and read-only opens of lower files.
+    All,
+}
+
+#[derive(Default)]
+struct IoState {
+    passthrough: usize,
+    cached: usize,
+    /// The FUSE adapter's registration of the backing file, shared by all passthrough handles
+    /// of the inode.
+    backing: Option<Arc<dyn Any + Send + Sync>>,
+    /// Whether the backing file is the upper file (else the lower file: read-only handles only).
+    backing_upper: bool,
 }
 
 /// An open partial file: the upper sparse file, the lower file it patches, and its block map.
@@ -45,9 +84,28 @@ pub struct Handle {
     pub node: Arc<Node>,
     pub append: bool,
     pub writable: bool,
+    io: Mutex<IoMode>,
+}
+
+impl Handle {
+    pub fn io(&self) -> IoMode {
+        *self.io.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.file.end_io(self.io());
+    }
 }
 
 pub type HandleTable = HandleMap<Handle>;
+
+/// A new open handle and how it does I/O.
+pub struct Opened {
+    pub fh: u64,
+    pub io: IoMode,
+}
 
 impl OpenFile {
     fn read_data(&self) -> RwLockReadGuard<'_, FileData> {
@@ -65,6 +123,77 @@ impl OpenFile {
             FileData::Partial(p) => Ok(Some(sys::fstat(p.upper.as_fd())?)),
             FileData::Upper(fd) => Ok(Some(sys::fstat(fd.as_fd())?)),
         }
+    }
+
+    fn io_state(&self) -> std::sync::MutexGuard<'_, IoState> {
+        self.io.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Picks and counts the I/O mode of a new handle.
+    fn begin_io(&self, writable: bool, policy: PassthroughPolicy) -> Result<IoMode> {
+        let (upper, lower) = match &*self.read_data() {
+            FileData::Upper(_) => (true, false),
+            FileData::Lower(_) => (false, true),
+            FileData::Partial(_) => (false, false),
+        };
+        let mut io = self.io_state();
+        if io.passthrough > 0 {
+            // The inode is bound to its backing file until the last passthrough handle closes.
+            if io.backing_upper || !writable {
+                io.passthrough += 1;
+                return Ok(IoMode::Passthrough);
+            }
+            log::info!(
+                "writable open of inode {} refused while it is read through passthrough",
+                self.ino
+            );
+            return Err(errno(libc::ETXTBSY));
+        }
+        let eligible = match policy {
+            PassthroughPolicy::Off => false,
+            PassthroughPolicy::Upper => upper,
+            PassthroughPolicy::All => upper || (lower && !writable),
+        };
+        if eligible && io.cached == 0 {
+            io.passthrough += 1;
+            io.backing_upper = upper;
+            Ok(IoMode::Passthrough)
+        } else {
+            io.cached += 1;
+            Ok(IoMode::Cached)
+        }
+    }
+
+    fn end_io(&self, mode: IoMode) {
+        let mut io = self.io_state();
+        match mode {
+            IoMode::Passthrough => {
+                io.passthrough -= 1;
+                if io.passthrough == 0 {
+                    io.backing = None;
+                }
+            }
+            IoMode::Cached => io.cached -= 1,
+        }
+    }
+
+    /// The backing registration for passthrough, made by `register` on first use.
+    pub fn backing<E>(
+        &self,
+        register: impl FnOnce(BorrowedFd<'_>) -> std::result::Result<Arc<dyn Any + Send + Sync>, E>,
+    ) -> std::result::Result<Arc<dyn Any + Send + Sync>, E> {
+        let mut io = self.io_state();
+        if let Some(b) = &io.backing {
+            return Ok(b.clone());
+        }
+        let data = self.read_data();
+        let fd = match &*data {
+            FileData::Upper(fd) | FileData::Lower(fd) => fd.as_fd(),
+            FileData::Partial(p) => p.upper.as_fd(),
+        };
+        let b = register(fd)?;
+        io.backing = Some(b.clone());
+        Ok(b)
     }
 
     pub fn is_lower(&self) -> bool {
@@ -170,7 +299,11 @@ impl PartialFile {
             return Ok(None);
         }
         let bs = self.block;
-        let upper = self.blocks.next_present(off / bs).map(|b| (b * bs).max(off)).filter(|p| *p < self.size);
+        let upper = self
+            .blocks
+            .next_present(off / bs)
+            .map(|b| (b * bs).max(off))
+            .filter(|p| *p < self.size);
         let lower = if off < self.mark.valid {
             sys::seek_data(self.lower.as_fd(), off)?.filter(|p| *p < self.mark.valid)
         } else {
@@ -194,7 +327,10 @@ impl PartialFile {
             if pos < self.mark.valid && sys::seek_data(self.lower.as_fd(), pos)? == Some(pos) {
                 let lower_hole = sys::seek_hole(self.lower.as_fd(), pos)?.min(self.mark.valid);
                 // Lower data runs to its hole, unless an upper block takes over before that.
-                let next_upper = self.blocks.next_present(pos / bs + 1).map_or(u64::MAX, |b| b * bs);
+                let next_upper = self
+                    .blocks
+                    .next_present(pos / bs + 1)
+                    .map_or(u64::MAX, |b| b * bs);
                 pos = lower_hole.min(next_upper.max(pos + 1));
                 continue;
             }
@@ -405,6 +541,7 @@ impl Overlay {
         let f = Arc::new(OpenFile {
             ino: node.ino,
             data: RwLock::new(data),
+            io: Mutex::new(IoState::default()),
         });
         st.open = Arc::downgrade(&f);
         Ok(f)
@@ -422,7 +559,7 @@ impl Overlay {
         Ok(())
     }
 
-    pub fn open(&self, ino: Ino, flags: i32) -> Result<u64> {
+    pub fn open(&self, ino: Ino, flags: i32) -> Result<Opened> {
         let node = self.node(ino)?;
         let acc = flags & libc::O_ACCMODE;
         let writable = acc != libc::O_RDONLY;
@@ -433,12 +570,24 @@ impl Overlay {
             return Err(errno(libc::EINVAL));
         }
         let file = self.open_file(&node)?;
-        Ok(self.handles.insert(Handle {
+        let io = file.begin_io(writable, self.config.passthrough)?;
+        let fh = self.handles.insert(Handle {
             file,
             node,
             append: flags & libc::O_APPEND != 0,
             writable,
-        }))
+            io: Mutex::new(io),
+        });
+        Ok(Opened { fh, io })
+    }
+
+    /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.
+    pub fn passthrough_refused(&self, fh: u64) -> Result<IoMode> {
+        let h = self.handle(fh)?;
+        let mut io = h.io.lock().unwrap_or_else(|e| e.into_inner());
+        h.file.end_io(*io);
+        *io = h.file.begin_io(h.writable, PassthroughPolicy::Off)?;
+        Ok(*io)
     }
 
     pub fn release(&self, fh: u64) {
@@ -451,6 +600,8 @@ impl Overlay {
 
     pub fn read(&self, fh: u64, off: u64, size: u32) -> Result<Vec<u8>> {
         let h = self.handle(fh)?;
+        self.stats.reads.add(1);
+        self.stats.read_bytes.add(size as u64);
         let data = h.file.read_data();
         match &*data {
             FileData::Lower(fd) | FileData::Upper(fd) => {
@@ -474,6 +625,8 @@ impl Overlay {
 
     pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> Result<u32> {
         let h = self.handle(fh)?;
+        self.stats.writes.add(1);
+        self.stats.write_bytes.add(data.len() as u64);
         self.check_writable()?;
         self.ensure_upper(&h.node, &h.file)?;
         let mut fd_data = h.file.write_data();
@@ -537,9 +690,7 @@ impl Overlay {
         Ok(())
     }
 
-    /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's). Kernels
-    /// that do not send FUSE_LSEEK (6.18 here does not) answer "all data" themselves, which is
-    /// also correct, only less precise.
+    /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's).
     pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> Result<i64> {
         let h = self.handle(fh)?;
         let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
@@ -548,8 +699,12 @@ impl Overlay {
             (FileData::Lower(fd) | FileData::Upper(fd), libc::SEEK_DATA) => {
                 sys::seek_data(fd.as_fd(), off)?.ok_or_else(|| errno(libc::ENXIO))?
             }
-            (FileData::Lower(fd) | FileData::Upper(fd), libc::SEEK_HOLE) => sys::seek_hole(fd.as_fd(), off)?,
-            (FileData::Partial(p), libc::SEEK_DATA) => p.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?,
+            (FileData::Lower(fd) | FileData::Upper(fd), libc::SEEK_HOLE) => {
+                sys::seek_hole(fd.as_fd(), off)?
+            }
+            (FileData::Partial(p), libc::SEEK_DATA) => {
+                p.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
+            }
             (FileData::Partial(p), libc::SEEK_HOLE) => {
                 if off >= p.size {
                     return Err(errno(libc::ENXIO));

@@ -7,14 +7,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::attr::SetAttr;
 use crate::error::Error;
+use crate::file::IoMode;
 use crate::overlay::{Caller, Overlay};
 use crate::sys::{Attr, Time};
 
@@ -109,7 +110,37 @@ fn set_time(t: Option<TimeOrNow>) -> Option<Time> {
     })
 }
 
+fn fopen_flags(io: IoMode) -> FopenFlags {
+    match io {
+        // All changes to the data go through this mount: cached pages never go stale.
+        IoMode::Cached => FopenFlags::FOPEN_KEEP_CACHE,
+        IoMode::Passthrough => FopenFlags::empty(),
+    }
+}
+
 impl MosaicFs {
+    /// The inode's backing registration for passthrough, made with `open_backing` on first use.
+    /// When the kernel refuses it, the handle falls back to the daemon path (its I/O mode is
+    /// returned as the error).
+    fn backing(
+        &self,
+        fh: u64,
+        open_backing: impl FnOnce(std::os::fd::BorrowedFd<'_>) -> std::io::Result<BackingId>,
+    ) -> Result<Arc<dyn std::any::Any + Send + Sync>, IoMode> {
+        let refused = |why: String| {
+            log::debug!("passthrough refused, serving through the daemon: {why}");
+            self.core.passthrough_refused(fh).unwrap_or(IoMode::Cached)
+        };
+        let Some(h) = self.core.handles.get(fh) else {
+            return Err(refused("handle gone".into()));
+        };
+        h.file
+            .backing(|fd| {
+                open_backing(fd).map(|b| Arc::new(b) as Arc<dyn std::any::Any + Send + Sync>)
+            })
+            .map_err(|e| refused(e.to_string()))
+    }
+
     fn ttl(&self) -> Duration {
         self.core.config.timeout
     }
@@ -131,6 +162,16 @@ impl Filesystem for MosaicFs {
         let mut wanted = InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_EXPORT_SUPPORT;
         if self.core.config.acl {
             wanted |= InitFlags::FUSE_POSIX_ACL;
+        }
+        if self.core.config.passthrough != crate::file::PassthroughPolicy::Off {
+            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {
+                wanted |= InitFlags::FUSE_PASSTHROUGH;
+                let _ = config.set_max_stack_depth(self.core.layers.stack_depth());
+            } else {
+                log::warn!(
+                    "the kernel offers no FUSE passthrough: every read and write goes through the daemon"
+                );
+            }
         }
         let _ = config.add_capabilities(wanted & config.capabilities());
         if let Some(w) = self.max_write {
@@ -316,10 +357,25 @@ impl Filesystem for MosaicFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        match self.core.open(ino.0, flags.0) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
-            Err(e) => reply.error(errno(e)),
+        let opened = match self.core.open(ino.0, flags.0) {
+            Ok(o) => o,
+            Err(e) => return reply.error(errno(e)),
+        };
+        let fh = FileHandle(opened.fh);
+        if opened.io == IoMode::Passthrough {
+            match self.backing(opened.fh, |fd| reply.open_backing(fd)) {
+                Ok(b) => {
+                    self.core.stats.opens_passthrough.add(1);
+                    let id = b
+                        .downcast_ref::<BackingId>()
+                        .expect("only BackingIds are stored");
+                    return reply.opened_passthrough(fh, FopenFlags::empty(), id);
+                }
+                Err(io) => return reply.opened(fh, fopen_flags(io)),
+            }
         }
+        self.core.stats.opens_daemon.add(1);
+        reply.opened(fh, fopen_flags(opened.io))
     }
 
     fn read(
@@ -531,17 +587,54 @@ impl Filesystem for MosaicFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        match self
-            .core
-            .create(parent.0, name, mode, flags, &caller(req, umask))
-        {
-            Ok((node, attr, fh)) => reply.created(
-                &self.ttl(),
-                &fuse_attr(&attr),
-                Generation(node.generation()),
-                FileHandle(fh),
-                FopenFlags::empty(),
-            ),
+        let (node, attr, opened) =
+            match self
+                .core
+                .create(parent.0, name, mode, flags, &caller(req, umask))
+            {
+                Ok(v) => v,
+                Err(e) => return reply.error(errno(e)),
+            };
+        let (ttl, attr, generation, fh) = (
+            self.ttl(),
+            fuse_attr(&attr),
+            Generation(node.generation()),
+            FileHandle(opened.fh),
+        );
+        if opened.io == IoMode::Passthrough {
+            match self.backing(opened.fh, |fd| reply.open_backing(fd)) {
+                Ok(b) => {
+                    self.core.stats.opens_passthrough.add(1);
+                    let id = b
+                        .downcast_ref::<BackingId>()
+                        .expect("only BackingIds are stored");
+                    return reply.created_passthrough(
+                        &ttl,
+                        &attr,
+                        generation,
+                        fh,
+                        FopenFlags::empty(),
+                        id,
+                    );
+                }
+                Err(io) => return reply.created(&ttl, &attr, generation, fh, fopen_flags(io)),
+            }
+        }
+        self.core.stats.opens_daemon.add(1);
+        reply.created(&ttl, &attr, generation, fh, fopen_flags(opened.io))
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
+        match self.core.lseek(fh.0, offset, whence) {
+            Ok(pos) => reply.offset(pos),
             Err(e) => reply.error(errno(e)),
         }
     }

@@ -224,6 +224,17 @@ impl LayerStack {
         })
     }
 
+    /// The FUSE passthrough stacking depth the layers need: 2 when a layer sits on a stacking
+    /// file system (overlayfs, FUSE), else 1.
+    pub fn stack_depth(&self) -> u32 {
+        const OVERLAYFS: i64 = 0x794c_7630;
+        const FUSE: i64 = 0x6573_5546;
+        let stacked = self.layers.iter().any(|l| {
+            rustix::fs::fstatfs(&l.root).is_ok_and(|s| matches!(s.f_type as i64, OVERLAYFS | FUSE))
+        });
+        if stacked { 2 } else { 1 }
+    }
+
     pub fn root(&self, layer: LayerId) -> BorrowedFd<'_> {
         self.layers[layer as usize].root.as_fd()
     }

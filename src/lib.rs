@@ -17,4 +17,5 @@ pub mod options;
 pub mod overlay;
 pub mod partial;
 pub mod readdir;
+pub mod stats;
 pub mod sys;

@@ -102,6 +102,9 @@ pub struct Options {
     pub timeout: Duration,
     pub threads: usize,
     pub max_write: Option<u32>,
+    /// FUSE passthrough: `upper` (default) for complete upper files, `all` also for read-only
+    /// opens of lower files, `off`.
+    pub passthrough: crate::file::PassthroughPolicy,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
     pub remount: bool,
     pub warnings: Vec<String>,
@@ -137,6 +140,7 @@ impl Default for Options {
             timeout: Duration::from_secs(1),
             threads: default_threads(),
             max_write: None,
+            passthrough: crate::file::PassthroughPolicy::Upper,
             remount: false,
             warnings: Vec::new(),
         }
@@ -293,6 +297,15 @@ impl Options {
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
             "remount" => self.remount = true,
+            "passthrough" => {
+                use crate::file::PassthroughPolicy as P;
+                self.passthrough = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
+                    None | Some("upper") | Some("1") | Some("on") => P::Upper,
+                    Some("all") => P::All,
+                    Some("off") | Some("0") => P::Off,
+                    Some(v) => return Err(format!("option 'passthrough' takes upper, all or off, not '{v}'")),
+                };
+            }
             "ro" => self.read_only = true,
             "rw" => self.read_only = false,
             "allow_other" | "allow_root" => self.allow_other = true,
@@ -490,7 +503,11 @@ mod tests {
         let o = parse(&["-o", all, "/m"]).unwrap();
         assert_eq!(o.uid_map.to_inside(5), 100005, "disk id 5 shows as 100005");
         assert_eq!(o.uid_map.to_outside(100005), 5);
-        assert_eq!(o.uid_map.to_inside(70000), 65534, "unmapped ids show as the overflow id");
+        assert_eq!(
+            o.uid_map.to_inside(70000),
+            65534,
+            "unmapped ids show as the overflow id"
+        );
         assert!(o.skip_fsync && o.read_only && !o.acl);
     }
 

@@ -17,6 +17,7 @@ use crate::layers::{LayerId, LayerStack, UPPER};
 use crate::options::{IdMap, Options};
 use crate::partial::{self, SparseSupport};
 use crate::readdir::DirHandleTable;
+use crate::stats::Stats;
 use crate::sys::{self, Attr};
 
 /// Who asks: the caller's credentials and umask, from the FUSE request.
@@ -52,6 +53,8 @@ pub struct Config {
     pub uid_map: IdMap,
     pub gid_map: IdMap,
     pub timeout: Duration,
+    /// Which files FUSE passthrough serves (see file.rs, IoMode).
+    pub passthrough: crate::file::PassthroughPolicy,
 }
 
 impl Config {
@@ -67,6 +70,7 @@ impl Config {
             uid_map: o.uid_map.clone(),
             gid_map: o.gid_map.clone(),
             timeout: o.timeout,
+            passthrough: o.passthrough,
         }
     }
 }
@@ -79,6 +83,7 @@ pub struct Overlay {
     pub sparse: SparseSupport,
     pub handles: HandleTable,
     pub dirs: DirHandleTable,
+    pub stats: Stats,
 }
 
 /// A directory as the merged view sees it: where its upper part is (if any) and its lower parts.
@@ -127,6 +132,7 @@ impl Overlay {
             sparse,
             handles: HandleTable::default(),
             dirs: DirHandleTable::default(),
+            stats: Stats::default(),
             layers,
         })
     }
@@ -270,6 +276,7 @@ impl Overlay {
 
     /// Completes what is pending and lets go of every open file (unmount).
     pub fn shutdown(&self) {
+        log::info!("{}", self.stats.summary());
         self.handles.clear();
         self.dirs.clear();
     }

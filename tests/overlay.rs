@@ -608,14 +608,25 @@ fn uid_and_gid_mapping_shift_ids_both_ways() {
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), "x");
     std::os::unix::fs::chown(m.lower(0).join("f"), Some(5), Some(7)).unwrap();
-    m.extra = vec!["uidmapping=0:100000:65536".into(), "gidmapping=0:200000:65536".into()];
+    m.extra = vec![
+        "uidmapping=0:100000:65536".into(),
+        "gidmapping=0:200000:65536".into(),
+    ];
     m.mount();
     let md = fs::metadata(m.path("f")).unwrap();
-    assert_eq!((md.uid(), md.gid()), (100005, 200007), "disk ids shown shifted");
+    assert_eq!(
+        (md.uid(), md.gid()),
+        (100005, 200007),
+        "disk ids shown shifted"
+    );
     std::os::unix::fs::chown(m.path("f"), Some(100001), Some(200002)).unwrap();
     let disk = fs::metadata(m.upper.join("f")).unwrap();
     assert_eq!((disk.uid(), disk.gid()), (1, 2), "stored unshifted");
     write(m.path("new"), "n");
     let disk = fs::metadata(m.upper.join("new")).unwrap();
-    assert_eq!(disk.uid(), 65534, "root of the host is unmapped in this mapping");
+    assert_eq!(
+        disk.uid(),
+        65534,
+        "root of the host is unmapped in this mapping"
+    );
 }

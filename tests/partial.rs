@@ -403,7 +403,11 @@ fn after_kill_9_every_block_is_old_or_new_and_synced_writes_are_there() {
 }
 
 fn seek(f: &fs::File, off: u64, data: bool) -> Option<u64> {
-    let whence = if data { rustix::fs::SeekFrom::Data(off) } else { rustix::fs::SeekFrom::Hole(off) };
+    let whence = if data {
+        rustix::fs::SeekFrom::Data(off)
+    } else {
+        rustix::fs::SeekFrom::Hole(off)
+    };
     rustix::fs::seek(f, whence).ok()
 }
 
@@ -417,10 +421,18 @@ fn check_seek_consistency(path: &std::path::Path) {
         let hole = seek(&f, off, false).expect("SEEK_HOLE below EOF succeeds");
         assert!(hole >= off && hole <= size);
         let next_data = seek(&f, hole, true).unwrap_or(size).min(size);
-        assert!(content[hole as usize..next_data as usize].iter().all(|b| *b == 0), "hole at {hole}..{next_data} holds data");
+        assert!(
+            content[hole as usize..next_data as usize]
+                .iter()
+                .all(|b| *b == 0),
+            "hole at {hole}..{next_data} holds data"
+        );
         if let Some(d) = seek(&f, off, true) {
             assert!(d >= off && d < size);
-            assert!(content[off as usize..d as usize].iter().all(|b| *b == 0), "data skipped before {d}");
+            assert!(
+                content[off as usize..d as usize].iter().all(|b| *b == 0),
+                "data skipped before {d}"
+            );
         }
     }
 }
@@ -429,7 +441,11 @@ fn check_seek_consistency(path: &std::path::Path) {
 fn seek_data_and_seek_hole_agree_with_the_merged_content() {
     let base = pattern(1 << 20, 17);
     let m = lower_with("f", &base);
-    let f = fs::OpenOptions::new().read(true).write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     f.write_all_at(b"x", 10).unwrap();
     check_seek_consistency(&m.path("f"));
     f.set_len(100_000).unwrap();
@@ -437,13 +453,22 @@ fn seek_data_and_seek_hole_agree_with_the_merged_content() {
     f.write_all_at(b"y", 500_000).unwrap();
     check_seek_consistency(&m.path("f"));
     assert_eq!(seek(&f, 2 << 20, true), None, "SEEK_DATA past EOF is ENXIO");
+    // Precise answers: the lower data is dense, the shrink made [100000, 1 MiB) a hole but for
+    // the block written at 500000.
+    assert_eq!(seek(&f, 0, false), Some(100_000));
+    assert_eq!(seek(&f, 200_000, true), Some(500_000 / 4096 * 4096));
+    assert_eq!(seek(&f, 500_000, false), Some(500_000 / 4096 * 4096 + 4096));
+    assert_eq!(seek(&f, 600_000, true), None);
 }
 
 #[test]
 fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
     // A FUSE file system reports no holes (the kernel answers SEEK_DATA with "all data"):
     // fuse-overlayfs serves as an upper file system without sparse-file support.
-    let dir = tempfile::Builder::new().prefix("mosaicfs-nosparse").tempdir_in("/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("mosaicfs-nosparse")
+        .tempdir_in("/tmp")
+        .unwrap();
     let p = dir.path();
     for d in ["fl", "fu", "fw", "host", "lower", "mnt"] {
         fs::create_dir(p.join(d)).unwrap();
@@ -464,20 +489,39 @@ fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
     let base = pattern(300_000, 18);
     write(p.join("lower/f"), &base);
     let out = std::process::Command::new(BIN)
-        .args(["-o", &format!("lowerdir={0}/lower,upperdir={0}/host/upper,workdir={0}/host/work", p.display())])
+        .args([
+            "-o",
+            &format!(
+                "lowerdir={0}/lower,upperdir={0}/host/upper,workdir={0}/host/work",
+                p.display()
+            ),
+        ])
         .arg(p.join("mnt"))
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _mnt = Unmount(p.join("mnt"));
     let warning = String::from_utf8_lossy(&out.stderr);
-    assert!(warning.contains("does not report holes") && warning.contains("copied up whole"), "{warning}");
-    let f = fs::OpenOptions::new().write(true).open(p.join("mnt/f")).unwrap();
+    assert!(
+        warning.contains("does not report holes") && warning.contains("copied up whole"),
+        "{warning}"
+    );
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(p.join("mnt/f"))
+        .unwrap();
     f.write_all_at(b"edge", 4094).unwrap();
     drop(f);
     let mut want = base.clone();
     want[4094..4098].copy_from_slice(b"edge");
     assert!(fs::read(p.join("mnt/f")).unwrap() == want);
-    assert!(get_xattr(&p.join("host/upper/f"), "trusted.mosaicfs.partial").is_none(), "a whole, unmarked copy");
+    assert!(
+        get_xattr(&p.join("host/upper/f"), "trusted.mosaicfs.partial").is_none(),
+        "a whole, unmarked copy"
+    );
     assert!(fs::read(p.join("host/upper/f")).unwrap() == want);
 }

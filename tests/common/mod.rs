@@ -105,6 +105,7 @@ impl Mount {
     pub fn mount_with(&mut self, opts: &str) {
         assert!(self.child.is_none(), "already mounted");
         let child = Command::new(BIN)
+            .env("MOSAICFS_LOG", "info")
             .args(["-f", "-o", opts])
             .arg(&self.mnt)
             .stdin(Stdio::null())
@@ -265,4 +266,18 @@ pub fn os(s: &str) -> &OsStr {
 pub fn allocated(p: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     fs::metadata(p).unwrap().blocks() * 512
+}
+
+/// The request counters the daemon logs when it unmounts ("requests: read=N ... write=M ...").
+pub fn served(log: &str, what: &str) -> u64 {
+    let key = format!("{what}=");
+    let at = log
+        .rfind(&key)
+        .unwrap_or_else(|| panic!("no '{key}' in daemon log: {log}"));
+    log[at + key.len()..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
