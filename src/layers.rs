@@ -230,7 +230,7 @@ impl LayerStack {
         const OVERLAYFS: i64 = 0x794c_7630;
         const FUSE: i64 = 0x6573_5546;
         let stacked = self.layers.iter().any(|l| {
-            rustix::fs::fstatfs(&l.root).is_ok_and(|s| matches!(s.f_type as i64, OVERLAYFS | FUSE))
+            rustix::fs::fstatfs(&l.root).is_ok_and(|s| matches!(s.f_type, OVERLAYFS | FUSE))
         });
         if stacked { 2 } else { 1 }
     }
