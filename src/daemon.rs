@@ -229,6 +229,7 @@ fn serve(
     opts: &Options,
     notify: &mut Option<OwnedFd>,
 ) -> Result<(), String> {
+    overlay.start_completion();
     let fs = MosaicFs {
         core: overlay,
         max_write: opts.max_write,

@@ -9,6 +9,7 @@
 use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Instant;
 
 use rustix::fs::{FallocateFlags, OFlags};
 
@@ -77,6 +78,16 @@ pub struct PartialFile {
     pub blocks: BlockMap,
     pub size: u64,
     pub block: u64,
+    /// When the content last changed, for completion of idle files.
+    pub last_write: Instant,
+}
+
+/// How far a partial file is from complete.
+pub struct Progress {
+    pub present: u64,
+    pub total: u64,
+    pub last_write: Instant,
+    pub unlinked: bool,
 }
 
 pub struct Handle {
@@ -200,12 +211,65 @@ impl OpenFile {
         matches!(&*self.read_data(), FileData::Lower(_))
     }
 
-    /// Blocks present and blocks in all, for a partial file.
-    pub fn partial_blocks(&self) -> Option<(u64, u64)> {
+    /// Blocks present and blocks that need the lower file, for a partial file.
+    pub fn partial_progress(&self) -> Option<Progress> {
         match &*self.read_data() {
-            FileData::Partial(p) => Some((p.blocks.block_count(), p.size.div_ceil(p.block))),
+            FileData::Partial(p) => Some(Progress {
+                present: p.blocks.block_count(),
+                total: p.fill_limit().div_ceil(p.block),
+                last_write: p.last_write,
+                unlinked: sys::fstat(p.upper.as_fd()).is_ok_and(|a| a.nlink == 0),
+            }),
             _ => None,
         }
+    }
+
+    /// Completion step: fills up to `n` missing blocks from block `from` on. Returns the block
+    /// to continue at and how many were filled, or `None` when nothing is left to fill.
+    pub fn fill_chunk(&self, from: u64, n: u64) -> Result<Option<(u64, u64)>> {
+        let mut data = self.write_data();
+        let FileData::Partial(p) = &mut *data else {
+            return Ok(None);
+        };
+        let limit = p.fill_limit().div_ceil(p.block);
+        if from >= limit {
+            return Ok(None);
+        }
+        let end = (from + n).min(limit);
+        let mut filled = 0;
+        for blk in from..end {
+            if p.needs_fill(blk) {
+                p.fill_block(blk)?;
+                filled += 1;
+            }
+        }
+        Ok(Some((end, filled)))
+    }
+
+    /// Completion's last step: once no block below `valid` is missing, makes the data durable
+    /// and removes the mark. Returns whether the file is now complete.
+    pub fn finish_completion(
+        &self,
+        names: &crate::layers::XattrNames,
+        skip_fsync: bool,
+    ) -> Result<bool> {
+        let mut data = self.write_data();
+        let FileData::Partial(p) = &mut *data else {
+            return Ok(false);
+        };
+        let limit = p.fill_limit().div_ceil(p.block);
+        if (0..limit).any(|b| p.needs_fill(b)) {
+            return Ok(false);
+        }
+        // Durable data before the mark goes: a hole must never lose its meaning "read lower"
+        // while the block that replaced it is not yet on disk.
+        if !skip_fsync {
+            rustix::fs::fdatasync(&p.upper)?;
+        }
+        rustix::fs::fremovexattr(&p.upper, names.partial.as_str())?;
+        let upper = p.upper.try_clone()?;
+        *data = FileData::Upper(upper);
+        Ok(true)
     }
 }
 
@@ -251,6 +315,21 @@ impl PartialFile {
         blk * self.block < self.mark.valid && !self.blocks.contains(blk)
     }
 
+    /// Bytes below this still come from the lower file when absent.
+    fn fill_limit(&self) -> u64 {
+        self.mark.valid.min(self.size)
+    }
+
+    /// Writes block `blk` whole, as the merged view shows it.
+    fn fill_block(&mut self, blk: u64) -> Result<()> {
+        let start = blk * self.block;
+        let end = ((blk + 1) * self.block).min(self.size);
+        let data = self.read(start, (end - start) as usize)?;
+        sys::pwrite_full(self.upper.as_fd(), &data, start)?;
+        self.blocks.insert(blk, blk + 1);
+        Ok(())
+    }
+
     /// Writes `data` at `off`. An edge block not yet present is completed from the lower file
     /// first, so the upper file only ever receives whole, final blocks below `valid`.
     pub fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
@@ -289,6 +368,7 @@ impl PartialFile {
         let written_end = end + suffix.len() as u64;
         self.blocks.insert(start / bs, written_end.div_ceil(bs));
         self.size = new_size;
+        self.last_write = Instant::now();
         Ok(())
     }
 
@@ -356,6 +436,7 @@ impl PartialFile {
         // Order: the size first, then the mark. A crash between leaves a mark whose `valid` is
         // larger than the file, which only matters if the file is later extended.
         rustix::fs::ftruncate(&self.upper, new)?;
+        self.last_write = Instant::now();
         if new < self.size {
             self.blocks.truncate(new.div_ceil(self.block));
         }
@@ -427,11 +508,7 @@ impl PartialFile {
         let mut blk = off / bs;
         while blk * bs < fill_end {
             if self.needs_fill(blk) {
-                let bstart = blk * bs;
-                let bend = ((blk + 1) * bs).min(self.size);
-                let data = self.read(bstart, (bend - bstart) as usize)?;
-                sys::pwrite_full(self.upper.as_fd(), &data, bstart)?;
-                self.blocks.insert(blk, blk + 1);
+                self.fill_block(blk)?;
             }
             blk += 1;
         }
@@ -498,6 +575,7 @@ impl Overlay {
             blocks,
             size: attr.size,
             block: self.sparse.block,
+            last_write: Instant::now(),
         }))
     }
 
@@ -534,6 +612,7 @@ impl Overlay {
             return Ok(f);
         }
         let data = self.open_data(node)?;
+        let partial = matches!(data, FileData::Partial(_));
         let mut st = node.state();
         if let Some(f) = st.open.upgrade() {
             return Ok(f);
@@ -544,6 +623,10 @@ impl Overlay {
             io: Mutex::new(IoState::default()),
         });
         st.open = Arc::downgrade(&f);
+        drop(st);
+        if partial {
+            self.completer.register(&f);
+        }
         Ok(f)
     }
 
@@ -555,6 +638,10 @@ impl Overlay {
         let mut data = f.write_data();
         if matches!(&*data, FileData::Lower(_)) {
             *data = self.open_data(node)?;
+            if matches!(&*data, FileData::Partial(_)) {
+                drop(data);
+                self.completer.register(&f);
+            }
         }
         Ok(())
     }

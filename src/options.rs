@@ -105,6 +105,8 @@ pub struct Options {
     /// FUSE passthrough: `upper` (default) for complete upper files, `all` also for read-only
     /// opens of lower files, `off`.
     pub passthrough: crate::file::PassthroughPolicy,
+    /// When partial files are completed in the background.
+    pub completion: crate::complete::CompletionPolicy,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
     pub remount: bool,
     pub warnings: Vec<String>,
@@ -141,6 +143,7 @@ impl Default for Options {
             threads: default_threads(),
             max_write: None,
             passthrough: crate::file::PassthroughPolicy::Upper,
+            completion: Default::default(),
             remount: false,
             warnings: Vec::new(),
         }
@@ -297,6 +300,20 @@ impl Options {
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
             "remount" => self.remount = true,
+            "complete_after" => {
+                let secs: f64 = parse_num(name, value)?;
+                if !(0.0..=86400.0 * 365.0).contains(&secs) {
+                    return Err("option 'complete_after' takes seconds between 0 (never) and one year".into());
+                }
+                self.completion.after_idle = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
+            }
+            "complete_ratio" => {
+                let pct: f64 = parse_num(name, value)?;
+                if !(0.0..=100.0).contains(&pct) {
+                    return Err("option 'complete_ratio' takes a percentage from 0 (never) to 100".into());
+                }
+                self.completion.ratio = pct / 100.0;
+            }
             "passthrough" => {
                 use crate::file::PassthroughPolicy as P;
                 self.passthrough = match value.map(|v| v.to_ascii_lowercase()).as_deref() {

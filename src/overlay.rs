@@ -53,6 +53,7 @@ pub struct Config {
     pub uid_map: IdMap,
     pub gid_map: IdMap,
     pub timeout: Duration,
+    pub completion: crate::complete::CompletionPolicy,
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
     pub passthrough: crate::file::PassthroughPolicy,
 }
@@ -71,6 +72,7 @@ impl Config {
             gid_map: o.gid_map.clone(),
             timeout: o.timeout,
             passthrough: o.passthrough,
+            completion: o.completion,
         }
     }
 }
@@ -84,6 +86,7 @@ pub struct Overlay {
     pub handles: HandleTable,
     pub dirs: DirHandleTable,
     pub stats: Stats,
+    pub completer: crate::complete::Completer,
 }
 
 /// A directory as the merged view sees it: where its upper part is (if any) and its lower parts.
@@ -133,6 +136,7 @@ impl Overlay {
             handles: HandleTable::default(),
             dirs: DirHandleTable::default(),
             stats: Stats::default(),
+            completer: Default::default(),
             layers,
         })
     }
@@ -276,6 +280,7 @@ impl Overlay {
 
     /// Completes what is pending and lets go of every open file (unmount).
     pub fn shutdown(&self) {
+        self.completer.stop();
         log::info!("{}", self.stats.summary());
         self.handles.clear();
         self.dirs.clear();

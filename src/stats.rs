@@ -46,12 +46,13 @@ pub struct Stats {
     pub opens_daemon: Counter,
     pub copy_ups: Counter,
     pub blocks_filled: Counter,
+    pub completions: Counter,
 }
 
 impl Stats {
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-filled={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-filled={} completions={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
@@ -59,7 +60,8 @@ impl Stats {
             self.opens_passthrough.get(),
             self.opens_daemon.get(),
             self.copy_ups.get(),
-            self.blocks_filled.get()
+            self.blocks_filled.get(),
+            self.completions.get()
         )
     }
 }

@@ -1,0 +1,167 @@
+//! Completion: turning partial files into ordinary upper files in the background.
+//!
+//! A partial file is completed when it has been idle (no write) for `complete_after`, or as
+//! soon as `complete_ratio` of its blocks are present. Completion fills every hole below
+//! `valid` from the lower file — whole blocks only, a chunk at a time under the file's lock, so
+//! readers and writers interleave and the partial-file invariant holds at every step — then
+//! makes the data durable (fdatasync) and only then removes the mark. A crash at any point
+//! leaves either a valid partial file or a complete one. Afterwards the file is a plain upper
+//! file: kernel overlayfs reads it correctly and mosaicfs serves it with passthrough.
+//!
+//! Every open file that is or becomes partial is registered once (not per write) in a queue
+//! that keeps it open until it is completed; a worker thread looks at the queue every half idle
+//! time (at most once a second).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::file::OpenFile;
+use crate::overlay::Overlay;
+
+/// At most this many partial files wait for completion at once (each holds two descriptors);
+/// past it a file is completed when it is next opened and goes idle.
+const MAX_QUEUED: usize = 512;
+/// Blocks filled per lock hold.
+const CHUNK_BLOCKS: u64 = 256;
+
+#[derive(Debug, Clone, Copy)]
+pub struct CompletionPolicy {
+    /// Complete a partial file idle this long; `None`: never for idleness.
+    pub after_idle: Option<Duration>,
+    /// Complete a partial file once this share (0..=1) of its blocks is present; 0: never.
+    pub ratio: f64,
+}
+
+impl Default for CompletionPolicy {
+    fn default() -> Self {
+        CompletionPolicy {
+            after_idle: Some(Duration::from_secs(10)),
+            ratio: 0.5,
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Completer {
+    queue: Mutex<Vec<Arc<OpenFile>>>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+impl Completer {
+    /// Registers a file that is partial; it stays open until completed.
+    pub fn register(&self, file: &Arc<OpenFile>) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() < MAX_QUEUED && !q.iter().any(|f| Arc::ptr_eq(f, file)) {
+            q.push(file.clone());
+        }
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.lock().map_or(0, |q| q.len())
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.wake.notify_all();
+    }
+
+    fn wait(&self, tick: Duration) {
+        let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self.wake.wait_timeout(q, tick);
+    }
+}
+
+impl Overlay {
+    /// Starts the completion worker; it ends when `shutdown` stops it.
+    pub fn start_completion(self: &Arc<Self>) {
+        if self.config.completion.after_idle.is_none() && self.config.completion.ratio <= 0.0 {
+            return;
+        }
+        // Look often enough to honour short idle times, at most once a second otherwise.
+        let tick = self
+            .config
+            .completion
+            .after_idle
+            .map_or(Duration::from_secs(1), |d| {
+                (d / 2).clamp(Duration::from_millis(5), Duration::from_secs(1))
+            });
+        let me = self.clone();
+        let _ = std::thread::Builder::new()
+            .name("mosaicfs-complete".into())
+            .spawn(move || {
+                while !me.completer.stop.load(Ordering::Relaxed) {
+                    me.completer.wait(tick);
+                    me.complete_due();
+                }
+            });
+    }
+
+    /// Completes every queued file that is due, and drops those no longer partial.
+    pub fn complete_due(&self) {
+        let files: Vec<Arc<OpenFile>> = self
+            .completer
+            .queue
+            .lock()
+            .map(|q| q.clone())
+            .unwrap_or_default();
+        let now = Instant::now();
+        for f in files {
+            if self.completer.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let done = match f.partial_progress() {
+                None => true,
+                Some(p) => {
+                    let idle = self
+                        .config
+                        .completion
+                        .after_idle
+                        .is_some_and(|d| now.duration_since(p.last_write) >= d);
+                    let full = self.config.completion.ratio > 0.0
+                        && p.present as f64 >= self.config.completion.ratio * p.total.max(1) as f64;
+                    if p.unlinked {
+                        true // nobody can read it again: nothing to complete
+                    } else if idle || full {
+                        match self.complete_file(&f) {
+                            Ok(()) => true,
+                            Err(e) => {
+                                log::warn!("completing inode {} failed, will retry: {e}", f.ino);
+                                false
+                            }
+                        }
+                    } else {
+                        false
+                    }
+                }
+            };
+            if done {
+                let mut q = self
+                    .completer
+                    .queue
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                q.retain(|g| !Arc::ptr_eq(g, &f));
+            }
+        }
+    }
+
+    /// Fills every hole of a partial file and removes its mark.
+    pub fn complete_file(&self, f: &OpenFile) -> crate::error::Result<()> {
+        let mut from = 0;
+        loop {
+            match f.fill_chunk(from, CHUNK_BLOCKS)? {
+                Some((next, filled)) => {
+                    self.stats.blocks_filled.add(filled);
+                    from = next;
+                }
+                None => break,
+            }
+        }
+        if f.finish_completion(&self.layers.xattr, self.config.skip_fsync)? {
+            self.stats.completions.add(1);
+        }
+        Ok(())
+    }
+}

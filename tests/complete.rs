@@ -1,0 +1,173 @@
+//! Background completion of partial files.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
+        .collect()
+}
+
+fn is_partial(p: &std::path::Path) -> bool {
+    get_xattr(p, "trusted.mosaicfs.partial").is_some()
+}
+
+fn wait_complete(p: &std::path::Path, limit: Duration) {
+    let start = Instant::now();
+    while is_partial(p) {
+        assert!(
+            start.elapsed() < limit,
+            "{} not completed within {limit:?}",
+            p.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_idle_partial_file_is_completed_and_kernel_overlayfs_reads_it() {
+    let base = pattern(8 << 20, 1);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("db"), &base);
+    m.extra = vec!["complete_after=0.3".into()];
+    m.mount();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("db"))
+        .unwrap();
+    f.write_all_at(b"new", 5_000_000).unwrap();
+    drop(f);
+    assert!(
+        is_partial(&m.upper.join("db")),
+        "partial right after the write"
+    );
+    wait_complete(&m.upper.join("db"), Duration::from_secs(10));
+    let mut want = base.clone();
+    want[5_000_000..5_000_003].copy_from_slice(b"new");
+    assert!(
+        fs::read(m.path("db")).unwrap() == want,
+        "merged view unchanged by completion"
+    );
+    assert!(
+        fs::read(m.upper.join("db")).unwrap() == want,
+        "the upper file alone holds the content"
+    );
+    let log = m.unmount();
+    assert_eq!(served(&log, "completions"), 1, "{log}");
+    // Kernel overlayfs over the same layers reads the completed file.
+    let work2 = m.dir.path().join("work2");
+    fs::create_dir(&work2).unwrap();
+    sh(&format!(
+        "mount -t overlay overlay -o lowerdir={},upperdir={},workdir={} {}",
+        m.lower(0).display(),
+        m.upper.display(),
+        work2.display(),
+        m.mnt.display()
+    ));
+    let read = fs::read(m.path("db"));
+    sh(&format!("umount {}", m.mnt.display()));
+    assert!(
+        read.unwrap() == want,
+        "kernel overlayfs reads the completed file"
+    );
+}
+
+#[test]
+fn a_mostly_rewritten_file_is_completed_by_ratio() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(1 << 20, 2));
+    m.extra = vec!["complete_after=0".into(), "complete_ratio=50".into()];
+    m.mount();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(&vec![9u8; 100 * 4096], 0).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(is_partial(&m.upper.join("f")), "40% present: not yet");
+    f.write_all_at(&vec![9u8; 60 * 4096], 100 * 4096).unwrap();
+    wait_complete(&m.upper.join("f"), Duration::from_secs(5));
+    let mut want = pattern(1 << 20, 2);
+    want[..160 * 4096].fill(9);
+    assert!(fs::read(m.path("f")).unwrap() == want);
+}
+
+#[test]
+fn completion_racing_with_writes_loses_nothing() {
+    let base = pattern(16 << 20, 3);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    m.extra = vec!["complete_after=0.01".into()];
+    m.mount();
+    let mut want = base.clone();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    let mut x: u64 = 12345;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(2) {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        let off = (x >> 20) as usize % (want.len() - 6000);
+        let len = 1 + (x >> 8) as usize % 5000;
+        let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ (x as u8)).collect();
+        f.write_all_at(&data, off as u64).unwrap();
+        want[off..off + len].copy_from_slice(&data);
+        std::thread::sleep(Duration::from_millis(((x >> 40) % 15) as u64));
+    }
+    drop(f);
+    wait_complete(&m.upper.join("f"), Duration::from_secs(20));
+    assert!(fs::read(m.path("f")).unwrap() == want, "merged content");
+    m.remount();
+    assert!(fs::read(m.path("f")).unwrap() == want, "after remount");
+}
+
+#[test]
+fn a_completed_file_is_served_by_passthrough() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(1 << 20, 4));
+    m.extra = vec!["complete_after=0.1".into()];
+    m.mount();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .write_all_at(b"z", 1)
+        .unwrap();
+    wait_complete(&m.upper.join("f"), Duration::from_secs(10));
+    m.remount();
+    let got = fs::read(m.path("f")).unwrap();
+    assert_eq!(got[1], b'z');
+    let log = m.unmount();
+    assert_eq!(served(&log, "read"), 0, "{log}");
+    assert!(served(&log, "passthrough") >= 1, "{log}");
+}
+
+#[test]
+fn kill_9_during_completion_leaves_a_correct_file() {
+    let base = pattern(64 << 20, 5);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    m.extra = vec!["complete_after=0.01".into()];
+    m.mount();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .write_all_at(b"k", 33 << 20)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    m.kill9();
+    m.extra = vec!["complete_after=0".into()];
+    m.mount();
+    let mut want = base;
+    want[33 << 20] = b'k';
+    assert!(fs::read(m.path("f")).unwrap() == want);
+}
