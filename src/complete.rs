@@ -150,14 +150,9 @@ impl Overlay {
     /// Fills every hole of a partial file and removes its mark.
     pub fn complete_file(&self, f: &OpenFile) -> crate::error::Result<()> {
         let mut from = 0;
-        loop {
-            match f.fill_chunk(from, CHUNK_BLOCKS)? {
-                Some((next, filled)) => {
-                    self.stats.blocks_filled.add(filled);
-                    from = next;
-                }
-                None => break,
-            }
+        while let Some((next, filled)) = f.fill_chunk(from, CHUNK_BLOCKS)? {
+            self.stats.blocks_filled.add(filled);
+            from = next;
         }
         if f.finish_completion(&self.layers.xattr, self.config.skip_fsync)? {
             self.stats.completions.add(1);
