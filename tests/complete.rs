@@ -120,7 +120,7 @@ fn completion_racing_with_writes_loses_nothing() {
         let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ (x as u8)).collect();
         f.write_all_at(&data, off as u64).unwrap();
         want[off..off + len].copy_from_slice(&data);
-        std::thread::sleep(Duration::from_millis(((x >> 40) % 15) as u64));
+        std::thread::sleep(Duration::from_millis((x >> 40) % 15));
     }
     drop(f);
     wait_complete(&m.upper.join("f"), Duration::from_secs(20));
