@@ -17,6 +17,7 @@ pub mod namei;
 pub mod options;
 pub mod overlay;
 pub mod partial;
+pub mod partial_file;
 pub mod readdir;
 pub mod stats;
 pub mod sys;
