@@ -67,6 +67,11 @@ impl Completer {
         self.wake.notify_all();
     }
 
+    /// Empties the queue, returning what was in it.
+    pub fn drain(&self) -> Vec<Arc<OpenFile>> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     fn wait(&self, tick: Duration) {
         let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let _ = self.wake.wait_timeout(q, tick);

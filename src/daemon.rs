@@ -230,6 +230,7 @@ fn serve(
     notify: &mut Option<OwnedFd>,
 ) -> Result<(), String> {
     overlay.start_completion();
+    overlay.start_caw_workers();
     let fs = MosaicFs {
         core: overlay,
         max_write: opts.max_write,

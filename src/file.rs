@@ -84,6 +84,8 @@ pub struct Handle {
     pub node: Arc<Node>,
     pub append: bool,
     pub writable: bool,
+    /// O_SYNC or O_DSYNC: each write is on disk, whole blocks included, when it returns.
+    pub sync: bool,
     io: Mutex<IoMode>,
 }
 
@@ -235,6 +237,26 @@ impl OpenFile {
         Ok(Some((end, filled)))
     }
 
+    /// Fills every pending block of this file (unmount).
+    pub fn flush_pending(&self) -> Result<()> {
+        match &mut *self.write_data() {
+            FileData::Partial(p) => p.flush_pending(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Copy-after-write worker step: fills block `blk` if it is still pending.
+    pub fn fill_pending(&self, blk: u64) -> Result<bool> {
+        let mut data = self.write_data();
+        match &mut *data {
+            FileData::Partial(p) if p.pending.contains_key(&blk) => {
+                p.fill_block(blk)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Completion's last step: once no block below `valid` is missing, makes the data durable
     /// and removes the mark. Returns whether the file is now complete.
     pub fn finish_completion(
@@ -261,7 +283,6 @@ impl OpenFile {
         Ok(true)
     }
 }
-
 
 impl Overlay {
     /// Opens the data of `node` in its current state.
@@ -318,6 +339,9 @@ impl Overlay {
             size: attr.size,
             block: self.sparse.block,
             last_write: Instant::now(),
+            pending: Default::default(),
+            caw: self.caw.clone(),
+            disk_size: attr.size,
         }))
     }
 
@@ -405,6 +429,7 @@ impl Overlay {
             node,
             append: flags & libc::O_APPEND != 0,
             writable,
+            sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
             io: Mutex::new(io),
         });
         Ok(Opened { fh, io })
@@ -467,10 +492,22 @@ impl Overlay {
                     off
                 };
                 sys::pwrite_full(fd.as_fd(), data, off)?;
+                if h.sync && !self.config.skip_fsync {
+                    rustix::fs::fdatasync(&*fd)?;
+                }
             }
             FileData::Partial(p) => {
                 let off = if h.append { p.size } else { off };
-                p.write(off, data)?;
+                let pending = p.write(off, data, !h.sync)?;
+                if h.sync && !self.config.skip_fsync {
+                    rustix::fs::fdatasync(&p.upper)?;
+                }
+                drop(fd_data);
+                if let Some(caw) = &self.caw {
+                    self.stats.blocks_deferred.add(pending.len() as u64);
+                    caw.schedule(&h.file, &pending);
+                }
+                return Ok(data.len() as u32);
             }
             FileData::Lower(_) => {
                 return Err(Error::with_context(
@@ -550,10 +587,13 @@ impl Overlay {
             return Ok(());
         }
         let h = self.handle(fh)?;
-        let data = h.file.read_data();
-        let fd = match &*data {
+        let mut data = h.file.write_data();
+        let fd = match &mut *data {
             FileData::Upper(fd) => fd,
-            FileData::Partial(p) => &p.upper,
+            FileData::Partial(p) => {
+                p.flush_pending()?;
+                &p.upper
+            }
             FileData::Lower(_) => return Ok(()),
         };
         if datasync {

@@ -44,6 +44,20 @@ impl<T> HandleMap<T> {
         self.shard(fh).remove(&fh)
     }
 
+    /// Every value in the table.
+    pub fn values(&self) -> Vec<Arc<T>> {
+        self.shards
+            .iter()
+            .flat_map(|s| {
+                s.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .values()
+                    .cloned()
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     pub fn clear(&self) {
         for s in &self.shards {
             s.lock().unwrap_or_else(|e| e.into_inner()).clear();

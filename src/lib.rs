@@ -2,6 +2,7 @@
 //! copy-on-write. The overlay core (everything but `fuse` and `daemon`) knows nothing of FUSE.
 
 pub mod attr;
+pub mod caw;
 pub mod complete;
 pub mod copy_up;
 pub mod creds;

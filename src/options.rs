@@ -105,6 +105,9 @@ pub struct Options {
     /// FUSE passthrough: `upper` (default) for complete upper files, `all` also for read-only
     /// opens of lower files, `off`.
     pub passthrough: crate::file::PassthroughPolicy,
+    /// Copy-after-write memory bound in bytes; `None` turns it off.
+    pub caw_memory: Option<usize>,
+    pub caw_workers: usize,
     /// When partial files are completed in the background.
     pub completion: crate::complete::CompletionPolicy,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
@@ -144,6 +147,8 @@ impl Default for Options {
             max_write: None,
             passthrough: crate::file::PassthroughPolicy::Upper,
             completion: Default::default(),
+            caw_memory: Some(64 << 20),
+            caw_workers: 2,
             remount: false,
             warnings: Vec::new(),
         }
@@ -300,6 +305,24 @@ impl Options {
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
             "remount" => self.remount = true,
+            "copy_after_write" => {
+                if parse_bool(name, value)? {
+                    self.caw_memory.get_or_insert(64 << 20);
+                } else {
+                    self.caw_memory = None;
+                }
+            }
+            "caw_memory" => {
+                let mib: usize = parse_num(name, value)?;
+                self.caw_memory = Some(mib << 20);
+            }
+            "caw_workers" => {
+                let n: usize = parse_num(name, value)?;
+                if n > 64 {
+                    return Err("option 'caw_workers' takes 0 to 64 threads".into());
+                }
+                self.caw_workers = n;
+            }
             "complete_after" => {
                 let secs: f64 = parse_num(name, value)?;
                 if !(0.0..=86400.0 * 365.0).contains(&secs) {

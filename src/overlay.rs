@@ -54,6 +54,10 @@ pub struct Config {
     pub gid_map: IdMap,
     pub timeout: Duration,
     pub completion: crate::complete::CompletionPolicy,
+    /// Bytes of pending blocks allowed for copy-after-write; `None`: copy-after-write off.
+    pub caw_memory: Option<usize>,
+    /// Threads that fill pending blocks (0: only when something needs them).
+    pub caw_workers: usize,
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
     pub passthrough: crate::file::PassthroughPolicy,
 }
@@ -73,6 +77,8 @@ impl Config {
             timeout: o.timeout,
             passthrough: o.passthrough,
             completion: o.completion,
+            caw_memory: o.caw_memory,
+            caw_workers: o.caw_workers,
         }
     }
 }
@@ -87,6 +93,8 @@ pub struct Overlay {
     pub dirs: DirHandleTable,
     pub stats: Stats,
     pub completer: crate::complete::Completer,
+    /// Copy-after-write's shared state; `None` when it is off.
+    pub caw: Option<Arc<crate::caw::CawShared>>,
 }
 
 /// A directory as the merged view sees it: where its upper part is (if any) and its lower parts.
@@ -128,6 +136,10 @@ impl Overlay {
             }
         }
         let root_lower = (!root_lower.layers.is_empty()).then_some(root_lower);
+        let caw = config
+            .caw_memory
+            .filter(|_| layers.work.is_some())
+            .map(|limit| Arc::new(crate::caw::CawShared::new(limit)));
         Ok(Overlay {
             inodes: InodeTable::new(layers.has_upper, root_lower),
             ino_map: InoMap { devices },
@@ -137,6 +149,7 @@ impl Overlay {
             dirs: DirHandleTable::default(),
             stats: Stats::default(),
             completer: Default::default(),
+            caw,
             layers,
         })
     }
@@ -281,6 +294,23 @@ impl Overlay {
     /// Completes what is pending and lets go of every open file (unmount).
     pub fn shutdown(&self) {
         self.completer.stop();
+        if let Some(caw) = &self.caw {
+            caw.stop();
+        }
+        // Pending copy-after-write blocks go to disk before the daemon exits.
+        let files = self
+            .completer
+            .drain()
+            .into_iter()
+            .chain(self.handles.values().into_iter().map(|h| h.file.clone()));
+        for f in files {
+            if let Err(e) = f.flush_pending() {
+                log::error!(
+                    "filling pending blocks of inode {} at unmount failed: {e}",
+                    f.ino
+                );
+            }
+        }
         log::info!("{}", self.stats.summary());
         self.handles.clear();
         self.dirs.clear();

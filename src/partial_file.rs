@@ -2,11 +2,15 @@
 //! partial-file invariant (partial.rs), truncation, preallocation, SEEK_DATA/SEEK_HOLE, and the
 //! filling of blocks from the lower file.
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rustix::fs::FallocateFlags;
 
+use crate::caw::{CawShared, PendingBlock};
 use crate::error::{Result, errno};
 use crate::partial::{BlockMap, PartialMark};
 use crate::sys;
@@ -21,6 +25,22 @@ pub struct PartialFile {
     pub block: u64,
     /// When the content last changed, for completion of idle files.
     pub last_write: Instant,
+    /// Blocks written in part and not yet filled from the lower file (caw.rs). Never present
+    /// in `blocks`, always below `valid`.
+    pub pending: BTreeMap<u64, PendingBlock>,
+    /// Copy-after-write's shared state, or `None` when writes fill synchronously.
+    pub caw: Option<Arc<CawShared>>,
+    /// The upper file's size on disk, which trails `size` while the last block is pending.
+    pub disk_size: u64,
+}
+
+impl Drop for PartialFile {
+    fn drop(&mut self) {
+        // The last close: nothing may stay only in memory.
+        if let Err(e) = self.flush_pending() {
+            log::error!("filling pending blocks of a partial file failed, writes lost: {e}");
+        }
+    }
 }
 
 impl PartialFile {
@@ -44,6 +64,14 @@ impl PartialFile {
             cursor = pe;
         }
         self.read_absent(&mut buf, off, cursor, end)?;
+        // Bytes written into blocks still pending (merge on the fly).
+        for (&blk, pb) in self.pending.range(off / bs..end.div_ceil(bs)) {
+            let (bs0, be) = ((blk * bs).max(off), ((blk + 1) * bs).min(end));
+            pb.overlay(
+                (bs0 - blk * bs) as usize,
+                &mut buf[(bs0 - off) as usize..(be - off) as usize],
+            );
+        }
         Ok(buf)
     }
 
@@ -76,50 +104,88 @@ impl PartialFile {
         let end = ((blk + 1) * self.block).min(self.size);
         let data = self.read(start, (end - start) as usize)?;
         sys::pwrite_full(self.upper.as_fd(), &data, start)?;
+        self.disk_size = self.disk_size.max(end);
         self.blocks.insert(blk, blk + 1);
+        if self.pending.remove(&blk).is_some() {
+            self.release_pending(1);
+        }
         Ok(())
     }
 
-    /// Writes `data` at `off`. An edge block not yet present is completed from the lower file
-    /// first, so the upper file only ever receives whole, final blocks below `valid`.
-    pub fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
+    fn release_pending(&self, blocks: usize) {
+        if let Some(caw) = &self.caw {
+            caw.release(blocks * self.block as usize);
+        }
+    }
+
+    /// Fills every pending block (before fsync, truncate, fallocate, and at the last close).
+    pub fn flush_pending(&mut self) -> Result<()> {
+        let blocks: Vec<u64> = self.pending.keys().copied().collect();
+        for blk in blocks {
+            self.fill_block(blk)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `off`, block by block. A block that is present, wholly covered, or at
+    /// or past `valid` is written in place. A partial write to any other block would leave a
+    /// half-filled block: with `defer` its bytes go to a pending block (returned, for the
+    /// workers), otherwise the block is completed from the lower file and written whole.
+    pub fn write(&mut self, off: u64, data: &[u8], defer: bool) -> Result<Vec<u64>> {
+        let mut newly_pending = Vec::new();
         if data.is_empty() {
-            return Ok(());
+            return Ok(newly_pending);
         }
         let bs = self.block;
         let end = off + data.len() as u64;
         let new_size = self.size.max(end);
-        let head = off / bs;
-        let tail = (end - 1) / bs;
-        let mut start = off;
-        let mut prefix = Vec::new();
-        let mut suffix = Vec::new();
-        if !off.is_multiple_of(bs) && self.needs_fill(head) {
-            start = head * bs;
-            prefix = self.read(start, (off - start) as usize)?;
-            prefix.resize((off - start) as usize, 0);
-        }
-        if !end.is_multiple_of(bs) && self.needs_fill(tail) {
-            let block_end = ((tail + 1) * bs).min(new_size);
-            if block_end > end {
-                suffix = self.read(end, (block_end - end) as usize)?;
-                suffix.resize((block_end - end) as usize, 0);
+        // Runs to write in place: (file offset, bytes).
+        let mut runs: Vec<(u64, Cow<'_, [u8]>)> = Vec::new();
+        let mut pos = off;
+        while pos < end {
+            let blk = pos / bs;
+            let (bstart, bend) = (blk * bs, (blk + 1) * bs);
+            let seg_end = end.min(bend);
+            let seg = &data[(pos - off) as usize..(seg_end - off) as usize];
+            let covers = pos == bstart && seg_end >= bend.min(new_size);
+            if covers {
+                if self.pending.remove(&blk).is_some() {
+                    self.release_pending(1);
+                }
+                push_run(&mut runs, pos, Cow::Borrowed(seg));
+            } else if self.blocks.contains(blk) || bstart >= self.mark.valid {
+                push_run(&mut runs, pos, Cow::Borrowed(seg));
+            } else if let Some(pb) = self.pending.get_mut(&blk) {
+                pb.put((pos - bstart) as usize, seg);
+            } else if defer && self.caw.as_ref().is_some_and(|c| c.reserve(bs as usize)) {
+                let mut pb = PendingBlock::new(bs as usize);
+                pb.put((pos - bstart) as usize, seg);
+                self.pending.insert(blk, pb);
+                newly_pending.push(blk);
+            } else {
+                // The block as it reads now, with this write on top, written whole.
+                let block_end = bend.min(new_size);
+                let mut whole = self.read(bstart, (block_end - bstart) as usize)?;
+                whole.resize((block_end - bstart) as usize, 0);
+                whole[(pos - bstart) as usize..(seg_end - bstart) as usize].copy_from_slice(seg);
+                push_run(&mut runs, bstart, Cow::Owned(whole));
             }
+            pos = seg_end;
         }
-        if prefix.is_empty() && suffix.is_empty() {
-            sys::pwrite_full(self.upper.as_fd(), data, off)?;
-        } else {
-            let mut whole = Vec::with_capacity(prefix.len() + data.len() + suffix.len());
-            whole.extend_from_slice(&prefix);
-            whole.extend_from_slice(data);
-            whole.extend_from_slice(&suffix);
-            sys::pwrite_full(self.upper.as_fd(), &whole, start)?;
+        for (at, bytes) in &runs {
+            sys::pwrite_full(self.upper.as_fd(), bytes, *at)?;
+            let run_end = at + bytes.len() as u64;
+            self.blocks.insert(at / bs, run_end.div_ceil(bs));
+            self.disk_size = self.disk_size.max(run_end);
         }
-        let written_end = end + suffix.len() as u64;
-        self.blocks.insert(start / bs, written_end.div_ceil(bs));
+        if new_size > self.disk_size {
+            // A pending last block: the upper file still shows the size (st_size, a remount).
+            rustix::fs::ftruncate(&self.upper, new_size)?;
+            self.disk_size = new_size;
+        }
         self.size = new_size;
         self.last_write = Instant::now();
-        Ok(())
+        Ok(newly_pending)
     }
 
     /// SEEK_DATA: where data starts at or after `off` — an upper block, or lower data below
@@ -185,7 +251,9 @@ impl PartialFile {
     pub fn set_size(&mut self, new: u64, names: &crate::layers::XattrNames) -> Result<bool> {
         // Order: the size first, then the mark. A crash between leaves a mark whose `valid` is
         // larger than the file, which only matters if the file is later extended.
+        self.flush_pending()?;
         rustix::fs::ftruncate(&self.upper, new)?;
+        self.disk_size = new;
         self.last_write = Instant::now();
         if new < self.size {
             self.blocks.truncate(new.div_ceil(self.block));
@@ -212,6 +280,7 @@ impl PartialFile {
         names: &crate::layers::XattrNames,
     ) -> Result<()> {
         let end = off.checked_add(len).ok_or_else(|| errno(libc::EFBIG))?;
+        self.flush_pending()?;
         let keep = mode.contains(FallocateFlags::KEEP_SIZE);
         let bs = self.block;
         if mode.intersects(
@@ -237,7 +306,7 @@ impl PartialFile {
                 let mut pos = off;
                 while pos < zero_end {
                     let n = zeros.len().min((zero_end - pos) as usize);
-                    self.write(pos, &zeros[..n])?;
+                    self.write(pos, &zeros[..n], false)?;
                     pos += n as u64;
                 }
             }
@@ -249,6 +318,7 @@ impl PartialFile {
                 self.size = end;
             }
             self.size = sys::fstat(self.upper.as_fd())?.size;
+            self.disk_size = self.size;
             self.blocks = BlockMap::from_file(self.upper.as_fd(), self.size, bs)?;
             return Ok(());
         }
@@ -266,7 +336,19 @@ impl PartialFile {
         if !keep && end > self.size {
             self.size = end;
         }
+        self.disk_size = self.disk_size.max(self.size);
         self.blocks = BlockMap::from_file(self.upper.as_fd(), self.size, bs)?;
         Ok(())
+    }
+}
+
+/// Adds bytes to write at `at`, joining them to the previous run when they continue it, so a
+/// long write is one pwrite.
+fn push_run<'a>(runs: &mut Vec<(u64, Cow<'a, [u8]>)>, at: u64, bytes: Cow<'a, [u8]>) {
+    match runs.last_mut() {
+        Some((start, prev)) if *start + prev.len() as u64 == at => {
+            prev.to_mut().extend_from_slice(&bytes)
+        }
+        _ => runs.push((at, bytes)),
     }
 }

@@ -46,13 +46,14 @@ pub struct Stats {
     pub opens_daemon: Counter,
     pub copy_ups: Counter,
     pub blocks_filled: Counter,
+    pub blocks_deferred: Counter,
     pub completions: Counter,
 }
 
 impl Stats {
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-filled={} completions={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-deferred={} blocks-filled={} completions={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
@@ -60,6 +61,7 @@ impl Stats {
             self.opens_passthrough.get(),
             self.opens_daemon.get(),
             self.copy_ups.get(),
+            self.blocks_deferred.get(),
             self.blocks_filled.get(),
             self.completions.get()
         )

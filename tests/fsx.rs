@@ -48,6 +48,8 @@ struct Run {
     m: Mount,
     /// Partial files the daemon completed, summed over remounts.
     completions: u64,
+    /// Blocks whose fill copy-after-write deferred, summed over remounts.
+    deferred: u64,
     model: Model,
     /// Permission bits of each file in the model.
     modes: BTreeMap<String, u32>,
@@ -101,6 +103,7 @@ impl Run {
     fn remount(&mut self) {
         let log = self.m.unmount();
         self.completions += served(&log, "completions");
+        self.deferred += served(&log, "blocks-deferred");
         self.m.mount();
     }
 
@@ -275,8 +278,9 @@ impl Run {
     }
 }
 
-/// Runs one seed; returns how many partial files the daemon completed.
-fn run_seed(seed: u64, ops: usize, options: &[&str]) -> u64 {
+/// Runs one seed; returns how many partial files the daemon completed and how many block
+/// fills copy-after-write deferred.
+fn run_seed(seed: u64, ops: usize, options: &[&str]) -> (u64, u64) {
     let model = initial_lower(seed);
     let mut m = Mount::new(1);
     m.extra = options.iter().map(|o| o.to_string()).collect();
@@ -290,6 +294,7 @@ fn run_seed(seed: u64, ops: usize, options: &[&str]) -> u64 {
     let mut run = Run {
         m,
         completions: 0,
+        deferred: 0,
         model,
         modes,
         rng: StdRng::seed_from_u64(seed),
@@ -304,7 +309,7 @@ fn run_seed(seed: u64, ops: usize, options: &[&str]) -> u64 {
     run.check_all();
     run.remount();
     run.check_all();
-    run.completions
+    (run.completions, run.deferred)
 }
 
 #[test]
@@ -338,6 +343,23 @@ fn fsx_with_eager_completion_matches_the_model() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(41);
     eprintln!("fsx (eager completion): seed {seed}, {ops} operations");
-    let completed = run_seed(seed, ops, &["complete_after=0.001", "complete_ratio=10"]);
+    let (completed, _) = run_seed(seed, ops, &["complete_after=0.001", "complete_ratio=10"]);
     assert!(completed > 0, "completion never ran");
+}
+
+/// The same with pending blocks filled only when needed (no workers): every read merges
+/// pending bytes, and close, truncate, punch and remount must flush them.
+#[test]
+fn fsx_with_lazy_copy_after_write_matches_the_model() {
+    let ops: usize = std::env::var("FSX_OPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
+    let seed = std::env::var("FSX_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    eprintln!("fsx (lazy copy-after-write): seed {seed}, {ops} operations");
+    let (_, deferred) = run_seed(seed, ops, &["caw_workers=0", "complete_after=0"]);
+    assert!(deferred > 0, "no write was deferred");
 }
