@@ -264,6 +264,57 @@ impl Overlay {
         Ok((node, attr, opened))
     }
 
+    /// O_TMPFILE: an unnamed file in the upper directory of `parent`, opened. It gets a name
+    /// only if `linkat` gives it one.
+    pub fn tmpfile(
+        &self,
+        parent: Ino,
+        mode: u32,
+        flags: i32,
+        caller: &Caller,
+    ) -> Result<(Arc<Node>, Attr, crate::file::Opened)> {
+        self.check_writable()?;
+        let pnode = self.node(parent)?;
+        self.dir_view(&pnode)?;
+        let udir = self.upper_dir(&pnode)?;
+        let pattr = sys::fstat(udir.as_fd())?;
+        crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
+        let fd = rustix::fs::openat(
+            &udir,
+            ".",
+            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(mode & 0o7777),
+        )?;
+        let uid = self.config.uid_map.to_outside(caller.uid);
+        let gid = if pattr.mode & libc::S_ISGID != 0 {
+            pattr.gid
+        } else {
+            self.config.gid_map.to_outside(caller.gid)
+        };
+        let before = sys::fstat(fd.as_fd())?;
+        rustix::fs::fchown(
+            &fd,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        )?;
+        if before.mode & 0o6000 != 0 {
+            rustix::fs::fchmod(&fd, Mode::from_raw_mode(before.mode & 0o7777))?;
+        }
+        let attr = sys::fstat(fd.as_fd())?;
+        let found = Found {
+            ino: self.map_ino(UPPER, attr.ino),
+            kind: libc::S_IFREG,
+            upper: true,
+            lower: None,
+        };
+        let node = self.inodes.remember_unnamed(&found);
+        // Held until the handle holds it: an unnamed file cannot be reopened by path.
+        let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(fd));
+        let opened = self.open(node.ino, flags & !libc::O_TMPFILE)?;
+        let attr = self.present(&node, attr);
+        Ok((node, attr, opened))
+    }
+
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &OsStr) -> Result<(Arc<Node>, Attr)> {
         self.check_writable()?;
         self.check_new_name(newname)?;
@@ -296,7 +347,9 @@ impl Overlay {
             }
         }
         let found = {
-            let st = node.state();
+            let mut st = node.state();
+            // A linked O_TMPFILE is the same object, now with a name: not a new generation.
+            st.unlinked = false;
             Found {
                 ino,
                 kind: st.kind,

@@ -237,6 +237,14 @@ impl OpenFile {
         Ok(Some((end, filled)))
     }
 
+    /// A descriptor of the complete upper file, if that is what this file is.
+    pub fn upper_fd(&self) -> Option<OwnedFd> {
+        match &*self.read_data() {
+            FileData::Upper(fd) => fd.try_clone().ok(),
+            _ => None,
+        }
+    }
+
     /// Fills every pending block of this file (unmount).
     pub fn flush_pending(&self) -> Result<()> {
         match &mut *self.write_data() {
@@ -394,6 +402,17 @@ impl Overlay {
             self.completer.register(&f);
         }
         Ok(f)
+    }
+
+    /// Makes `data` the open state of `node` (an O_TMPFILE, which has no path to open by).
+    pub fn adopt_open_file(&self, node: &Node, data: FileData) -> Arc<OpenFile> {
+        let f = Arc::new(OpenFile {
+            ino: node.ino,
+            data: RwLock::new(data),
+            io: Mutex::new(IoState::default()),
+        });
+        node.state().open = Arc::downgrade(&f);
+        f
     }
 
     /// After `node` was copied up, moves its open state (if any) to the upper file.

@@ -141,6 +141,46 @@ impl MosaicFs {
             .map_err(|e| refused(e.to_string()))
     }
 
+    /// Replies to create or tmpfile: the new entry and its open handle, with passthrough when
+    /// the handle has it.
+    fn created(
+        &self,
+        reply: ReplyCreate,
+        r: crate::error::Result<(Arc<crate::inode::Node>, Attr, crate::file::Opened)>,
+    ) {
+        let (node, attr, opened) = match r {
+            Ok(v) => v,
+            Err(e) => return reply.error(errno(e)),
+        };
+        let (ttl, attr, generation, fh) = (
+            self.ttl(),
+            fuse_attr(&attr),
+            Generation(node.generation()),
+            FileHandle(opened.fh),
+        );
+        if opened.io == IoMode::Passthrough {
+            match self.backing(opened.fh, |fd| reply.open_backing(fd)) {
+                Ok(b) => {
+                    self.core.stats.opens_passthrough.add(1);
+                    let id = b
+                        .downcast_ref::<BackingId>()
+                        .expect("only BackingIds are stored");
+                    return reply.created_passthrough(
+                        &ttl,
+                        &attr,
+                        generation,
+                        fh,
+                        FopenFlags::empty(),
+                        id,
+                    );
+                }
+                Err(io) => return reply.created(&ttl, &attr, generation, fh, fopen_flags(io)),
+            }
+        }
+        self.core.stats.opens_daemon.add(1);
+        reply.created(&ttl, &attr, generation, fh, fopen_flags(opened.io))
+    }
+
     fn ttl(&self) -> Duration {
         self.core.config.timeout
     }
@@ -587,41 +627,25 @@ impl Filesystem for MosaicFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let (node, attr, opened) =
-            match self
-                .core
-                .create(parent.0, name, mode, flags, &caller(req, umask))
-            {
-                Ok(v) => v,
-                Err(e) => return reply.error(errno(e)),
-            };
-        let (ttl, attr, generation, fh) = (
-            self.ttl(),
-            fuse_attr(&attr),
-            Generation(node.generation()),
-            FileHandle(opened.fh),
-        );
-        if opened.io == IoMode::Passthrough {
-            match self.backing(opened.fh, |fd| reply.open_backing(fd)) {
-                Ok(b) => {
-                    self.core.stats.opens_passthrough.add(1);
-                    let id = b
-                        .downcast_ref::<BackingId>()
-                        .expect("only BackingIds are stored");
-                    return reply.created_passthrough(
-                        &ttl,
-                        &attr,
-                        generation,
-                        fh,
-                        FopenFlags::empty(),
-                        id,
-                    );
-                }
-                Err(io) => return reply.created(&ttl, &attr, generation, fh, fopen_flags(io)),
-            }
-        }
-        self.core.stats.opens_daemon.add(1);
-        reply.created(&ttl, &attr, generation, fh, fopen_flags(opened.io))
+        let r = self
+            .core
+            .create(parent.0, name, mode, flags, &caller(req, umask));
+        self.created(reply, r)
+    }
+
+    fn tmpfile(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let r = self
+            .core
+            .tmpfile(parent.0, mode, flags, &caller(req, umask));
+        self.created(reply, r)
     }
 
     fn lseek(

@@ -197,6 +197,35 @@ impl InodeTable {
         node
     }
 
+    /// Records an object that has no name yet (O_TMPFILE) and counts one kernel reference.
+    pub fn remember_unnamed(&self, found: &Found) -> Arc<Node> {
+        let node = Arc::new(Node {
+            ino: found.ino,
+            generation: AtomicU64::new(0),
+            state: Mutex::new(NodeState {
+                kind: found.kind,
+                links: Vec::new(),
+                upper: true,
+                lower: None,
+                unlinked: true,
+                open: Weak::new(),
+            }),
+            lookups: AtomicU64::new(1),
+            copy_up: Mutex::new(()),
+        });
+        let mut shard = self
+            .shard(found.ino)
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = shard.get(&found.ino) {
+            // The number of an object the kernel still holds: a new generation tells them apart.
+            node.generation
+                .store(old.generation() + 1, Ordering::Relaxed);
+        }
+        shard.insert(found.ino, node.clone());
+        node
+    }
+
     /// Drops `n` kernel references; the inode is forgotten when none is left.
     pub fn forget(&self, ino: Ino, n: u64) {
         if ino == ROOT_INO {

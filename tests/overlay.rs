@@ -4,7 +4,7 @@ mod common;
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use common::*;
@@ -629,4 +629,33 @@ fn uid_and_gid_mapping_shift_ids_both_ways() {
         65534,
         "root of the host is unmapped in this mapping"
     );
+}
+
+#[test]
+fn o_tmpfile_makes_an_unnamed_file() {
+    let m = Mount::with(|l| fs::create_dir(l.join("dir")).unwrap());
+    let fd = rustix::fs::open(
+        m.path("dir"),
+        rustix::fs::OFlags::TMPFILE | rustix::fs::OFlags::RDWR,
+        rustix::fs::Mode::from_raw_mode(0o640),
+    )
+    .expect("O_TMPFILE works on mosaicfs");
+    let mut f = fs::File::from(fd);
+    f.write_all_at(b"unnamed data", 0).unwrap();
+    let md = f.metadata().unwrap();
+    assert_eq!(md.nlink(), 0, "no name");
+    assert_eq!(md.mode() & 0o777, 0o640);
+    assert_eq!(md.len(), 12);
+    assert!(
+        names(m.path("dir")).is_empty(),
+        "invisible in the directory"
+    );
+    assert!(
+        names(m.upper.join("dir")).is_empty(),
+        "nothing named in the upper layer either"
+    );
+    let mut back = String::new();
+    std::io::Seek::seek(&mut f, SeekFrom::Start(0)).unwrap();
+    f.read_to_string(&mut back).unwrap();
+    assert_eq!(back, "unnamed data");
 }
