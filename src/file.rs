@@ -471,19 +471,32 @@ impl Overlay {
         self.handles.get(fh).ok_or_else(|| errno(libc::EBADF))
     }
 
-    pub fn read(&self, fh: u64, off: u64, size: u32) -> Result<Vec<u8>> {
-        let h = self.handle(fh)?;
+    /// Reads `size` bytes at `off` and hands them to `reply` (fewer only at end of file).
+    /// Whole-file reads go into a buffer each thread reuses, never zeroed: no allocation and
+    /// one copy on the daemon's read path.
+    pub fn read<R>(&self, fh: u64, off: u64, size: u32, reply: impl FnOnce(Result<&[u8]>) -> R) -> R {
+        thread_local! {
+            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let h = match self.handle(fh) {
+            Ok(h) => h,
+            Err(e) => return reply(Err(e)),
+        };
         self.stats.reads.add(1);
         self.stats.read_bytes.add(size as u64);
         let data = h.file.read_data();
         match &*data {
-            FileData::Lower(fd) | FileData::Upper(fd) => {
-                let mut buf = vec![0u8; size as usize];
-                let n = sys::pread_full(fd.as_fd(), &mut buf, off)?;
-                buf.truncate(n);
-                Ok(buf)
-            }
-            FileData::Partial(p) => p.read(off, size as usize),
+            FileData::Lower(fd) | FileData::Upper(fd) => BUF.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                match sys::pread_into(fd.as_fd(), &mut buf, size as usize, off) {
+                    Ok(()) => reply(Ok(&buf)),
+                    Err(e) => reply(Err(e)),
+                }
+            }),
+            FileData::Partial(p) => match p.read(off, size as usize) {
+                Ok(bytes) => reply(Ok(&bytes)),
+                Err(e) => reply(Err(e)),
+            },
         }
     }
 

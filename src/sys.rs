@@ -289,6 +289,30 @@ pub fn pread_full(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> Result<usi
     Ok(done)
 }
 
+/// Reads up to `len` bytes at `offset` into `buf` (replacing its contents) without zeroing it
+/// first; fewer bytes only at end of file.
+pub fn pread_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, len: usize, offset: u64) -> Result<()> {
+    buf.clear();
+    buf.reserve(len.max(1));
+    while buf.len() < len {
+        let done = buf.len();
+        let want = len - done;
+        let spare = &mut buf.spare_capacity_mut()[..want];
+        match rustix::io::pread(fd, spare, offset + done as u64) {
+            Ok((filled, _)) if filled.is_empty() => break,
+            Ok((filled, _)) => {
+                let n = filled.len();
+                // SAFETY: pread initialized `n` bytes of the spare capacity, which starts at
+                // `done`; the length never exceeds the reserved capacity (`n <= want`).
+                unsafe { buf.set_len(done + n) };
+            }
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 pub fn pwrite_full(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> Result<()> {
     let mut done = 0;
     while done < buf.len() {
