@@ -299,7 +299,7 @@ pub fn pread_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, len: usize, offset: u64
         let want = len - done;
         let spare = &mut buf.spare_capacity_mut()[..want];
         match rustix::io::pread(fd, spare, offset + done as u64) {
-            Ok((filled, _)) if filled.is_empty() => break,
+            Ok(([], _)) => break,
             Ok((filled, _)) => {
                 let n = filled.len();
                 // SAFETY: pread initialized `n` bytes of the spare capacity, which starts at
