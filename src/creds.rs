@@ -1,10 +1,15 @@
-//! Per-thread credentials and umask of the FUSE worker threads.
+//! Per-thread credentials and umask of the FUSE worker threads (paper 001: a cached credential
+//! instead of override/revert on every operation).
 //!
 //! Each worker thread gets its own file-system context (`unshare(CLONE_FS)`) the first time it
-//! serves a request, and caches the umask it last set, so the umask is switched only when the
-//! caller's differs from the previous caller's — no syscall per request in the common case, and
-//! no lock shared between threads. The daemon stays root; new objects are given to the caller
-//! with chown right after they are made (see dir.rs).
+//! serves a request. It caches the umask and the fs uid/gid it last set, and switches only when
+//! a caller's differ from the previous caller's — no syscall per request in the common case,
+//! and no lock shared between threads. New objects are then born owned by the caller (and take
+//! a setgid directory's group from the file system itself), with no chown afterwards.
+//!
+//! Changing the fsuid away from 0 drops the file-system capabilities from the thread's
+//! effective set; they are raised again at once, because the daemon acts on the kernel's
+//! permission checks (default_permissions) and must still reach every layer file.
 
 use std::cell::Cell;
 
@@ -28,4 +33,22 @@ pub fn set_thread_umask(mask: u32) {
             cur.set(Some(mask));
         }
     });
+}
+
+thread_local! {
+    /// The (fsuid, fsgid) this thread runs as, once switched.
+    static FS_IDS: Cell<Option<(u32, u32)>> = const { Cell::new(None) };
+}
+
+/// Makes this thread create files as `uid`/`gid`. Returns false if the switch is not possible
+/// here (then the caller gives new objects their owner with chown).
+pub fn act_as(uid: u32, gid: u32) -> bool {
+    FS_IDS.with(|cur| {
+        if cur.get() == Some((uid, gid)) {
+            return true;
+        }
+        let ok = crate::sys::set_fs_ids(uid, gid);
+        cur.set(if ok { Some((uid, gid)) } else { None });
+        ok
+    })
 }

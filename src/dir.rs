@@ -75,6 +75,8 @@ impl Overlay {
         let udir = udir.as_fd();
         let pattr = sys::fstat(udir)?;
         crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
+        let (uid, gid) = self.disk_ids(caller.uid, caller.gid);
+        let as_caller = crate::creds::act_as(uid, gid);
         let shadow = self.shadow(udir, name)?;
         let (target_dir, target) = match shadow {
             Shadow::Nothing => (udir, name.to_os_string()),
@@ -82,7 +84,9 @@ impl Overlay {
         };
         make(target_dir, &target)?;
         let finish = || -> Result<()> {
-            self.own_new(target_dir, &target, caller, &pattr)?;
+            if !as_caller {
+                self.own_new(target_dir, &target, caller, &pattr)?;
+            }
             match shadow {
                 Shadow::Nothing => Ok(()),
                 Shadow::Whiteout => self.replace_whiteout(target_dir, &target, udir, name),

@@ -474,7 +474,13 @@ impl Overlay {
     /// Reads `size` bytes at `off` and hands them to `reply` (fewer only at end of file).
     /// Whole-file reads go into a buffer each thread reuses, never zeroed: no allocation and
     /// one copy on the daemon's read path.
-    pub fn read<R>(&self, fh: u64, off: u64, size: u32, reply: impl FnOnce(Result<&[u8]>) -> R) -> R {
+    pub fn read<R>(
+        &self,
+        fh: u64,
+        off: u64,
+        size: u32,
+        reply: impl FnOnce(Result<&[u8]>) -> R,
+    ) -> R {
         thread_local! {
             static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }

@@ -421,6 +421,39 @@ pub fn unshare_fs_context() -> Result<()> {
     Ok(())
 }
 
+/// Sets this thread's fsuid and fsgid and keeps its file-system capabilities effective.
+/// Returns whether the thread now runs with those ids.
+pub fn set_fs_ids(uid: u32, gid: u32) -> bool {
+    // SAFETY: setfsgid/setfsuid take plain integers and change only the calling thread's
+    // credentials (the raw syscalls, not glibc's process-wide set*id broadcast).
+    let (prev_gid, prev_uid) = unsafe {
+        (
+            libc::syscall(libc::SYS_setfsgid, gid as libc::c_long),
+            libc::syscall(libc::SYS_setfsuid, uid as libc::c_long),
+        )
+    };
+    let _ = (prev_gid, prev_uid);
+    // setfs*id report the previous id and never fail loudly: read the result back.
+    // SAFETY: as above; -1 is an invalid id, so these calls only query.
+    let (now_gid, now_uid) = unsafe {
+        (
+            libc::syscall(libc::SYS_setfsgid, -1i64),
+            libc::syscall(libc::SYS_setfsuid, -1i64),
+        )
+    };
+    if now_uid as u32 != uid || now_gid as u32 != gid {
+        return false;
+    }
+    // Leaving fsuid 0 cleared CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER... from the effective set.
+    match rustix::thread::capabilities(None) {
+        Ok(mut caps) => {
+            caps.effective = caps.permitted;
+            rustix::thread::set_capabilities(None, caps).is_ok()
+        }
+        Err(_) => false,
+    }
+}
+
 pub fn set_umask(mask: u32) -> u32 {
     rustix::process::umask(Mode::from_raw_mode(mask)).as_raw_mode()
 }

@@ -548,7 +548,9 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                         ));
                     }
                 },
-                Err(nix::errno::Errno::ENODEV) => return Ok(()),
+                // mosaicfs patch: a channel cloned with clone_fd can read ECONNABORTED instead of
+                // ENODEV when the mount goes away; either way the session is over.
+                Err(nix::errno::Errno::ENODEV) | Err(nix::errno::Errno::ECONNABORTED) => return Ok(()),
                 Err(err) => return Err(err.into()),
             }
         }
