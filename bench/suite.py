@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""The mosaicfs benchmark suite (issue #5): the same workloads on mosaicfs, kernel overlayfs and
+fuse-overlayfs in one run, printed as a table of ratios. Run it through bench/run.sh.
+
+Workloads (papers 000 TranslayFS Fig 13/14, 002 BAOverlay, FxMark):
+  write-once, write-many, read-after-write, partial-block stride, random small writes on lower
+  files; aligned fio sequential/random reads of an untouched lower file; fio writes and reads of
+  a copied-up file; sequential write of a new (upper) file; a read of a partially modified
+  file; a metadata mix; untar of a 5,000-file tree then find + stat; FxMark DRBL and DWOL with
+  1, 2 and 4 processes.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True, **kw).stdout
+
+
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def write_random(path, size):
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 1 << 20)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def make_tree_tar(path, files):
+    """A synthetic source tree: `files` small files in nested directories."""
+    rng = random.Random(5)
+    tmp = path + ".d"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for i in range(files):
+        d = os.path.join(tmp, f"src/mod{i % 40}/pkg{i % 7}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"file{i}.c"), "wb") as f:
+            f.write(os.urandom(rng.randint(200, 8000)))
+    with tarfile.open(path, "w") as t:
+        t.add(os.path.join(tmp, "src"), arcname="src")
+    shutil.rmtree(tmp)
+
+
+class Setup:
+    def __init__(self, root, quick):
+        self.root = root
+        self.quick = quick
+        self.size = (64 if quick else 512) << 20
+        self.lower = os.path.join(root, "lower")
+        self.tar = os.path.join(root, f"tree-{5000}.tar")
+        self.iobench = os.path.join(root, "iobench")
+
+    def prepare(self):
+        os.makedirs(os.path.join(self.lower, "data"), exist_ok=True)
+        stamp = os.path.join(self.lower, f".ready-{self.size}")
+        if not os.path.exists(stamp):
+            for name in ["big", "wonce", "wmany", "raw", "stride", "smallw", "partmod", "copied"]:
+                write_random(os.path.join(self.lower, "data", name), self.size if name == "big" else self.size // 4)
+            for i in range(4):
+                write_random(os.path.join(self.lower, "data", f"fx-{i}"), 4096)
+            open(stamp, "w").close()
+        if not os.path.exists(self.tar):
+            make_tree_tar(self.tar, 5000)
+        sh(f"cc -O2 -o {self.iobench} {HERE}/iobench.c")
+
+
+FILESYSTEMS = ["mosaicfs", "overlay", "fuse-overlayfs"]
+
+
+class Mount:
+    def __init__(self, setup, kind, binary, extra=""):
+        self.kind, self.setup, self.binary, self.extra = kind, setup, binary, extra
+        self.dir = os.path.join(setup.root, "run-" + kind.replace("=", "-"))
+        self.mnt = os.path.join(self.dir, "mnt")
+
+    def __enter__(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for d in ["upper", "work", "mnt"]:
+            os.makedirs(os.path.join(self.dir, d))
+        o = f"lowerdir={self.setup.lower},upperdir={self.dir}/upper,workdir={self.dir}/work"
+        if self.kind.startswith("mosaicfs"):
+            sh(f"{self.binary} -o {o}{self.extra} {self.mnt}")
+        elif self.kind == "overlay":
+            sh(f"mount -t overlay overlay -o {o} {self.mnt}")
+        else:
+            sh(f"fuse-overlayfs -o {o} {self.mnt}")
+        return self
+
+    def __exit__(self, *exc):
+        for _ in range(50):
+            if subprocess.run(["umount", self.mnt], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        time.sleep(0.3)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def path(self, *p):
+        return os.path.join(self.mnt, *p)
+
+
+def fio(path, rw, bs, size=None, io_limit=None, runtime=None, fsync_end=True):
+    args = ["fio", "--name=w", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--ioengine=psync",
+            "--output-format=json", "--randrepeat=1", "--norandommap"]
+    if size:
+        args.append(f"--size={size}")
+    if io_limit:
+        args.append(f"--io_size={io_limit}")
+    if runtime:
+        args += [f"--runtime={runtime}", "--time_based=0"]
+    if fsync_end and "write" in rw:
+        args.append("--end_fsync=1")
+    out = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+    job = out["jobs"][0]
+    side = job["write"] if "write" in rw else job["read"]
+    return side["bw"] / 1024.0, side["iops"]  # MiB/s, IOPS
+
+
+def run_workloads(m, s, results):
+    q = s.quick
+    data = lambda n: m.path("data", n)
+    r = {}
+    drop_caches()
+    r["write-once: seq 4 KiB writes over a lower file (MiB/s)"] = fio(data("wonce"), "write", "4k")[0]
+    r["write-many: random 4 KiB writes to a lower file (IOPS)"] = fio(
+        data("wmany"), "randwrite", "4k", io_limit=f"{s.size // 2}")[1]
+    fio(data("raw"), "write", "4k")
+    r["read-after-write: seq read of what was just written (MiB/s)"] = fio(data("raw"), "read", "64k")[0]
+    out = sh(f"{s.iobench} stride {data('stride')} 4096 410")
+    r["partial-block stride: 410 B at every 4 KiB, then fsync (s)"] = float(out.split("total_s=")[1].split()[0])
+    r["random small writes: 512 B random writes to a lower file (IOPS)"] = fio(
+        data("smallw"), "randwrite", "512", io_limit="8m" if q else "32m")[1]
+    drop_caches()
+    r["untouched lower file: seq read, cold cache (MiB/s)"] = fio(data("big"), "read", "1m")[0]
+    r["untouched lower file: random 4 KiB reads (IOPS)"] = fio(data("big"), "randread", "4k", io_limit="16m" if q else "64m")[1]
+    # A copied-up file: one byte written first (every overlay copies it up then).
+    with open(data("copied"), "r+b") as f:
+        f.write(b"x")
+    r["copied-up file: seq 1 MiB writes (MiB/s)"] = fio(data("copied"), "write", "1m")[0]
+    r["copied-up file: random 4 KiB writes (IOPS)"] = fio(data("copied"), "randwrite", "4k", io_limit="16m" if q else "64m")[1]
+    r["new upper file: seq 1 MiB writes (MiB/s)"] = fio(m.path("newfile"), "write", "1m", size=f"{s.size // 4}")[0]
+    with open(data("partmod"), "r+b") as f:
+        for off in range(0, s.size // 4, 65536):
+            f.seek(off)
+            f.write(b"m")
+    drop_caches()
+    r["partially modified file: seq read (MiB/s)"] = fio(data("partmod"), "read", "1m")[0]
+    os.makedirs(m.path("meta"))
+    out = sh(f"{s.iobench} metamix {m.path('meta')} {500 if q else 3000}")
+    r["metadata mix: create, stat, rename, mkdir, readdir, unlink, rmdir (ops/s)"] = float(out.split("ops_s=")[1])
+    os.makedirs(m.path("untar"))
+    t0 = time.time()
+    sh(f"tar xf {s.tar} -C {m.path('untar')}")
+    r["untar of a 5,000-file tree (s)"] = time.time() - t0
+    t0 = time.time()
+    sh(f"find {m.path('untar')} -type f -print0 | xargs -0 stat > /dev/null")
+    r["find + stat of the 5,000 files (s)"] = time.time() - t0
+    secs = 1 if q else 3
+    for n in (1, 2, 4):
+        out = sh(f"{s.iobench} fxmark drbl {m.path('data')} {n} {secs}")
+        r[f"FxMark DRBL, {n} process{'es' if n > 1 else ''} (ops/s)"] = float(out.split("ops_s=")[1])
+    for n in (1, 2, 4):
+        for i in range(n):
+            with open(data(f"fx-{i}"), "r+b") as f:
+                f.write(b"w")  # copy up first, then measure overwrites
+        out = sh(f"{s.iobench} fxmark dwol {m.path('data')} {n} {secs}")
+        r[f"FxMark DWOL, {n} process{'es' if n > 1 else ''} (ops/s)"] = float(out.split("ops_s=")[1])
+    results[m.kind] = r
+
+
+LOWER_IS_BETTER = "(s)"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--root", default="/var/tmp/mosaicfs-bench-suite")
+    ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
+    ap.add_argument("--also", action="append", default=[], help="extra mosaicfs options to run as another column")
+    a = ap.parse_args()
+    s = Setup(a.root, a.quick)
+    s.prepare()
+    results = {}
+    kinds = [("mosaicfs", "")] + [(f"mosaicfs,{x}", "," + x) for x in a.also] + [("overlay", ""), ("fuse-overlayfs", "")]
+    for kind, extra in kinds:
+        t0 = time.time()
+        with Mount(s, kind, os.path.abspath(a.mosaicfs), extra) as m:
+            run_workloads(m, s, results)
+        print(f"# {kind}: {time.time() - t0:.0f} s", file=sys.stderr)
+    cols = [k for k, _ in kinds]
+    print(f"\nBenchmark suite{' (quick)' if a.quick else ''}, {time.strftime('%Y-%m-%d', time.gmtime())}, "
+          f"{os.cpu_count()} cores, {os.uname().release}, files of {s.size >> 20} MiB\n")
+    head = "| workload | " + " | ".join(cols) + " | mosaicfs / overlayfs | mosaicfs / fuse-overlayfs |"
+    print(head)
+    print("|" + "---|" * (len(cols) + 3))
+    for w in results["mosaicfs"]:
+        vals = [results[c][w] for c in cols]
+        m, o, f = results["mosaicfs"][w], results["overlay"][w], results["fuse-overlayfs"][w]
+        # Ratios are "how much better is mosaicfs": for times, the inverse.
+        better = (lambda x, y: y / x) if LOWER_IS_BETTER in w else (lambda x, y: x / y)
+        fmt = lambda v: f"{v:.3g}" if v < 1000 else f"{v:,.0f}"
+        print(f"| {w} | " + " | ".join(fmt(v) for v in vals) + f" | {better(m, o):.2f}x | {better(m, f):.2f}x |")
+    mo = results["mosaicfs"]
+    print("\nRatios are 'times better than the peer' (for times, peer time / mosaicfs time).")
+    targets = [
+        ("reads of untouched lower files >= 0.9x overlayfs", mo["untouched lower file: seq read, cold cache (MiB/s)"] / results["overlay"]["untouched lower file: seq read, cold cache (MiB/s)"], 0.9),
+        ("writes to complete files >= 0.9x overlayfs", mo["new upper file: seq 1 MiB writes (MiB/s)"] / results["overlay"]["new upper file: seq 1 MiB writes (MiB/s)"], 0.9),
+        ("metadata mix >= 2x fuse-overlayfs", mo["metadata mix: create, stat, rename, mkdir, readdir, unlink, rmdir (ops/s)"] / results["fuse-overlayfs"]["metadata mix: create, stat, rename, mkdir, readdir, unlink, rmdir (ops/s)"], 2.0),
+        ("DRBL scaling 1 -> 2 processes >= 1.8x", mo["FxMark DRBL, 2 processes (ops/s)"] / mo["FxMark DRBL, 1 process (ops/s)"], 1.8),
+    ]
+    print("\nTargets (issue #5):")
+    for name, value, goal in targets:
+        print(f"- {name}: {value:.2f} -> {'met' if value >= goal else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
