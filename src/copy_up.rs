@@ -72,7 +72,11 @@ impl Overlay {
             let _ = crate::layers::remove_tree(work, &tmp);
             return Err(e);
         }
-        node.state().upper = true;
+        {
+            let mut st = node.state();
+            st.upper = true;
+            st.has_origin = true;
+        }
         self.stats.copy_ups.add(1);
         self.refresh_open(node)
     }

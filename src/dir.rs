@@ -108,6 +108,8 @@ impl Overlay {
             kind: attr.file_type(),
             upper: true,
             lower: None,
+            origin: false,
+            origins: false,
         };
         let node = self.inodes.remember(parent, name, &found);
         let attr = self.present(&node, attr);
@@ -310,6 +312,8 @@ impl Overlay {
             kind: libc::S_IFREG,
             upper: true,
             lower: None,
+            origin: false,
+            origins: false,
         };
         let node = self.inodes.remember_unnamed(&found);
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
@@ -359,8 +363,11 @@ impl Overlay {
                 kind: st.kind,
                 upper: true,
                 lower: st.lower.clone(),
+                origin: st.has_origin,
+                origins: st.origins,
             }
         };
+        self.note_origin_moved_into(&pnode, found.origin)?;
         let node = self.inodes.remember(newparent, newname, &found);
         let attr = self.stat_layer(&node)?;
         Ok((node.clone(), self.present(&node, attr)))
@@ -431,6 +438,7 @@ impl Overlay {
             } else {
                 None
             },
+            origins: entry.found.origins || entry.found.lower.is_some(),
             lower: entry.found.lower.clone(),
         })
     }
@@ -615,6 +623,10 @@ impl Overlay {
         if wh_file_after {
             let _ = rustix::fs::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
         }
+        self.note_origin_moved_into(&npnode, snode.state().has_origin)?;
+        if let (Some(d), true) = (&dnode, exchange) {
+            self.note_origin_moved_into(&pnode, d.state().has_origin)?;
+        }
         self.move_name(&snode, (parent, name), (newparent, newname));
         if let Some(d) = dnode {
             if exchange {
@@ -622,6 +634,21 @@ impl Overlay {
             } else {
                 self.forget_name(d.ino, newparent, newname);
             }
+        }
+        Ok(())
+    }
+
+    /// A copied-up object now sits in `dir`: if `dir` has no lower part, mark it, so lookups and
+    /// listings there still read the object's origin (its inode number).
+    fn note_origin_moved_into(&self, dir: &Node, origin: bool) -> Result<()> {
+        let needs_mark = {
+            let st = dir.state();
+            origin && st.lower.is_none() && !st.origins
+        };
+        if needs_mark {
+            let d = self.layers.dir(UPPER, &self.upper_path(dir.ino)?)?;
+            sys::set_xattr(d.as_fd(), None, &self.layers.xattr.origins, b"y", 0)?;
+            dir.state().origins = true;
         }
         Ok(())
     }

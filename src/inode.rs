@@ -53,6 +53,10 @@ pub struct NodeState {
     pub lower: Option<LowerRef>,
     /// Set when the last name was removed while the kernel still knows the inode.
     pub unlinked: bool,
+    /// The upper object carries `mosaicfs.origin`.
+    pub has_origin: bool,
+    /// For a directory: entries may carry `mosaicfs.origin` without a lower part to explain it.
+    pub origins: bool,
     /// The shared state of open handles on this regular file, while any is open.
     pub open: Weak<OpenFile>,
 }
@@ -94,6 +98,10 @@ pub struct Found {
     pub kind: u32,
     pub upper: bool,
     pub lower: Option<LowerRef>,
+    /// The upper object carries `mosaicfs.origin` (it was copied up).
+    pub origin: bool,
+    /// For a directory: its upper part is marked `mosaicfs.origins` (see layers::DirFlags).
+    pub origins: bool,
 }
 
 const SHARDS: usize = 64;
@@ -105,7 +113,7 @@ pub struct InodeTable {
 }
 
 impl InodeTable {
-    pub fn new(root_upper: bool, root_lower: Option<LowerRef>) -> Self {
+    pub fn new(root_upper: bool, root_lower: Option<LowerRef>, root_origins: bool) -> Self {
         let shards: Vec<_> = (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect();
         let table = InodeTable {
             shards: shards.into_boxed_slice(),
@@ -119,6 +127,8 @@ impl InodeTable {
                 upper: root_upper,
                 lower: root_lower,
                 unlinked: false,
+                has_origin: false,
+                origins: root_origins,
                 open: Weak::new(),
             }),
             lookups: AtomicU64::new(1),
@@ -165,6 +175,8 @@ impl InodeTable {
                             upper: found.upper,
                             lower: found.lower.clone(),
                             unlinked: false,
+                            has_origin: found.origin,
+                            origins: found.origins,
                             open: Weak::new(),
                         }),
                         lookups: AtomicU64::new(0),
@@ -185,6 +197,8 @@ impl InodeTable {
             st.kind = found.kind;
             st.upper = found.upper;
             st.lower = found.lower.clone();
+            st.has_origin = found.origin;
+            st.origins = found.origins;
             st.unlinked = false;
             let link = (parent, name.to_os_string());
             if let Some(pos) = st.links.iter().position(|l| *l == link) {
@@ -208,6 +222,8 @@ impl InodeTable {
                 upper: true,
                 lower: None,
                 unlinked: true,
+                has_origin: false,
+                origins: false,
                 open: Weak::new(),
             }),
             lookups: AtomicU64::new(1),

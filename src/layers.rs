@@ -42,6 +42,17 @@ pub struct Layer {
     pub dev_index: u64,
 }
 
+/// Marks on a layer directory.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DirFlags {
+    pub opaque: bool,
+    /// Entries may be whiteouts marked by xattr (kernel overlayfs `opaque=x`).
+    pub xwhiteouts: bool,
+    /// Entries may carry `mosaicfs.origin` although the directory has no lower part (a
+    /// copied-up object was moved in).
+    pub origins: bool,
+}
+
 /// The names of mosaicfs' own xattrs, in the namespace chosen at mount.
 #[derive(Debug, Clone)]
 pub struct XattrNames {
@@ -51,6 +62,8 @@ pub struct XattrNames {
     pub redirect: String,
     /// On a char device 0/0: this is a real device made through the mount, not a whiteout.
     pub device: String,
+    /// On an upper directory without lower parts: some entries carry `origin` (see DirFlags).
+    pub origins: String,
     pub opaque: &'static str,
 }
 
@@ -63,6 +76,7 @@ impl XattrNames {
             partial: format!("{prefix}mosaicfs.partial"),
             redirect: format!("{prefix}mosaicfs.redirect"),
             device: format!("{prefix}mosaicfs.device"),
+            origins: format!("{prefix}mosaicfs.origins"),
             opaque: if trusted {
                 "trusted.overlay.opaque"
             } else {
@@ -302,17 +316,36 @@ impl LayerStack {
 
     /// Whether the directory `name` in `dir` is opaque (hides the layers below it).
     pub fn is_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
-        let names = sys::list_xattr(dir, Some(name))?;
+        Ok(self.dir_flags(dir, Some(name))?.opaque)
+    }
+
+    /// The overlay marks of a directory (`name` in `dir`, or `dir` itself), read with one
+    /// listxattr and a getxattr per mark present.
+    pub fn dir_flags(&self, dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<DirFlags> {
+        let names = sys::list_xattr(dir, name)?;
+        let has = |key: &str| names.iter().any(|n| n.as_bytes() == key.as_bytes());
+        let mut flags = DirFlags {
+            origins: has(&self.xattr.origins),
+            ..DirFlags::default()
+        };
         for key in OPAQUE_XATTRS {
-            if names.iter().any(|n| n.as_bytes() == key.as_bytes())
-                && let Some(v) = sys::get_xattr(dir, Some(name), key)?
-                && v.first() == Some(&b'y')
-            {
-                return Ok(true);
+            if has(key) {
+                match sys::get_xattr(dir, name, key)?.as_deref().and_then(|v| v.first()) {
+                    Some(b'y') => flags.opaque = true,
+                    // Kernel overlayfs: "x" marks a directory whose entries may be xattr whiteouts.
+                    Some(b'x') => flags.xwhiteouts = true,
+                    _ => {}
+                }
             }
         }
-        let sub = sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
-        Ok(sys::stat_opt(sub.as_fd(), OsStr::new(OPAQUE_WHITEOUT))?.is_some())
+        if !flags.opaque {
+            let sub = match name {
+                Some(n) => sys::open_beneath(dir, Path::new(n), OFlags::PATH | OFlags::DIRECTORY, 0)?,
+                None => sys::open_beneath(dir, Path::new(""), OFlags::PATH | OFlags::DIRECTORY, 0)?,
+            };
+            flags.opaque = sys::stat_opt(sub.as_fd(), OsStr::new(OPAQUE_WHITEOUT))?.is_some();
+        }
+        Ok(flags)
     }
 
     /// Writes a whiteout for `name` in the upper directory `dir` (which must not hold `name`).

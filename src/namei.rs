@@ -62,10 +62,16 @@ impl Overlay {
                 if self.layers.is_whiteout(dir, name, &attr)? {
                     return Ok(None);
                 }
-                let ino = self
-                    .origin_ino(dir, name)?
-                    .unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
-                let lower = if !attr.is_dir() || self.layers.is_opaque(dir, name)? {
+                // Only a copy-up carries an origin: in a directory without lower parts (and not
+                // marked as holding moved copy-ups) there is nothing to read.
+                let origin = if view.origins { self.origin_ino(dir, name)? } else { None };
+                let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
+                let flags = if attr.is_dir() {
+                    self.layers.dir_flags(dir, Some(name))?
+                } else {
+                    crate::layers::DirFlags::default()
+                };
+                let lower = if !attr.is_dir() || flags.opaque {
                     None
                 } else if let Some(target) =
                     sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect)?
@@ -85,6 +91,8 @@ impl Overlay {
                     kind: attr.file_type(),
                     upper: true,
                     lower,
+                    origin: origin.is_some(),
+                    origins: flags.origins,
                 };
                 return Ok(Some(Entry { found, attr }));
             }
@@ -101,6 +109,8 @@ impl Overlay {
                 kind: attr.file_type(),
                 upper: false,
                 lower: Some(lower),
+                origin: false,
+                origins: false,
             },
             attr,
         }))

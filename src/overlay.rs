@@ -102,6 +102,8 @@ pub struct Overlay {
 pub struct DirView {
     pub upper: Option<PathBuf>,
     pub lower: Option<LowerRef>,
+    /// Upper entries may carry `mosaicfs.origin` (the directory has lower parts, or is marked).
+    pub origins: bool,
 }
 
 impl Overlay {
@@ -141,7 +143,11 @@ impl Overlay {
             .filter(|_| layers.work.is_some())
             .map(|limit| Arc::new(crate::caw::CawShared::new(limit)));
         Ok(Overlay {
-            inodes: InodeTable::new(layers.has_upper, root_lower),
+            inodes: InodeTable::new(
+                layers.has_upper,
+                root_lower,
+                layers.has_upper && layers.dir_flags(layers.root(UPPER), None).is_ok_and(|f| f.origins),
+            ),
             ino_map: InoMap { devices },
             config,
             sparse,
@@ -185,12 +191,12 @@ impl Overlay {
 
     /// The merged view of directory `node`.
     pub fn dir_view(&self, node: &Node) -> Result<DirView> {
-        let (upper, lower) = {
+        let (upper, lower, origins) = {
             let st = node.state();
             if st.kind != libc::S_IFDIR {
                 return Err(errno(libc::ENOTDIR));
             }
-            (st.upper, st.lower.clone())
+            (st.upper, st.lower.clone(), st.origins)
         };
         Ok(DirView {
             upper: if upper {
@@ -198,6 +204,7 @@ impl Overlay {
             } else {
                 None
             },
+            origins: origins || lower.is_some(),
             lower,
         })
     }

@@ -106,18 +106,18 @@ impl Overlay {
         let mut hidden: HashSet<OsString> = HashSet::new();
         if let Some(up) = &view.upper {
             let dir = self.layers.dir(UPPER, up)?;
+            let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None)?.xwhiteouts;
             for e in sys::read_dir(self.layers.root(UPPER), up)? {
                 if let Some(target) = whiteout_target(&e.name) {
                     hidden.extend(target);
                     continue;
                 }
-                let Some(kind) = self.entry_kind(dir.as_fd(), &e)? else {
+                let Some(kind) = self.entry_kind(dir.as_fd(), &e, xwhiteouts)? else {
                     hidden.insert(e.name);
                     continue;
                 };
-                let ino = self
-                    .origin_ino(dir.as_fd(), &e.name)?
-                    .unwrap_or_else(|| self.map_ino(UPPER, e.ino));
+                let origin = if view.origins { self.origin_ino(dir.as_fd(), &e.name)? } else { None };
+                let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, e.ino));
                 hidden.insert(e.name.clone());
                 out.push(DirEntry {
                     name: e.name,
@@ -134,6 +134,7 @@ impl Overlay {
                     Err(e) => return Err(e),
                 };
                 let dir = self.layers.dir(layer, &lower.path)?;
+                let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None)?.xwhiteouts;
                 let mut whiteouts = Vec::new();
                 for e in entries {
                     if let Some(target) = whiteout_target(&e.name) {
@@ -143,7 +144,7 @@ impl Overlay {
                     if hidden.contains(&e.name) {
                         continue;
                     }
-                    let Some(kind) = self.entry_kind(dir.as_fd(), &e)? else {
+                    let Some(kind) = self.entry_kind(dir.as_fd(), &e, xwhiteouts)? else {
                         whiteouts.push(e.name);
                         continue;
                     };
@@ -161,12 +162,16 @@ impl Overlay {
     }
 
     /// The type of a listed entry, or `None` if it is a whiteout.
+    /// Regular files are whiteouts only by xattr, which (as in kernel overlayfs) a listing
+    /// honours only in a directory marked for them (`xwhiteouts`); lookup checks every one.
     fn entry_kind(
         &self,
         dir: std::os::fd::BorrowedFd<'_>,
         e: &sys::RawDirEntry,
+        xwhiteouts: bool,
     ) -> Result<Option<u32>> {
         match e.kind {
+            libc::S_IFREG if !xwhiteouts => Ok(Some(libc::S_IFREG)),
             libc::S_IFCHR | libc::S_IFREG | 0 => {
                 let Some(attr) = sys::stat_opt(dir, &e.name)? else {
                     return Ok(None);

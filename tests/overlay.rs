@@ -4,7 +4,7 @@ mod common;
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use common::*;
@@ -34,6 +34,8 @@ fn whiteouts_of_every_format_hide_lower_names_and_never_show() {
     write(m.lower(0).join(".wh.wh"), "");
     write(m.lower(0).join("xattr"), "");
     set_xattr(&m.lower(0).join("xattr"), "trusted.overlay.whiteout", b"");
+    // As kernel overlayfs writes them: the directory is marked as holding xattr whiteouts.
+    set_xattr(m.lower(0), "trusted.overlay.opaque", b"x");
     m.mount();
     assert_eq!(names(&m.mnt), ["kept"]);
     for n in ["chr", "wh", "xattr", ".wh.wh"] {
@@ -658,4 +660,18 @@ fn o_tmpfile_makes_an_unnamed_file() {
     std::io::Seek::seek(&mut f, SeekFrom::Start(0)).unwrap();
     f.read_to_string(&mut back).unwrap();
     assert_eq!(back, "unnamed data");
+}
+
+#[test]
+fn a_copied_up_file_moved_into_a_new_directory_keeps_its_inode_number_in_listings() {
+    let mut m = Mount::with(|l| write(l.join("f"), "x"));
+    let ino = fs::metadata(m.path("f")).unwrap().ino();
+    fs::create_dir(m.path("newdir")).unwrap();
+    fs::rename(m.path("f"), m.path("newdir/f")).unwrap();
+    let listed = |m: &Mount| fs::read_dir(m.path("newdir")).unwrap().next().unwrap().unwrap().ino();
+    assert_eq!(fs::metadata(m.path("newdir/f")).unwrap().ino(), ino);
+    assert_eq!(listed(&m), ino, "readdir d_ino agrees with stat");
+    m.remount();
+    assert_eq!(fs::metadata(m.path("newdir/f")).unwrap().ino(), ino, "after remount");
+    assert_eq!(listed(&m), ino);
 }
