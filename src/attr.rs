@@ -35,7 +35,7 @@ impl Overlay {
     }
 
     /// The directory holding the layer file of `path` and its name in it (`None` for a layer root).
-    fn at(&self, layer: LayerId, path: &Path) -> Result<(OwnedFd, Option<OsString>)> {
+    fn at(&self, layer: LayerId, path: &Path) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
         if path.as_os_str().is_empty() {
             return Ok((self.layers.dir(layer, path)?, None));
         }
@@ -43,7 +43,7 @@ impl Overlay {
         Ok((dir, Some(name.to_os_string())))
     }
 
-    fn upper_at(&self, node: &Node) -> Result<(OwnedFd, OsString)> {
+    fn upper_at(&self, node: &Node) -> Result<(Arc<OwnedFd>, OsString)> {
         let (dir, name) = self.at(UPPER, &self.upper_path(node.ino)?)?;
         Ok((dir, name.unwrap_or_else(|| ".".into())))
     }

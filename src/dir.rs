@@ -51,7 +51,7 @@ impl Overlay {
     }
 
     /// The upper directory of `parent`, copied up if needed.
-    fn upper_dir(&self, parent: &Node) -> Result<OwnedFd> {
+    fn upper_dir(&self, parent: &Node) -> Result<Arc<OwnedFd>> {
         self.copy_up(parent)?;
         self.layers.dir(UPPER, &self.upper_path(parent.ino)?)
     }
@@ -376,6 +376,15 @@ impl Overlay {
     /// Removes `name` from the upper directory of `parent`, leaving a whiteout when a lower
     /// layer still has it. `entry` is what the name resolved to.
     fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
+        let r = self.remove_entry_inner(pnode, name, entry);
+        if entry.attr.is_dir() {
+            // The directory moved to the work dir (or is gone): cached upper paths are stale.
+            self.layers.upper_dirs_moved();
+        }
+        r
+    }
+
+    fn remove_entry_inner(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
         let needs_whiteout = self.lower_has(pnode, name)?;
         let udir = self.upper_dir(pnode)?;
         let udir = udir.as_fd();
@@ -622,6 +631,10 @@ impl Overlay {
         }
         if wh_file_after {
             let _ = rustix::fs::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
+        }
+        if src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir()) {
+            // Directories moved: cached descriptors of upper paths may point elsewhere now.
+            self.layers.upper_dirs_moved();
         }
         self.note_origin_moved_into(&npnode, snode.state().has_origin)?;
         if let (Some(d), true) = (&dnode, exchange) {

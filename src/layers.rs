@@ -13,6 +13,7 @@ use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rustix::fs::OFlags;
 
@@ -108,6 +109,7 @@ pub struct LayerStack {
     pub xattr: XattrNames,
     /// Whether whiteouts can be char devices 0/0 (mknod works on the upper layer).
     pub whiteout_chardev: bool,
+    dirs: crate::dircache::DirCache,
 }
 
 fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Attr), String> {
@@ -235,6 +237,7 @@ impl LayerStack {
             work: work_fd,
             xattr: XattrNames::new(trusted),
             whiteout_chardev,
+            dirs: Default::default(),
         })
     }
 
@@ -281,9 +284,19 @@ impl LayerStack {
         }
     }
 
-    /// Opens the directory `rel` in `layer` as an `O_PATH` handle.
-    pub fn dir(&self, layer: LayerId, rel: &Path) -> Result<OwnedFd> {
-        sys::open_dir(self.root(layer), rel)
+    /// The directory `rel` in `layer` as an `O_PATH` handle, from the cache when it is there.
+    pub fn dir(&self, layer: LayerId, rel: &Path) -> Result<Arc<OwnedFd>> {
+        if let Some(fd) = self.dirs.get(layer, rel) {
+            return Ok(fd);
+        }
+        let fd = Arc::new(sys::open_dir(self.root(layer), rel)?);
+        self.dirs.insert(layer, rel, fd.clone());
+        Ok(fd)
+    }
+
+    /// An upper directory was renamed or removed: cached upper paths may be wrong now.
+    pub fn upper_dirs_moved(&self) {
+        self.dirs.forget_layer(UPPER);
     }
 
     /// Whether `name` in `dir` (whose stat is `attr`) is a whiteout in any format.
@@ -330,7 +343,10 @@ impl LayerStack {
         };
         for key in OPAQUE_XATTRS {
             if has(key) {
-                match sys::get_xattr(dir, name, key)?.as_deref().and_then(|v| v.first()) {
+                match sys::get_xattr(dir, name, key)?
+                    .as_deref()
+                    .and_then(|v| v.first())
+                {
                     Some(b'y') => flags.opaque = true,
                     // Kernel overlayfs: "x" marks a directory whose entries may be xattr whiteouts.
                     Some(b'x') => flags.xwhiteouts = true,
@@ -340,7 +356,9 @@ impl LayerStack {
         }
         if !flags.opaque {
             let sub = match name {
-                Some(n) => sys::open_beneath(dir, Path::new(n), OFlags::PATH | OFlags::DIRECTORY, 0)?,
+                Some(n) => {
+                    sys::open_beneath(dir, Path::new(n), OFlags::PATH | OFlags::DIRECTORY, 0)?
+                }
                 None => sys::open_beneath(dir, Path::new(""), OFlags::PATH | OFlags::DIRECTORY, 0)?,
             };
             flags.opaque = sys::stat_opt(sub.as_fd(), OsStr::new(OPAQUE_WHITEOUT))?.is_some();

@@ -8,6 +8,7 @@ pub mod copy_up;
 pub mod creds;
 pub mod daemon;
 pub mod dir;
+pub mod dircache;
 pub mod error;
 pub mod file;
 pub mod fuse;

@@ -64,7 +64,11 @@ impl Overlay {
                 }
                 // Only a copy-up carries an origin: in a directory without lower parts (and not
                 // marked as holding moved copy-ups) there is nothing to read.
-                let origin = if view.origins { self.origin_ino(dir, name)? } else { None };
+                let origin = if view.origins {
+                    self.origin_ino(dir, name)?
+                } else {
+                    None
+                };
                 let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
                 let flags = if attr.is_dir() {
                     self.layers.dir_flags(dir, Some(name))?

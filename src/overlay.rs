@@ -146,7 +146,10 @@ impl Overlay {
             inodes: InodeTable::new(
                 layers.has_upper,
                 root_lower,
-                layers.has_upper && layers.dir_flags(layers.root(UPPER), None).is_ok_and(|f| f.origins),
+                layers.has_upper
+                    && layers
+                        .dir_flags(layers.root(UPPER), None)
+                        .is_ok_and(|f| f.origins),
             ),
             ino_map: InoMap { devices },
             config,
@@ -210,7 +213,11 @@ impl Overlay {
     }
 
     /// Opens the parent directory of `rel` in `layer` and returns it with the final name.
-    pub fn parent_of<'a>(&self, layer: LayerId, rel: &'a Path) -> Result<(OwnedFd, &'a OsStr)> {
+    pub fn parent_of<'a>(
+        &self,
+        layer: LayerId,
+        rel: &'a Path,
+    ) -> Result<(Arc<OwnedFd>, &'a OsStr)> {
         match (rel.parent(), rel.file_name()) {
             (Some(parent), Some(name)) => Ok((self.layers.dir(layer, parent)?, name)),
             _ => Err(errno(libc::EINVAL)),

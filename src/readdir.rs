@@ -116,7 +116,11 @@ impl Overlay {
                     hidden.insert(e.name);
                     continue;
                 };
-                let origin = if view.origins { self.origin_ino(dir.as_fd(), &e.name)? } else { None };
+                let origin = if view.origins {
+                    self.origin_ino(dir.as_fd(), &e.name)?
+                } else {
+                    None
+                };
                 let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, e.ino));
                 hidden.insert(e.name.clone());
                 out.push(DirEntry {

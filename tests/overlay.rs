@@ -668,10 +668,49 @@ fn a_copied_up_file_moved_into_a_new_directory_keeps_its_inode_number_in_listing
     let ino = fs::metadata(m.path("f")).unwrap().ino();
     fs::create_dir(m.path("newdir")).unwrap();
     fs::rename(m.path("f"), m.path("newdir/f")).unwrap();
-    let listed = |m: &Mount| fs::read_dir(m.path("newdir")).unwrap().next().unwrap().unwrap().ino();
+    let listed = |m: &Mount| {
+        fs::read_dir(m.path("newdir"))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .ino()
+    };
     assert_eq!(fs::metadata(m.path("newdir/f")).unwrap().ino(), ino);
     assert_eq!(listed(&m), ino, "readdir d_ino agrees with stat");
     m.remount();
-    assert_eq!(fs::metadata(m.path("newdir/f")).unwrap().ino(), ino, "after remount");
+    assert_eq!(
+        fs::metadata(m.path("newdir/f")).unwrap().ino(),
+        ino,
+        "after remount"
+    );
     assert_eq!(listed(&m), ino);
+}
+
+#[test]
+fn paths_reused_after_directory_renames_and_removals_reach_the_new_directory() {
+    let mut m = Mount::with(|l| write(l.join("lowerdir/keep"), "k"));
+    for round in 0..3 {
+        fs::create_dir_all(m.path("a/sub")).unwrap();
+        write(m.path("a/sub/one"), "1");
+        fs::rename(m.path("a"), m.path(&format!("moved{round}"))).unwrap();
+        fs::create_dir_all(m.path("a/sub")).unwrap();
+        write(m.path("a/sub/two"), "2");
+        assert_eq!(names(m.path("a/sub")), ["two"], "round {round}");
+        assert_eq!(names(m.path(&format!("moved{round}/sub"))), ["one"]);
+        fs::remove_dir_all(m.path("a")).unwrap();
+        fs::create_dir(m.path("a")).unwrap();
+        write(m.path("a/three"), "3");
+        assert_eq!(names(m.path("a")), ["three"]);
+        fs::remove_dir_all(m.path("a")).unwrap();
+    }
+    fs::rename(m.path("lowerdir"), m.path("renamed-lower")).unwrap();
+    fs::create_dir(m.path("lowerdir")).unwrap();
+    write(m.path("lowerdir/new"), "n");
+    assert_eq!(names(m.path("lowerdir")), ["new"]);
+    assert_eq!(names(m.path("renamed-lower")), ["keep"]);
+    m.remount();
+    assert_eq!(names(m.path("lowerdir")), ["new"]);
+    assert_eq!(names(m.path("renamed-lower")), ["keep"]);
+    assert_eq!(names(m.path("moved2/sub")), ["one"]);
 }
