@@ -48,13 +48,22 @@ impl Overlay {
         Ok((dir, name.unwrap_or_else(|| ".".into())))
     }
 
-    pub fn setattr(&self, ino: Ino, set: SetAttr) -> Result<Attr> {
+    /// Changes attributes for `caller`. A size change by an unprivileged caller clears set-id
+    /// bits and capabilities (the kernel leaves that to us under FUSE_HANDLE_KILLPRIV_V2; fuser
+    /// does not pass its flag, so the caller's uid stands in for CAP_FSETID).
+    pub fn setattr(&self, ino: Ino, set: SetAttr, caller: &crate::overlay::Caller) -> Result<Attr> {
         self.check_writable()?;
         let node: Arc<Node> = self.node(ino)?;
         if let Some(size) = set.size {
             match node.kind() {
                 libc::S_IFDIR => return Err(errno(libc::EISDIR)),
-                libc::S_IFREG => self.truncate(&node, size)?,
+                libc::S_IFREG => {
+                    self.truncate(&node, size)?;
+                    if caller.uid != 0 && set.mode.is_none() {
+                        let file = self.open_file(&node)?;
+                        self.kill_privs(&node, &file)?;
+                    }
+                }
                 _ => return Err(errno(libc::EINVAL)),
             }
         }

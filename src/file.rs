@@ -515,8 +515,13 @@ impl Overlay {
         Ok(())
     }
 
-    pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> Result<u32> {
+    /// Writes through handle `fh`. `kill_privs`: the writer lacks CAP_FSETID, so set-id bits
+    /// and file capabilities go, as the VFS would do (FUSE_HANDLE_KILLPRIV_V2).
+    pub fn write(&self, fh: u64, off: u64, data: &[u8], kill_privs: bool) -> Result<u32> {
         let h = self.handle(fh)?;
+        if kill_privs {
+            self.kill_privs(&h.node, &h.file)?;
+        }
         self.stats.writes.add(1);
         self.stats.write_bytes.add(data.len() as u64);
         self.check_writable()?;
@@ -555,6 +560,41 @@ impl Overlay {
             }
         }
         Ok(data.len() as u32)
+    }
+
+    /// Clears set-user-id, set-group-id (when group-executable) and file capabilities of a file
+    /// being written or truncated by an unprivileged caller, as the VFS does for local files.
+    pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {
+        // A lower file is copied up (metadata only) only if it has set-id bits to clear.
+        let lower_has_setid = match &*file.read_data() {
+            FileData::Lower(fd) => {
+                Some(sys::fstat(fd.as_fd())?.mode & (libc::S_ISUID | libc::S_ISGID) != 0)
+            }
+            _ => None,
+        };
+        match lower_has_setid {
+            Some(false) => return Ok(()),
+            Some(true) => self.ensure_upper(node, file)?,
+            None => {}
+        }
+        let fd = match &*file.read_data() {
+            FileData::Upper(fd) => fd.try_clone()?,
+            FileData::Partial(p) => p.upper.try_clone()?,
+            FileData::Lower(_) => return Err(errno(libc::EIO)),
+        };
+        let a = sys::fstat(fd.as_fd())?;
+        let mut mode = a.mode & 0o7777;
+        mode &= !libc::S_ISUID;
+        if mode & libc::S_IXGRP != 0 {
+            mode &= !libc::S_ISGID;
+        }
+        if mode != a.mode & 0o7777 {
+            rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
+        }
+        match rustix::fs::fremovexattr(&fd, "security.capability") {
+            Ok(()) | Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Sets the size of `node`, copying up as little as that needs.

@@ -199,7 +199,11 @@ impl MosaicFs {
 
 impl Filesystem for MosaicFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let mut wanted = InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_EXPORT_SUPPORT;
+        // HANDLE_KILLPRIV_V2: the daemon clears set-id bits on writes (file.rs kill_privs), which
+        // spares a GETXATTR(security.capability) round trip before every write.
+        let mut wanted = InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_EXPORT_SUPPORT
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         if self.core.config.acl {
             wanted |= InitFlags::FUSE_POSIX_ACL;
         }
@@ -271,7 +275,7 @@ impl Filesystem for MosaicFs {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -295,7 +299,7 @@ impl Filesystem for MosaicFs {
             atime: set_time(atime),
             mtime: set_time(mtime),
         };
-        match self.core.setattr(ino.0, set) {
+        match self.core.setattr(ino.0, set, &caller(req, 0)) {
             Ok(a) => reply.attr(&self.ttl(), &fuse_attr(&a)),
             Err(e) => reply.error(errno(e)),
         }
@@ -442,12 +446,13 @@ impl Filesystem for MosaicFs {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.core.write(fh.0, offset, data) {
+        let kill_privs = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        match self.core.write(fh.0, offset, data, kill_privs) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }

@@ -714,3 +714,45 @@ fn paths_reused_after_directory_renames_and_removals_reach_the_new_directory() {
     assert_eq!(names(m.path("renamed-lower")), ["keep"]);
     assert_eq!(names(m.path("moved2/sub")), ["one"]);
 }
+
+#[test]
+fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
+    let m = Mount::with(|l| {
+        write(l.join("byuser"), "x");
+        write(l.join("byroot"), "x");
+        write(l.join("trunc"), "x");
+    });
+    for f in ["byuser", "byroot", "trunc"] {
+        fs::set_permissions(m.path(f), fs::Permissions::from_mode(0o6777)).unwrap();
+    }
+    let as_user = |cmd: &str| {
+        let st = std::process::Command::new("sh")
+            .args(["-c", cmd])
+            .uid(1000)
+            .gid(1000)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{cmd}");
+    };
+    as_user(&format!("echo more >> {}", m.path("byuser").display()));
+    assert_eq!(
+        fs::metadata(m.path("byuser")).unwrap().mode() & 0o7777,
+        0o0777
+    );
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("byroot"))
+        .unwrap();
+    f.write_all(b"root").unwrap();
+    drop(f);
+    assert_eq!(
+        fs::metadata(m.path("byroot")).unwrap().mode() & 0o7777,
+        0o6777,
+        "root keeps them"
+    );
+    as_user(&format!("truncate -s 0 {}", m.path("trunc").display()));
+    assert_eq!(
+        fs::metadata(m.path("trunc")).unwrap().mode() & 0o7777,
+        0o0777
+    );
+}
