@@ -20,10 +20,11 @@ demo: build
 	./demo.sh
 
 # The full test suite (needs root and /dev/fuse): unit and integration tests on real mounts,
-# then pjdfstest against a mount.
+# pjdfstest against a mount, and Podman running containers on mosaicfs.
 test: install
 	$(CARGO) test --release -- --test-threads=2
 	tests/pjdfstest/run.sh target/release/mosaicfs
+	tests/podman/run.sh target/release/mosaicfs
 
 bench: build
 	bench/run.sh

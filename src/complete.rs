@@ -158,6 +158,10 @@ impl Overlay {
         while let Some((next, filled)) = f.fill_chunk(from, CHUNK_BLOCKS)? {
             self.stats.blocks_filled.add(filled);
             from = next;
+            if self.completer.stop.load(Ordering::Relaxed) {
+                // Unmounting: the file stays a valid partial file; a later mount completes it.
+                return Ok(());
+            }
         }
         if f.finish_completion(&self.layers.xattr, self.config.skip_fsync)? {
             self.stats.completions.add(1);

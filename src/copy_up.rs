@@ -152,7 +152,13 @@ impl Overlay {
                 return Err(e);
             }
         }
-        sys::chown_at(work, tmp, Some(lattr.uid), Some(lattr.gid))?;
+        // An idmapped lower shows mount-space owners: the upper copy stores disk-space ones.
+        let (uid, gid) = if self.layers.layer(lower.top()).idmapped {
+            self.disk_ids(lattr.uid, lattr.gid)
+        } else {
+            (lattr.uid, lattr.gid)
+        };
+        sys::chown_at(work, tmp, Some(uid), Some(gid))?;
         if !lattr.is_symlink() {
             sys::chmod_at(work, tmp, lattr.mode)?;
         }

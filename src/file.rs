@@ -634,6 +634,13 @@ impl Overlay {
         Ok(())
     }
 
+    /// close(2) of a descriptor: pending copy-after-write blocks of the file go to disk. An
+    /// unmount does not wait for the daemon, so anything still only in memory when the last
+    /// descriptor closes could be missed by whatever mounts the layers next (podman commit).
+    pub fn flush(&self, fh: u64) -> Result<()> {
+        self.handle(fh)?.file.flush_pending()
+    }
+
     /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's).
     pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> Result<i64> {
         let h = self.handle(fh)?;

@@ -38,6 +38,9 @@ const WHITEOUT_XATTRS: [&str; 2] = ["trusted.overlay.whiteout", "user.overlay.wh
 pub struct Layer {
     pub root: OwnedFd,
     pub path: PathBuf,
+    /// The layer sits on an idmapped mount: its owners are already in the mount's id space
+    /// (containers/storage idmaps lower layers and passes uidmapping= as well).
+    pub idmapped: bool,
     pub dev: u64,
     /// Index of this layer's device among the distinct devices of the stack (for inode numbers).
     pub dev_index: u64,
@@ -165,6 +168,7 @@ impl LayerStack {
             } as u64;
             layers.push(Layer {
                 root: fd,
+                idmapped: on_idmapped_mount(&path),
                 path,
                 dev: attr.dev,
                 dev_index,
@@ -403,6 +407,24 @@ impl LayerStack {
             }
         }
     }
+}
+
+/// Whether `path` lies on an idmapped mount: the mount in /proc/self/mountinfo with the longest
+/// mount point that contains it carries the `idmapped` option.
+fn on_idmapped_mount(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let mut best: Option<(usize, bool)> = None;
+    for line in info.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        if f.len() < 6 {
+            continue;
+        }
+        let point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
+        if path.starts_with(&point) && best.is_none_or(|(len, _)| point.len() >= len) {
+            best = Some((point.len(), f[5].split(',').any(|o| o == "idmapped")));
+        }
+    }
+    best.is_some_and(|(_, idmapped)| idmapped)
 }
 
 pub fn wh_name(name: &OsStr) -> OsString {

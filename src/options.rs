@@ -52,7 +52,13 @@ impl IdMap {
     }
 
     fn parse(value: &str) -> Result<IdMap, String> {
-        let nums: Result<Vec<u32>, _> = value.split(':').map(|s| s.trim().parse::<u32>()).collect();
+        // Empty fields are skipped, as fuse-overlayfs' strtok does: containers/storage writes
+        // "uidmapping=:0:100000:65536".
+        let nums: Result<Vec<u32>, _> = value
+            .split(':')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| s.trim().parse::<u32>())
+            .collect();
         let nums = nums.map_err(|_| format!("'{value}' is not a list of numbers"))?;
         if nums.is_empty() || nums.len() % 3 != 0 {
             return Err(format!(
@@ -549,6 +555,14 @@ mod tests {
             "unmapped ids show as the overflow id"
         );
         assert!(o.skip_fsync && o.read_only && !o.acl);
+    }
+
+    #[test]
+    fn containers_storage_mapping_syntax_parses() {
+        let o = parse(&["-o", "lowerdir=/a,,volatile,uidmapping=:0:100000:65536,gidmapping=:0:100000:65536", "/m"]).unwrap();
+        assert_eq!(o.uid_map.to_inside(0), 100000);
+        assert_eq!(o.gid_map.to_outside(100001), 1);
+        assert!(o.skip_fsync);
     }
 
     #[test]

@@ -245,3 +245,19 @@ fn concurrent_writers_and_readers_on_pending_blocks() {
         }
     }
 }
+
+#[test]
+fn close_puts_pending_blocks_on_disk_before_any_unmount() {
+    // An unmount does not wait for the daemon: whatever mounts the layers next (podman commit)
+    // must find every closed file's data on disk. kill -9 right after close proves it.
+    let base = pattern(1 << 20, 8);
+    let mut m = lazy_mount(&base, &[]);
+    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    f.write_all_at(b"closed", 123_456).unwrap();
+    drop(f);
+    m.kill9();
+    m.mount();
+    let mut want = base;
+    want[123_456..123_462].copy_from_slice(b"closed");
+    assert!(fs::read(m.path("f")).unwrap() == want);
+}
