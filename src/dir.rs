@@ -211,14 +211,7 @@ impl Overlay {
                 return sys::set_xattr(dir, Some(n), &self.layers.xattr.device, b"y", 0);
             }
             if kind == libc::S_IFREG || kind == 0 {
-                let fd = rustix::fs::openat(
-                    dir,
-                    n,
-                    OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(mode & 0o7777),
-                )?;
-                drop(fd);
-                Ok(())
+                new_regular_file(dir, n, mode)
             } else {
                 sys::mknod_at(dir, n, mode, rdev)
             }
@@ -247,14 +240,7 @@ impl Overlay {
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr, crate::file::Opened)> {
         let made = self.create_object(parent, name, caller, |dir, n| {
-            let fd = rustix::fs::openat(
-                dir,
-                n,
-                OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
-                Mode::from_raw_mode(mode & 0o7777),
-            )?;
-            drop(fd);
-            Ok(())
+            new_regular_file(dir, n, mode)
         });
         let (node, attr) = match made {
             Ok(v) => v,
@@ -673,4 +659,15 @@ impl Overlay {
         st.links.insert(0, (to.0, OsString::from(to.1)));
         st.upper = true;
     }
+}
+
+/// Makes an empty regular file `name` in `dir` (it must not exist).
+fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<()> {
+    rustix::fs::openat(
+        dir,
+        name,
+        OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
+        Mode::from_raw_mode(mode & 0o7777),
+    )?;
+    Ok(())
 }

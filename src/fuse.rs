@@ -110,6 +110,14 @@ fn set_time(t: Option<TimeOrNow>) -> Option<Time> {
     })
 }
 
+/// Replies to a request that returns nothing but success or an errno.
+fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(errno(e)),
+    }
+}
+
 fn fopen_flags(io: IoMode) -> FopenFlags {
     match io {
         // All changes to the data go through this mount: cached pages never go stale.
@@ -342,17 +350,11 @@ impl Filesystem for MosaicFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.core.unlink(parent.0, name) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.unlink(parent.0, name))
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.core.rmdir(parent.0, name) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.rmdir(parent.0, name))
     }
 
     fn symlink(
@@ -379,13 +381,11 @@ impl Filesystem for MosaicFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self
-            .core
-            .rename(parent.0, name, newparent.0, newname, flags.bits())
-        {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(
+            reply,
+            self.core
+                .rename(parent.0, name, newparent.0, newname, flags.bits()),
+        )
     }
 
     fn link(
@@ -458,11 +458,15 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        match self.core.flush(fh.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        done(reply, self.core.flush(fh.0))
     }
 
     fn release(
@@ -487,10 +491,7 @@ impl Filesystem for MosaicFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.core.fsync(fh.0, datasync) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.fsync(fh.0, datasync))
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -548,10 +549,7 @@ impl Filesystem for MosaicFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.core.fsyncdir(ino.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.fsyncdir(ino.0))
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -580,10 +578,7 @@ impl Filesystem for MosaicFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        match self.core.setxattr(ino.0, name, value, flags) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.setxattr(ino.0, name, value, flags))
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
@@ -605,10 +600,7 @@ impl Filesystem for MosaicFs {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.core.removexattr(ino.0, name) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.removexattr(ino.0, name))
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
@@ -674,9 +666,6 @@ impl Filesystem for MosaicFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        match self.core.fallocate(fh.0, offset, length, mode) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.fallocate(fh.0, offset, length, mode))
     }
 }

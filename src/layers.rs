@@ -412,14 +412,20 @@ impl LayerStack {
 /// Whether `path` lies on an idmapped mount: the mount in /proc/self/mountinfo with the longest
 /// mount point that contains it carries the `idmapped` option.
 fn on_idmapped_mount(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
     let mut best: Option<(usize, bool)> = None;
     for line in info.lines() {
         let f: Vec<&str> = line.split(' ').collect();
         if f.len() < 6 {
             continue;
         }
-        let point = f[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\");
+        let point = f[4]
+            .replace("\\040", " ")
+            .replace("\\011", "\t")
+            .replace("\\012", "\n")
+            .replace("\\134", "\\");
         if path.starts_with(&point) && best.is_none_or(|(len, _)| point.len() >= len) {
             best = Some((point.len(), f[5].split(',').any(|o| o == "idmapped")));
         }

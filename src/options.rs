@@ -559,7 +559,12 @@ mod tests {
 
     #[test]
     fn containers_storage_mapping_syntax_parses() {
-        let o = parse(&["-o", "lowerdir=/a,,volatile,uidmapping=:0:100000:65536,gidmapping=:0:100000:65536", "/m"]).unwrap();
+        let o = parse(&[
+            "-o",
+            "lowerdir=/a,,volatile,uidmapping=:0:100000:65536,gidmapping=:0:100000:65536",
+            "/m",
+        ])
+        .unwrap();
         assert_eq!(o.uid_map.to_inside(0), 100000);
         assert_eq!(o.gid_map.to_outside(100001), 1);
         assert!(o.skip_fsync);

@@ -278,12 +278,19 @@ impl Overlay {
         // Owners of an idmapped lower layer are already in the mount's id space.
         let idmapped = {
             let st = node.state();
-            !st.upper && st.lower.as_ref().is_some_and(|l| self.layers.layer(l.top()).idmapped)
+            !st.upper
+                && st
+                    .lower
+                    .as_ref()
+                    .is_some_and(|l| self.layers.layer(l.top()).idmapped)
         };
         let (uid, gid) = if idmapped {
             (a.uid, a.gid)
         } else {
-            (self.config.uid_map.to_inside(a.uid), self.config.gid_map.to_inside(a.gid))
+            (
+                self.config.uid_map.to_inside(a.uid),
+                self.config.gid_map.to_inside(a.gid),
+            )
         };
         a.uid = self.config.squash_uid.unwrap_or(uid);
         a.gid = self.config.squash_gid.unwrap_or(gid);

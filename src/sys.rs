@@ -131,27 +131,12 @@ fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> CString {
     CString::new(p).expect("file names hold no NUL")
 }
 
-fn xattr_missing(e: rustix::io::Errno) -> bool {
-    e == rustix::io::Errno::NODATA || e == rustix::io::Errno::NOTSUP
-}
-
 /// Reads one extended attribute; `Ok(None)` when it is absent or the file cannot carry it.
 pub fn get_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
-    let path = proc_path(dir, name);
-    let mut buf = vec![0u8; 256];
-    loop {
-        match rustix::fs::lgetxattr(path.as_c_str(), key, &mut buf[..]) {
-            Ok(n) => {
-                buf.truncate(n);
-                return Ok(Some(buf));
-            }
-            Err(rustix::io::Errno::RANGE) => {
-                let n: usize = rustix::fs::lgetxattr(path.as_c_str(), key, &mut [0u8; 0][..])?;
-                buf.resize(n.max(buf.len() * 2), 0);
-            }
-            Err(e) if xattr_missing(e) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        }
+    match get_xattr_raw(dir, name, OsStr::new(key)) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is(libc::ENODATA) || e.is(libc::EOPNOTSUPP) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

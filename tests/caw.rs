@@ -252,7 +252,10 @@ fn close_puts_pending_blocks_on_disk_before_any_unmount() {
     // must find every closed file's data on disk. kill -9 right after close proves it.
     let base = pattern(1 << 20, 8);
     let mut m = lazy_mount(&base, &[]);
-    let f = fs::OpenOptions::new().write(true).open(m.path("f")).unwrap();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
     f.write_all_at(b"closed", 123_456).unwrap();
     drop(f);
     m.kill9();
