@@ -48,12 +48,15 @@ pub struct Stats {
     pub blocks_filled: Counter,
     pub blocks_deferred: Counter,
     pub completions: Counter,
+    /// fsync/fdatasync requests, and how many reached the disk (none with `volatile`).
+    pub fsyncs: Counter,
+    pub fsyncs_to_disk: Counter,
 }
 
 impl Stats {
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-deferred={} blocks-filled={} completions={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-deferred={} blocks-filled={} completions={}; fsyncs={} to-disk={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
@@ -63,7 +66,9 @@ impl Stats {
             self.copy_ups.get(),
             self.blocks_deferred.get(),
             self.blocks_filled.get(),
-            self.completions.get()
+            self.completions.get(),
+            self.fsyncs.get(),
+            self.fsyncs_to_disk.get()
         )
     }
 }

@@ -264,3 +264,32 @@ fn close_puts_pending_blocks_on_disk_before_any_unmount() {
     want[123_456..123_462].copy_from_slice(b"closed");
     assert!(fs::read(m.path("f")).unwrap() == want);
 }
+
+#[test]
+fn volatile_mounts_pass_no_fsync_to_disk_but_keep_the_data() {
+    let base = pattern(1 << 20, 9);
+    for (volatile, expect_to_disk) in [(true, 0u64), (false, 2u64)] {
+        let mut m = Mount::new(1);
+        write(m.lower(0).join("f"), &base);
+        if volatile {
+            m.extra = vec!["volatile".into()];
+        }
+        m.mount();
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("f"))
+            .unwrap();
+        f.write_all_at(b"v", 99).unwrap();
+        f.sync_all().unwrap();
+        f.sync_data().unwrap();
+        assert_eq!(fs::read(m.path("f")).unwrap()[99], b'v');
+        drop(f);
+        let log = m.unmount();
+        assert_eq!(served(&log, "fsyncs"), 2, "{log}");
+        assert_eq!(
+            served(&log, "to-disk"),
+            expect_to_disk,
+            "volatile={volatile}: {log}"
+        );
+    }
+}
