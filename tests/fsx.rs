@@ -307,6 +307,9 @@ fn run_seed(seed: u64, ops: usize, options: &[&str]) -> (u64, u64) {
         }
     }
     run.check_all();
+    // Leave background completion time to act before the last remount (it is what the eager
+    // variant checks ran at all).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     run.remount();
     run.check_all();
     (run.completions, run.deferred)
