@@ -114,6 +114,8 @@ pub struct Options {
     /// Copy-after-write memory bound in bytes; `None` turns it off.
     pub caw_memory: Option<usize>,
     pub caw_workers: usize,
+    /// Readahead of the mount's FUSE bdi in KiB (`read_ahead_kb=`; 0 keeps the kernel's 128).
+    pub read_ahead_kb: u32,
     /// When partial files are completed in the background.
     pub completion: crate::complete::CompletionPolicy,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
@@ -153,6 +155,7 @@ impl Default for Options {
             max_write: None,
             passthrough: crate::file::PassthroughPolicy::Upper,
             completion: Default::default(),
+            read_ahead_kb: 4096,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
             remount: false,
@@ -322,6 +325,7 @@ impl Options {
                 let mib: usize = parse_num(name, value)?;
                 self.caw_memory = Some(mib << 20);
             }
+            "read_ahead_kb" => self.read_ahead_kb = parse_num(name, value)?,
             "caw_workers" => {
                 let n: usize = parse_num(name, value)?;
                 if n > 64 {

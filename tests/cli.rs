@@ -270,3 +270,22 @@ fn lower_paths_may_be_symlinks_with_dotdot_and_escaped_colons() {
     sh(&format!("umount {p}/m"));
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+fn the_mount_reads_ahead_as_configured() {
+    let mut m = Mount::new(1);
+    m.extra = vec!["read_ahead_kb=2048".into()];
+    m.mount();
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let dev = info
+        .lines()
+        .rev()
+        .find(|l| l.split(' ').nth(4) == Some(m.mnt.to_str().unwrap()))
+        .unwrap()
+        .split(' ')
+        .nth(2)
+        .unwrap()
+        .to_string();
+    let ra = fs::read_to_string(format!("/sys/class/bdi/{dev}/read_ahead_kb")).unwrap();
+    assert_eq!(ra.trim(), "2048");
+}

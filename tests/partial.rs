@@ -528,7 +528,10 @@ fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
 
 #[test]
 fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
-    let dir = tempfile::Builder::new().prefix("mosaicfs-full").tempdir_in("/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("mosaicfs-full")
+        .tempdir_in("/tmp")
+        .unwrap();
     let p = dir.path();
     for d in ["lower", "up", "mnt"] {
         fs::create_dir(p.join(d)).unwrap();
@@ -536,11 +539,17 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
     let base = pattern(8 << 20, 19);
     write(p.join("lower/big"), &base);
     write(p.join("lower/small"), b"small");
-    sh(&format!("mount -t tmpfs -o size=1m tmpfs {}", p.join("up").display()));
+    sh(&format!(
+        "mount -t tmpfs -o size=1m tmpfs {}",
+        p.join("up").display()
+    ));
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
         }
     }
     let _up = Unmount(p.join("up"));
@@ -548,18 +557,37 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
     fs::create_dir(p.join("up/w")).unwrap();
     let mut m = Mount::new(0);
     m.mnt = p.join("mnt");
-    m.mount_with(&format!("lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w", p.display()));
-    let f = fs::OpenOptions::new().write(true).open(m.path("big")).unwrap();
+    m.mount_with(&format!(
+        "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w",
+        p.display()
+    ));
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("big"))
+        .unwrap();
     let n = f.write_at(&vec![b'y'; 2 << 20], 0).unwrap();
     assert!(n < 2 << 20, "the disk cannot hold 2 MiB: a short write");
     let e = f.write_all_at(&vec![b'z'; 1 << 20], 4 << 20).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
     drop(f);
-    assert_eq!(errno_of(fs::write(m.path("new"), vec![0u8; 1 << 20])), libc::ENOSPC);
+    assert_eq!(
+        errno_of(fs::write(m.path("new"), vec![0u8; 1 << 20])),
+        libc::ENOSPC
+    );
     let got = fs::read(m.path("big")).unwrap();
-    assert!(got[..n].iter().all(|b| *b == b'y'), "what was written is there");
-    assert!(got[n..] == base[n..], "everything else is the lower file, nothing zeroed");
+    assert!(
+        got[..n].iter().all(|b| *b == b'y'),
+        "what was written is there"
+    );
+    assert!(
+        got[n..] == base[n..],
+        "everything else is the lower file, nothing zeroed"
+    );
     assert_eq!(fs::read(m.path("small")).unwrap(), b"small");
-    assert_eq!(fs::read(p.join("lower/big")).unwrap(), base, "lower untouched");
+    assert_eq!(
+        fs::read(p.join("lower/big")).unwrap(),
+        base,
+        "lower untouched"
+    );
     m.unmount();
 }
