@@ -210,6 +210,8 @@ impl Filesystem for MosaicFs {
         // HANDLE_KILLPRIV_V2: the daemon clears set-id bits on writes (file.rs kill_privs), which
         // spares a GETXATTR(security.capability) round trip before every write.
         let mut wanted = InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO
             | InitFlags::FUSE_EXPORT_SUPPORT
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         if self.core.config.acl {
@@ -521,12 +523,42 @@ impl Filesystem for MosaicFs {
     fn readdirplus(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        reply: ReplyDirectoryPlus,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
     ) {
-        reply.error(Errno::ENOSYS);
+        let ttl = self.ttl();
+        let r = self
+            .core
+            .readdirplus(ino.0, fh.0, offset, |e, next, found| match found {
+                Some((node, attr)) => reply.add(
+                    INodeNo(e.ino),
+                    next,
+                    &e.name,
+                    &ttl,
+                    &fuse_attr(attr),
+                    Generation(node.generation()),
+                ),
+                None => {
+                    // No attributes: nodeid 0 tells the kernel to take only the name.
+                    let mut a = fuse_attr(&Attr::default());
+                    a.ino = INodeNo(0);
+                    a.kind = file_type(e.kind);
+                    reply.add(
+                        INodeNo(e.ino),
+                        next,
+                        &e.name,
+                        &Duration::ZERO,
+                        &a,
+                        Generation(0),
+                    )
+                }
+            });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
     }
 
     fn releasedir(

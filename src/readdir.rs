@@ -16,10 +16,11 @@ use std::sync::Mutex;
 
 use crate::error::Result;
 use crate::handles::HandleMap;
-use crate::inode::{Ino, ROOT_INO};
+use crate::inode::{Ino, Node, ROOT_INO};
 use crate::layers::{OPAQUE_WHITEOUT, UPPER, WHITEOUT_PREFIX};
 use crate::overlay::{DirView, Overlay};
 use crate::sys;
+use crate::sys::Attr;
 
 #[derive(Debug, Clone)]
 pub struct DirEntry {
@@ -73,6 +74,34 @@ impl Overlay {
             }
         }
         Ok(())
+    }
+
+    /// READDIRPLUS: entries with their attributes, each looked up (one kernel reference each,
+    /// except `.` and `..`, which the kernel does not take). `emit` returns true when the reply
+    /// is full; that entry's reference is given back. An entry gone since the listing is passed
+    /// without attributes.
+    pub fn readdirplus(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        mut emit: impl FnMut(&DirEntry, u64, Option<(&Node, &Attr)>) -> bool,
+    ) -> Result<()> {
+        self.readdir(ino, fh, offset, |e, next| {
+            if e.name == "." || e.name == ".." {
+                return emit(e, next, None);
+            }
+            match self.lookup(ino, &e.name) {
+                Ok((node, attr)) => {
+                    let full = emit(e, next, Some((&node, &attr)));
+                    if full {
+                        self.inodes.forget(node.ino, 1);
+                    }
+                    full
+                }
+                Err(_) => emit(e, next, None),
+            }
+        })
     }
 
     /// The merged listing of directory `ino`, with `.` and `..` first.

@@ -16,7 +16,7 @@ use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
 use crate::error::{Result, errno};
 
 /// The attributes of one file in one layer, as `stat` gives them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Attr {
     pub dev: u64,
     pub ino: u64,

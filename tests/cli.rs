@@ -286,6 +286,15 @@ fn the_mount_reads_ahead_as_configured() {
         .nth(2)
         .unwrap()
         .to_string();
-    let ra = fs::read_to_string(format!("/sys/class/bdi/{dev}/read_ahead_kb")).unwrap();
-    assert_eq!(ra.trim(), "2048");
+    // With -f the mount shows before the daemon has set it: wait a little.
+    let path = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+    let start = Instant::now();
+    while fs::read_to_string(&path).unwrap().trim() != "2048" {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "read_ahead_kb stays {}",
+            fs::read_to_string(&path).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

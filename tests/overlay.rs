@@ -756,3 +756,32 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
         0o0777
     );
 }
+
+#[test]
+fn long_listings_with_attributes_then_every_entry_still_works() {
+    let m = Mount::with(|l| {
+        for i in 0..1500 {
+            write(l.join(format!("big/lower{i:04}")), format!("{i}"));
+        }
+    });
+    for i in 0..1500 {
+        write(m.path(&format!("big/upper{i:04}")), "u");
+    }
+    for round in 0..2 {
+        // `ls -l`: a listing (READDIRPLUS, many replies) and a stat of every entry.
+        let mut n = 0;
+        for e in fs::read_dir(m.path("big")).unwrap() {
+            let e = e.unwrap();
+            let md = fs::symlink_metadata(e.path()).unwrap();
+            assert_eq!(md.ino(), e.ino(), "round {round}: {:?}", e.file_name());
+            n += 1;
+        }
+        assert_eq!(n, 3000);
+    }
+    for i in (0..1500).step_by(3) {
+        fs::remove_file(m.path(&format!("big/lower{i:04}"))).unwrap();
+        fs::remove_file(m.path(&format!("big/upper{i:04}"))).unwrap();
+    }
+    assert_eq!(names(m.path("big")).len(), 2000);
+    assert_eq!(fs::read_to_string(m.path("big/lower0001")).unwrap(), "1");
+}

@@ -464,7 +464,7 @@ impl DirEntList {
 
 #[derive(Debug)]
 pub(crate) struct DirEntryPlus<T: AsRef<Path>> {
-    #[allow(unused)] // We use `attr.ino` instead
+    // mosaicfs patch: the dirent ino (attr.ino is the nodeid, 0 for "no attributes")
     ino: INodeNo,
     generation: Generation,
     offset: DirEntOffset,
@@ -527,7 +527,9 @@ impl DirEntPlusList {
                 attr: x.attr.attr,
             },
             dirent: abi::fuse_dirent {
-                ino: x.attr.attr.ino,
+                // mosaicfs patch: the entry's own inode number, so that an entry sent without
+                // attributes (nodeid 0) still has a d_ino (readdir skips d_ino 0).
+                ino: x.ino.into(),
                 off: x.offset.0,
                 namelen: name.len().try_into().expect("Name too long"),
                 typ: x.attr.attr.mode >> 12,
