@@ -76,6 +76,18 @@ pub fn main() -> i32 {
         }
         Ok(Command::Mount(o)) => o,
         Ok(Command::Remount(o)) => return remount(&o),
+        Ok(Command::Status(mnt)) => {
+            return match crate::control::status(&mnt) {
+                Ok(report) => {
+                    print!("{report}");
+                    0
+                }
+                Err(e) => {
+                    eprintln!("mosaicfs: {e}");
+                    1
+                }
+            };
+        }
         Err(e) => {
             eprintln!("mosaicfs: {e}");
             return 2;
@@ -231,6 +243,7 @@ fn serve(
 ) -> Result<(), String> {
     overlay.start_completion();
     overlay.start_caw_workers();
+    let control = overlay.clone();
     let fs = MosaicFs {
         core: overlay,
         max_write: opts.max_write,
@@ -239,6 +252,7 @@ fn serve(
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     spawn_signal_handler(opts.mountpoint.clone());
     set_read_ahead(&opts.mountpoint, opts.read_ahead_kb);
+    crate::control::serve(control, opts.mountpoint.clone());
     if let Some(w) = notify.take() {
         // Closing the pipe after the byte lets the waiting parent exit.
         let mut f = std::fs::File::from(w);
@@ -259,7 +273,7 @@ fn set_read_ahead(mountpoint: &std::path::Path, kb: u32) {
         return;
     }
     // Not stat(2): that would ask this very daemon, which does not serve requests yet.
-    let Some(dev) = mount_device(mountpoint) else {
+    let Some(dev) = crate::control::mount_device(mountpoint) else {
         return;
     };
     let path = format!("/sys/class/bdi/{dev}/read_ahead_kb");
@@ -268,16 +282,6 @@ fn set_read_ahead(mountpoint: &std::path::Path, kb: u32) {
             "cannot set {path} to {kb}: {e}; sequential reads through the daemon stay slower"
         );
     }
-}
-
-/// The MAJ:MIN of the newest mount at `mountpoint`, from /proc/self/mountinfo.
-fn mount_device(mountpoint: &std::path::Path) -> Option<String> {
-    let want = std::fs::canonicalize(mountpoint).ok()?;
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().rev().find_map(|l| {
-        let f: Vec<&str> = l.split(' ').collect();
-        (f.len() > 4 && std::path::Path::new(f[4]) == want).then(|| f[2].to_string())
-    })
 }
 
 /// SIGTERM, SIGINT and SIGHUP unmount (lazily), which ends the session cleanly.

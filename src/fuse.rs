@@ -250,22 +250,7 @@ impl Filesystem for MosaicFs {
             ),
             Err(e) if e.is(libc::ENOENT) => {
                 // A negative entry the kernel may cache: nothing appears here behind its back.
-                let mut a = fuse_attr(&Attr {
-                    dev: 0,
-                    ino: 0,
-                    mode: 0,
-                    nlink: 0,
-                    uid: 0,
-                    gid: 0,
-                    rdev: 0,
-                    size: 0,
-                    blocks: 0,
-                    blksize: 0,
-                    atime: (0, 0),
-                    mtime: (0, 0),
-                    ctime: (0, 0),
-                });
-                a.ino = INodeNo(0);
+                let a = fuse_attr(&Attr::default());
                 reply.entry(&self.ttl(), &a, Generation(0))
             }
             Err(e) => reply.error(errno(e)),

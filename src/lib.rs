@@ -4,6 +4,7 @@
 pub mod attr;
 pub mod caw;
 pub mod complete;
+pub mod control;
 pub mod copy_up;
 pub mod creds;
 pub mod daemon;

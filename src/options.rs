@@ -175,6 +175,8 @@ pub enum Command {
     Mount(Box<Options>),
     /// Change the flags of a live mount (read-only or read-write).
     Remount(Box<Options>),
+    /// Print the counters of a live mount.
+    Status(PathBuf),
     Help,
     Version,
 }
@@ -182,6 +184,7 @@ pub enum Command {
 pub const USAGE: &str = "\
 usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=WORK][,OPTIONS] MOUNTPOINT
        mosaicfs SOURCE MOUNTPOINT -o lowerdir=...   (mount.fuse form)
+       mosaicfs status MOUNTPOINT                        (counters of a live mount)
        mosaicfs --version | --help
 
   -f            stay in the foreground
@@ -424,6 +427,13 @@ impl Options {
 
 /// Parses the whole command line (without argv[0]).
 pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, String> {
+    let args: Vec<OsString> = args.into_iter().collect();
+    if args.first().is_some_and(|a| a == "status") {
+        return match args.get(1..) {
+            Some([mnt]) => Ok(Command::Status(PathBuf::from(mnt))),
+            _ => Err("usage: mosaicfs status MOUNTPOINT".into()),
+        };
+    }
     let mut opts = Options::default();
     let mut positional: Vec<OsString> = Vec::new();
     let mut option_strings: Vec<String> = Vec::new();

@@ -95,6 +95,8 @@ pub struct Overlay {
     pub completer: crate::complete::Completer,
     /// Copy-after-write's shared state; `None` when it is off.
     pub caw: Option<Arc<crate::caw::CawShared>>,
+    /// The control socket, removed at shutdown (control.rs).
+    pub control_socket: std::sync::Mutex<Option<PathBuf>>,
 }
 
 /// A directory as the merged view sees it: where its upper part is (if any) and its lower parts.
@@ -159,6 +161,7 @@ impl Overlay {
             stats: Stats::default(),
             completer: Default::default(),
             caw,
+            control_socket: Default::default(),
             layers,
         })
     }
@@ -338,6 +341,14 @@ impl Overlay {
             }
         }
         log::info!("{}", self.stats.summary());
+        if let Some(p) = self
+            .control_socket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = std::fs::remove_file(p);
+        }
         self.handles.clear();
         self.dirs.clear();
     }

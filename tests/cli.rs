@@ -298,3 +298,50 @@ fn the_mount_reads_ahead_as_configured() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+#[test]
+fn status_reports_a_live_mount_and_explains_a_dead_one() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), vec![1u8; 100_000]);
+    m.mount();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_at(
+        &fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("f"))
+            .unwrap(),
+        b"x",
+        10,
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .arg("status")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("mount: {}", m.mnt.display())),
+        "{text}"
+    );
+    assert!(
+        text.contains("copy-ups=1") && text.contains("write=1"),
+        "{text}"
+    );
+    m.unmount();
+    let out = Command::new(BIN)
+        .arg("status")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a mount point"));
+}
