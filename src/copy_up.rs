@@ -20,6 +20,7 @@ use crate::inode::{Node, ROOT_INO};
 use crate::layers::{UPPER, is_internal_xattr};
 use crate::overlay::Overlay;
 use crate::partial::PartialMark;
+use crate::partial_file::Source;
 use crate::sys::{self, Attr, Time};
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -115,13 +116,8 @@ impl Overlay {
                     } else {
                         // No sparse files on the upper file system (reported at mount): the
                         // only correct copy-up left is a whole one.
-                        let src = sys::open_beneath(
-                            self.layers.root(lower.top()),
-                            &lower.path,
-                            OFlags::RDONLY,
-                            0,
-                        )?;
-                        copy_all(src.as_fd(), fd.as_fd(), lattr.size)?;
+                        let src = self.open_lower_source(lower.top(), &lower.path)?;
+                        copy_all(&src, fd.as_fd(), lattr.size)?;
                     }
                 }
             }
@@ -205,11 +201,11 @@ impl Overlay {
 }
 
 /// Copies `len` bytes, for upper file systems without sparse files only.
-fn copy_all(src: BorrowedFd<'_>, dst: BorrowedFd<'_>, len: u64) -> Result<()> {
+fn copy_all(src: &Source, dst: BorrowedFd<'_>, len: u64) -> Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     let mut off = 0;
     while off < len {
-        let n = sys::pread_full(src, &mut buf, off)?;
+        let n = src.pread_full(&mut buf, off)?;
         if n == 0 {
             break;
         }

@@ -8,6 +8,7 @@
 
 use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
@@ -16,14 +17,14 @@ use rustix::fs::{FallocateFlags, OFlags};
 use crate::error::{Error, Result, errno};
 use crate::handles::HandleMap;
 use crate::inode::{Ino, Node};
-use crate::layers::UPPER;
+use crate::layers::{LayerId, UPPER};
 use crate::overlay::Overlay;
 use crate::partial::{BlockMap, PartialMark};
-use crate::partial_file::PartialFile;
+use crate::partial_file::{PartialFile, Source};
 use crate::sys::{self, Attr};
 
 pub enum FileData {
-    Lower(OwnedFd),
+    Lower(Source),
     Partial(PartialFile),
     Upper(OwnedFd),
 }
@@ -135,7 +136,7 @@ impl OpenFile {
     fn begin_io(&self, writable: bool, policy: PassthroughPolicy) -> Result<IoMode> {
         let (upper, lower) = match &*self.read_data() {
             FileData::Upper(_) => (true, false),
-            FileData::Lower(_) => (false, true),
+            FileData::Lower(src) => (false, src.is_plain()),
             FileData::Partial(_) => (false, false),
         };
         let mut io = self.io_state();
@@ -190,7 +191,9 @@ impl OpenFile {
         }
         let data = self.read_data();
         let fd = match &*data {
-            FileData::Upper(fd) | FileData::Lower(fd) => fd.as_fd(),
+            FileData::Upper(fd) => fd.as_fd(),
+            // Only a plain lower file is ever eligible (begin_io).
+            FileData::Lower(src) => src.fd(),
             FileData::Partial(p) => p.upper.as_fd(),
         };
         let b = register(fd)?;
@@ -304,13 +307,9 @@ impl Overlay {
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
-            let fd = sys::open_beneath(
-                self.layers.root(lower.top()),
-                &lower.path,
-                OFlags::RDONLY,
-                0,
-            )?;
-            return Ok(FileData::Lower(fd));
+            return Ok(FileData::Lower(
+                self.open_lower_source(lower.top(), &lower.path)?,
+            ));
         }
         let path = self.upper_path(node.ino)?;
         let fd = if self.config.read_only {
@@ -318,28 +317,76 @@ impl Overlay {
         } else {
             sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDWR, 0)?
         };
+        match self.read_mark(fd.as_fd(), UPPER, &path)? {
+            None => Ok(FileData::Upper(fd)),
+            Some(mark) => {
+                let lower = self.open_partial_lower(UPPER, &mark, &path)?;
+                Ok(FileData::Partial(self.partial_file(
+                    fd,
+                    lower,
+                    mark,
+                    self.caw.clone(),
+                )?))
+            }
+        }
+    }
+
+    /// Opens file `path` of lower layer `layer` for reading: a plain file, or a partial file
+    /// left there by an earlier mount whose upper dir is now stacked as a lower one.
+    pub fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
+        let fd = sys::open_beneath(self.layers.root(layer), path, OFlags::RDONLY, 0)?;
+        self.layer_source(fd, layer, path)
+    }
+
+    fn layer_source(&self, fd: OwnedFd, layer: LayerId, path: &Path) -> Result<Source> {
+        match self.read_mark(fd.as_fd(), layer, path)? {
+            None => Ok(Source::File(fd)),
+            Some(mark) => {
+                let lower = self.open_partial_lower(layer, &mark, path)?;
+                Ok(Source::Partial(Box::new(
+                    self.partial_file(fd, lower, mark, None)?,
+                )))
+            }
+        }
+    }
+
+    /// The partial-file mark of a file in `layer`, if it has one.
+    fn read_mark(
+        &self,
+        fd: BorrowedFd<'_>,
+        layer: LayerId,
+        path: &Path,
+    ) -> Result<Option<PartialMark>> {
         let mut buf = vec![0u8; 4096];
-        let raw = match rustix::fs::fgetxattr(&fd, self.layers.xattr.partial.as_str(), &mut buf[..])
+        let raw = match rustix::fs::fgetxattr(fd, self.layers.xattr.partial.as_str(), &mut buf[..])
         {
             Ok(n) => &buf[..n],
-            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => {
-                return Ok(FileData::Upper(fd));
-            }
+            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
         let mark = PartialMark::decode(raw).map_err(|why| {
             let msg = format!(
-                "damaged {} xattr on upper file '{}': {why}",
+                "damaged {} xattr on file '{}' in layer {layer}: {why}; \
+                 restore the file from a backup or remove it",
                 self.layers.xattr.partial,
                 path.display()
             );
             log::error!("{msg}");
             Error::with_context(libc::EIO, msg)
         })?;
-        let lower = self.open_partial_lower(&mark, &path)?;
+        Ok(Some(mark))
+    }
+
+    fn partial_file(
+        &self,
+        fd: OwnedFd,
+        lower: Source,
+        mark: PartialMark,
+        caw: Option<Arc<crate::caw::CawShared>>,
+    ) -> Result<PartialFile> {
         let attr = sys::fstat(fd.as_fd())?;
         let blocks = BlockMap::from_file(fd.as_fd(), attr.size, self.sparse.block)?;
-        Ok(FileData::Partial(PartialFile {
+        Ok(PartialFile {
             upper: fd,
             lower,
             mark,
@@ -348,28 +395,36 @@ impl Overlay {
             block: self.sparse.block,
             last_write: Instant::now(),
             pending: Default::default(),
-            caw: self.caw.clone(),
+            caw,
             disk_size: attr.size,
-        }))
+        })
     }
 
-    /// Opens the lower file a partial file patches, refusing one that changed since.
-    fn open_partial_lower(&self, mark: &PartialMark, upper: &std::path::Path) -> Result<OwnedFd> {
+    /// Opens the lower file that a partial file in layer `holder` patches — `mark.layer`
+    /// layers below it — refusing one that changed since.
+    fn open_partial_lower(
+        &self,
+        holder: LayerId,
+        mark: &PartialMark,
+        path: &Path,
+    ) -> Result<Source> {
         let refuse = |why: String| {
             let msg = format!(
-                "partial file '{}' cannot be read: its lower file '{}' in layer {} {why}; \
-                 restore that layer or remove the upper file",
-                upper.display(),
+                "partial file '{}' in layer {holder} cannot be read: its lower file '{}', \
+                 {} layer(s) below, {why}; restore that layer or remove the partial file",
+                path.display(),
                 mark.path.display(),
                 mark.layer
             );
             log::error!("{msg}");
             Error::with_context(libc::EIO, msg)
         };
-        if mark.layer as usize > self.layers.lower_count() {
+        let layer = holder as usize + mark.layer as usize;
+        if mark.layer == 0 || layer > self.layers.lower_count() {
             return Err(refuse("is not in this mount".into()));
         }
-        let fd = sys::open_beneath(self.layers.root(mark.layer), &mark.path, OFlags::RDONLY, 0)
+        let layer = layer as LayerId;
+        let fd = sys::open_beneath(self.layers.root(layer), &mark.path, OFlags::RDONLY, 0)
             .map_err(|e| refuse(format!("cannot be opened ({e})")))?;
         let attr = sys::fstat(fd.as_fd())?;
         if !mark.matches(&attr) {
@@ -377,7 +432,7 @@ impl Overlay {
                 "changed since the partial file was made (size or mtime differ)".into(),
             ));
         }
-        Ok(fd)
+        self.layer_source(fd, layer, &mark.path)
     }
 
     /// The shared open state of `node`, opened if no handle has it yet.
@@ -492,9 +547,16 @@ impl Overlay {
         self.stats.read_bytes.add(size as u64);
         let data = h.file.read_data();
         match &*data {
-            FileData::Lower(fd) | FileData::Upper(fd) => BUF.with(|buf| {
+            FileData::Upper(fd) => BUF.with(|buf| {
                 let mut buf = buf.borrow_mut();
                 match sys::pread_into(fd.as_fd(), &mut buf, size as usize, off) {
+                    Ok(()) => reply(Ok(&buf)),
+                    Err(e) => reply(Err(e)),
+                }
+            }),
+            FileData::Lower(src) => BUF.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                match src.pread_into(&mut buf, size as usize, off) {
                     Ok(()) => reply(Ok(&buf)),
                     Err(e) => reply(Err(e)),
                 }
@@ -567,8 +629,8 @@ impl Overlay {
     pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
         let lower_has_setid = match &*file.read_data() {
-            FileData::Lower(fd) => {
-                Some(sys::fstat(fd.as_fd())?.mode & (libc::S_ISUID | libc::S_ISGID) != 0)
+            FileData::Lower(src) => {
+                Some(sys::fstat(src.fd())?.mode & (libc::S_ISUID | libc::S_ISGID) != 0)
             }
             _ => None,
         };
@@ -647,12 +709,14 @@ impl Overlay {
         let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
         let data = h.file.read_data();
         let pos = match (&*data, whence) {
-            (FileData::Lower(fd) | FileData::Upper(fd), libc::SEEK_DATA) => {
+            (FileData::Upper(fd), libc::SEEK_DATA) => {
                 sys::seek_data(fd.as_fd(), off)?.ok_or_else(|| errno(libc::ENXIO))?
             }
-            (FileData::Lower(fd) | FileData::Upper(fd), libc::SEEK_HOLE) => {
-                sys::seek_hole(fd.as_fd(), off)?
+            (FileData::Upper(fd), libc::SEEK_HOLE) => sys::seek_hole(fd.as_fd(), off)?,
+            (FileData::Lower(src), libc::SEEK_DATA) => {
+                src.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
             }
+            (FileData::Lower(src), libc::SEEK_HOLE) => src.seek_hole(off)?,
             (FileData::Partial(p), libc::SEEK_DATA) => {
                 p.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
             }

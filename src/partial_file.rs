@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,10 +15,70 @@ use crate::error::{Result, errno};
 use crate::partial::{BlockMap, PartialMark};
 use crate::sys;
 
+/// Where a layer file's bytes come from: a plain file, or a partial file left in a layer that
+/// is now a lower layer (an upper dir stacked as a lower one), read through its own lower file.
+/// A chain is at most as long as the layers below it.
+pub enum Source {
+    File(OwnedFd),
+    Partial(Box<PartialFile>),
+}
+
+impl Source {
+    /// The layer file itself: for a partial one, its sparse file (holes read as zeros there).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Source::File(fd) => fd.as_fd(),
+            Source::Partial(p) => p.upper.as_fd(),
+        }
+    }
+
+    pub fn is_plain(&self) -> bool {
+        matches!(self, Source::File(_))
+    }
+
+    /// Reads exactly `buf.len()` bytes at `off`, or fewer at end of file.
+    pub fn pread_full(&self, buf: &mut [u8], off: u64) -> Result<usize> {
+        match self {
+            Source::File(fd) => sys::pread_full(fd.as_fd(), buf, off),
+            Source::Partial(p) => {
+                let bytes = p.read(off, buf.len())?;
+                buf[..bytes.len()].copy_from_slice(&bytes);
+                Ok(bytes.len())
+            }
+        }
+    }
+
+    /// Reads up to `len` bytes at `off` into `buf`, replacing its contents.
+    pub fn pread_into(&self, buf: &mut Vec<u8>, len: usize, off: u64) -> Result<()> {
+        match self {
+            Source::File(fd) => sys::pread_into(fd.as_fd(), buf, len, off),
+            Source::Partial(p) => {
+                *buf = p.read(off, len)?;
+                Ok(())
+            }
+        }
+    }
+
+    pub fn seek_data(&self, off: u64) -> Result<Option<u64>> {
+        match self {
+            Source::File(fd) => sys::seek_data(fd.as_fd(), off),
+            Source::Partial(p) => p.seek_data(off),
+        }
+    }
+
+    pub fn seek_hole(&self, off: u64) -> Result<u64> {
+        match self {
+            Source::File(fd) => sys::seek_hole(fd.as_fd(), off),
+            Source::Partial(p) if off < p.size => p.seek_hole(off),
+            Source::Partial(p) => Ok(p.size.max(off)),
+        }
+    }
+}
+
 /// An open partial file: the upper sparse file, the lower file it patches, and its block map.
 pub struct PartialFile {
     pub upper: OwnedFd,
-    pub lower: OwnedFd,
+    pub lower: Source,
     pub mark: PartialMark,
     pub blocks: BlockMap,
     pub size: u64,
@@ -80,11 +140,8 @@ impl PartialFile {
     fn read_absent(&self, buf: &mut [u8], base: u64, a: u64, b: u64) -> Result<()> {
         let b = b.min(self.mark.valid);
         if a < b {
-            sys::pread_full(
-                self.lower.as_fd(),
-                &mut buf[(a - base) as usize..(b - base) as usize],
-                a,
-            )?;
+            self.lower
+                .pread_full(&mut buf[(a - base) as usize..(b - base) as usize], a)?;
         }
         Ok(())
     }
@@ -201,7 +258,7 @@ impl PartialFile {
             .map(|b| (b * bs).max(off))
             .filter(|p| *p < self.size);
         let lower = if off < self.mark.valid {
-            sys::seek_data(self.lower.as_fd(), off)?.filter(|p| *p < self.mark.valid)
+            self.lower.seek_data(off)?.filter(|p| *p < self.mark.valid)
         } else {
             None
         };
@@ -220,8 +277,8 @@ impl PartialFile {
                 pos = end * bs;
                 continue;
             }
-            if pos < self.mark.valid && sys::seek_data(self.lower.as_fd(), pos)? == Some(pos) {
-                let lower_hole = sys::seek_hole(self.lower.as_fd(), pos)?.min(self.mark.valid);
+            if pos < self.mark.valid && self.lower.seek_data(pos)? == Some(pos) {
+                let lower_hole = self.lower.seek_hole(pos)?.min(self.mark.valid);
                 // Lower data runs to its hole, unless an upper block takes over before that.
                 let next_upper = self
                     .blocks

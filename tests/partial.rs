@@ -591,3 +591,60 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
     );
     m.unmount();
 }
+
+#[test]
+fn upper_dir_stacked_as_lower_keeps_partial_files_readable() {
+    // An upper dir reused as a lower layer (a layer commit done by moving the dir) holds
+    // partial files: they must read through to the layer below, never as zeros.
+    let base = pattern(8 * MIB, 21);
+    let mut first = lower_with("big", &base);
+    let mut want = base.clone();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(first.path("big"))
+        .unwrap()
+        .write_all_at(b"first", 1_000_000)
+        .unwrap();
+    want[1_000_000..1_000_005].copy_from_slice(b"first");
+    first.unmount();
+    assert!(
+        get_xattr(&first.upper.join("big"), "trusted.mosaicfs.partial").is_some(),
+        "the first upper holds a partial file"
+    );
+
+    let mut stacked = Mount::new(0);
+    stacked.lowers = vec![first.upper.clone(), first.lower(0).to_path_buf()];
+    stacked.mount();
+    assert!(
+        fs::read(stacked.path("big")).unwrap() == want,
+        "read through two layers"
+    );
+    let f = fs::File::open(stacked.path("big")).unwrap();
+    assert_eq!(
+        rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(0)).unwrap(),
+        0
+    );
+    drop(f);
+
+    // A write makes a partial file over the partial file: a chain of three layers.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(stacked.path("big"))
+        .unwrap()
+        .write_all_at(b"second", 5_000_000)
+        .unwrap();
+    want[5_000_000..5_000_006].copy_from_slice(b"second");
+    assert!(
+        fs::read(stacked.path("big")).unwrap() == want,
+        "chained partial files"
+    );
+    stacked.remount();
+    assert!(
+        fs::read(stacked.path("big")).unwrap() == want,
+        "after remount"
+    );
+    assert!(
+        fs::read(first.lower(0).join("big")).unwrap() == base,
+        "bottom layer untouched"
+    );
+}
