@@ -78,6 +78,9 @@ impl Overlay {
             st.upper = true;
             st.has_origin = true;
         }
+        if !lattr.is_dir() && lattr.nlink > 1 {
+            self.join_other_links(node);
+        }
         self.stats.copy_ups.add(1);
         self.refresh_open(node)
     }

@@ -639,6 +639,36 @@ impl Overlay {
 
     /// A copied-up object now sits in `dir`: if `dir` has no lower part, mark it, so lookups and
     /// listings there still read the object's origin (its inode number).
+    /// `name` in `parent` is a lower hard link of `node`, another name of which was copied up:
+    /// links the upper file there too, so all names go on showing one file (as hard links do),
+    /// after a remount as well. Kernel overlayfs does the same with `index=on`.
+    pub fn join_copied_up_link(&self, node: &Node, parent: Ino, name: &OsStr) -> Result<()> {
+        let pnode = self.node(parent)?;
+        self.copy_up(&pnode)?;
+        let udir = self.upper_dir(&pnode)?;
+        let src = self.upper_path(node.ino)?;
+        let (sdir, sname) = self.parent_of(UPPER, &src)?;
+        rustix::fs::linkat(sdir.as_fd(), sname, udir.as_fd(), name, AtFlags::empty())?;
+        self.note_origin_moved_into(&pnode, true)
+    }
+
+    /// After `node`, a lower hard link, was copied up under its first name: links the upper
+    /// file under the other names this mount knows. They are one inode to the kernel, so a
+    /// change through one name already shows through all; this makes the upper layer agree.
+    pub fn join_other_links(&self, node: &Node) {
+        let others: Vec<(Ino, OsString)> = node.state().links.iter().skip(1).cloned().collect();
+        for (p, n) in others {
+            match self.join_copied_up_link(node, p, &n) {
+                Ok(()) => {}
+                Err(e) if e.is(libc::EEXIST) => {} // that name is in the upper layer already
+                Err(e) => {
+                    log::warn!("hard link {n:?} not kept on copy-up: {e}");
+                    node.state().links.retain(|l| !(l.0 == p && l.1 == n));
+                }
+            }
+        }
+    }
+
     fn note_origin_moved_into(&self, dir: &Node, origin: bool) -> Result<()> {
         let needs_mark = {
             let st = dir.state();

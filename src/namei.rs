@@ -42,12 +42,54 @@ impl Overlay {
         check_name(name)?;
         let pnode = self.node(parent)?;
         let view = self.dir_view(&pnode)?;
-        let entry = self
+        let mut entry = self
             .resolve(&view, name)?
             .ok_or_else(|| errno(libc::ENOENT))?;
+        if let Some(node) = self.copied_up_link_of(&entry) {
+            match self.join_copied_up_link(&node, parent, name) {
+                Ok(()) => {
+                    entry = self
+                        .resolve(&self.dir_view(&pnode)?, name)?
+                        .ok_or_else(|| errno(libc::ENOENT))?;
+                }
+                Err(e) => log::warn!("hard link {name:?} not joined to its copied-up inode: {e}"),
+            }
+        }
+        // A copied-up hard link found while the inode is known by lower names only (a remount):
+        // those names join it.
+        let rejoin = entry.found.upper
+            && entry.found.origin
+            && entry.found.kind != libc::S_IFDIR
+            && !self.config.read_only
+            && self.inodes.get(entry.found.ino).is_some_and(|n| {
+                let st = n.state();
+                !st.upper && !st.unlinked && st.kind == entry.found.kind
+            });
         let node = self.inodes.remember(parent, name, &entry.found);
+        if rejoin {
+            self.join_other_links(&node);
+        }
         let attr = self.present(&node, entry.attr);
         Ok((node, attr))
+    }
+
+    /// The inode a lower hard link found by a lookup belongs to, when another of its names was
+    /// copied up in this mount (both carry the lower file's inode number).
+    fn copied_up_link_of(&self, entry: &Entry) -> Option<Arc<Node>> {
+        let f = &entry.found;
+        if f.upper
+            || f.kind == libc::S_IFDIR
+            || entry.attr.nlink < 2
+            || f.lower.is_none()
+            || self.config.read_only
+        {
+            return None;
+        }
+        let node = self.inodes.get(f.ino)?;
+        let st = node.state();
+        let joins = st.upper && !st.unlinked && st.kind == f.kind;
+        drop(st);
+        joins.then_some(node)
     }
 
     /// Resolves `name` in the directory `view` without recording anything.

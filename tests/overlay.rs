@@ -228,6 +228,75 @@ fn symlinks_and_hard_links() {
 }
 
 #[test]
+fn copy_up_of_a_lower_hard_link_keeps_every_name_one_file() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("o/orig"), "x");
+    fs::create_dir_all(m.lower(0).join("usr/lib")).unwrap();
+    fs::create_dir_all(m.lower(0).join("usr/share")).unwrap();
+    fs::hard_link(m.lower(0).join("o/orig"), m.lower(0).join("usr/lib/link")).unwrap();
+    fs::hard_link(m.lower(0).join("o/orig"), m.lower(0).join("usr/share/l3")).unwrap();
+    fs::set_permissions(m.lower(0).join("o/orig"), fs::Permissions::from_mode(0o664)).unwrap();
+    m.mount();
+    // Every name is known to the kernel as one inode before the change (as after `ls -R`).
+    for d in ["o", "usr/lib", "usr/share"] {
+        names(m.path(d));
+    }
+    let ino = fs::metadata(m.path("o/orig")).unwrap().ino();
+    fs::set_permissions(m.path("usr/lib/link"), fs::Permissions::from_mode(0o644)).unwrap();
+    m.unmount();
+    let upper_ino = fs::metadata(m.upper.join("usr/lib/link")).unwrap().ino();
+    for name in ["o/orig", "usr/lib/link", "usr/share/l3"] {
+        let meta = fs::metadata(m.upper.join(name)).unwrap();
+        assert_eq!(
+            (meta.ino(), meta.mode() & 0o777),
+            (upper_ino, 0o644),
+            "{name} in upper"
+        );
+    }
+    m.mount();
+    for name in ["o/orig", "usr/lib/link", "usr/share/l3"] {
+        let meta = fs::metadata(m.path(name)).unwrap();
+        assert_eq!(
+            (meta.ino(), meta.mode() & 0o777),
+            (ino, 0o644),
+            "{name} merged"
+        );
+    }
+    assert_eq!(fs::read_to_string(m.path("usr/share/l3")).unwrap(), "x");
+}
+
+#[test]
+fn lower_hard_link_seen_after_remount_joins_its_copied_up_name() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("a"), "data");
+    fs::hard_link(m.lower(0).join("a"), m.lower(0).join("b")).unwrap();
+    m.mount();
+    // Only `a` is looked up, so only `a` is copied up.
+    fs::set_permissions(m.path("a"), fs::Permissions::from_mode(0o600)).unwrap();
+    m.unmount();
+    assert!(m.upper.join("a").exists() && !m.upper.join("b").exists());
+    m.mount();
+    // `b` first (a lower file), then `a` (its copy-up, same inode number): `b` joins `a`.
+    assert_eq!(fs::metadata(m.path("b")).unwrap().mode() & 0o777, 0o644);
+    assert_eq!(fs::metadata(m.path("a")).unwrap().mode() & 0o777, 0o600);
+    fs::write(m.path("b"), "changed").unwrap();
+    m.unmount();
+    m.mount();
+    for name in ["a", "b"] {
+        assert_eq!(
+            fs::read_to_string(m.path(name)).unwrap(),
+            "changed",
+            "{name}"
+        );
+        assert_eq!(
+            fs::metadata(m.path(name)).unwrap().mode() & 0o777,
+            0o600,
+            "{name}"
+        );
+    }
+}
+
+#[test]
 fn rmdir_judges_emptiness_on_the_merged_view() {
     let m = Mount::with(|l| write(l.join("d/f"), "x"));
     assert_eq!(errno_of(fs::remove_dir(m.path("d"))), libc::ENOTEMPTY);
