@@ -9,8 +9,8 @@
 use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
@@ -33,6 +33,8 @@ pub struct OpenFile {
     pub ino: Ino,
     data: RwLock<FileData>,
     io: Mutex<IoState>,
+    /// Signalled when a handle closes (a writer may be waiting for passthrough readers).
+    io_closed: Condvar,
 }
 
 /// How a handle does its I/O.
@@ -60,6 +62,9 @@ pub enum PassthroughPolicy {
     /// Complete upper files and read-only opens of lower files.
     All,
 }
+
+/// How long a writable open waits for passthrough readers' releases in flight.
+const RELEASE_GRACE: Duration = Duration::from_millis(200);
 
 #[derive(Default)]
 struct IoState {
@@ -140,6 +145,15 @@ impl OpenFile {
             FileData::Partial(_) => (false, false),
         };
         let mut io = self.io_state();
+        if io.passthrough > 0 && !io.backing_upper && writable {
+            // close(2) returns before the kernel's RELEASE of a reader reaches the daemon: a
+            // writer opening right after the last reader closed waits for that release.
+            io = self
+                .io_closed
+                .wait_timeout_while(io, RELEASE_GRACE, |io| io.passthrough > 0)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
         if io.passthrough > 0 {
             // The inode is bound to its backing file until the last passthrough handle closes.
             if io.backing_upper || !writable {
@@ -178,6 +192,8 @@ impl OpenFile {
             }
             IoMode::Cached => io.cached -= 1,
         }
+        drop(io);
+        self.io_closed.notify_all();
     }
 
     /// The backing registration for passthrough, made by `register` on first use.
@@ -450,6 +466,7 @@ impl Overlay {
             ino: node.ino,
             data: RwLock::new(data),
             io: Mutex::new(IoState::default()),
+            io_closed: Condvar::new(),
         });
         st.open = Arc::downgrade(&f);
         drop(st);
@@ -465,6 +482,7 @@ impl Overlay {
             ino: node.ino,
             data: RwLock::new(data),
             io: Mutex::new(IoState::default()),
+            io_closed: Condvar::new(),
         });
         node.state().open = Arc::downgrade(&f);
         f
