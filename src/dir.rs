@@ -181,13 +181,25 @@ impl Overlay {
         mode: u32,
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr)> {
-        self.create_object(parent, name, caller, |dir, n| {
+        let made = self.create_object(parent, name, caller, |dir, n| {
             Ok(rustix::fs::mkdirat(
                 dir,
                 n,
                 Mode::from_raw_mode(mode & 0o7777),
             )?)
-        })
+        });
+        self.subdirs_changed(&[parent]);
+        made
+    }
+
+    /// Forgets the subdirectory counts of `dirs` (after, not before, the change: a count taken
+    /// meanwhile is dropped by the generation).
+    fn subdirs_changed(&self, dirs: &[Ino]) {
+        for &d in dirs {
+            if let Some(n) = self.inodes.get(d) {
+                n.state().subdirs_changed();
+            }
+        }
     }
 
     pub fn mknod(
@@ -463,7 +475,9 @@ impl Overlay {
             return Err(errno(libc::ENOTDIR));
         }
         self.check_empty_dir(&pnode, name, &entry)?;
-        self.remove_entry(&pnode, name, &entry)?;
+        let removed = self.remove_entry(&pnode, name, &entry);
+        self.subdirs_changed(&[parent]);
+        removed?;
         self.forget_name(entry.found.ino, parent, name);
         Ok(())
     }
@@ -499,6 +513,19 @@ impl Overlay {
     }
 
     pub fn rename(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        newparent: Ino,
+        newname: &OsStr,
+        flags: u32,
+    ) -> Result<()> {
+        let renamed = self.rename_entry(parent, name, newparent, newname, flags);
+        self.subdirs_changed(&[parent, newparent]);
+        renamed
+    }
+
+    fn rename_entry(
         &self,
         parent: Ino,
         name: &OsStr,

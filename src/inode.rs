@@ -59,6 +59,19 @@ pub struct NodeState {
     pub origins: bool,
     /// The shared state of open handles on this regular file, while any is open.
     pub open: Weak<OpenFile>,
+    /// For a merged directory: how many subdirectories its merged view has (its `st_nlink` is
+    /// that plus 2), once counted. Reset by `subdirs_changed`.
+    pub subdirs: Option<u64>,
+    /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
+    pub subdirs_gen: u64,
+}
+
+impl NodeState {
+    /// A subdirectory of this directory was made, removed or moved.
+    pub fn subdirs_changed(&mut self) {
+        self.subdirs = None;
+        self.subdirs_gen += 1;
+    }
 }
 
 pub struct Node {
@@ -130,6 +143,8 @@ impl InodeTable {
                 has_origin: false,
                 origins: root_origins,
                 open: Weak::new(),
+                subdirs: None,
+                subdirs_gen: 0,
             }),
             lookups: AtomicU64::new(1),
             copy_up: Mutex::new(()),
@@ -178,6 +193,8 @@ impl InodeTable {
                             has_origin: found.origin,
                             origins: found.origins,
                             open: Weak::new(),
+                            subdirs: None,
+                            subdirs_gen: 0,
                         }),
                         lookups: AtomicU64::new(0),
                         copy_up: Mutex::new(()),
@@ -193,6 +210,9 @@ impl InodeTable {
                 node.generation.fetch_add(1, Ordering::Relaxed);
                 st.open = Weak::new();
                 st.links.clear();
+            }
+            if st.upper != found.upper || st.lower != found.lower || st.links.is_empty() {
+                st.subdirs_changed();
             }
             st.kind = found.kind;
             st.upper = found.upper;
@@ -225,6 +245,8 @@ impl InodeTable {
                 has_origin: false,
                 origins: false,
                 open: Weak::new(),
+                subdirs: None,
+                subdirs_gen: 0,
             }),
             lookups: AtomicU64::new(1),
             copy_up: Mutex::new(()),

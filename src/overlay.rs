@@ -257,6 +257,28 @@ impl Overlay {
         sys::stat_at(dir.as_fd(), name)
     }
 
+    /// Subdirectories in the merged view of directory `node`, counted once per change.
+    fn merged_subdirs(&self, node: &Node) -> Result<u64> {
+        let counted_at = {
+            let st = node.state();
+            if let Some(n) = st.subdirs {
+                return Ok(n);
+            }
+            st.subdirs_gen
+        };
+        let view = self.dir_view(node)?;
+        let n = self
+            .list_view(&view)?
+            .iter()
+            .filter(|e| e.kind == libc::S_IFDIR)
+            .count() as u64;
+        let mut st = node.state();
+        if st.subdirs_gen == counted_at {
+            st.subdirs = Some(n);
+        }
+        Ok(n)
+    }
+
     pub fn map_ino(&self, layer: LayerId, st_ino: u64) -> Ino {
         self.ino_map.map(self.layers.layer(layer).dev_index, st_ino)
     }
@@ -267,16 +289,23 @@ impl Overlay {
         a.ino = node.ino;
         let (unlinked, merged_dir) = {
             let st = node.state();
-            (
-                st.unlinked,
-                st.kind == libc::S_IFDIR && st.upper && st.lower.is_some(),
-            )
+            let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
+            (st.unlinked, st.kind == libc::S_IFDIR && layers > 1)
         };
         if unlinked {
             a.nlink = 0;
-        } else if a.is_dir() && (merged_dir || self.config.static_nlink) {
-            // Like kernel overlayfs: a merged directory's link count is not known cheaply.
+        } else if a.is_dir() && self.config.static_nlink {
             a.nlink = 1;
+        } else if a.is_dir() && merged_dir {
+            // One layer's count misses the others' subdirectories: count the merged view (as
+            // fuse-overlayfs does; kernel overlayfs says 1). `find` relies on it being exact.
+            a.nlink = match self.merged_subdirs(node) {
+                Ok(n) => n + 2,
+                Err(e) => {
+                    log::warn!("counting subdirectories of inode {}: {e}", node.ino);
+                    1
+                }
+            };
         }
         // Owners of an idmapped lower layer are already in the mount's id space.
         let idmapped = {

@@ -297,6 +297,35 @@ fn lower_hard_link_seen_after_remount_joins_its_copied_up_name() {
 }
 
 #[test]
+fn merged_directory_link_count_is_two_plus_its_subdirectories() {
+    let mut m = Mount::new(2);
+    for d in ["p/s1", "p/s2"] {
+        fs::create_dir_all(m.lower(1).join(d)).unwrap();
+    }
+    fs::create_dir_all(m.lower(0).join("p/s3")).unwrap();
+    write(m.lower(0).join("p/file"), "f");
+    m.mount();
+    let nlink = |m: &Mount| fs::metadata(m.path("p")).unwrap().nlink();
+    assert_eq!(nlink(&m), 5, "s1, s2 from one layer, s3 from another");
+    fs::create_dir(m.path("p/new")).unwrap();
+    assert_eq!(nlink(&m), 6, "after mkdir");
+    fs::remove_dir(m.path("p/s1")).unwrap();
+    assert_eq!(nlink(&m), 5, "after rmdir of a lower subdirectory");
+    fs::rename(m.path("p/s2"), m.path("moved")).unwrap();
+    assert_eq!(nlink(&m), 4, "after moving one out");
+    fs::rename(m.path("moved"), m.path("p/back")).unwrap();
+    assert_eq!(nlink(&m), 5, "after moving it back");
+    fs::remove_file(m.path("p/file")).unwrap();
+    assert_eq!(nlink(&m), 5, "files do not count");
+    m.remount();
+    assert_eq!(nlink(&m), 5, "after remount");
+    m.unmount();
+    m.extra = vec!["static_nlink".into()];
+    m.mount();
+    assert_eq!(nlink(&m), 1, "static_nlink");
+}
+
+#[test]
 fn rmdir_judges_emptiness_on_the_merged_view() {
     let m = Mount::with(|l| write(l.join("d/f"), "x"));
     assert_eq!(errno_of(fs::remove_dir(m.path("d"))), libc::ENOTEMPTY);
