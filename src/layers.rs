@@ -174,7 +174,9 @@ impl LayerStack {
                 dev_index,
             });
         };
-        let trusted = rustix::process::geteuid().is_root();
+        // trusted.* needs CAP_SYS_ADMIN in the initial user namespace: root in a user namespace
+        // (rootless Podman) gets EPERM and uses user.* like an unprivileged user (probed below).
+        let mut trusted = rustix::process::geteuid().is_root();
         let mut work_fd = None;
         let mut has_upper = false;
         let mut whiteout_chardev = false;
@@ -206,7 +208,13 @@ impl LayerStack {
             if !read_only {
                 let wsub = prepare_work_dir(wfd.as_fd(), &work)?;
                 whiteout_chardev = probe_whiteout(wsub.as_fd());
-                probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted)).map_err(|e| {
+                let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
+                if trusted && probed.as_ref().is_err_and(|e| e.is(libc::EPERM)) {
+                    log::info!("trusted.* xattrs not permitted (user namespace?): using user.*");
+                    trusted = false;
+                    probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
+                }
+                probed.map_err(|e| {
                     format!(
                         "upperdir '{}' does not support extended attributes ({e}), which mosaicfs needs \
                          to mark partial files: use ext4, xfs, btrfs or tmpfs",

@@ -345,3 +345,43 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a mount point"));
 }
+
+#[test]
+fn mounts_in_a_user_namespace_with_user_xattrs() {
+    // Rootless Podman runs the mount program as root of a user namespace, where trusted.*
+    // xattrs are refused: mosaicfs must fall back to user.* rather than fail to mount.
+    let (d, p) = layers();
+    fs::write(d.path().join("l/big"), vec![7u8; 100_000]).unwrap();
+    fs::write(d.path().join("l/gone"), "x").unwrap();
+    let script = format!(
+        "set -e; {BIN} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w {p}/m; \
+         printf Y | dd of={p}/m/big bs=1 seek=50000 conv=notrunc 2>/dev/null; \
+         rm {p}/m/gone; chmod 600 {p}/m/big; cat {p}/m/big | wc -c; umount {p}/m"
+    );
+    let out = Command::new("unshare")
+        .args(["-Urm", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "in a user namespace: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "100000");
+    let big = d.path().join("u/big");
+    assert!(
+        get_xattr(&big, "user.mosaicfs.partial").is_some(),
+        "user.* mark"
+    );
+    assert!(get_xattr(&big, "trusted.mosaicfs.partial").is_none());
+    let data = fs::read(&big).unwrap();
+    assert_eq!(data[50_000], b'Y');
+    assert!(
+        !d.path()
+            .join("l/big")
+            .metadata()
+            .unwrap()
+            .permissions()
+            .readonly()
+    );
+}
