@@ -385,3 +385,42 @@ fn mounts_in_a_user_namespace_with_user_xattrs() {
             .readonly()
     );
 }
+
+#[test]
+fn an_unprivileged_user_mounts_through_fusermount3() {
+    // As with fuse-overlayfs: mount(2) is refused to a plain user, so the setuid fusermount3
+    // mounts, and mosaicfs' own xattrs are user.* ones. Distributions ship /dev/fuse as 0666;
+    // this machine's is 0600, which keeps every unprivileged FUSE mount out.
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o666)).unwrap();
+    let (d, p) = layers();
+    fs::write(d.path().join("l/a"), "lower\n").unwrap();
+    fs::write(d.path().join("l/gone"), "x").unwrap();
+    sh(&format!("chown -R nobody:nogroup {p}"));
+    let script = format!(
+        "set -e; cd {p}; {BIN} -o lowerdir=l,upperdir=u,workdir=w m; echo more >> m/a; \
+         rm m/gone; cat m/a; ls m; fusermount3 -u m"
+    );
+    let out = Command::new("setpriv")
+        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups"])
+        .args(["sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "as nobody: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "lower\nmore\na\n");
+    wait_unmounted(&d.path().join("m"));
+    let a = d.path().join("u/a");
+    assert!(
+        get_xattr(&a, "user.mosaicfs.origin").is_some(),
+        "user.* xattrs"
+    );
+    assert_eq!(
+        fs::metadata(&a).unwrap().uid(),
+        65534,
+        "created as the user"
+    );
+}
