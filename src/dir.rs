@@ -181,25 +181,14 @@ impl Overlay {
         mode: u32,
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr)> {
-        let made = self.create_object(parent, name, caller, |dir, n| {
+        let _recount = SubdirsChange(self, [parent, parent]);
+        self.create_object(parent, name, caller, |dir, n| {
             Ok(rustix::fs::mkdirat(
                 dir,
                 n,
                 Mode::from_raw_mode(mode & 0o7777),
             )?)
-        });
-        self.subdirs_changed(&[parent]);
-        made
-    }
-
-    /// Forgets the subdirectory counts of `dirs` (after, not before, the change: a count taken
-    /// meanwhile is dropped by the generation).
-    fn subdirs_changed(&self, dirs: &[Ino]) {
-        for &d in dirs {
-            if let Some(n) = self.inodes.get(d) {
-                n.state().subdirs_changed();
-            }
-        }
+        })
     }
 
     pub fn mknod(
@@ -475,9 +464,8 @@ impl Overlay {
             return Err(errno(libc::ENOTDIR));
         }
         self.check_empty_dir(&pnode, name, &entry)?;
-        let removed = self.remove_entry(&pnode, name, &entry);
-        self.subdirs_changed(&[parent]);
-        removed?;
+        let _recount = SubdirsChange(self, [parent, parent]);
+        self.remove_entry(&pnode, name, &entry)?;
         self.forget_name(entry.found.ino, parent, name);
         Ok(())
     }
@@ -520,19 +508,7 @@ impl Overlay {
         newname: &OsStr,
         flags: u32,
     ) -> Result<()> {
-        let renamed = self.rename_entry(parent, name, newparent, newname, flags);
-        self.subdirs_changed(&[parent, newparent]);
-        renamed
-    }
-
-    fn rename_entry(
-        &self,
-        parent: Ino,
-        name: &OsStr,
-        newparent: Ino,
-        newname: &OsStr,
-        flags: u32,
-    ) -> Result<()> {
+        let _recount = SubdirsChange(self, [parent, newparent]);
         self.check_writable()?;
         check_name(name)?;
         self.check_new_name(newname)?;
@@ -727,4 +703,19 @@ fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<()> 
         Mode::from_raw_mode(mode & 0o7777),
     )?;
     Ok(())
+}
+
+/// Forgets the subdirectory counts of two directories (the same one twice is fine) when
+/// dropped: after, not before, the change, so a count taken meanwhile is dropped by the
+/// generation (inode.rs, `NodeState::subdirs`).
+struct SubdirsChange<'a>(&'a Overlay, [Ino; 2]);
+
+impl Drop for SubdirsChange<'_> {
+    fn drop(&mut self) {
+        for d in self.1 {
+            if let Some(n) = self.0.inodes.get(d) {
+                n.state().subdirs_changed();
+            }
+        }
+    }
 }
