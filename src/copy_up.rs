@@ -137,7 +137,7 @@ impl Overlay {
             }
         }
         self.copy_xattrs(ldir, lname, work, tmp)?;
-        let origin = node.ino.to_string();
+        let origin = node.st_ino.to_string();
         if let Err(e) = sys::set_xattr(
             work,
             Some(tmp),

@@ -9,8 +9,8 @@
 use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Instant;
 
 use rustix::fs::{FallocateFlags, OFlags};
 
@@ -32,18 +32,19 @@ pub enum FileData {
 pub struct OpenFile {
     pub ino: Ino,
     data: RwLock<FileData>,
-    io: Mutex<IoState>,
-    /// Signalled when a handle closes (a writer may be waiting for passthrough readers).
-    io_closed: Condvar,
 }
 
 /// How a handle does its I/O.
 ///
 /// The kernel binds an inode to one backing file while any passthrough handle is open, and then
 /// fails every open that is not passthrough on that backing file with EIO (fs/fuse/iomode.c).
-/// So: a complete upper file passes through for every open; a read-only open of a lower file
-/// passes through only with `passthrough=all`, and then a writable open of that file while such
-/// a reader is open fails with ETXTBSY (writes must reach the daemon, never the lower file).
+/// So a complete upper file passes through for every open, and a read-only open of a plain
+/// lower file passes through (`passthrough=all`, the default). An open that may not use the
+/// lower file the kernel inode is bound to (a writer, or a reader after the file changed) gets
+/// the object under a new node id instead: the daemon retires the old one and answers ESTALE,
+/// the kernel looks the name up again and opens the new inode (`InodeTable::retire`). Readers
+/// already open keep reading the lower file, as with fuse-overlayfs; `passthrough=upper`
+/// serves lower files through the daemon, where every handle sees every write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoMode {
     /// Reads and writes go from the kernel to the layer file, never through the daemon.
@@ -57,24 +58,116 @@ pub enum IoMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PassthroughPolicy {
     Off,
-    /// Complete upper files (the default).
+    /// Complete upper files.
     Upper,
-    /// Complete upper files and read-only opens of lower files.
+    /// Complete upper files and read-only opens of lower files (the default).
     All,
 }
 
-/// How long a writable open waits for passthrough readers' releases in flight.
-const RELEASE_GRACE: Duration = Duration::from_millis(200);
+/// The I/O binding of one kernel inode (one node id, see `IoMode`).
+#[derive(Default)]
+pub struct NodeIo(Mutex<IoState>);
 
 #[derive(Default)]
 struct IoState {
     passthrough: usize,
     cached: usize,
     /// The FUSE adapter's registration of the backing file, shared by all passthrough handles
-    /// of the inode.
+    /// of the kernel inode.
     backing: Option<Arc<dyn Any + Send + Sync>>,
     /// Whether the backing file is the upper file (else the lower file: read-only handles only).
     backing_upper: bool,
+}
+
+/// Which file a handle's data lives in, as far as passthrough cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataKind {
+    /// A complete upper file.
+    Upper,
+    /// An untouched lower file, not itself partial.
+    PlainLower,
+    /// Anything the daemon must merge.
+    Merged,
+}
+
+impl NodeIo {
+    fn state(&self) -> std::sync::MutexGuard<'_, IoState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Picks and counts the I/O mode of a new handle; None when the kernel inode is bound to a
+    /// backing file this handle may not use.
+    fn begin(
+        &self,
+        data: DataKind,
+        writable: bool,
+        policy: PassthroughPolicy,
+        alias: bool,
+    ) -> Option<IoMode> {
+        let upper = data == DataKind::Upper;
+        // A second identity exists because a handle could not use the lower file: never bind
+        // it to one (a writer may be on its way).
+        let lower = data == DataKind::PlainLower && !writable && !alias;
+        let mut io = self.state();
+        if io.passthrough > 0 {
+            // The inode is bound to its backing file until the last passthrough handle closes.
+            let fits = if io.backing_upper { upper } else { lower };
+            if !fits {
+                return None;
+            }
+            io.passthrough += 1;
+            return Some(IoMode::Passthrough);
+        }
+        let eligible = match policy {
+            PassthroughPolicy::Off => false,
+            PassthroughPolicy::Upper => upper,
+            PassthroughPolicy::All => upper || lower,
+        };
+        if eligible && io.cached == 0 {
+            io.passthrough += 1;
+            io.backing_upper = upper;
+            Some(IoMode::Passthrough)
+        } else {
+            io.cached += 1;
+            Some(IoMode::Cached)
+        }
+    }
+
+    fn end(&self, mode: IoMode) {
+        let mut io = self.state();
+        match mode {
+            IoMode::Passthrough => {
+                io.passthrough -= 1;
+                if io.passthrough == 0 {
+                    io.backing = None;
+                }
+            }
+            IoMode::Cached => io.cached -= 1,
+        }
+    }
+
+    /// The backing registration for passthrough of `file`, made by `register` on first use.
+    pub fn backing<E>(
+        &self,
+        file: &OpenFile,
+        register: impl FnOnce(BorrowedFd<'_>) -> std::result::Result<Arc<dyn Any + Send + Sync>, E>,
+        changed: impl FnOnce() -> E,
+    ) -> std::result::Result<Arc<dyn Any + Send + Sync>, E> {
+        let mut io = self.state();
+        if let Some(b) = &io.backing {
+            return Ok(b.clone());
+        }
+        let data = file.read_data();
+        let fd = match (&*data, io.backing_upper) {
+            (FileData::Upper(fd), true) => fd.as_fd(),
+            (FileData::Lower(src), false) if src.is_plain() => src.fd(),
+            // Copied up since the handle chose passthrough.
+            _ => return Err(changed()),
+        };
+        let b = register(fd)?;
+        io.backing = Some(b.clone());
+        Ok(b)
+    }
 }
 
 /// How far a partial file is from complete.
@@ -103,7 +196,7 @@ impl Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        self.file.end_io(self.io());
+        self.node.io.end(self.io());
     }
 }
 
@@ -133,88 +226,12 @@ impl OpenFile {
         }
     }
 
-    fn io_state(&self) -> std::sync::MutexGuard<'_, IoState> {
-        self.io.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Picks and counts the I/O mode of a new handle.
-    fn begin_io(&self, writable: bool, policy: PassthroughPolicy) -> Result<IoMode> {
-        let (upper, lower) = match &*self.read_data() {
-            FileData::Upper(_) => (true, false),
-            FileData::Lower(src) => (false, src.is_plain()),
-            FileData::Partial(_) => (false, false),
-        };
-        let mut io = self.io_state();
-        if io.passthrough > 0 && !io.backing_upper && writable {
-            // close(2) returns before the kernel's RELEASE of a reader reaches the daemon: a
-            // writer opening right after the last reader closed waits for that release.
-            io = self
-                .io_closed
-                .wait_timeout_while(io, RELEASE_GRACE, |io| io.passthrough > 0)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+    fn kind(&self) -> DataKind {
+        match &*self.read_data() {
+            FileData::Upper(_) => DataKind::Upper,
+            FileData::Lower(src) if src.is_plain() => DataKind::PlainLower,
+            _ => DataKind::Merged,
         }
-        if io.passthrough > 0 {
-            // The inode is bound to its backing file until the last passthrough handle closes.
-            if io.backing_upper || !writable {
-                io.passthrough += 1;
-                return Ok(IoMode::Passthrough);
-            }
-            log::info!(
-                "writable open of inode {} refused while it is read through passthrough",
-                self.ino
-            );
-            return Err(errno(libc::ETXTBSY));
-        }
-        let eligible = match policy {
-            PassthroughPolicy::Off => false,
-            PassthroughPolicy::Upper => upper,
-            PassthroughPolicy::All => upper || (lower && !writable),
-        };
-        if eligible && io.cached == 0 {
-            io.passthrough += 1;
-            io.backing_upper = upper;
-            Ok(IoMode::Passthrough)
-        } else {
-            io.cached += 1;
-            Ok(IoMode::Cached)
-        }
-    }
-
-    fn end_io(&self, mode: IoMode) {
-        let mut io = self.io_state();
-        match mode {
-            IoMode::Passthrough => {
-                io.passthrough -= 1;
-                if io.passthrough == 0 {
-                    io.backing = None;
-                }
-            }
-            IoMode::Cached => io.cached -= 1,
-        }
-        drop(io);
-        self.io_closed.notify_all();
-    }
-
-    /// The backing registration for passthrough, made by `register` on first use.
-    pub fn backing<E>(
-        &self,
-        register: impl FnOnce(BorrowedFd<'_>) -> std::result::Result<Arc<dyn Any + Send + Sync>, E>,
-    ) -> std::result::Result<Arc<dyn Any + Send + Sync>, E> {
-        let mut io = self.io_state();
-        if let Some(b) = &io.backing {
-            return Ok(b.clone());
-        }
-        let data = self.read_data();
-        let fd = match &*data {
-            FileData::Upper(fd) => fd.as_fd(),
-            // Only a plain lower file is ever eligible (begin_io).
-            FileData::Lower(src) => src.fd(),
-            FileData::Partial(p) => p.upper.as_fd(),
-        };
-        let b = register(fd)?;
-        io.backing = Some(b.clone());
-        Ok(b)
     }
 
     pub fn is_lower(&self) -> bool {
@@ -465,8 +482,6 @@ impl Overlay {
         let f = Arc::new(OpenFile {
             ino: node.ino,
             data: RwLock::new(data),
-            io: Mutex::new(IoState::default()),
-            io_closed: Condvar::new(),
         });
         st.open = Arc::downgrade(&f);
         drop(st);
@@ -481,8 +496,6 @@ impl Overlay {
         let f = Arc::new(OpenFile {
             ino: node.ino,
             data: RwLock::new(data),
-            io: Mutex::new(IoState::default()),
-            io_closed: Condvar::new(),
         });
         node.state().open = Arc::downgrade(&f);
         f
@@ -515,7 +528,13 @@ impl Overlay {
             return Err(errno(libc::EINVAL));
         }
         let file = self.open_file(&node)?;
-        let io = file.begin_io(writable, self.config.passthrough)?;
+        let policy = self.config.passthrough;
+        let Some(io) = node
+            .io
+            .begin(file.kind(), writable, policy, node.is_alias())
+        else {
+            return Err(self.rebind(&node));
+        };
         let fh = self.handles.insert(Handle {
             file,
             node,
@@ -531,9 +550,33 @@ impl Overlay {
     pub fn passthrough_refused(&self, fh: u64) -> Result<IoMode> {
         let h = self.handle(fh)?;
         let mut io = h.io.lock().unwrap_or_else(|e| e.into_inner());
-        h.file.end_io(*io);
-        *io = h.file.begin_io(h.writable, PassthroughPolicy::Off)?;
+        h.node.io.end(*io);
+        let kind = h.file.kind();
+        let alias = h.node.is_alias();
+        *io = match h
+            .node
+            .io
+            .begin(kind, h.writable, PassthroughPolicy::Off, alias)
+        {
+            Some(io) => io,
+            None => return Err(self.rebind(&h.node)),
+        };
         Ok(*io)
+    }
+
+    /// An open found the kernel inode bound to a backing file it may not use (see `IoMode`):
+    /// retires the node id, so that the kernel's retry of the open on ESTALE looks the name up
+    /// again and gets a new one.
+    fn rebind(&self, node: &Node) -> Error {
+        if self.inodes.retire(node) {
+            self.stats.rebinds.add(1);
+            return errno(libc::ESTALE);
+        }
+        log::info!(
+            "open of inode {} refused: its kernel inode is read through passthrough",
+            node.st_ino
+        );
+        errno(libc::ETXTBSY)
     }
 
     pub fn release(&self, fh: u64) {

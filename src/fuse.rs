@@ -89,6 +89,16 @@ fn fuse_attr(a: &Attr) -> FileAttr {
         rdev: encode_dev(a.rdev),
         blksize: a.blksize.max(4096),
         flags: 0,
+        nodeid: 0,
+    }
+}
+
+/// The attributes an entry reply carries for `node`: its node id (which may differ from the
+/// inode number `stat` shows, see `InodeTable::retire`) and `a`.
+fn entry_attr(node: &crate::inode::Node, a: &Attr) -> FileAttr {
+    FileAttr {
+        nodeid: node.ino,
+        ..fuse_attr(a)
     }
 }
 
@@ -142,10 +152,13 @@ impl MosaicFs {
         let Some(h) = self.core.handles.get(fh) else {
             return Err(refused("handle gone".into()));
         };
-        h.file
-            .backing(|fd| {
-                open_backing(fd).map(|b| Arc::new(b) as Arc<dyn std::any::Any + Send + Sync>)
-            })
+        h.node
+            .io
+            .backing(
+                &h.file,
+                |fd| open_backing(fd).map(|b| Arc::new(b) as Arc<dyn std::any::Any + Send + Sync>),
+                || std::io::Error::other("the file was copied up meanwhile"),
+            )
             .map_err(|e| refused(e.to_string()))
     }
 
@@ -162,7 +175,7 @@ impl MosaicFs {
         };
         let (ttl, attr, generation, fh) = (
             self.ttl(),
-            fuse_attr(&attr),
+            entry_attr(&node, &attr),
             Generation(node.generation()),
             FileHandle(opened.fh),
         );
@@ -197,7 +210,7 @@ impl MosaicFs {
         match r {
             Ok((node, attr)) => reply.entry(
                 &self.ttl(),
-                &fuse_attr(&attr),
+                &entry_attr(&node, &attr),
                 Generation(node.generation()),
             ),
             Err(e) => reply.error(errno(e)),
@@ -245,7 +258,7 @@ impl Filesystem for MosaicFs {
         match self.core.lookup(parent.0, name) {
             Ok((node, attr)) => reply.entry(
                 &self.ttl(),
-                &fuse_attr(&attr),
+                &entry_attr(&node, &attr),
                 Generation(node.generation()),
             ),
             Err(e) if e.is(libc::ENOENT) => {
@@ -522,7 +535,7 @@ impl Filesystem for MosaicFs {
                     next,
                     &e.name,
                     &ttl,
-                    &fuse_attr(attr),
+                    &entry_attr(node, attr),
                     Generation(node.generation()),
                 ),
                 None => {

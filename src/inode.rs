@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
-use crate::file::OpenFile;
+use crate::file::{NodeIo, OpenFile};
 use crate::layers::LayerId;
 
 pub type Ino = u64;
@@ -75,18 +75,61 @@ impl NodeState {
 }
 
 pub struct Node {
+    /// The FUSE node id: the table's key and the kernel's name for this inode.
     pub ino: Ino,
+    /// The inode number `stat` shows: `ino`, except for a second identity (see `retire`).
+    pub st_ino: Ino,
     /// Bumped when the number is reused for a new object while the kernel may still hold the
     /// old one (upper file systems reuse inode numbers): the kernel tells the two apart by
     /// (nodeid, generation), and would otherwise take the new directory for the dead one.
     generation: AtomicU64,
-    state: Mutex<NodeState>,
+    /// Shared by every identity of one object.
+    state: Arc<Mutex<NodeState>>,
     lookups: AtomicU64,
     /// Serialises copy-up of this object (held across the copy, unlike `state`).
-    pub copy_up: Mutex<()>,
+    pub copy_up: Arc<Mutex<()>>,
+    /// How the kernel inode behind this node id does I/O (its passthrough binding).
+    pub io: NodeIo,
+    /// `SELF`, `RETIRED` or the node id of this object's second identity. Changed only under
+    /// the write lock of this node's shard.
+    current: AtomicU64,
 }
 
+/// `Node::current`: lookups name this node id.
+const SELF: u64 = 0;
+/// `Node::current`: lookups name a second identity, made on the next lookup.
+const RETIRED: u64 = u64::MAX;
+/// Second identities are numbered from here up; `InoMap` never makes a number this high.
+const ALIAS_BASE: u64 = 1 << 63;
+
 impl Node {
+    fn new(ino: Ino, generation: u64, state: NodeState) -> Node {
+        Node {
+            ino,
+            st_ino: ino,
+            generation: AtomicU64::new(generation),
+            state: Arc::new(Mutex::new(state)),
+            lookups: AtomicU64::new(0),
+            copy_up: Arc::default(),
+            io: NodeIo::default(),
+            current: AtomicU64::new(SELF),
+        }
+    }
+
+    /// A second identity of this object under node id `ino`: same state, own kernel inode.
+    fn alias(&self, ino: Ino) -> Node {
+        Node {
+            ino,
+            st_ino: self.st_ino,
+            generation: AtomicU64::new(0),
+            state: self.state.clone(),
+            lookups: AtomicU64::new(1),
+            copy_up: self.copy_up.clone(),
+            io: NodeIo::default(),
+            current: AtomicU64::new(SELF),
+        }
+    }
+
     pub fn state(&self) -> MutexGuard<'_, NodeState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -101,6 +144,28 @@ impl Node {
 
     pub fn is_dir(&self) -> bool {
         self.kind() == libc::S_IFDIR
+    }
+
+    /// Whether this is a second identity (never bound to a lower file).
+    pub fn is_alias(&self) -> bool {
+        self.ino != self.st_ino
+    }
+}
+
+impl NodeState {
+    fn new(found: &Found) -> NodeState {
+        NodeState {
+            kind: found.kind,
+            links: Vec::new(),
+            upper: found.upper,
+            lower: found.lower.clone(),
+            unlinked: false,
+            has_origin: found.origin,
+            origins: found.origins,
+            open: Weak::new(),
+            subdirs: None,
+            subdirs_gen: 0,
+        }
     }
 }
 
@@ -123,6 +188,7 @@ type Shard = RwLock<HashMap<Ino, Arc<Node>>>;
 
 pub struct InodeTable {
     shards: Box<[Shard]>,
+    next_alias: AtomicU64,
 }
 
 impl InodeTable {
@@ -130,30 +196,24 @@ impl InodeTable {
         let shards: Vec<_> = (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect();
         let table = InodeTable {
             shards: shards.into_boxed_slice(),
+            next_alias: AtomicU64::new(ALIAS_BASE),
         };
-        let root = Arc::new(Node {
+        let mut state = NodeState::new(&Found {
             ino: ROOT_INO,
-            generation: AtomicU64::new(0),
-            state: Mutex::new(NodeState {
-                kind: libc::S_IFDIR,
-                links: vec![(ROOT_INO, OsString::new())],
-                upper: root_upper,
-                lower: root_lower,
-                unlinked: false,
-                has_origin: false,
-                origins: root_origins,
-                open: Weak::new(),
-                subdirs: None,
-                subdirs_gen: 0,
-            }),
-            lookups: AtomicU64::new(1),
-            copy_up: Mutex::new(()),
+            kind: libc::S_IFDIR,
+            upper: root_upper,
+            lower: root_lower,
+            origin: false,
+            origins: root_origins,
         });
+        state.links.push((ROOT_INO, OsString::new()));
+        let root = Node::new(ROOT_INO, 0, state);
+        root.lookups.store(1, Ordering::Relaxed);
         table
             .shard(ROOT_INO)
             .write()
             .unwrap()
-            .insert(ROOT_INO, root);
+            .insert(ROOT_INO, Arc::new(root));
         table
     }
 
@@ -161,6 +221,10 @@ impl InodeTable {
         // Inode numbers of one file system are dense; mix the bits so shards fill evenly.
         let h = ino.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
         &self.shards[h as usize % SHARDS]
+    }
+
+    fn write(&self, ino: Ino) -> std::sync::RwLockWriteGuard<'_, HashMap<Ino, Arc<Node>>> {
+        self.shard(ino).write().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn get(&self, ino: Ino) -> Option<Arc<Node>> {
@@ -173,39 +237,10 @@ impl InodeTable {
 
     /// Records a lookup of `name` in `parent` and counts one kernel reference to it.
     pub fn remember(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
-        let node = {
-            let mut shard = self
-                .shard(found.ino)
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
-            shard
-                .entry(found.ino)
-                .or_insert_with(|| {
-                    Arc::new(Node {
-                        ino: found.ino,
-                        generation: AtomicU64::new(0),
-                        state: Mutex::new(NodeState {
-                            kind: found.kind,
-                            links: Vec::new(),
-                            upper: found.upper,
-                            lower: found.lower.clone(),
-                            unlinked: false,
-                            has_origin: found.origin,
-                            origins: found.origins,
-                            open: Weak::new(),
-                            subdirs: None,
-                            subdirs_gen: 0,
-                        }),
-                        lookups: AtomicU64::new(0),
-                        copy_up: Mutex::new(()),
-                    })
-                })
-                .clone()
-        };
-        node.lookups.fetch_add(1, Ordering::Relaxed);
+        let node = self.counted(found);
         {
             let mut st = node.state();
-            if st.unlinked || st.kind != found.kind {
+            if !node.is_alias() && (st.unlinked || st.kind != found.kind) {
                 // A new object under a number the old one left behind.
                 node.generation.fetch_add(1, Ordering::Relaxed);
                 st.open = Weak::new();
@@ -231,35 +266,88 @@ impl InodeTable {
         node
     }
 
+    /// The node a lookup of `found` names, its kernel reference counted: the object's own
+    /// number, or its second identity once the first was retired.
+    fn counted(&self, found: &Found) -> Arc<Node> {
+        loop {
+            let (primary, current) = {
+                let mut shard = self.write(found.ino);
+                let node = shard
+                    .entry(found.ino)
+                    .or_insert_with(|| Arc::new(Node::new(found.ino, 0, NodeState::new(found))));
+                let current = node.current.load(Ordering::Relaxed);
+                if current == SELF {
+                    node.lookups.fetch_add(1, Ordering::Relaxed);
+                    return node.clone();
+                }
+                (node.clone(), current)
+            };
+            if current == RETIRED {
+                // Shards are locked one at a time (the alias may hash to the same one).
+                let alias =
+                    Arc::new(primary.alias(self.next_alias.fetch_add(1, Ordering::Relaxed)));
+                self.write(alias.ino).insert(alias.ino, alias.clone());
+                let shard = self.write(found.ino);
+                match shard.get(&found.ino) {
+                    Some(p)
+                        if Arc::ptr_eq(p, &primary)
+                            && p.current.load(Ordering::Relaxed) == RETIRED =>
+                    {
+                        p.current.store(alias.ino, Ordering::Relaxed);
+                        return alias;
+                    }
+                    _ => {
+                        drop(shard);
+                        self.write(alias.ino).remove(&alias.ino);
+                        continue;
+                    }
+                }
+            }
+            if let Some(alias) = self.write(current).get(&current) {
+                alias.lookups.fetch_add(1, Ordering::Relaxed);
+                return alias.clone();
+            }
+            // The second identity was forgotten meanwhile (forget resets `current`): retry.
+            let shard = self.write(found.ino);
+            if let Some(p) = shard.get(&found.ino)
+                && p.current.load(Ordering::Relaxed) == current
+            {
+                p.current.store(RETIRED, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Makes lookups of `node`'s object name a new node id from now on, while the kernel inode
+    /// behind `node` lives on for the handles open on it. The kernel binds an inode to the one
+    /// backing file its passthrough handles use; a handle that needs another (or none) gets a
+    /// new kernel inode this way (see file.rs, `IoMode`). Returns false for a second identity.
+    pub fn retire(&self, node: &Node) -> bool {
+        if node.is_alias() {
+            return false;
+        }
+        let shard = self.write(node.ino);
+        if let Some(p) = shard.get(&node.ino)
+            && std::ptr::eq(Arc::as_ptr(p), node)
+            && p.current.load(Ordering::Relaxed) == SELF
+        {
+            p.current.store(RETIRED, Ordering::Relaxed);
+        }
+        true
+    }
+
     /// Records an object that has no name yet (O_TMPFILE) and counts one kernel reference.
     pub fn remember_unnamed(&self, found: &Found) -> Arc<Node> {
-        let node = Arc::new(Node {
-            ino: found.ino,
-            generation: AtomicU64::new(0),
-            state: Mutex::new(NodeState {
-                kind: found.kind,
-                links: Vec::new(),
-                upper: true,
-                lower: None,
-                unlinked: true,
-                has_origin: false,
-                origins: false,
-                open: Weak::new(),
-                subdirs: None,
-                subdirs_gen: 0,
-            }),
-            lookups: AtomicU64::new(1),
-            copy_up: Mutex::new(()),
-        });
-        let mut shard = self
-            .shard(found.ino)
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(old) = shard.get(&found.ino) {
-            // The number of an object the kernel still holds: a new generation tells them apart.
-            node.generation
-                .store(old.generation() + 1, Ordering::Relaxed);
-        }
+        let mut state = NodeState::new(found);
+        state.upper = true;
+        state.lower = None;
+        state.unlinked = true;
+        state.has_origin = false;
+        state.origins = false;
+        let mut shard = self.write(found.ino);
+        // The number of an object the kernel still holds: a new generation tells them apart.
+        let generation = shard.get(&found.ino).map_or(0, |old| old.generation() + 1);
+        let node = Arc::new(Node::new(found.ino, generation, state));
+        node.lookups.store(1, Ordering::Relaxed);
         shard.insert(found.ino, node.clone());
         node
     }
@@ -269,14 +357,29 @@ impl InodeTable {
         if ino == ROOT_INO {
             return;
         }
-        let mut shard = self.shard(ino).write().unwrap_or_else(|e| e.into_inner());
-        if let Some(node) = shard.get(&ino) {
-            let prev = node.lookups.fetch_sub(
-                n.min(node.lookups.load(Ordering::Relaxed)),
-                Ordering::Relaxed,
-            );
-            if prev <= n {
-                shard.remove(&ino);
+        let removed = {
+            let mut shard = self.write(ino);
+            let Some(node) = shard.get(&ino) else { return };
+            let left = node.lookups.load(Ordering::Relaxed).saturating_sub(n);
+            node.lookups.store(left, Ordering::Relaxed);
+            let current = node.current.load(Ordering::Relaxed);
+            // A retired node whose second identity lives stays, to lead lookups there.
+            if left > 0 || (current != SELF && current != RETIRED) {
+                return;
+            }
+            shard.remove(&ino)
+        };
+        if let Some(alias) = removed.filter(|n| n.is_alias()) {
+            let mut shard = self.write(alias.st_ino);
+            if let Some(p) = shard.get(&alias.st_ino)
+                && p.current.load(Ordering::Relaxed) == alias.ino
+            {
+                if p.lookups.load(Ordering::Relaxed) == 0 {
+                    shard.remove(&alias.st_ino);
+                } else {
+                    // The first kernel inode may still be bound to its backing file.
+                    p.current.store(RETIRED, Ordering::Relaxed);
+                }
             }
         }
     }
@@ -301,20 +404,23 @@ pub struct InoMap {
 }
 
 impl InoMap {
+    /// Never at or above `ALIAS_BASE` (the top bit is left for second identities).
     pub fn map(&self, dev_index: u64, st_ino: u64) -> Ino {
         const TAG_SHIFT: u32 = 56;
+        // Tags 1..=126 name devices; 127 marks the numbers 0 and 1 below.
+        let tag = (dev_index % 126 + 1) << TAG_SHIFT;
         let ino = if self.devices <= 1 {
-            st_ino
+            // No file system hands out numbers this large; clearing the bit keeps the rule.
+            st_ino & (ALIAS_BASE - 1)
         } else if st_ino < (1 << TAG_SHIFT) {
-            st_ino | ((dev_index + 1) << TAG_SHIFT)
+            st_ino | tag
         } else {
             // Too large to tag: fold, keeping the tag. Collisions need 2^56 inodes on one layer.
-            (st_ino ^ (st_ino >> TAG_SHIFT)) & ((1 << TAG_SHIFT) - 1)
-                | ((dev_index + 1) << TAG_SHIFT)
+            (st_ino ^ (st_ino >> TAG_SHIFT)) & ((1 << TAG_SHIFT) - 1) | tag
         };
         // 1 is the FUSE root and 0 is invalid; a file system's own root may be numbered 1.
         match ino {
-            0 | ROOT_INO => ino | (0xff << TAG_SHIFT),
+            0 | ROOT_INO => ino | (0x7f << TAG_SHIFT),
             _ => ino,
         }
     }

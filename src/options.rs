@@ -108,7 +108,7 @@ pub struct Options {
     pub timeout: Duration,
     pub threads: usize,
     pub max_write: Option<u32>,
-    /// FUSE passthrough: `upper` (default) for complete upper files, `all` also for read-only
+    /// FUSE passthrough: `upper` for complete upper files, `all` (default) also for read-only
     /// opens of lower files, `off`.
     pub passthrough: crate::file::PassthroughPolicy,
     /// Copy-after-write memory bound in bytes; `None` turns it off.
@@ -153,7 +153,7 @@ impl Default for Options {
             timeout: Duration::from_secs(1),
             threads: default_threads(),
             max_write: None,
-            passthrough: crate::file::PassthroughPolicy::Upper,
+            passthrough: crate::file::PassthroughPolicy::All,
             completion: Default::default(),
             read_ahead_kb: 4096,
             caw_memory: Some(64 << 20),

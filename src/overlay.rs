@@ -286,7 +286,7 @@ impl Overlay {
     /// The merged view's attributes of `node`: its own inode number, overlay nlink rules, the
     /// id mapping and squashing options.
     pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
-        a.ino = node.ino;
+        a.ino = node.st_ino;
         let (unlinked, merged_dir) = {
             let st = node.state();
             let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());

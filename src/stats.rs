@@ -44,6 +44,9 @@ pub struct Stats {
     pub write_bytes: Counter,
     pub opens_passthrough: Counter,
     pub opens_daemon: Counter,
+    /// Opens that found their kernel inode bound to a lower file and moved the object to a new
+    /// node id (file.rs, `IoMode`).
+    pub rebinds: Counter,
     pub copy_ups: Counter,
     pub blocks_filled: Counter,
     pub blocks_deferred: Counter,
@@ -56,13 +59,14 @@ pub struct Stats {
 impl Stats {
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={}; copy-ups={} blocks-deferred={} blocks-filled={} completions={}; fsyncs={} to-disk={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={}; copy-ups={} blocks-deferred={} blocks-filled={} completions={}; fsyncs={} to-disk={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
             self.write_bytes.get(),
             self.opens_passthrough.get(),
             self.opens_daemon.get(),
+            self.rebinds.get(),
             self.copy_ups.get(),
             self.blocks_deferred.get(),
             self.blocks_filled.get(),

@@ -261,9 +261,14 @@ fn copy_file_range_and_mmap_writes_give_exact_content() {
 }
 
 #[test]
-fn a_reader_of_the_lower_file_sees_later_writes() {
+fn with_passthrough_upper_a_reader_of_the_lower_file_sees_later_writes() {
+    // Lower files are read through the daemon then, and all handles share one open state (by
+    // default a reader opened before the write keeps the lower bytes: tests/passthrough.rs).
     let base = pattern(100_000, 8);
-    let m = lower_with("f", &base);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), base.clone());
+    m.extra = vec!["passthrough=upper".into()];
+    m.mount();
     let mut reader = fs::File::open(m.path("f")).unwrap();
     let writer = fs::OpenOptions::new()
         .write(true)

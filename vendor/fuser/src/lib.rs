@@ -204,6 +204,9 @@ pub struct FileAttr {
     pub blksize: u32,
     /// Flags (macOS only, see chflags(2))
     pub flags: u32,
+    /// mosaicfs patch: the FUSE node id an entry reply (lookup, create, readdirplus) names,
+    /// when it is not `ino`; 0 means `ino`. `ino` is what `stat` shows.
+    pub nodeid: u64,
 }
 
 /// Configuration of the fuse kernel module connection

@@ -235,7 +235,7 @@ impl ReplyEntry {
     /// Reply to a request with the given entry
     pub fn entry(self, ttl: &Duration, attr: &FileAttr, generation: Generation) {
         self.reply.send_ll(&ll::ResponseStruct::new_entry(
-            attr.ino,
+            ll::INodeNo(ll::reply::Attr::from(attr).nodeid),
             generation,
             &attr.into(),
             *ttl,
@@ -262,7 +262,7 @@ impl ReplyEntry {
         generation: Generation,
     ) {
         self.reply.send_ll(&ll::ResponseStruct::new_entry(
-            attr.ino,
+            ll::INodeNo(ll::reply::Attr::from(attr).nodeid),
             generation,
             &attr.into(),
             *attr_ttl,
@@ -990,6 +990,7 @@ mod test {
         let time = UNIX_EPOCH + Duration::new(0x1234, 0x5678);
         let ttl = Duration::new(0x8765, 0x4321);
         let attr = FileAttr {
+            nodeid: 0,
             ino: INodeNo(0x11),
             size: 0x22,
             blocks: 0x33,
@@ -1045,6 +1046,7 @@ mod test {
         let time = UNIX_EPOCH + Duration::new(0x1234, 0x5678);
         let ttl = Duration::new(0x8765, 0x4321);
         let attr = FileAttr {
+            nodeid: 0,
             ino: INodeNo(0x11),
             size: 0x22,
             blocks: 0x33,
@@ -1166,6 +1168,7 @@ mod test {
         let time = UNIX_EPOCH + Duration::new(0x1234, 0x5678);
         let ttl = Duration::new(0x8765, 0x4321);
         let attr = FileAttr {
+            nodeid: 0,
             ino: INodeNo(0x11),
             size: 0x22,
             blocks: 0x33,

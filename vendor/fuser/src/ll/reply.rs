@@ -212,7 +212,7 @@ impl ResponseStruct<abi::fuse_create_out> {
     ) -> Self {
         ResponseStruct(abi::fuse_create_out(
             abi::fuse_entry_out {
-                nodeid: attr.attr.ino,
+                nodeid: attr.nodeid,
                 generation: generation.into(),
                 entry_valid: ttl.as_secs(),
                 attr_valid: ttl.as_secs(),
@@ -359,19 +359,20 @@ pub(crate) fn fuse_attr_from_attr(attr: &crate::FileAttr) -> abi::fuse_attr {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Attr {
     pub(crate) attr: abi::fuse_attr,
+    /// mosaicfs patch: the node id entry replies carry (see `FileAttr::nodeid`).
+    pub(crate) nodeid: u64,
 }
 impl From<&crate::FileAttr> for Attr {
     fn from(attr: &crate::FileAttr) -> Self {
         Self {
             attr: fuse_attr_from_attr(attr),
+            nodeid: if attr.nodeid != 0 { attr.nodeid } else { attr.ino.0 },
         }
     }
 }
 impl From<crate::FileAttr> for Attr {
     fn from(attr: crate::FileAttr) -> Self {
-        Self {
-            attr: fuse_attr_from_attr(&attr),
-        }
+        Self::from(&attr)
     }
 }
 
@@ -518,7 +519,7 @@ impl DirEntPlusList {
         let name = x.name.as_ref().as_os_str().as_bytes();
         let header = abi::fuse_direntplus {
             entry_out: abi::fuse_entry_out {
-                nodeid: x.attr.attr.ino,
+                nodeid: x.attr.nodeid,
                 generation: x.generation.into(),
                 entry_valid: x.entry_valid.as_secs(),
                 attr_valid: x.attr_valid.as_secs(),
@@ -620,6 +621,7 @@ mod test {
         let time = UNIX_EPOCH + Duration::new(0x1234, 0x5678);
         let ttl = Duration::new(0x8765, 0x4321);
         let attr = crate::FileAttr {
+            nodeid: 0,
             ino: INodeNo(0x11),
             size: 0x22,
             blocks: 0x33,
@@ -677,6 +679,7 @@ mod test {
         let time = UNIX_EPOCH + Duration::new(0x1234, 0x5678);
         let ttl = Duration::new(0x8765, 0x4321);
         let attr = crate::FileAttr {
+            nodeid: 0,
             ino: INodeNo(0x11),
             size: 0x22,
             blocks: 0x33,
@@ -804,6 +807,7 @@ mod test {
         let time = UNIX_EPOCH + Duration::new(0x1234, 0x5678);
         let ttl = Duration::new(0x8765, 0x4321);
         let attr = crate::FileAttr {
+            nodeid: 0,
             ino: INodeNo(0x11),
             size: 0x22,
             blocks: 0x33,
