@@ -40,14 +40,43 @@ impl Overlay {
         Ok(())
     }
 
-    fn shadow(&self, udir: BorrowedFd<'_>, name: &OsStr) -> Result<Shadow> {
+    /// What `udir` holds at `name`. `below`: whether the directory has lower parts; only then
+    /// can a `.wh.NAME` file matter (it hides nothing otherwise, and a stale one is harmless).
+    fn shadow(&self, udir: BorrowedFd<'_>, name: &OsStr, below: bool) -> Result<Shadow> {
         if sys::stat_opt(udir, name)?.is_some() {
             return Ok(Shadow::Whiteout);
         }
-        if self.layers.has_wh_file(udir, name)? {
+        if below && self.layers.has_wh_file(udir, name)? {
             return Ok(Shadow::WhFile);
         }
         Ok(Shadow::Nothing)
+    }
+
+    /// For a new object `name` in the directory `view`: EEXIST if the merged view has it, else
+    /// what its upper directory holds there (one pass over the layers, unlike `resolve` and
+    /// then `shadow`).
+    fn free_name(&self, view: &DirView, name: &OsStr) -> Result<Shadow> {
+        let exists = || Err(errno(libc::EEXIST));
+        let mut shadow = Shadow::Nothing;
+        if let Some(up) = &view.upper {
+            let dir = self.layers.dir(UPPER, up)?;
+            let dir = dir.as_fd();
+            if let Some(attr) = sys::stat_opt(dir, name)? {
+                if !self.layers.is_whiteout(dir, name, &attr)? {
+                    return exists();
+                }
+                return Ok(Shadow::Whiteout);
+            }
+            if view.lower.is_some() && self.layers.has_wh_file(dir, name)? {
+                shadow = Shadow::WhFile;
+            }
+        }
+        if let (Shadow::Nothing, Some(l)) = (&shadow, &view.lower)
+            && self.resolve_lower(l, name)?.is_some()
+        {
+            return exists();
+        }
+        Ok(shadow)
     }
 
     /// The upper directory of `parent`, copied up if needed.
@@ -67,17 +96,12 @@ impl Overlay {
         self.check_writable()?;
         self.check_new_name(name)?;
         let pnode = self.node(parent)?;
-        let view = self.dir_view(&pnode)?;
-        if self.resolve(&view, name)?.is_some() {
-            return Err(errno(libc::EEXIST));
-        }
+        let shadow = self.free_name(&self.dir_view(&pnode)?, name)?;
         let udir = self.upper_dir(&pnode)?;
         let udir = udir.as_fd();
-        let pattr = sys::fstat(udir)?;
         crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
         let (uid, gid) = self.disk_ids(caller.uid, caller.gid);
         let as_caller = crate::creds::act_as(uid, gid);
-        let shadow = self.shadow(udir, name)?;
         let (target_dir, target) = match shadow {
             Shadow::Nothing => (udir, name.to_os_string()),
             _ => (self.layers.work()?, temp_name("create")),
@@ -85,7 +109,7 @@ impl Overlay {
         make(target_dir, &target)?;
         let finish = || -> Result<()> {
             if !as_caller {
-                self.own_new(target_dir, &target, caller, &pattr)?;
+                self.own_new(target_dir, &target, caller, &sys::fstat(udir)?)?;
             }
             match shadow {
                 Shadow::Nothing => Ok(()),
@@ -212,7 +236,7 @@ impl Overlay {
                 return sys::set_xattr(dir, Some(n), &self.layers.xattr.device, b"y", 0);
             }
             if kind == libc::S_IFREG || kind == 0 {
-                new_regular_file(dir, n, mode)
+                new_regular_file(dir, n, mode).map(drop)
             } else {
                 sys::mknod_at(dir, n, mode, rdev)
             }
@@ -240,11 +264,20 @@ impl Overlay {
         flags: i32,
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr, crate::file::Opened)> {
+        // The new file's descriptor serves the handle: no second open, no mark to look for.
+        let fd = std::sync::Mutex::new(None);
         let made = self.create_object(parent, name, caller, |dir, n| {
-            new_regular_file(dir, n, mode)
+            *fd.lock().unwrap_or_else(|e| e.into_inner()) = Some(new_regular_file(dir, n, mode)?);
+            Ok(())
         });
+        let mut _file = None;
         let (node, attr) = match made {
-            Ok(v) => v,
+            Ok(v) => {
+                if let Some(fd) = fd.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    _file = Some(self.adopt_open_file(&v.0, crate::file::FileData::Upper(fd)));
+                }
+                v
+            }
             Err(e) if e.is(libc::EEXIST) && flags & libc::O_EXCL == 0 => {
                 self.lookup(parent, name)?
             }
@@ -318,16 +351,13 @@ impl Overlay {
             return Err(errno(libc::EPERM));
         }
         let pnode = self.node(newparent)?;
-        let view = self.dir_view(&pnode)?;
-        if self.resolve(&view, newname)?.is_some() {
-            return Err(errno(libc::EEXIST));
-        }
+        let shadow = self.free_name(&self.dir_view(&pnode)?, newname)?;
         self.copy_up(&node)?;
         let udir = self.upper_dir(&pnode)?;
         let udir = udir.as_fd();
         let src = self.upper_path(ino)?;
         let (sdir, sname) = self.parent_of(UPPER, &src)?;
-        match self.shadow(udir, newname)? {
+        match shadow {
             Shadow::Nothing => {
                 rustix::fs::linkat(sdir.as_fd(), sname, udir, newname, AtFlags::empty())?
             }
@@ -346,7 +376,7 @@ impl Overlay {
             // A linked O_TMPFILE is the same object, now with a name: not a new generation.
             st.unlinked = false;
             Found {
-                ino,
+                ino: node.st_ino,
                 kind: st.kind,
                 upper: true,
                 lower: st.lower.clone(),
@@ -523,7 +553,8 @@ impl Overlay {
         let src = self
             .resolve(&self.dir_view(&pnode)?, name)?
             .ok_or_else(|| errno(libc::ENOENT))?;
-        let dst = self.resolve(&self.dir_view(&npnode)?, newname)?;
+        let nview = self.dir_view(&npnode)?;
+        let dst = self.resolve(&nview, newname)?;
         match (&dst, exchange) {
             (Some(_), false) if noreplace => return Err(errno(libc::EEXIST)),
             (None, true) => return Err(errno(libc::ENOENT)),
@@ -573,7 +604,7 @@ impl Overlay {
         }
         let mut wh_file_after = false;
         if !exchange {
-            match self.shadow(ddir, newname)? {
+            match self.shadow(ddir, newname, nview.lower.is_some())? {
                 Shadow::Whiteout
                     if dst.as_ref().is_none_or(|d| !d.found.upper) && src.attr.is_dir() =>
                 {
@@ -695,14 +726,14 @@ impl Overlay {
 }
 
 /// Makes an empty regular file `name` in `dir` (it must not exist).
-fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<()> {
-    rustix::fs::openat(
+/// Makes an empty regular file and opens it for the daemon's reads and writes.
+fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<OwnedFd> {
+    Ok(rustix::fs::openat(
         dir,
         name,
-        OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
+        OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
         Mode::from_raw_mode(mode & 0o7777),
-    )?;
-    Ok(())
+    )?)
 }
 
 /// Forgets the subdirectory counts of two directories (the same one twice is fine) when

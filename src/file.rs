@@ -206,6 +206,8 @@ pub type HandleTable = HandleMap<Handle>;
 pub struct Opened {
     pub fh: u64,
     pub io: IoMode,
+    /// Whether the handle may write (only then does its close need to reach the daemon).
+    pub writable: bool,
 }
 
 impl OpenFile {
@@ -543,7 +545,7 @@ impl Overlay {
             sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
             io: Mutex::new(io),
         });
-        Ok(Opened { fh, io })
+        Ok(Opened { fh, io, writable })
     }
 
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.

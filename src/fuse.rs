@@ -128,11 +128,18 @@ fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
     }
 }
 
-fn fopen_flags(io: IoMode) -> FopenFlags {
+fn fopen_flags(io: IoMode, writable: bool) -> FopenFlags {
+    // FLUSH (sent on every close) only fills copy-after-write blocks, which only a handle
+    // that writes through the daemon can leave; POSIX locks are the kernel's own here.
+    let noflush = if writable && io == IoMode::Cached {
+        FopenFlags::empty()
+    } else {
+        FopenFlags::FOPEN_NOFLUSH
+    };
     match io {
         // All changes to the data go through this mount: cached pages never go stale.
-        IoMode::Cached => FopenFlags::FOPEN_KEEP_CACHE,
-        IoMode::Passthrough => FopenFlags::empty(),
+        IoMode::Cached => FopenFlags::FOPEN_KEEP_CACHE | noflush,
+        IoMode::Passthrough => noflush,
     }
 }
 
@@ -191,15 +198,24 @@ impl MosaicFs {
                         &attr,
                         generation,
                         fh,
-                        FopenFlags::empty(),
+                        FopenFlags::FOPEN_NOFLUSH,
                         id,
                     );
                 }
-                Err(io) => return reply.created(&ttl, &attr, generation, fh, fopen_flags(io)),
+                Err(io) => {
+                    let flags = fopen_flags(io, opened.writable);
+                    return reply.created(&ttl, &attr, generation, fh, flags);
+                }
             }
         }
         self.core.stats.opens_daemon.add(1);
-        reply.created(&ttl, &attr, generation, fh, fopen_flags(opened.io))
+        reply.created(
+            &ttl,
+            &attr,
+            generation,
+            fh,
+            fopen_flags(opened.io, opened.writable),
+        )
     }
 
     fn ttl(&self) -> Duration {
@@ -413,13 +429,13 @@ impl Filesystem for MosaicFs {
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
-                    return reply.opened_passthrough(fh, FopenFlags::empty(), id);
+                    return reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, id);
                 }
-                Err(io) => return reply.opened(fh, fopen_flags(io)),
+                Err(io) => return reply.opened(fh, fopen_flags(io, opened.writable)),
             }
         }
         self.core.stats.opens_daemon.add(1);
-        reply.opened(fh, fopen_flags(opened.io))
+        reply.opened(fh, fopen_flags(opened.io, opened.writable))
     }
 
     fn read(

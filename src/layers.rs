@@ -55,6 +55,8 @@ pub struct DirFlags {
     /// Entries may carry `mosaicfs.origin` although the directory has no lower part (a
     /// copied-up object was moved in).
     pub origins: bool,
+    /// The directory carries `mosaicfs.redirect` (read it with `get_xattr`).
+    pub redirect: bool,
 }
 
 /// The names of mosaicfs' own xattrs, in the namespace chosen at mount.
@@ -341,16 +343,23 @@ impl LayerStack {
 
     /// Whether the directory `name` in `dir` is opaque (hides the layers below it).
     pub fn is_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
-        Ok(self.dir_flags(dir, Some(name))?.opaque)
+        Ok(self.dir_flags(dir, Some(name), true)?.opaque)
     }
 
     /// The overlay marks of a directory (`name` in `dir`, or `dir` itself), read with one
-    /// listxattr and a getxattr per mark present.
-    pub fn dir_flags(&self, dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<DirFlags> {
+    /// listxattr and a getxattr per mark present. `opaque_file`: also look for the
+    /// `.wh..wh..opq` file (three more syscalls; only worth it where layers lie below).
+    pub fn dir_flags(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: Option<&OsStr>,
+        opaque_file: bool,
+    ) -> Result<DirFlags> {
         let names = sys::list_xattr(dir, name)?;
         let has = |key: &str| names.iter().any(|n| n.as_bytes() == key.as_bytes());
         let mut flags = DirFlags {
             origins: has(&self.xattr.origins),
+            redirect: has(&self.xattr.redirect),
             ..DirFlags::default()
         };
         for key in OPAQUE_XATTRS {
@@ -366,7 +375,8 @@ impl LayerStack {
                 }
             }
         }
-        if !flags.opaque {
+        // A redirect leads to lower layers even where none lie below the parent.
+        if (opaque_file || flags.redirect) && !flags.opaque {
             let sub = match name {
                 Some(n) => {
                     sys::open_beneath(dir, Path::new(n), OFlags::PATH | OFlags::DIRECTORY, 0)?

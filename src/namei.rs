@@ -113,14 +113,18 @@ impl Overlay {
                 };
                 let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
                 let flags = if attr.is_dir() {
-                    self.layers.dir_flags(dir, Some(name))?
+                    self.layers
+                        .dir_flags(dir, Some(name), view.lower.is_some())?
                 } else {
                     crate::layers::DirFlags::default()
                 };
                 let lower = if !attr.is_dir() || flags.opaque {
                     None
-                } else if let Some(target) =
-                    sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect)?
+                } else if let Some(target) = flags
+                    .redirect
+                    .then(|| sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect))
+                    .transpose()?
+                    .flatten()
                 {
                     self.resolve_redirect(Path::new(OsStr::from_bytes(&target)))?
                 } else {
@@ -142,7 +146,8 @@ impl Overlay {
                 };
                 return Ok(Some(Entry { found, attr }));
             }
-            if self.layers.has_wh_file(dir, name)? {
+            // A `.wh.NAME` file only matters where there is something below to hide.
+            if view.lower.is_some() && self.layers.has_wh_file(dir, name)? {
                 return Ok(None);
             }
         }

@@ -150,7 +150,7 @@ impl Overlay {
                 root_lower,
                 layers.has_upper
                     && layers
-                        .dir_flags(layers.root(UPPER), None)
+                        .dir_flags(layers.root(UPPER), None, true)
                         .is_ok_and(|f| f.origins),
             ),
             ino_map: InoMap { devices },

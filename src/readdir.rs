@@ -135,7 +135,7 @@ impl Overlay {
         let mut hidden: HashSet<OsString> = HashSet::new();
         if let Some(up) = &view.upper {
             let dir = self.layers.dir(UPPER, up)?;
-            let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None)?.xwhiteouts;
+            let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None, false)?.xwhiteouts;
             for e in sys::read_dir(self.layers.root(UPPER), up)? {
                 if let Some(target) = whiteout_target(&e.name) {
                     hidden.extend(target);
@@ -167,7 +167,7 @@ impl Overlay {
                     Err(e) => return Err(e),
                 };
                 let dir = self.layers.dir(layer, &lower.path)?;
-                let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None)?.xwhiteouts;
+                let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None, false)?.xwhiteouts;
                 let mut whiteouts = Vec::new();
                 for e in entries {
                     if let Some(target) = whiteout_target(&e.name) {
