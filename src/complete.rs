@@ -58,6 +58,17 @@ impl Completer {
         }
     }
 
+    /// The queued file of the object numbered `ino`, unless it was deleted. A queued file is
+    /// the object's open state even when the kernel has forgotten the inode: opening the object
+    /// again must take it up, or two states of one partial file would race (completion filling
+    /// a block from the lower file over a write made through the other).
+    pub fn find(&self, ino: crate::inode::Ino) -> Option<Arc<OpenFile>> {
+        let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let f = q.iter().find(|f| f.ino == ino)?.clone();
+        drop(q);
+        (!f.partial_progress().is_some_and(|p| p.unlinked)).then_some(f)
+    }
+
     pub fn queued(&self) -> usize {
         self.queue.lock().map_or(0, |q| q.len())
     }

@@ -30,6 +30,7 @@ pub enum FileData {
 }
 
 pub struct OpenFile {
+    /// The object's inode number (`Node::st_ino`).
     pub ino: Ino,
     data: RwLock<FileData>,
 }
@@ -475,6 +476,14 @@ impl Overlay {
         if let Some(f) = node.state().open.upgrade() {
             return Ok(f);
         }
+        if let Some(f) = self.completer.find(node.st_ino) {
+            let mut st = node.state();
+            if let Some(g) = st.open.upgrade() {
+                return Ok(g);
+            }
+            st.open = Arc::downgrade(&f);
+            return Ok(f);
+        }
         let data = self.open_data(node)?;
         let partial = matches!(data, FileData::Partial(_));
         let mut st = node.state();
@@ -482,7 +491,7 @@ impl Overlay {
             return Ok(f);
         }
         let f = Arc::new(OpenFile {
-            ino: node.ino,
+            ino: node.st_ino,
             data: RwLock::new(data),
         });
         st.open = Arc::downgrade(&f);
@@ -496,7 +505,7 @@ impl Overlay {
     /// Makes `data` the open state of `node` (an O_TMPFILE, which has no path to open by).
     pub fn adopt_open_file(&self, node: &Node, data: FileData) -> Arc<OpenFile> {
         let f = Arc::new(OpenFile {
-            ino: node.ino,
+            ino: node.st_ino,
             data: RwLock::new(data),
         });
         node.state().open = Arc::downgrade(&f);

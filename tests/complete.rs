@@ -171,3 +171,34 @@ fn kill_9_during_completion_leaves_a_correct_file() {
     want[33 << 20] = b'k';
     assert!(fs::read(m.path("f")).unwrap() == want);
 }
+
+#[test]
+fn a_file_written_again_after_the_kernel_forgot_it_keeps_both_writes_through_completion() {
+    let base = pattern(1 << 20, 6);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    m.extra = vec!["complete_after=1".into()];
+    m.mount();
+    let write_at = |off: u64, data: &[u8]| {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("f"))
+            .unwrap()
+            .write_all_at(data, off)
+            .unwrap();
+    };
+    write_at(0, b"first");
+    // The kernel forgets the inode (memory pressure); the partial file waits for completion.
+    fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    write_at(500_000, b"second");
+    wait_complete(&m.upper.join("f"), Duration::from_secs(10));
+    let mut want = base.clone();
+    want[..5].copy_from_slice(b"first");
+    want[500_000..500_006].copy_from_slice(b"second");
+    fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    assert!(fs::read(m.path("f")).unwrap() == want, "merged view");
+    assert!(
+        fs::read(m.upper.join("f")).unwrap() == want,
+        "completed upper file"
+    );
+}
