@@ -425,3 +425,95 @@ impl InoMap {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(ino: Ino) -> Found {
+        Found {
+            ino,
+            kind: libc::S_IFREG,
+            upper: false,
+            lower: Some(LowerRef {
+                path: PathBuf::from("f"),
+                layers: vec![1],
+            }),
+            origin: false,
+            origins: false,
+        }
+    }
+
+    fn table() -> InodeTable {
+        InodeTable::new(true, None, false)
+    }
+
+    #[test]
+    fn a_retired_node_leads_lookups_to_a_second_identity_of_the_same_object() {
+        let t = table();
+        let first = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+        assert_eq!((first.ino, first.st_ino), (42, 42));
+        assert!(t.retire(&first));
+        let second = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+        assert!(second.ino >= ALIAS_BASE && second.is_alias());
+        assert_eq!(second.st_ino, 42);
+        // One object: a change through one identity shows through the other.
+        second.state().upper = true;
+        assert!(first.state().upper);
+        // Later lookups keep naming the second identity, and it is never retired itself.
+        let again = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+        assert_eq!(again.ino, second.ino);
+        assert!(!t.retire(&second));
+        assert_eq!(
+            t.get(42).unwrap().ino,
+            42,
+            "lookups by inode number still find the object"
+        );
+    }
+
+    #[test]
+    fn identities_are_forgotten_in_either_order() {
+        // The first forgotten first: it stays as long as the second identity lives.
+        let t = table();
+        let first = t.remember(ROOT_INO, OsStr::new("f"), &file(7));
+        t.retire(&first);
+        let second = t.remember(ROOT_INO, OsStr::new("f"), &file(7));
+        t.forget(7, 1);
+        assert!(t.get(7).is_some());
+        assert_eq!(
+            t.remember(ROOT_INO, OsStr::new("f"), &file(7)).ino,
+            second.ino
+        );
+        t.forget(second.ino, 2);
+        assert!(t.get(second.ino).is_none() && t.get(7).is_none());
+        assert_eq!(t.len(), 1, "only the root is left");
+
+        // The second forgotten first: the first, still known, makes a new one on next lookup.
+        let first = t.remember(ROOT_INO, OsStr::new("f"), &file(8));
+        t.retire(&first);
+        let second = t.remember(ROOT_INO, OsStr::new("f"), &file(8));
+        t.forget(second.ino, 1);
+        assert!(t.get(second.ino).is_none());
+        let third = t.remember(ROOT_INO, OsStr::new("f"), &file(8));
+        assert!(third.is_alias() && third.ino != second.ino);
+        t.forget(8, 1);
+        t.forget(third.ino, 1);
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn layer_inode_numbers_never_reach_the_second_identity_range() {
+        for devices in [1, 3, 200] {
+            let map = InoMap { devices };
+            for dev in [0, 1, 125, 126, 199] {
+                for st_ino in [0, 1, 2, 12345, 1 << 56, u64::MAX] {
+                    let ino = map.map(dev, st_ino);
+                    assert!(
+                        ino < ALIAS_BASE && ino > ROOT_INO,
+                        "{devices} {dev} {st_ino}"
+                    );
+                }
+            }
+        }
+    }
+}
