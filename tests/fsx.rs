@@ -2,7 +2,7 @@
 //! to an in-memory model, compared byte for byte and by metadata after each step.
 //!
 //! Lower files are large (megabytes) so that writes, truncates and punches land in partial
-//! files; renames, unlinks, creates and remounts are in the mix. `FSX_OPS` sets the number of
+//! files; renames, unlinks, creates, dropped kernel caches and remounts are in the mix. `FSX_OPS` sets the number of
 //! operations per seed, `FSX_SEED` runs one given seed (the failing seed is printed).
 
 mod common;
@@ -268,6 +268,12 @@ impl Run {
                 let Some(name) = self.pick() else { return };
                 self.log.push(format!("{i}: check {name}"));
                 self.check_file(&name);
+            }
+            97 => {
+                // The kernel forgets every unused inode (as under memory pressure); the daemon
+                // must find its open state of partial files again on the next open.
+                self.log.push(format!("{i}: drop_caches"));
+                fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
             }
             _ => {
                 self.log.push(format!("{i}: remount"));
