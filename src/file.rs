@@ -65,7 +65,8 @@ pub enum PassthroughPolicy {
     All,
 }
 
-/// The I/O binding of one kernel inode (one node id, see `IoMode`).
+/// The I/O binding of one kernel inode (one node id, see `IoMode`). Its lock may be held while
+/// the file's data lock is taken (`backing`), never the other way round.
 #[derive(Default)]
 pub struct NodeIo(Mutex<IoState>);
 

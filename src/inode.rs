@@ -10,10 +10,16 @@
 //! when the layers span several devices — and a copied-up object keeps the number of its origin
 //! through the `mosaicfs.origin` xattr, across unmount and remount. The root is always 1.
 //!
-//! Locking: the table is sharded, each shard behind its own `RwLock` held only to find or insert
-//! an entry. Each inode's mutable state sits behind its own `Mutex`. A thread may take an
-//! ancestor's state lock while holding a descendant's (path building walks upwards), never the
-//! other way round, and never two unrelated inodes' locks at once.
+//! An object can have two node ids at once: the kernel binds a FUSE inode to the backing file of
+//! its passthrough handles, so an open that needs another gets the object under a second node
+//! id (`retire`, and file.rs `IoMode`). Both share the object's state and show its inode number;
+//! the first leads lookups to the second while the second lives.
+//!
+//! Locking: the table is sharded, each shard behind its own `RwLock` held only to find, insert
+//! or count an entry; a thread holds one shard lock at a time and takes no state lock under it.
+//! Each inode's mutable state sits behind its own `Mutex`. A thread may take an ancestor's state
+//! lock while holding a descendant's (path building walks upwards), never the other way round,
+//! and never two unrelated inodes' locks at once.
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
