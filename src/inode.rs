@@ -106,7 +106,7 @@ const SELF: u64 = 0;
 /// `Node::current`: lookups name a second identity, made on the next lookup.
 const RETIRED: u64 = u64::MAX;
 /// Second identities are numbered from here up; `InoMap` never makes a number this high.
-const ALIAS_BASE: u64 = 1 << 63;
+pub const ALIAS_BASE: u64 = 1 << 63;
 
 impl Node {
     fn new(ino: Ino, generation: u64, state: NodeState) -> Node {

@@ -257,7 +257,11 @@ impl Overlay {
             .ok()
             .and_then(|s| s.parse::<u64>().ok())
         {
-            Some(ino) if ino > 1 => Ok(Some(ino)),
+            // Numbers from 2^63 up are second identities' (inode.rs); clearing the top bit
+            // also reads marks written before that rule as the number InoMap gives now.
+            Some(ino) if ino & (crate::inode::ALIAS_BASE - 1) > 1 => {
+                Ok(Some(ino & (crate::inode::ALIAS_BASE - 1)))
+            }
             _ => {
                 log::warn!(
                     "ignoring damaged {} xattr on {:?}: the inode number will change",
