@@ -265,15 +265,15 @@ impl Overlay {
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr, crate::file::Opened)> {
         // The new file's descriptor serves the handle: no second open, no mark to look for.
-        let fd = std::sync::Mutex::new(None);
+        let fd = std::cell::Cell::new(None);
         let made = self.create_object(parent, name, caller, |dir, n| {
-            *fd.lock().unwrap_or_else(|e| e.into_inner()) = Some(new_regular_file(dir, n, mode)?);
+            fd.set(Some(new_regular_file(dir, n, mode)?));
             Ok(())
         });
         let mut _file = None;
         let (node, attr) = match made {
             Ok(v) => {
-                if let Some(fd) = fd.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                if let Some(fd) = fd.take() {
                     _file = Some(self.adopt_open_file(&v.0, crate::file::FileData::Upper(fd)));
                 }
                 v
@@ -725,8 +725,8 @@ impl Overlay {
     }
 }
 
-/// Makes an empty regular file `name` in `dir` (it must not exist).
-/// Makes an empty regular file and opens it for the daemon's reads and writes.
+/// Makes an empty regular file `name` in `dir` (it must not exist), opened for the daemon's
+/// reads and writes.
 fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<OwnedFd> {
     Ok(rustix::fs::openat(
         dir,

@@ -83,7 +83,7 @@ struct IoState {
 
 /// Which file a handle's data lives in, as far as passthrough cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DataKind {
+enum DataKind {
     /// A complete upper file.
     Upper,
     /// An untouched lower file, not itself partial.
