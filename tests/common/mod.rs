@@ -10,6 +10,21 @@ use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_mosaicfs");
 
+/// Held (shared) while a test thread forks a process. A fork copies every open descriptor of
+/// the test binary, and the child's exec closes them again: each close of a descriptor of a
+/// mosaicfs file sends the daemon a FLUSH, which fills pending copy-after-write blocks. A test
+/// that counts those takes it exclusively (`no_forks`) so that sibling tests cannot.
+static FORKS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn forking() -> std::sync::RwLockReadGuard<'static, ()> {
+    FORKS.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// No other test thread forks while this is held.
+pub fn no_forks() -> std::sync::RwLockWriteGuard<'static, ()> {
+    FORKS.write().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A mounted overlay: `lowers[0]` is the top lower layer.
 pub struct Mount {
     pub dir: tempfile::TempDir,
@@ -104,6 +119,7 @@ impl Mount {
 
     pub fn mount_with(&mut self, opts: &str) {
         assert!(self.child.is_none(), "already mounted");
+        let _forking = forking();
         let child = Command::new(BIN)
             .env("MOSAICFS_LOG", "info")
             .args(["-f", "-o", opts])
@@ -248,7 +264,10 @@ pub fn mknod_whiteout(dir: &Path, name: &str) {
 
 /// Runs a shell command, asserting success; returns stdout.
 pub fn sh(cmd: &str) -> String {
-    let out = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
+    let out = {
+        let _forking = forking();
+        Command::new("sh").arg("-c").arg(cmd).output().unwrap()
+    };
     assert!(
         out.status.success(),
         "`{cmd}` failed: {}{}",
