@@ -123,3 +123,52 @@ fn with_passthrough_off_everything_goes_through_the_daemon() {
     assert!(served(&log, "read") > 0, "{log}");
     assert_eq!(served(&log, "passthrough"), 0, "{log}");
 }
+
+#[test]
+fn concurrent_readers_and_writers_of_lower_files_all_succeed() {
+    // Each round holds a passthrough reader open while a writer opens the same file: every
+    // writer goes through a new kernel inode, from several threads at once, with the kernel
+    // dropping its inodes now and then.
+    const FILES: usize = 100;
+    let mut m = Mount::with(|l| {
+        for i in 0..FILES {
+            write(l.join(format!("f{i}")), vec![i as u8; 20_000]);
+        }
+    });
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let dir = m.mnt.clone();
+            std::thread::spawn(move || {
+                for round in 0..60u64 {
+                    let k = ((t * 7919 + round * 104_729) as usize) % FILES;
+                    let path = dir.join(format!("f{k}"));
+                    let reader = fs::File::open(&path).unwrap();
+                    let mut head = [0u8; 1];
+                    reader.read_exact_at(&mut head, 0).unwrap();
+                    if round % 10 == 0 {
+                        fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+                    }
+                    let off = 1000 + t;
+                    fs::OpenOptions::new()
+                        .write(true)
+                        .open(&path)
+                        .unwrap()
+                        .write_all_at(b"W", off)
+                        .unwrap();
+                    drop(reader);
+                    let mut got = [0u8; 1];
+                    fs::File::open(&path)
+                        .unwrap()
+                        .read_exact_at(&mut got, off)
+                        .unwrap();
+                    assert_eq!(&got, b"W", "{path:?}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let log = m.unmount();
+    assert!(served(&log, "rebinds") >= 1, "{log}");
+}
