@@ -220,13 +220,13 @@ def main():
                          "here: directly in --root")
     a = ap.parse_args()
     if a.fs == "ext4":
-        with fresh_ext4(a.root) as root:
+        with FreshExt4(a.root) as root:
             run_suite(a, root)
     else:
         run_suite(a, a.root)
 
 
-class fresh_ext4:
+class FreshExt4:
     """A new journaled ext4 on a loop device, as under /var/lib/containers on a host. The root
     file system of these VMs has no journal, and there ext4 scans for recently deleted inodes on
     every create (`recently_deleted`), which made create-heavy workloads depend on what the
