@@ -474,10 +474,19 @@ impl Overlay {
 
     /// The shared open state of `node`, opened if no handle has it yet.
     pub fn open_file(&self, node: &Arc<Node>) -> Result<Arc<OpenFile>> {
-        if let Some(f) = node.state().open.upgrade() {
-            return Ok(f);
-        }
-        if let Some(f) = self.completer.find(node.st_ino) {
+        let copied_up = {
+            let st = node.state();
+            if let Some(f) = st.open.upgrade() {
+                return Ok(f);
+            }
+            st.upper && st.has_origin
+        };
+        // Only a copied-up file can be partial and wait in the completion queue (whose lock is
+        // the mount's: lower files and files made in the upper layer never take it here).
+        if let Some(f) = copied_up
+            .then(|| self.completer.find(node.st_ino))
+            .flatten()
+        {
             let mut st = node.state();
             if let Some(g) = st.open.upgrade() {
                 return Ok(g);
