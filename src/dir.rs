@@ -18,18 +18,9 @@ use crate::copy_up::temp_name;
 use crate::error::{Result, errno};
 use crate::inode::{Found, Ino, Node};
 use crate::layers::{UPPER, is_reserved_name, remove_tree, wh_name};
-use crate::namei::{Entry, check_name};
+use crate::namei::{Entry, UpperSlot, check_name};
 use crate::overlay::{Caller, DirView, Overlay};
 use crate::sys::{self, Attr};
-
-/// What is in the upper directory at a name the merged view does not show.
-enum Shadow {
-    Nothing,
-    /// A whiteout object at the name itself (char 0/0 or an xattr-marked file).
-    Whiteout,
-    /// A `.wh.NAME` file beside it.
-    WhFile,
-}
 
 impl Overlay {
     fn check_new_name(&self, name: &OsStr) -> Result<()> {
@@ -40,43 +31,22 @@ impl Overlay {
         Ok(())
     }
 
-    /// What `udir` holds at `name`. `below`: whether the directory has lower parts; only then
-    /// can a `.wh.NAME` file matter (it hides nothing otherwise, and a stale one is harmless).
-    fn shadow(&self, udir: BorrowedFd<'_>, name: &OsStr, below: bool) -> Result<Shadow> {
-        if sys::stat_opt(udir, name)?.is_some() {
-            return Ok(Shadow::Whiteout);
-        }
-        if below && self.layers.has_wh_file(udir, name)? {
-            return Ok(Shadow::WhFile);
-        }
-        Ok(Shadow::Nothing)
-    }
-
     /// For a new object `name` in the directory `view`: EEXIST if the merged view has it, else
-    /// what its upper directory holds there (one pass over the layers, unlike `resolve` and
-    /// then `shadow`).
-    fn free_name(&self, view: &DirView, name: &OsStr) -> Result<Shadow> {
+    /// what its upper directory holds there.
+    fn free_name(&self, view: &DirView, name: &OsStr) -> Result<UpperSlot> {
         let exists = || Err(errno(libc::EEXIST));
-        let mut shadow = Shadow::Nothing;
-        if let Some(up) = &view.upper {
-            let dir = self.layers.dir(UPPER, up)?;
-            let dir = dir.as_fd();
-            if let Some(attr) = sys::stat_opt(dir, name)? {
-                if !self.layers.is_whiteout(dir, name, &attr)? {
-                    return exists();
-                }
-                return Ok(Shadow::Whiteout);
+        let slot = match &view.upper {
+            Some(up) => {
+                let dir = self.layers.dir(UPPER, up)?;
+                self.upper_slot(dir.as_fd(), name, view.lower.is_some())?
             }
-            if view.lower.is_some() && self.layers.has_wh_file(dir, name)? {
-                shadow = Shadow::WhFile;
-            }
+            None => UpperSlot::Empty,
+        };
+        match (&slot, &view.lower) {
+            (UpperSlot::Object(_), _) => exists(),
+            (UpperSlot::Empty, Some(l)) if self.resolve_lower(l, name)?.is_some() => exists(),
+            _ => Ok(slot),
         }
-        if let (Shadow::Nothing, Some(l)) = (&shadow, &view.lower)
-            && self.resolve_lower(l, name)?.is_some()
-        {
-            return exists();
-        }
-        Ok(shadow)
     }
 
     /// The upper directory of `parent`, copied up if needed.
@@ -103,7 +73,7 @@ impl Overlay {
         let (uid, gid) = self.disk_ids(caller.uid, caller.gid);
         let as_caller = crate::creds::act_as(uid, gid);
         let (target_dir, target) = match shadow {
-            Shadow::Nothing => (udir, name.to_os_string()),
+            UpperSlot::Empty => (udir, name.to_os_string()),
             _ => (self.layers.work()?, temp_name("create")),
         };
         make(target_dir, &target)?;
@@ -112,14 +82,15 @@ impl Overlay {
                 self.own_new(target_dir, &target, caller, &sys::fstat(udir)?)?;
             }
             match shadow {
-                Shadow::Nothing => Ok(()),
-                Shadow::Whiteout => self.replace_whiteout(target_dir, &target, udir, name),
-                Shadow::WhFile => {
+                UpperSlot::Whiteout => self.replace_whiteout(target_dir, &target, udir, name),
+                UpperSlot::WhFile => {
                     self.mark_opaque_if_dir(target_dir, &target)?;
                     sys::rename_at(target_dir, &target, udir, name, RenameFlags::NOREPLACE)?;
                     rustix::fs::unlinkat(udir, wh_name(name).as_os_str(), AtFlags::empty())?;
                     Ok(())
                 }
+                // free_name refused a name that holds an object.
+                UpperSlot::Empty | UpperSlot::Object(_) => Ok(()),
             }
         };
         if let Err(e) = finish() {
@@ -358,7 +329,7 @@ impl Overlay {
         let src = self.upper_path(ino)?;
         let (sdir, sname) = self.parent_of(UPPER, &src)?;
         match shadow {
-            Shadow::Nothing => {
+            UpperSlot::Empty => {
                 rustix::fs::linkat(sdir.as_fd(), sname, udir, newname, AtFlags::empty())?
             }
             shadow => {
@@ -366,7 +337,7 @@ impl Overlay {
                 let tmp = temp_name("link");
                 rustix::fs::linkat(sdir.as_fd(), sname, work, &tmp, AtFlags::empty())?;
                 sys::rename_at(work, &tmp, udir, newname, RenameFlags::empty())?;
-                if matches!(shadow, Shadow::WhFile) {
+                if matches!(shadow, UpperSlot::WhFile) {
                     rustix::fs::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
                 }
             }
@@ -604,14 +575,12 @@ impl Overlay {
         }
         let mut wh_file_after = false;
         if !exchange {
-            match self.shadow(ddir, newname, nview.lower.is_some())? {
-                Shadow::Whiteout
-                    if dst.as_ref().is_none_or(|d| !d.found.upper) && src.attr.is_dir() =>
-                {
+            match self.upper_slot(ddir, newname, nview.lower.is_some())? {
+                UpperSlot::Whiteout if src.attr.is_dir() => {
                     // rename(2) will not put a directory over a whiteout device.
                     rustix::fs::unlinkat(ddir, newname, AtFlags::empty())?;
                 }
-                Shadow::WhFile => wh_file_after = true,
+                UpperSlot::WhFile => wh_file_after = true,
                 _ => {}
             }
             if let Some(d) = &dst

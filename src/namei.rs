@@ -26,6 +26,16 @@ pub struct Entry {
     pub attr: Attr,
 }
 
+/// What an upper directory holds at a name (`Overlay::upper_slot`).
+pub enum UpperSlot {
+    Object(Attr),
+    /// A whiteout object at the name itself (char 0/0 or an xattr-marked file).
+    Whiteout,
+    /// A `.wh.NAME` file beside it.
+    WhFile,
+    Empty,
+}
+
 pub fn check_name(name: &OsStr) -> Result<()> {
     if name.len() > 255 {
         return Err(errno(libc::ENAMETOOLONG));
@@ -92,6 +102,27 @@ impl Overlay {
         joins.then_some(node)
     }
 
+    /// What the upper directory `dir` holds at `name`. `below`: whether lower layers lie under
+    /// it; only then can a `.wh.NAME` file matter (it hides nothing otherwise, and a stale one
+    /// is harmless), so only then is it looked for.
+    pub fn upper_slot(
+        &self,
+        dir: std::os::fd::BorrowedFd<'_>,
+        name: &OsStr,
+        below: bool,
+    ) -> Result<UpperSlot> {
+        if let Some(attr) = sys::stat_opt(dir, name)? {
+            if self.layers.is_whiteout(dir, name, &attr)? {
+                return Ok(UpperSlot::Whiteout);
+            }
+            return Ok(UpperSlot::Object(attr));
+        }
+        if below && self.layers.has_wh_file(dir, name)? {
+            return Ok(UpperSlot::WhFile);
+        }
+        Ok(UpperSlot::Empty)
+    }
+
     /// Resolves `name` in the directory `view` without recording anything.
     pub fn resolve(&self, view: &DirView, name: &OsStr) -> Result<Option<Entry>> {
         if is_reserved_name(name) {
@@ -100,10 +131,8 @@ impl Overlay {
         if let Some(up) = &view.upper {
             let dir = self.layers.dir(UPPER, up)?;
             let dir = dir.as_fd();
-            if let Some(attr) = sys::stat_opt(dir, name)? {
-                if self.layers.is_whiteout(dir, name, &attr)? {
-                    return Ok(None);
-                }
+            let slot = self.upper_slot(dir, name, view.lower.is_some())?;
+            if let UpperSlot::Object(attr) = slot {
                 // Only a copy-up carries an origin: in a directory without lower parts (and not
                 // marked as holding moved copy-ups) there is nothing to read.
                 let origin = if view.origins {
@@ -146,8 +175,7 @@ impl Overlay {
                 };
                 return Ok(Some(Entry { found, attr }));
             }
-            // A `.wh.NAME` file only matters where there is something below to hide.
-            if view.lower.is_some() && self.layers.has_wh_file(dir, name)? {
+            if !matches!(slot, UpperSlot::Empty) {
                 return Ok(None);
             }
         }
