@@ -5,14 +5,13 @@
 //! no data). mosaicfs' and the overlays' own xattrs are hidden from the merged view.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Result, errno};
 use crate::inode::{Ino, Node};
-use crate::layers::{LayerId, UPPER, is_internal_xattr};
+use crate::layers::is_internal_xattr;
 use crate::overlay::Overlay;
 use crate::sys::{self, Attr, Time};
 
@@ -30,22 +29,8 @@ pub struct SetAttr {
 impl Overlay {
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
         let node = self.node(ino)?;
-        let attr = self.stat_layer(&node)?;
+        let attr = self.settled(|| self.stat_layer(&node))?;
         Ok(self.present(&node, attr))
-    }
-
-    /// The directory holding the layer file of `path` and its name in it (`None` for a layer root).
-    fn at(&self, layer: LayerId, path: &Path) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
-        if path.as_os_str().is_empty() {
-            return Ok((self.layers.dir(layer, path)?, None));
-        }
-        let (dir, name) = self.parent_of(layer, path)?;
-        Ok((dir, Some(name.to_os_string())))
-    }
-
-    fn upper_at(&self, node: &Node) -> Result<(Arc<OwnedFd>, OsString)> {
-        let (dir, name) = self.at(UPPER, &self.upper_path(node.ino)?)?;
-        Ok((dir, name.unwrap_or_else(|| ".".into())))
     }
 
     /// Changes attributes for `caller`. A size change by an unprivileged caller clears set-id
@@ -74,8 +59,16 @@ impl Overlay {
             || set.mtime.is_some()
         {
             self.copy_up(&node)?;
-            let (dir, name) = self.upper_at(&node)?;
-            let (dir, name) = (dir.as_fd(), name.as_os_str());
+            self.settled(|| self.set_upper_attr(&node, &set))?;
+        }
+        self.getattr(ino)
+    }
+
+    /// Sets owner, mode and times of `node`'s upper object.
+    fn set_upper_attr(&self, node: &Node, set: &SetAttr) -> Result<()> {
+        let (dir, name) = self.upper_entry(node)?;
+        let (dir, name) = (dir.as_fd(), name.as_os_str());
+        {
             if set.uid.is_some() || set.gid.is_some() {
                 let uid = set.uid.map(|u| self.config.uid_map.to_outside(u));
                 let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
@@ -95,14 +88,15 @@ impl Overlay {
                 )?;
             }
         }
-        self.getattr(ino)
+        Ok(())
     }
 
     pub fn readlink(&self, ino: Ino) -> Result<OsString> {
         let node = self.node(ino)?;
-        let (layer, path) = self.top_path(&node)?;
-        let (dir, name) = self.parent_of(layer, &path)?;
-        sys::read_link_at(dir.as_fd(), name)
+        self.settled(|| {
+            let (dir, name) = self.top_entry(&node)?;
+            sys::read_link_at(dir.as_fd(), name.as_deref().unwrap_or(OsStr::new(".")))
+        })
     }
 
     fn check_xattr_name(&self, name: &OsStr) -> Result<()> {
@@ -121,9 +115,10 @@ impl Overlay {
             return Err(errno(libc::ENODATA));
         }
         let node = self.node(ino)?;
-        let (layer, path) = self.top_path(&node)?;
-        let (dir, file) = self.at(layer, &path)?;
-        sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
+        self.settled(|| {
+            let (dir, file) = self.top_entry(&node)?;
+            sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
+        })
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
@@ -131,10 +126,12 @@ impl Overlay {
             return Ok(Vec::new());
         }
         let node = self.node(ino)?;
-        let (layer, path) = self.top_path(&node)?;
-        let (dir, file) = self.at(layer, &path)?;
+        let names = self.settled(|| {
+            let (dir, file) = self.top_entry(&node)?;
+            sys::list_xattr(dir.as_fd(), file.as_deref())
+        })?;
         let mut out = Vec::new();
-        for n in sys::list_xattr(dir.as_fd(), file.as_deref())? {
+        for n in names {
             let b = n.as_bytes();
             if is_internal_xattr(b) || (!self.config.acl && b.starts_with(b"system.posix_acl_")) {
                 continue;
@@ -153,8 +150,10 @@ impl Overlay {
         }
         let node = self.node(ino)?;
         self.copy_up(&node)?;
-        let (dir, file) = self.upper_at(&node)?;
-        sys::set_xattr(dir.as_fd(), Some(&file), name, value, flags)
+        self.settled(|| {
+            let (dir, file) = self.upper_entry(&node)?;
+            sys::set_xattr(dir.as_fd(), Some(&file), name, value, flags)
+        })
     }
 
     pub fn removexattr(&self, ino: Ino, name: &OsStr) -> Result<()> {
@@ -167,7 +166,9 @@ impl Overlay {
         // Removing an xattr the file does not have must not copy it up.
         self.getxattr(ino, name)?;
         self.copy_up(&node)?;
-        let (dir, file) = self.upper_at(&node)?;
-        sys::remove_xattr(dir.as_fd(), Some(&file), name)
+        self.settled(|| {
+            let (dir, file) = self.upper_entry(&node)?;
+            sys::remove_xattr(dir.as_fd(), Some(&file), name)
+        })
     }
 }

@@ -17,7 +17,7 @@ use rustix::fs::{Mode, OFlags, RenameFlags};
 
 use crate::error::{Error, Result, errno};
 use crate::inode::{Node, ROOT_INO};
-use crate::layers::{UPPER, is_internal_xattr};
+use crate::layers::is_internal_xattr;
 use crate::overlay::Overlay;
 use crate::partial::PartialMark;
 use crate::partial_file::Source;
@@ -68,12 +68,15 @@ impl Overlay {
             let _ = crate::layers::remove_tree(work, &tmp);
             return Err(e);
         }
-        let udir = self.layers.dir(UPPER, &self.upper_path(parent)?)?;
-        if let Err(e) = sys::rename_at(work, &tmp, udir.as_fd(), &name, RenameFlags::NOREPLACE) {
-            let _ = crate::layers::remove_tree(work, &tmp);
-            return Err(e);
-        }
+        let udir = self.upper_fd(&pnode)?;
         {
+            // Lookups in the parent that read the layers before this are not recorded after it.
+            let _changing = pnode.entries.write();
+            if let Err(e) = sys::rename_at(work, &tmp, udir.as_fd(), &name, RenameFlags::NOREPLACE)
+            {
+                let _ = crate::layers::remove_tree(work, &tmp);
+                return Err(e);
+            }
             let mut st = node.state();
             st.upper = true;
             st.has_origin = true;

@@ -36,10 +36,7 @@ impl Overlay {
     fn free_name(&self, view: &DirView, name: &OsStr) -> Result<UpperSlot> {
         let exists = || Err(errno(libc::EEXIST));
         let slot = match &view.upper {
-            Some(up) => {
-                let dir = self.layers.dir(UPPER, up)?;
-                self.upper_slot(dir.as_fd(), name, view.lower.is_some())?
-            }
+            Some(dir) => self.upper_slot(dir.as_fd(), name, view.lower.is_some())?,
             None => UpperSlot::Empty,
         };
         match (&slot, &view.lower) {
@@ -52,7 +49,7 @@ impl Overlay {
     /// The upper directory of `parent`, copied up if needed.
     fn upper_dir(&self, parent: &Node) -> Result<Arc<OwnedFd>> {
         self.copy_up(parent)?;
-        self.layers.dir(UPPER, &self.upper_path(parent.ino)?)
+        self.upper_fd(parent)
     }
 
     /// Creates a new object `name` in `parent` with `make`, owned by the caller.
@@ -76,6 +73,7 @@ impl Overlay {
             UpperSlot::Empty => (udir, name.to_os_string()),
             _ => (self.layers.work()?, temp_name("create")),
         };
+        let _changing = pnode.entries.write();
         make(target_dir, &target)?;
         let finish = || -> Result<()> {
             if !as_caller {
@@ -326,16 +324,16 @@ impl Overlay {
         self.copy_up(&node)?;
         let udir = self.upper_dir(&pnode)?;
         let udir = udir.as_fd();
-        let src = self.upper_path(ino)?;
-        let (sdir, sname) = self.parent_of(UPPER, &src)?;
+        let (sdir, sname) = self.upper_entry(&node)?;
+        let _changing = pnode.entries.write();
         match shadow {
             UpperSlot::Empty => {
-                rustix::fs::linkat(sdir.as_fd(), sname, udir, newname, AtFlags::empty())?
+                rustix::fs::linkat(sdir.as_fd(), &sname, udir, newname, AtFlags::empty())?
             }
             shadow => {
                 let work = self.layers.work()?;
                 let tmp = temp_name("link");
-                rustix::fs::linkat(sdir.as_fd(), sname, work, &tmp, AtFlags::empty())?;
+                rustix::fs::linkat(sdir.as_fd(), &sname, work, &tmp, AtFlags::empty())?;
                 sys::rename_at(work, &tmp, udir, newname, RenameFlags::empty())?;
                 if matches!(shadow, UpperSlot::WhFile) {
                     rustix::fs::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
@@ -355,30 +353,27 @@ impl Overlay {
                 origins: st.origins,
             }
         };
-        self.note_origin_moved_into(&pnode, found.origin)?;
         let node = self.inodes.remember(newparent, newname, &found);
+        drop(_changing);
+        self.note_origin_moved_into(&pnode, found.origin)?;
         let attr = self.stat_layer(&node)?;
         Ok((node.clone(), self.present(&node, attr)))
     }
 
     /// Removes `name` from the upper directory of `parent`, leaving a whiteout when a lower
-    /// layer still has it. `entry` is what the name resolved to.
+    /// layer still has it, and forgets the name. `entry` is what the name resolved to.
     fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
-        let r = self.remove_entry_inner(pnode, name, entry);
-        if entry.attr.is_dir() {
-            // The directory moved to the work dir (or is gone): cached upper paths are stale.
-            self.layers.upper_dirs_moved();
-        }
-        r
-    }
-
-    fn remove_entry_inner(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
         let needs_whiteout = self.lower_has(pnode, name)?;
         let udir = self.upper_dir(pnode)?;
         let udir = udir.as_fd();
         let work = self.layers.work()?;
+        let _changing = pnode.entries.write();
+        // A directory moves to the work dir to be removed: paths below it change.
+        let _moving = entry.attr.is_dir().then(|| self.moves.write());
         if !entry.found.upper {
-            return self.layers.make_whiteout(udir, name);
+            self.layers.make_whiteout(udir, name)?;
+            self.forget_name(entry.found.ino, pnode.ino, name);
+            return Ok(());
         }
         let tmp = temp_name("remove");
         if needs_whiteout && self.layers.whiteout_chardev {
@@ -393,18 +388,24 @@ impl Overlay {
                 let _ = rustix::fs::unlinkat(work, &tmp, AtFlags::empty());
                 return Err(e);
             }
-            return remove_tree(work, &tmp);
+        } else {
+            sys::rename_at(udir, name, work, &tmp, RenameFlags::NOREPLACE)?;
+            if needs_whiteout {
+                self.layers.make_whiteout(udir, name)?;
+            }
         }
-        sys::rename_at(udir, name, work, &tmp, RenameFlags::NOREPLACE)?;
-        if needs_whiteout {
-            self.layers.make_whiteout(udir, name)?;
-        }
+        self.forget_name(entry.found.ino, pnode.ino, name);
+        drop(_moving);
+        drop(_changing);
         remove_tree(work, &tmp)
     }
 
     fn forget_name(&self, ino: Ino, parent: Ino, name: &OsStr) {
         if let Some(node) = self.inodes.get(ino) {
             let mut st = node.state();
+            if !st.upper && st.kind != libc::S_IFDIR {
+                st.lower_names_gone += 1;
+            }
             st.links.retain(|(p, n)| !(*p == parent && n == name));
             if st.links.is_empty() {
                 st.unlinked = true;
@@ -423,15 +424,14 @@ impl Overlay {
         if entry.attr.is_dir() {
             return Err(errno(libc::EISDIR));
         }
-        self.remove_entry(&pnode, name, &entry)?;
-        self.forget_name(entry.found.ino, parent, name);
-        Ok(())
+        self.remove_entry(&pnode, name, &entry)
     }
 
     fn entry_view(&self, parent: &Node, name: &OsStr, entry: &Entry) -> Result<DirView> {
         Ok(DirView {
             upper: if entry.found.upper {
-                Some(self.upper_path(parent.ino)?.join(name))
+                let dir = self.upper_fd(parent)?;
+                Some(Arc::new(sys::open_dir(dir.as_fd(), Path::new(name))?))
             } else {
                 None
             },
@@ -466,9 +466,7 @@ impl Overlay {
         }
         self.check_empty_dir(&pnode, name, &entry)?;
         let _recount = SubdirsChange(self, [parent, parent]);
-        self.remove_entry(&pnode, name, &entry)?;
-        self.forget_name(entry.found.ino, parent, name);
-        Ok(())
+        self.remove_entry(&pnode, name, &entry)
     }
 
     /// Records where a directory's lower part is, before the directory moves away from it.
@@ -476,13 +474,12 @@ impl Overlay {
         let Some(lower) = node.state().lower.clone() else {
             return Ok(());
         };
-        let path = self.upper_path(node.ino)?;
-        let (dir, name) = self.parent_of(UPPER, &path)?;
+        let (dir, name) = self.upper_entry(node)?;
         let mut target = b"/".to_vec();
         target.extend_from_slice(lower.path.as_os_str().as_bytes());
         sys::set_xattr(
             dir.as_fd(),
-            Some(name),
+            Some(&name),
             &self.layers.xattr.redirect,
             &target,
             0,
@@ -557,7 +554,7 @@ impl Overlay {
                 self.set_redirect(d)?;
             }
         }
-        let sdir = self.layers.dir(UPPER, &self.upper_path(parent)?)?;
+        let sdir = self.upper_fd(&pnode)?;
         let ddir = self.upper_dir(&npnode)?;
         let (sdir, ddir) = (sdir.as_fd(), ddir.as_fd());
         // A directory without lower parts that lands on a name a lower layer has must hide it.
@@ -588,14 +585,15 @@ impl Overlay {
                 && d.attr.is_dir()
             {
                 // The merged view says it is empty; the upper part may still hold whiteouts.
-                let dsub = self
-                    .layers
-                    .dir(UPPER, &self.upper_path(newparent)?.join(newname))?;
+                let dsub = sys::open_dir(ddir, Path::new(newname))?;
                 for e in sys::read_dir(ddir, Path::new(newname))? {
                     remove_tree(dsub.as_fd(), &e.name)?;
                 }
             }
         }
+        let moves_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
+        let _changing = (pnode.entries.write(), npnode.entries.write());
+        let _moving = moves_dir.then(|| self.moves.write());
         let mut rflags = RenameFlags::empty();
         if exchange {
             rflags |= RenameFlags::EXCHANGE;
@@ -621,21 +619,19 @@ impl Overlay {
         if wh_file_after {
             let _ = rustix::fs::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
         }
-        if src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir()) {
-            // Directories moved: cached descriptors of upper paths may point elsewhere now.
-            self.layers.upper_dirs_moved();
-        }
-        self.note_origin_moved_into(&npnode, snode.state().has_origin)?;
-        if let (Some(d), true) = (&dnode, exchange) {
-            self.note_origin_moved_into(&pnode, d.state().has_origin)?;
-        }
         self.move_name(&snode, (parent, name), (newparent, newname));
-        if let Some(d) = dnode {
+        if let Some(d) = &dnode {
             if exchange {
-                self.move_name(&d, (newparent, newname), (parent, name));
+                self.move_name(d, (newparent, newname), (parent, name));
             } else {
                 self.forget_name(d.ino, newparent, newname);
             }
+        }
+        drop(_moving);
+        drop(_changing);
+        self.note_origin_moved_into(&npnode, snode.state().has_origin)?;
+        if let (Some(d), true) = (&dnode, exchange) {
+            self.note_origin_moved_into(&pnode, d.state().has_origin)?;
         }
         Ok(())
     }
@@ -649,9 +645,11 @@ impl Overlay {
         let pnode = self.node(parent)?;
         self.copy_up(&pnode)?;
         let udir = self.upper_dir(&pnode)?;
-        let src = self.upper_path(node.ino)?;
-        let (sdir, sname) = self.parent_of(UPPER, &src)?;
-        rustix::fs::linkat(sdir.as_fd(), sname, udir.as_fd(), name, AtFlags::empty())?;
+        let (sdir, sname) = self.upper_entry(node)?;
+        {
+            let _changing = pnode.entries.write();
+            rustix::fs::linkat(sdir.as_fd(), &sname, udir.as_fd(), name, AtFlags::empty())?;
+        }
         self.note_origin_moved_into(&pnode, true)
     }
 
@@ -678,7 +676,7 @@ impl Overlay {
             origin && st.lower.is_none() && !st.origins
         };
         if needs_mark {
-            let d = self.layers.dir(UPPER, &self.upper_path(dir.ino)?)?;
+            let d = self.upper_fd(dir)?;
             sys::set_xattr(d.as_fd(), None, &self.layers.xattr.origins, b"y", 0)?;
             dir.state().origins = true;
         }

@@ -3,8 +3,10 @@
 //! Every operation opens the directories it works in (fd-relative access, no fd per inode);
 //! keeping the most recent ones open saves an `openat2` and a `close` each time. Lower layers
 //! never change, so their entries stay right. An upper entry goes stale when a directory is
-//! renamed or removed (the descriptor follows the directory, the path does not): those
-//! operations drop every upper entry (`forget_upper`). The cache holds at most
+//! renamed or removed (the descriptor follows the directory, the path does not): each entry
+//! carries the generation of upper directory moves it was opened in (`Overlay::moves`), and is
+//! used only in that same generation. Dropping entries at a move would not be enough: a
+//! descriptor opened just before a move may be inserted just after it. The cache holds at most
 //! `SHARDS * PER_SHARD` descriptors, well inside RLIMIT_NOFILE.
 //!
 //! Locking: one mutex per shard, held only to look up or insert.
@@ -19,7 +21,7 @@ use crate::layers::LayerId;
 const SHARDS: usize = 16;
 const PER_SHARD: usize = 64;
 
-type Shard = Mutex<HashMap<(LayerId, PathBuf), Arc<OwnedFd>>>;
+type Shard = Mutex<HashMap<(LayerId, PathBuf), (Arc<OwnedFd>, u64)>>;
 
 pub struct DirCache {
     shards: [Shard; SHARDS],
@@ -42,14 +44,18 @@ fn shard_of(layer: LayerId, rel: &Path) -> usize {
 }
 
 impl DirCache {
-    pub fn get(&self, layer: LayerId, rel: &Path) -> Option<Arc<OwnedFd>> {
+    /// The descriptor of `rel` in `layer`, if one was opened in generation `generation`.
+    pub fn get(&self, layer: LayerId, rel: &Path, generation: u64) -> Option<Arc<OwnedFd>> {
         let shard = self.shards[shard_of(layer, rel)]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        shard.get(&(layer, rel.to_path_buf())).cloned()
+        match shard.get(&(layer, rel.to_path_buf())) {
+            Some((fd, g)) if *g == generation => Some(fd.clone()),
+            _ => None,
+        }
     }
 
-    pub fn insert(&self, layer: LayerId, rel: &Path, fd: Arc<OwnedFd>) {
+    pub fn insert(&self, layer: LayerId, rel: &Path, fd: Arc<OwnedFd>, generation: u64) {
         let mut shard = self.shards[shard_of(layer, rel)]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -59,15 +65,6 @@ impl DirCache {
                 shard.remove(&k);
             }
         }
-        shard.insert((layer, rel.to_path_buf()), fd);
-    }
-
-    /// Drops every entry of `layer` (a directory there was renamed or removed).
-    pub fn forget_layer(&self, layer: LayerId) {
-        for s in &self.shards {
-            s.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(l, _), _| *l != layer);
-        }
+        shard.insert((layer, rel.to_path_buf()), (fd, generation));
     }
 }

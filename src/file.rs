@@ -348,12 +348,22 @@ impl Overlay {
                 self.open_lower_source(lower.top(), &lower.path)?,
             ));
         }
-        let path = self.upper_path(node.ino)?;
-        let fd = if self.config.read_only {
-            sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDONLY, 0)?
+        let access = if self.config.read_only {
+            OFlags::RDONLY
         } else {
-            sys::open_beneath(self.layers.root(UPPER), &path, OFlags::RDWR, 0)?
+            OFlags::RDWR
         };
+        let fd = self.settled(|| {
+            let (dir, name) = self.upper_entry(node)?;
+            Ok(rustix::fs::openat(
+                dir.as_fd(),
+                &name,
+                access | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )?)
+        })?;
+        // For messages only: a concurrent rename may change it, the descriptor stays right.
+        let path = self.upper_path(node.ino)?;
         match self.read_mark(fd.as_fd(), UPPER, &path)? {
             None => Ok(FileData::Upper(fd)),
             Some(mark) => {
@@ -847,10 +857,10 @@ impl Overlay {
         if !node.state().upper {
             return Ok(());
         }
-        let path = self.upper_path(ino)?;
+        let dir = self.upper_fd(&node)?;
         let fd = sys::open_beneath(
-            self.layers.root(UPPER),
-            &path,
+            dir.as_fd(),
+            Path::new(""),
             OFlags::RDONLY | OFlags::DIRECTORY,
             0,
         )?;

@@ -15,6 +15,12 @@
 //! id (`retire`, and file.rs `IoMode`). Both share the object's state and show its inode number;
 //! the first leads lookups to the second while the second lives.
 //!
+//! A lookup reads the layers without a lock and records what it found afterwards; a change to
+//! the directory it looked in (create, remove, rename, copy-up of an entry) may run in between,
+//! since the kernel revalidates names without the directory's lock. Every such change is
+//! bracketed by the directory's `entries` sequence (seq.rs), and a lookup records nothing that a
+//! change overtook (`remember_if`): it looks again.
+//!
 //! Locking: the table is sharded, each shard behind its own `RwLock` held only to find, insert
 //! or count an entry; a thread holds one shard lock at a time and takes no state lock under it.
 //! Each inode's mutable state sits behind its own `Mutex`. A thread may take an ancestor's state
@@ -29,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use crate::file::{NodeIo, OpenFile};
 use crate::layers::LayerId;
+use crate::seq::ChangeSeq;
 
 pub type Ino = u64;
 pub const ROOT_INO: Ino = 1;
@@ -70,6 +77,10 @@ pub struct NodeState {
     pub subdirs: Option<u64>,
     /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
     pub subdirs_gen: u64,
+    /// For a lower non-directory: how many of its names (hard links in the lower layer) this
+    /// mount removed while it stayed in the lower layer. The lower file's `st_nlink` still
+    /// counts them; the merged view must not.
+    pub lower_names_gone: u64,
 }
 
 impl NodeState {
@@ -94,6 +105,8 @@ pub struct Node {
     lookups: AtomicU64,
     /// Serialises copy-up of this object (held across the copy, unlike `state`).
     pub copy_up: Arc<Mutex<()>>,
+    /// For a directory: changes to its entries (see the top of this file).
+    pub entries: Arc<ChangeSeq>,
     /// How the kernel inode behind this node id does I/O (its passthrough binding).
     pub io: NodeIo,
     /// `SELF`, `RETIRED` or the node id of this object's second identity. Changed only under
@@ -117,6 +130,7 @@ impl Node {
             state: Arc::new(Mutex::new(state)),
             lookups: AtomicU64::new(0),
             copy_up: Arc::default(),
+            entries: Arc::default(),
             io: NodeIo::default(),
             current: AtomicU64::new(SELF),
         }
@@ -131,6 +145,7 @@ impl Node {
             state: self.state.clone(),
             lookups: AtomicU64::new(1),
             copy_up: self.copy_up.clone(),
+            entries: self.entries.clone(),
             io: NodeIo::default(),
             current: AtomicU64::new(SELF),
         }
@@ -171,6 +186,7 @@ impl NodeState {
             open: Weak::new(),
             subdirs: None,
             subdirs_gen: 0,
+            lower_names_gone: 0,
         }
     }
 }
@@ -243,9 +259,28 @@ impl InodeTable {
 
     /// Records a lookup of `name` in `parent` and counts one kernel reference to it.
     pub fn remember(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
+        self.remember_if(parent, name, found, || true)
+            .expect("an unconditional record")
+    }
+
+    /// `remember`, if `still()` holds while the inode's state is locked: that is, if no change
+    /// overtook what `found` says (every change updates the state under that lock after its
+    /// sequence says it started). Otherwise records nothing and returns `None`.
+    pub fn remember_if(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        found: &Found,
+        still: impl Fn() -> bool,
+    ) -> Option<Arc<Node>> {
         let node = self.counted(found);
         {
             let mut st = node.state();
+            if !still() {
+                drop(st);
+                self.forget(node.ino, 1);
+                return None;
+            }
             if !node.is_alias() && (st.unlinked || st.kind != found.kind) {
                 // A new object under a number the old one left behind.
                 node.generation.fetch_add(1, Ordering::Relaxed);
@@ -269,7 +304,7 @@ impl InodeTable {
                 st.links.insert(0, link);
             }
         }
-        node
+        Some(node)
     }
 
     /// The node a lookup of `found` names, its kernel reference counted: the object's own

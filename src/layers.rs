@@ -298,19 +298,29 @@ impl LayerStack {
         }
     }
 
-    /// The directory `rel` in `layer` as an `O_PATH` handle, from the cache when it is there.
+    /// The directory `rel` in the lower layer `layer` as an `O_PATH` handle, from the cache
+    /// when it is there. Lower layers never change, so a path there always names one directory.
     pub fn dir(&self, layer: LayerId, rel: &Path) -> Result<Arc<OwnedFd>> {
-        if let Some(fd) = self.dirs.get(layer, rel) {
+        debug_assert!(
+            layer != UPPER || !self.has_upper,
+            "upper dirs go through upper_dir"
+        );
+        self.cached_dir(layer, rel, 0)
+    }
+
+    /// The upper directory `rel` as it was in generation `moves` of upper directory moves
+    /// (`Overlay::upper_fd` gives a path and a generation that agree).
+    pub fn upper_dir(&self, rel: &Path, moves: u64) -> Result<Arc<OwnedFd>> {
+        self.cached_dir(UPPER, rel, moves)
+    }
+
+    fn cached_dir(&self, layer: LayerId, rel: &Path, generation: u64) -> Result<Arc<OwnedFd>> {
+        if let Some(fd) = self.dirs.get(layer, rel, generation) {
             return Ok(fd);
         }
         let fd = Arc::new(sys::open_dir(self.root(layer), rel)?);
-        self.dirs.insert(layer, rel, fd.clone());
+        self.dirs.insert(layer, rel, fd.clone(), generation);
         Ok(fd)
-    }
-
-    /// An upper directory was renamed or removed: cached upper paths may be wrong now.
-    pub fn upper_dirs_moved(&self) {
-        self.dirs.forget_layer(UPPER);
     }
 
     /// Whether `name` in `dir` (whose stat is `attr`) is a whiteout in any format.

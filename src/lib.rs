@@ -22,5 +22,6 @@ pub mod overlay;
 pub mod partial;
 pub mod partial_file;
 pub mod readdir;
+pub mod seq;
 pub mod stats;
 pub mod sys;

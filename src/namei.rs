@@ -51,36 +51,42 @@ impl Overlay {
     pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
         check_name(name)?;
         let pnode = self.node(parent)?;
-        let view = self.dir_view(&pnode)?;
-        let mut entry = self
-            .resolve(&view, name)?
-            .ok_or_else(|| errno(libc::ENOENT))?;
-        if let Some(node) = self.copied_up_link_of(&entry) {
-            match self.join_copied_up_link(&node, parent, name) {
-                Ok(()) => {
-                    entry = self
-                        .resolve(&self.dir_view(&pnode)?, name)?
-                        .ok_or_else(|| errno(libc::ENOENT))?;
+        loop {
+            // A change to the directory's entries that overtakes this lookup makes it look again.
+            let seen = pnode.entries.read();
+            let entry = self
+                .resolve(&self.dir_view(&pnode)?, name)?
+                .ok_or_else(|| errno(libc::ENOENT))?;
+            if let Some(node) = self.copied_up_link_of(&entry) {
+                match self.join_copied_up_link(&node, parent, name) {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        log::warn!("hard link {name:?} not joined to its copied-up inode: {e}")
+                    }
                 }
-                Err(e) => log::warn!("hard link {name:?} not joined to its copied-up inode: {e}"),
             }
+            // A copied-up hard link found while the inode is known by lower names only (a
+            // remount): those names join it.
+            let rejoin = entry.found.upper
+                && entry.found.origin
+                && entry.found.kind != libc::S_IFDIR
+                && !self.config.read_only
+                && self.inodes.get(entry.found.ino).is_some_and(|n| {
+                    let st = n.state();
+                    !st.upper && !st.unlinked && st.kind == entry.found.kind
+                });
+            let Some(node) = self
+                .inodes
+                .remember_if(parent, name, &entry.found, || pnode.entries.unchanged(seen))
+            else {
+                continue;
+            };
+            if rejoin {
+                self.join_other_links(&node);
+            }
+            let attr = self.present(&node, entry.attr);
+            return Ok((node, attr));
         }
-        // A copied-up hard link found while the inode is known by lower names only (a remount):
-        // those names join it.
-        let rejoin = entry.found.upper
-            && entry.found.origin
-            && entry.found.kind != libc::S_IFDIR
-            && !self.config.read_only
-            && self.inodes.get(entry.found.ino).is_some_and(|n| {
-                let st = n.state();
-                !st.upper && !st.unlinked && st.kind == entry.found.kind
-            });
-        let node = self.inodes.remember(parent, name, &entry.found);
-        if rejoin {
-            self.join_other_links(&node);
-        }
-        let attr = self.present(&node, entry.attr);
-        Ok((node, attr))
     }
 
     /// The inode a lower hard link found by a lookup belongs to, when another of its names was
@@ -129,8 +135,7 @@ impl Overlay {
             return Ok(None);
         }
         if let Some(up) = &view.upper {
-            let dir = self.layers.dir(UPPER, up)?;
-            let dir = dir.as_fd();
+            let dir = up.as_fd();
             let slot = self.upper_slot(dir, name, view.lower.is_some())?;
             if let UpperSlot::Object(attr) = slot {
                 // Only a copy-up carries an origin: in a directory without lower parts (and not

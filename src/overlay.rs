@@ -4,7 +4,7 @@
 //! `readdir.rs` (merged listing), `dir.rs` (create, unlink, rename), `attr.rs` (attributes and
 //! xattrs), `copy_up.rs`, `file.rs` (data and partial files). This file holds what they share.
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,6 +17,7 @@ use crate::layers::{LayerId, LayerStack, UPPER};
 use crate::options::{IdMap, Options};
 use crate::partial::{self, SparseSupport};
 use crate::readdir::DirHandleTable;
+use crate::seq::ChangeSeq;
 use crate::stats::Stats;
 use crate::sys::{self, Attr};
 
@@ -97,12 +98,18 @@ pub struct Overlay {
     pub caw: Option<Arc<crate::caw::CawShared>>,
     /// The control socket, removed at shutdown (control.rs).
     pub control_socket: std::sync::Mutex<Option<PathBuf>>,
+    /// Moves of upper directories (renames, removals), which change the upper paths of
+    /// everything below them. Upper objects are reached by paths built from the inodes' links;
+    /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
+    /// request never acts on a path that a concurrent rename of an ancestor made wrong.
+    pub moves: ChangeSeq,
 }
 
-/// A directory as the merged view sees it: where its upper part is (if any) and its lower parts.
+/// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
 #[derive(Debug, Clone)]
 pub struct DirView {
-    pub upper: Option<PathBuf>,
+    /// The upper directory itself: it stays right whatever is renamed meanwhile.
+    pub upper: Option<Arc<OwnedFd>>,
     pub lower: Option<LowerRef>,
     /// Upper entries may carry `mosaicfs.origin` (the directory has lower parts, or is marked).
     pub origins: bool,
@@ -162,6 +169,7 @@ impl Overlay {
             completer: Default::default(),
             caw,
             control_socket: Default::default(),
+            moves: ChangeSeq::default(),
             layers,
         })
     }
@@ -206,7 +214,7 @@ impl Overlay {
         };
         Ok(DirView {
             upper: if upper {
-                Some(self.upper_path(node.ino)?)
+                Some(self.upper_fd(node)?)
             } else {
                 None
             },
@@ -215,7 +223,63 @@ impl Overlay {
         })
     }
 
-    /// Opens the parent directory of `rel` in `layer` and returns it with the final name.
+    /// The upper directory of the directory `node`, which must have one. Its path comes from
+    /// the links of its ancestors; when an upper directory moved while the path was built or
+    /// opened, both are done again (seq.rs), so the descriptor is the directory `node` is.
+    pub fn upper_fd(&self, node: &Node) -> Result<Arc<OwnedFd>> {
+        loop {
+            let moves = self.moves.read();
+            let r = self
+                .upper_path(node.ino)
+                .and_then(|p| self.layers.upper_dir(&p, moves));
+            if self.moves.unchanged(moves) {
+                return r;
+            }
+        }
+    }
+
+    /// The upper directory holding `node`'s upper object, and its name there (`.` for the
+    /// root), got as `upper_fd` gets a directory.
+    pub fn upper_entry(&self, node: &Node) -> Result<(Arc<OwnedFd>, OsString)> {
+        loop {
+            let moves = self.moves.read();
+            let r = self
+                .upper_path(node.ino)
+                .and_then(|p| match (p.parent(), p.file_name()) {
+                    (Some(parent), Some(name)) => {
+                        Ok((self.layers.upper_dir(parent, moves)?, name.to_os_string()))
+                    }
+                    _ => Ok((self.layers.upper_dir(Path::new(""), moves)?, ".".into())),
+                });
+            if self.moves.unchanged(moves) {
+                return r;
+            }
+        }
+    }
+
+    /// Runs `op` again when it found its object missing while an upper directory moved: it
+    /// reached the object by a name in its parent directory, and a concurrent rename of that
+    /// very directory (which the kernel does not serialise against every call on it) changed
+    /// the name under it. `op` must not have changed anything when it fails so.
+    pub fn settled<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+        let mut tries = 0;
+        loop {
+            let moves = self.moves.read();
+            match op() {
+                Err(e)
+                    if (e.is(libc::ENOENT) || e.is(libc::ENOTDIR))
+                        && !self.moves.unchanged(moves)
+                        && tries < 100 =>
+                {
+                    tries += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Opens the parent directory of `rel` in the lower layer `layer` and returns it with the
+    /// final name.
     pub fn parent_of<'a>(
         &self,
         layer: LayerId,
@@ -227,18 +291,24 @@ impl Overlay {
         }
     }
 
-    /// The layer file the merged object `node` shows now: upper if it has an upper part.
-    pub fn top_path(&self, node: &Node) -> Result<(LayerId, PathBuf)> {
+    /// The layer directory holding the file the merged object `node` shows now (upper if it
+    /// has an upper part), and its name there; no name for a layer's root.
+    pub fn top_entry(&self, node: &Node) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
         let (upper, lower) = {
             let st = node.state();
             (st.upper, st.lower.clone())
         };
         if upper {
-            Ok((UPPER, self.upper_path(node.ino)?))
-        } else if let Some(l) = lower {
-            Ok((l.top(), l.path))
-        } else {
-            Err(errno(libc::ENOENT))
+            let (dir, name) = self.upper_entry(node)?;
+            return Ok((dir, (node.ino != ROOT_INO).then_some(name)));
+        }
+        let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
+        match (lower.path.parent(), lower.path.file_name()) {
+            (Some(parent), Some(name)) => Ok((
+                self.layers.dir(lower.top(), parent)?,
+                Some(name.to_os_string()),
+            )),
+            _ => Ok((self.layers.dir(lower.top(), Path::new(""))?, None)),
         }
     }
 
@@ -249,12 +319,10 @@ impl Overlay {
         {
             return Ok(a);
         }
-        let (layer, path) = self.top_path(node)?;
-        if path.as_os_str().is_empty() {
-            return sys::fstat(self.layers.root(layer));
+        match self.top_entry(node)? {
+            (dir, Some(name)) => sys::stat_at(dir.as_fd(), &name),
+            (dir, None) => sys::fstat(dir.as_fd()),
         }
-        let (dir, name) = self.parent_of(layer, &path)?;
-        sys::stat_at(dir.as_fd(), name)
     }
 
     /// Subdirectories in the merged view of directory `node`, counted once per change.
@@ -266,12 +334,14 @@ impl Overlay {
             }
             st.subdirs_gen
         };
-        let view = self.dir_view(node)?;
-        let n = self
-            .list_view(&view)?
-            .iter()
-            .filter(|e| e.kind == libc::S_IFDIR)
-            .count() as u64;
+        let n = self.settled(|| {
+            let view = self.dir_view(node)?;
+            Ok(self
+                .list_view(&view)?
+                .iter()
+                .filter(|e| e.kind == libc::S_IFDIR)
+                .count() as u64)
+        })?;
         let mut st = node.state();
         if st.subdirs_gen == counted_at {
             st.subdirs = Some(n);
@@ -287,13 +357,16 @@ impl Overlay {
     /// id mapping and squashing options.
     pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
         a.ino = node.st_ino;
-        let (unlinked, merged_dir) = {
+        let (unlinked, merged_dir, lower_names_gone) = {
             let st = node.state();
             let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
-            (st.unlinked, st.kind == libc::S_IFDIR && layers > 1)
+            let gone = if st.upper { 0 } else { st.lower_names_gone };
+            (st.unlinked, st.kind == libc::S_IFDIR && layers > 1, gone)
         };
         if unlinked {
             a.nlink = 0;
+        } else if lower_names_gone > 0 && !a.is_dir() {
+            a.nlink = a.nlink.saturating_sub(lower_names_gone).max(1);
         } else if a.is_dir() && self.config.static_nlink {
             a.nlink = 1;
         } else if a.is_dir() && merged_dir {
@@ -302,7 +375,10 @@ impl Overlay {
             a.nlink = match self.merged_subdirs(node) {
                 Ok(n) => n + 2,
                 Err(e) => {
-                    log::warn!("counting subdirectories of inode {}: {e}", node.ino);
+                    // A directory removed meanwhile has no count to give; anything else is odd.
+                    if !node.state().unlinked {
+                        log::warn!("counting subdirectories of inode {}: {e}", node.ino);
+                    }
                     1
                 }
             };

@@ -133,10 +133,9 @@ impl Overlay {
     pub fn list_view(&self, view: &DirView) -> Result<Vec<DirEntry>> {
         let mut out = Vec::new();
         let mut hidden: HashSet<OsString> = HashSet::new();
-        if let Some(up) = &view.upper {
-            let dir = self.layers.dir(UPPER, up)?;
+        if let Some(dir) = &view.upper {
             let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None, false)?.xwhiteouts;
-            for e in sys::read_dir(self.layers.root(UPPER), up)? {
+            for e in sys::read_dir(dir.as_fd(), std::path::Path::new(""))? {
                 if let Some(target) = whiteout_target(&e.name) {
                     hidden.extend(target);
                     continue;

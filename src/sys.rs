@@ -356,6 +356,7 @@ pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<()> {
     )?)
 }
 
+#[derive(Debug, Clone, Copy)]
 pub enum Time {
     Now,
     Omit,

@@ -1,0 +1,92 @@
+//! Concurrency: many processes changing the tree at once, with directories renamed above them,
+//! must see only what a local file system gives (mosaicfs-fsstress checks every result against
+//! a model of each process's subtree), and the tree must read right after a remount.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+const STRESS: &str = env!("CARGO_BIN_EXE_mosaicfs-fsstress");
+
+/// Lower subtrees for the stress workers: files, nested dirs, a hard link and a symlink each.
+fn stress_lower(l: &Path, workers: usize) {
+    for i in 0..workers {
+        let d = l.join(format!("top/g{}/w{i}", i % 4));
+        write(d.join("sub/deep/g"), b"y\n");
+        write(d.join("sub/f"), b"x\n");
+        write(d.join("small"), format!("hello{i}\n"));
+        write(d.join("big"), vec![i as u8; 5000 + 1000 * i]);
+        std::fs::hard_link(d.join("small"), d.join("sub/small-link")).unwrap();
+        std::os::unix::fs::symlink("small", d.join("sl")).unwrap();
+    }
+}
+
+fn run_stress(args: &[&str]) -> (bool, String) {
+    let out = Command::new(STRESS).args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn stress_then_check(extra: &[&str], seed: &str) {
+    let mut m = Mount::new(1);
+    stress_lower(m.lower(0), 20);
+    m.extra.extend(extra.iter().map(|s| s.to_string()));
+    m.mount();
+    let state = m.dir.path().join("state");
+    let top = m.path("top");
+    let (top, state) = (top.to_str().unwrap(), state.to_str().unwrap());
+    let (ok, out) = run_stress(&[
+        "-d", top, "-p", "20", "-n", "400", "-r", "2", "-s", seed, "--state", state,
+    ]);
+    let log = m.unmount();
+    assert!(
+        ok,
+        "unexpected results under concurrency:\n{out}\ndaemon log:\n{log}"
+    );
+    assert!(
+        !log.contains("warn"),
+        "the daemon complained under concurrency:\n{log}"
+    );
+    m.mount();
+    let (ok, out) = run_stress(&["-d", top, "-p", "20", "--check", "--state", state]);
+    assert!(
+        ok,
+        "after a remount the tree differs from what the processes made:\n{out}"
+    );
+}
+
+#[test]
+fn twenty_processes_with_directories_renamed_above_them_get_no_unexpected_error() {
+    stress_then_check(&[], "1");
+}
+
+#[test]
+fn the_stress_run_holds_with_copy_after_write_filling_lazily_and_no_passthrough() {
+    stress_then_check(&["caw_workers=0", "passthrough=off"], "2");
+}
+
+#[test]
+fn a_lower_hard_link_counts_only_the_names_left_in_the_merged_view() {
+    let m = Mount::with(|l| {
+        write(l.join("a"), b"data");
+        std::fs::hard_link(l.join("a"), l.join("b")).unwrap();
+        std::fs::hard_link(l.join("a"), l.join("c")).unwrap();
+    });
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(m.path("b")).unwrap().nlink(), 3);
+    std::fs::remove_file(m.path("a")).unwrap();
+    assert_eq!(std::fs::metadata(m.path("b")).unwrap().nlink(), 2);
+    std::fs::rename(m.path("c"), m.path("d")).unwrap();
+    assert_eq!(std::fs::metadata(m.path("b")).unwrap().nlink(), 2);
+    std::fs::write(m.path("other"), b"x").unwrap();
+    std::fs::rename(m.path("other"), m.path("b")).unwrap();
+    assert_eq!(std::fs::metadata(m.path("d")).unwrap().nlink(), 1);
+    assert_eq!(std::fs::read(m.path("d")).unwrap(), b"data");
+}
