@@ -151,8 +151,22 @@ fn check_mountpoint(opts: &Options) -> Result<(), String> {
     }
 }
 
+/// Raises the soft RLIMIT_NOFILE to the hard one: open files through the mount each hold a
+/// descriptor or two of the daemon's (file.rs, `FdReserve`).
+fn raise_nofile_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current != lim.maximum {
+        lim.current = lim.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, lim) {
+            log::info!("cannot raise RLIMIT_NOFILE to its hard limit: {e}");
+        }
+    }
+}
+
 fn mount(opts: Options) -> Result<(), String> {
     check_mountpoint(&opts)?;
+    raise_nofile_limit();
     let layers = LayerStack::open(
         &opts.lowerdirs,
         opts.upperdir.as_deref(),

@@ -243,7 +243,9 @@ impl Overlay {
         let (node, attr) = match made {
             Ok(v) => {
                 if let Some(fd) = fd.take() {
-                    _file = Some(self.adopt_open_file(&v.0, crate::file::FileData::Upper(fd)));
+                    let data = crate::file::FileData::Upper(fd);
+                    self.fd_reserve.check(&data, false)?;
+                    _file = Some(self.adopt_open_file(&v.0, data));
                 }
                 v
             }

@@ -29,6 +29,79 @@ pub enum FileData {
     Upper(OwnedFd),
 }
 
+impl FileData {
+    fn highest_fd(&self) -> i32 {
+        use std::os::fd::AsRawFd;
+        match self {
+            FileData::Lower(s) => s.highest_fd(),
+            FileData::Partial(p) => p.upper.as_raw_fd().max(p.lower.highest_fd()),
+            FileData::Upper(fd) => fd.as_raw_fd(),
+        }
+    }
+}
+
+/// Descriptors for open files stop short of the daemon's limit by a reserve, so that any
+/// number of files held open cannot take from lookups, listings, creates and the directory
+/// cache what they need (issue #10). Partial files (two descriptors each: upper and lower
+/// file) stop a second reserve earlier, so that while writers hold as many as they can,
+/// creates and read-only opens still work. The kernel hands out the lowest free descriptor
+/// number, so the number an open file's descriptor got says how many are in use, without a
+/// counter shared between threads: past the line, the open fails (ENFILE, for the opener
+/// alone) and the log says why once.
+pub struct FdReserve {
+    /// Descriptor numbers from here up are kept for everything but open files.
+    line: i32,
+    /// ... and from here up for everything but open partial files.
+    partial_line: i32,
+    limit: u64,
+    warned: std::sync::atomic::AtomicBool,
+}
+
+impl FdReserve {
+    /// Lookups, listings and creates need a few transient descriptors per worker thread; the
+    /// directory cache holds up to 1,024.
+    const RESERVE: u64 = 2048;
+
+    pub fn from_limit(limit: u64) -> Self {
+        let reserve = Self::RESERVE.min(limit / 8);
+        let at = |n: u64| limit.saturating_sub(n).min(i32::MAX as u64) as i32;
+        FdReserve {
+            line: at(reserve),
+            partial_line: at(2 * reserve),
+            limit,
+            warned: Default::default(),
+        }
+    }
+
+    /// From the daemon's RLIMIT_NOFILE (its soft limit, raised to the hard one at start).
+    pub fn from_rlimit() -> Self {
+        let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        Self::from_limit(lim.current.unwrap_or(1 << 20))
+    }
+
+    /// Refuses `data`, just opened, past its line. `writer`: it is opened for writing (a lower
+    /// file then becomes partial at its first write).
+    pub fn check(&self, data: &FileData, writer: bool) -> Result<()> {
+        let line = match data {
+            FileData::Partial(_) => self.partial_line,
+            FileData::Lower(_) if writer => self.partial_line,
+            _ => self.line,
+        };
+        if data.highest_fd() < line {
+            return Ok(());
+        }
+        if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            log::warn!(
+                "files open through the mount hold nearly all of the daemon's {} descriptors \
+                 (RLIMIT_NOFILE): further opens fail with ENFILE until some are closed, while \
+                 lookups, listings and creates go on; raise the daemon's RLIMIT_NOFILE to open more",
+                self.limit
+            );
+        }
+        Err(errno(libc::ENFILE))
+    }
+}
+
 pub struct OpenFile {
     /// The object's inode number (`Node::st_ino`).
     pub ino: Ino,
@@ -484,6 +557,12 @@ impl Overlay {
 
     /// The shared open state of `node`, opened if no handle has it yet.
     pub fn open_file(&self, node: &Arc<Node>) -> Result<Arc<OpenFile>> {
+        self.open_file_as(node, false)
+    }
+
+    /// `open_file` for an open that may write (`writer`), which the descriptor reserve counts
+    /// as a partial file's.
+    fn open_file_as(&self, node: &Arc<Node>, writer: bool) -> Result<Arc<OpenFile>> {
         let copied_up = {
             let st = node.state();
             if let Some(f) = st.open.upgrade() {
@@ -505,6 +584,7 @@ impl Overlay {
             return Ok(f);
         }
         let data = self.open_data(node)?;
+        self.fd_reserve.check(&data, writer)?;
         let partial = matches!(data, FileData::Partial(_));
         let mut st = node.state();
         if let Some(f) = st.open.upgrade() {
@@ -558,7 +638,7 @@ impl Overlay {
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
-        let file = self.open_file(&node)?;
+        let file = self.open_file_as(&node, writable)?;
         let policy = self.config.passthrough;
         let Some(io) = node
             .io

@@ -103,6 +103,8 @@ pub struct Overlay {
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
     /// request never acts on a path that a concurrent rename of an ancestor made wrong.
     pub moves: ChangeSeq,
+    /// The descriptors open files may not take (file.rs).
+    pub fd_reserve: crate::file::FdReserve,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -170,6 +172,7 @@ impl Overlay {
             caw,
             control_socket: Default::default(),
             moves: ChangeSeq::default(),
+            fd_reserve: crate::file::FdReserve::from_rlimit(),
             layers,
         })
     }

@@ -24,6 +24,15 @@ pub enum Source {
 }
 
 impl Source {
+    /// The highest descriptor number this source holds (for the descriptor reserve).
+    pub fn highest_fd(&self) -> i32 {
+        use std::os::fd::AsRawFd;
+        match self {
+            Source::File(fd) => fd.as_raw_fd(),
+            Source::Partial(p) => p.upper.as_raw_fd().max(p.lower.highest_fd()),
+        }
+    }
+
     /// The layer file itself: for a partial one, its sparse file (holes read as zeros there).
     pub fn fd(&self) -> BorrowedFd<'_> {
         match self {

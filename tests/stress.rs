@@ -90,3 +90,61 @@ fn a_lower_hard_link_counts_only_the_names_left_in_the_merged_view() {
     assert_eq!(std::fs::metadata(m.path("d")).unwrap().nlink(), 1);
     assert_eq!(std::fs::read(m.path("d")).unwrap(), b"data");
 }
+
+#[test]
+fn files_held_open_past_the_daemon_limit_fail_only_further_opens() {
+    // 2,500 lower files held open for writing by a daemon allowed 2,000 descriptors (partial
+    // files, once written, take two each), so not all can be open at once.
+    let mut m = Mount::new(1);
+    for i in 0..2500 {
+        write(m.lower(0).join(format!("many/f{i}")), format!("lower {i}"));
+    }
+    write(m.lower(0).join("other"), b"read me");
+    m.nofile = Some(2000);
+    m.mount();
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for i in 0..2500 {
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .open(m.path(&format!("many/f{i}")))
+        {
+            Ok(f) => held.push(f),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::ENFILE), "open f{i}: {e}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(
+        refused > 0 && held.len() > 500,
+        "{} held, {refused} refused",
+        held.len()
+    );
+    // Everything else still works while they are held.
+    assert_eq!(names(m.path("many")).len(), 2500);
+    for i in (0..2500).step_by(7) {
+        std::fs::metadata(m.path(&format!("many/f{i}"))).unwrap();
+    }
+    assert_eq!(std::fs::read(m.path("other")).unwrap(), b"read me");
+    std::fs::write(m.path("new"), b"created").unwrap();
+    std::fs::create_dir(m.path("newdir")).unwrap();
+    std::fs::rename(m.path("new"), m.path("newdir/new")).unwrap();
+    assert_eq!(std::fs::read(m.path("newdir/new")).unwrap(), b"created");
+    // The held files work, and once they are closed every file opens again.
+    use std::io::Write;
+    held[0].write_all(b"LOWER").unwrap();
+    drop(held);
+    for i in 0..2500 {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(m.path(&format!("many/f{i}")))
+            .unwrap_or_else(|e| panic!("open f{i} after the others closed: {e}"));
+    }
+    assert_eq!(std::fs::read(m.path("many/f0")).unwrap(), b"LOWER 0");
+    let log = m.unmount();
+    assert!(
+        log.contains("RLIMIT_NOFILE") && log.matches("ENFILE").count() == 1,
+        "one clear log line: {log}"
+    );
+}

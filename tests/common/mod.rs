@@ -33,6 +33,8 @@ pub struct Mount {
     pub work: PathBuf,
     pub mnt: PathBuf,
     pub extra: Vec<String>,
+    /// RLIMIT_NOFILE (soft and hard) for the daemon, when a test needs it smaller.
+    pub nofile: Option<u64>,
     child: Option<Child>,
 }
 
@@ -73,6 +75,7 @@ impl Mount {
             work,
             mnt,
             extra: Vec::new(),
+            nofile: None,
             child: None,
         }
     }
@@ -120,14 +123,27 @@ impl Mount {
     pub fn mount_with(&mut self, opts: &str) {
         assert!(self.child.is_none(), "already mounted");
         let _forking = forking();
-        let child = Command::new(BIN)
-            .env("MOSAICFS_LOG", "info")
+        let mut cmd = Command::new(BIN);
+        cmd.env("MOSAICFS_LOG", "info")
             .args(["-f", "-o", opts])
             .arg(&self.mnt)
             .stdin(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn mosaicfs");
+            .stderr(Stdio::piped());
+        if let Some(n) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            let lim = rustix::process::Rlimit {
+                current: Some(n),
+                maximum: Some(n),
+            };
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    rustix::process::setrlimit(rustix::process::Resource::Nofile, lim.clone())
+                        .map_err(std::io::Error::from)
+                });
+            }
+        }
+        let child = cmd.spawn().expect("spawn mosaicfs");
         self.child = Some(child);
         let start = Instant::now();
         while !is_mounted(&self.mnt) {
