@@ -138,7 +138,7 @@ impl Mount {
             // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
             unsafe {
                 cmd.pre_exec(move || {
-                    rustix::process::setrlimit(rustix::process::Resource::Nofile, lim.clone())
+                    rustix::process::setrlimit(rustix::process::Resource::Nofile, lim)
                         .map_err(std::io::Error::from)
                 });
             }
