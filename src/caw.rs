@@ -149,7 +149,13 @@ impl Overlay {
                 .spawn(move || {
                     while let Some((file, blk)) = caw.next() {
                         let Some(file) = file.upgrade() else { continue };
-                        match file.fill_pending(blk) {
+                        // A panic (logged by the hook) loses this job only: the block stays
+                        // pending, and close, fsync or unmount fill it.
+                        let filled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            file.fill_pending(blk)
+                        }));
+                        let Ok(filled) = filled else { continue };
+                        match filled {
                             Ok(true) => me.stats.blocks_filled.add(1),
                             Ok(false) => {}
                             Err(e) => log::warn!(

@@ -70,7 +70,7 @@ impl Completer {
     }
 
     pub fn queued(&self) -> usize {
-        self.queue.lock().map_or(0, |q| q.len())
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     pub fn stop(&self) {
@@ -109,7 +109,10 @@ impl Overlay {
             .spawn(move || {
                 while !me.completer.stop.load(Ordering::Relaxed) {
                     me.completer.wait(tick);
-                    me.complete_due();
+                    // A panic (logged by the hook) ends this round only; the queue stays.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        me.complete_due()
+                    }));
                 }
             });
     }
@@ -120,8 +123,8 @@ impl Overlay {
             .completer
             .queue
             .lock()
-            .map(|q| q.clone())
-            .unwrap_or_default();
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let now = Instant::now();
         for f in files {
             if self.completer.stop.load(Ordering::Relaxed) {

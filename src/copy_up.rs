@@ -63,6 +63,8 @@ impl Overlay {
         let lattr = sys::stat_at(ldir.as_fd(), lname)?;
         let work = self.layers.work()?;
         let tmp = temp_name("copyup");
+        // Built in the work dir as the daemon; the copy is given its owner explicitly.
+        crate::creds::act_as_daemon();
         let built = self.build_copy(work, &tmp, ldir.as_fd(), lname, &lattr, node, empty, &lower);
         if let Err(e) = built {
             let _ = crate::layers::remove_tree(work, &tmp);

@@ -52,3 +52,20 @@ pub fn act_as(uid: u32, gid: u32) -> bool {
         ok
     })
 }
+
+/// Makes this thread create files as the daemon itself again. Whiteouts, opaque markers and
+/// objects in the work directory belong to the layer's bookkeeping, not to a caller: without
+/// this they would be owned by whoever this thread last created a file for (kernel overlayfs
+/// makes them with the mounter's credentials). Like `act_as`, it switches only when needed.
+pub fn act_as_daemon() {
+    static DAEMON: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    let (uid, gid) = *DAEMON.get_or_init(|| {
+        (
+            rustix::process::geteuid().as_raw(),
+            rustix::process::getegid().as_raw(),
+        )
+    });
+    if FS_IDS.with(|cur| cur.get().is_some_and(|ids| ids != (uid, gid))) {
+        act_as(uid, gid);
+    }
+}

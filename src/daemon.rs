@@ -258,15 +258,17 @@ fn serve(
     overlay.start_completion();
     overlay.start_caw_workers();
     let control = overlay.clone();
+    log_panics();
     let fs = MosaicFs {
         core: overlay,
         max_write: opts.max_write,
+        panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
     };
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     spawn_signal_handler(opts.mountpoint.clone());
     set_read_ahead(&opts.mountpoint, opts.read_ahead_kb);
-    crate::control::serve(control, opts.mountpoint.clone());
+    crate::control::serve(control.clone(), opts.mountpoint.clone());
     if let Some(w) = notify.take() {
         // Closing the pipe after the byte lets the waiting parent exit.
         let mut f = std::fs::File::from(w);
@@ -274,9 +276,33 @@ fn serve(
         drop(f);
         detach_stdio();
     }
-    session
-        .run()
-        .map_err(|e| format!("FUSE session ended: {e}"))
+    let result = session.run();
+    // Pending blocks reach the disk on every way out, not only through FUSE's destroy.
+    control.shutdown();
+    result.map_err(|e| format!("FUSE session ended: {e}"))
+}
+
+/// The panic policy (docs/ROBUSTNESS.md): a panic in a request ends that request with EIO and
+/// the mount goes on serving (fuser dispatches each request under `catch_unwind`; the
+/// background workers catch per job). The panic is logged here, with where it happened.
+fn log_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        let at = info
+            .location()
+            .map_or(String::new(), |l| format!(" at {}:{}", l.file(), l.line()));
+        let thread = std::thread::current();
+        log::error!(
+            "bug: thread {} panicked{at}: {what}; the request it served failed with EIO and \
+             the mount goes on (please report this with the log)",
+            thread.name().unwrap_or("?")
+        );
+    }));
 }
 
 /// Raises the readahead of the mount's FUSE bdi. The kernel's 128 KiB means one READ round

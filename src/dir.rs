@@ -378,6 +378,7 @@ impl Overlay {
             return Ok(());
         }
         let tmp = temp_name("remove");
+        crate::creds::act_as_daemon();
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
             sys::mknod_at(work, &tmp, libc::S_IFCHR, 0)?;
@@ -604,6 +605,8 @@ impl Overlay {
             rflags |= RenameFlags::NOREPLACE;
         }
         if src_needs_whiteout && self.layers.whiteout_chardev {
+            // The whiteout RENAME_WHITEOUT makes is owned by this thread's fs ids.
+            crate::creds::act_as_daemon();
             match sys::rename_at(sdir, name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
                 Ok(()) => {}
                 Err(e) if e.is(libc::EINVAL) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {

@@ -22,6 +22,9 @@ use crate::sys::{Attr, Time};
 pub struct MosaicFs {
     pub core: Arc<Overlay>,
     pub max_write: Option<u32>,
+    /// A name whose lookup panics, from `MOSAICFS_TEST_PANIC`: how the tests check the panic
+    /// policy (daemon.rs, `log_panics`) on a real mount.
+    pub panic_on_lookup: Option<std::ffi::OsString>,
 }
 
 fn errno(e: Error) -> Errno {
@@ -271,6 +274,9 @@ impl Filesystem for MosaicFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if self.panic_on_lookup.as_deref() == Some(name) {
+            panic!("injected by MOSAICFS_TEST_PANIC");
+        }
         match self.core.lookup(parent.0, name) {
             Ok((node, attr)) => reply.entry(
                 &self.ttl(),

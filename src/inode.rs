@@ -428,7 +428,7 @@ impl InodeTable {
     pub fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.read().map_or(0, |s| s.len()))
+            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len())
             .sum()
     }
 

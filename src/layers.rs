@@ -400,6 +400,7 @@ impl LayerStack {
 
     /// Writes a whiteout for `name` in the upper directory `dir` (which must not hold `name`).
     pub fn make_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        crate::creds::act_as_daemon();
         if self.whiteout_chardev {
             match sys::mknod_at(dir, name, libc::S_IFCHR, 0) {
                 Ok(()) => return Ok(()),
@@ -419,6 +420,7 @@ impl LayerStack {
 
     /// Marks the upper directory `name` in `dir` opaque.
     pub fn make_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        crate::creds::act_as_daemon();
         match sys::set_xattr(dir, Some(name), self.xattr.opaque, b"y", 0) {
             Ok(()) => Ok(()),
             Err(_) => {

@@ -105,6 +105,7 @@ pub struct Overlay {
     pub moves: ChangeSeq,
     /// The descriptors open files may not take (file.rs).
     pub fd_reserve: crate::file::FdReserve,
+    shut_down: std::sync::atomic::AtomicBool,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -173,6 +174,7 @@ impl Overlay {
             control_socket: Default::default(),
             moves: ChangeSeq::default(),
             fd_reserve: crate::file::FdReserve::from_rlimit(),
+            shut_down: Default::default(),
             layers,
         })
     }
@@ -428,8 +430,15 @@ impl Overlay {
         Ok(rustix::fs::fstatvfs(self.layers.root(UPPER))?)
     }
 
-    /// Completes what is pending and lets go of every open file (unmount).
+    /// Completes what is pending and lets go of every open file (unmount). Runs once, on
+    /// whichever exit path comes first (FUSE `destroy`, or the session ending without it).
     pub fn shutdown(&self) {
+        if self
+            .shut_down
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
         self.completer.stop();
         if let Some(caw) = &self.caw {
             caw.stop();

@@ -35,6 +35,8 @@ pub struct Mount {
     pub extra: Vec<String>,
     /// RLIMIT_NOFILE (soft and hard) for the daemon, when a test needs it smaller.
     pub nofile: Option<u64>,
+    /// Environment variables for the daemon.
+    pub env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -76,6 +78,7 @@ impl Mount {
             mnt,
             extra: Vec::new(),
             nofile: None,
+            env: Vec::new(),
             child: None,
         }
     }
@@ -128,7 +131,8 @@ impl Mount {
             .args(["-f", "-o", opts])
             .arg(&self.mnt)
             .stdin(Stdio::null())
-            .stderr(Stdio::piped());
+            .stderr(Stdio::piped())
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(n) = self.nofile {
             use std::os::unix::process::CommandExt;
             let lim = rustix::process::Rlimit {

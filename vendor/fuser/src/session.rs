@@ -537,7 +537,12 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                             req.reply::<ReplyEmpty>().ok();
                             return Ok(());
                         } else {
-                            req.dispatch(self)
+                            // mosaicfs patch: a panic in one request ends that request, not the
+                            // worker thread: its unsent reply answers EIO as it unwinds, and
+                            // the thread goes on serving (the file system logs the panic).
+                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                req.dispatch(self)
+                            }));
                         }
                     }
                     // Quit loop on illegal request
