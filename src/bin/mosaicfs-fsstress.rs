@@ -465,6 +465,11 @@ fn read_all(root: BorrowedFd<'_>, p: &str) -> std::io::Result<Vec<u8>> {
     }
 }
 
+/// Opens `p` below `root` (an existing file: no creation mode).
+fn open_rel(root: BorrowedFd<'_>, p: &str, flags: OFlags) -> rustix::io::Result<OwnedFd> {
+    rustix::fs::openat(root, p, flags, Mode::empty())
+}
+
 fn write_all_at(fd: BorrowedFd<'_>, mut buf: &[u8], mut off: u64) -> rustix::io::Result<()> {
     while !buf.is_empty() {
         let n = rustix::io::pwrite(fd, buf, off)?;
@@ -563,13 +568,8 @@ impl Worker {
                 let data = self.rng.bytes(n);
                 let len = self.model.files[id].data.len();
                 if op == "append" {
-                    let fd = rustix::fs::openat(
-                        root,
-                        p.as_str(),
-                        OFlags::WRONLY | OFlags::APPEND | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    )
-                    .map_err(e(&p))?;
+                    let fd = open_rel(root, &p, OFlags::WRONLY | OFlags::APPEND | OFlags::CLOEXEC)
+                        .map_err(e(&p))?;
                     let mut rest = &data[..];
                     while !rest.is_empty() {
                         let k = rustix::io::write(&fd, rest).map_err(e(&p))?;
@@ -578,13 +578,7 @@ impl Worker {
                     self.model.files[id].data.extend_from_slice(&data);
                 } else {
                     let off = self.rng.below(len + 4096);
-                    let fd = rustix::fs::openat(
-                        root,
-                        p.as_str(),
-                        OFlags::RDWR | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    )
-                    .map_err(e(&p))?;
+                    let fd = open_rel(root, &p, OFlags::RDWR | OFlags::CLOEXEC).map_err(e(&p))?;
                     write_all_at(fd.as_fd(), &data, off as u64).map_err(e(&p))?;
                     let f = &mut self.model.files[id].data;
                     if f.len() < off + n {
@@ -605,13 +599,7 @@ impl Worker {
                 };
                 let len = self.model.files[id].data.len();
                 let to = self.rng.below(len * 2 + 100);
-                let fd = rustix::fs::openat(
-                    root,
-                    p.as_str(),
-                    OFlags::WRONLY | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )
-                .map_err(e(&p))?;
+                let fd = open_rel(root, &p, OFlags::WRONLY | OFlags::CLOEXEC).map_err(e(&p))?;
                 rustix::fs::ftruncate(&fd, to as u64).map_err(e(&p))?;
                 self.model.files[id].data.resize(to, 0);
             }
@@ -752,13 +740,7 @@ impl Worker {
                 let Some((p, _)) = self.file() else {
                     return Ok(());
                 };
-                let fd = rustix::fs::openat(
-                    root,
-                    p.as_str(),
-                    OFlags::RDWR | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )
-                .map_err(e(&p))?;
+                let fd = open_rel(root, &p, OFlags::RDWR | OFlags::CLOEXEC).map_err(e(&p))?;
                 rustix::fs::fsync(&fd).map_err(e(&p))?;
             }
             "xattr" => {
