@@ -212,3 +212,99 @@ fn whiteouts_are_owned_by_the_daemon_not_by_the_last_caller() {
         assert_eq!((n.uid(), n.gid()), (1000, 1000), "new{i}");
     }
 }
+
+/// `umount` of the overlay, then at once of the file system holding its layers (what
+/// fuse-overlayfs' test-mmap.sh does): the daemon must have let go of the layers within 100 ms
+/// and exited within a few seconds, every time, while another mount is busy.
+#[test]
+fn hundreds_of_unmounts_under_load_let_go_of_the_layers_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+    let mut busy = Mount::new(1);
+    write(busy.lower(0).join("f"), vec![7u8; 1 << 20]);
+    busy.mount();
+    let stop = AtomicBool::new(false);
+    let rounds = 200;
+    let mut slowest = Duration::ZERO;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(busy.path("f"))
+                    .unwrap();
+                f.write_all_at(b"load", (i * 4096) % (1 << 20)).unwrap();
+                write(busy.path(&format!("d/n{}", i % 50)), b"x");
+                i += 1;
+            }
+        });
+        let mut m = Mount::new(1);
+        let layers = m.dir.path().join("layers");
+        std::fs::create_dir(&layers).unwrap();
+        m.lowers = vec![layers.join("lower")];
+        m.upper = layers.join("upper");
+        m.work = layers.join("work");
+        for round in 0..rounds {
+            rustix::mount::mount(
+                "tmpfs",
+                &layers,
+                "tmpfs",
+                rustix::mount::MountFlags::empty(),
+                None,
+            )
+            .unwrap();
+            for d in [&m.lowers[0], &m.upper, &m.work] {
+                std::fs::create_dir(d).unwrap();
+            }
+            write(m.lower(0).join("big"), vec![1u8; 256 << 10]);
+            m.mount();
+            // A block-level copy-up and a new file: work the daemon holds descriptors for.
+            {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(m.path("big"))
+                    .unwrap();
+                f.write_all_at(b"changed", 100_000).unwrap();
+            }
+            write(m.path("new"), b"new");
+            let mut daemon = m.take_daemon();
+            rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::empty()).unwrap();
+            let start = Instant::now();
+            loop {
+                match rustix::mount::unmount(&layers, rustix::mount::UnmountFlags::empty()) {
+                    Ok(()) => break,
+                    Err(rustix::io::Errno::BUSY) if start.elapsed() < Duration::from_secs(5) => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(e) => panic!("round {round}: unmount of the layers' file system: {e}"),
+                }
+            }
+            let freed = start.elapsed();
+            slowest = slowest.max(freed);
+            let status = loop {
+                if let Some(st) = daemon.try_wait().unwrap() {
+                    break st;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "round {round}: the daemon still runs 5 s after the unmount"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            };
+            assert!(
+                status.success(),
+                "round {round}: daemon exited with {status}"
+            );
+            assert!(
+                freed < Duration::from_millis(100),
+                "round {round}: the layers' file system stayed busy for {freed:?} after the unmount"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    eprintln!("{rounds} unmounts; the layers were free at most {slowest:?} after each");
+    busy.unmount();
+}

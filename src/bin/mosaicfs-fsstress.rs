@@ -631,8 +631,13 @@ impl Worker {
                 };
                 rustix::fs::renameat(root, src.as_str(), root, dst.as_str())
                     .map_err(e(&format!("{src} -> {dst}")))?;
-                // Two names of one file: rename(2) leaves both.
-                if self.model.names.get(&dst) != self.model.names.get(&src) {
+                // Two names of one file: rename(2) leaves both. (Two symlinks with the same
+                // target are two inodes: the source name goes.)
+                let same_file = matches!(
+                    (self.model.names.get(&src), self.model.names.get(&dst)),
+                    (Some(Obj::File(a)), Some(Obj::File(b))) if a == b
+                );
+                if !same_file {
                     let o = self.model.names.remove(&src).unwrap();
                     self.model.names.insert(dst, o);
                 }

@@ -194,6 +194,11 @@ impl Mount {
         String::from_utf8_lossy(&out.stderr).into_owned()
     }
 
+    /// The daemon process, for a test that unmounts and waits by itself.
+    pub fn take_daemon(&mut self) -> Child {
+        self.child.take().expect("mounted")
+    }
+
     pub fn remount(&mut self) {
         self.unmount();
         self.mount();
