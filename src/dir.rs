@@ -104,7 +104,7 @@ impl Overlay {
             origin: false,
             origins: false,
         };
-        let node = self.inodes.remember(parent, name, &found);
+        let node = self.inodes.remember_new(parent, name, &found);
         let attr = self.present(&node, attr);
         Ok((node, attr))
     }

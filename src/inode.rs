@@ -384,12 +384,32 @@ impl InodeTable {
         state.unlinked = true;
         state.has_origin = false;
         state.origins = false;
-        let mut shard = self.write(found.ino);
-        // The number of an object the kernel still holds: a new generation tells them apart.
-        let generation = shard.get(&found.ino).map_or(0, |old| old.generation() + 1);
-        let node = Arc::new(Node::new(found.ino, generation, state));
-        node.lookups.store(1, Ordering::Relaxed);
-        shard.insert(found.ino, node.clone());
+        self.insert_new(found.ino, state)
+    }
+
+    /// Records an object this mount has just made as `name` in `parent` (mkdir, mknod,
+    /// symlink, create) and counts one kernel reference. Its number is free in the layer, but
+    /// not always here: the object that had it may have been removed by a rename over it a
+    /// moment ago, with that rename still to forget its name. A made object is never the old
+    /// one, so it gets a node of its own instead of joining the old node's names (the kernel,
+    /// given the old generation, would take the two for one inode and apply the rename's
+    /// nlink drop to the new file).
+    pub fn remember_new(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
+        let mut state = NodeState::new(found);
+        state.links.push((parent, name.to_os_string()));
+        self.insert_new(found.ino, state)
+    }
+
+    fn insert_new(&self, ino: Ino, state: NodeState) -> Arc<Node> {
+        let mut shard = self.write(ino);
+        // The kernel may still hold the number's old object: a new generation tells them
+        // apart, and its references stay counted here until it forgets them.
+        let (generation, held) = shard.get(&ino).map_or((0, 0), |old| {
+            (old.generation() + 1, old.lookups.load(Ordering::Relaxed))
+        });
+        let node = Arc::new(Node::new(ino, generation, state));
+        node.lookups.store(held + 1, Ordering::Relaxed);
+        shard.insert(ino, node.clone());
         node
     }
 
