@@ -2,7 +2,9 @@
 //!
 //! No operation ever copies a whole file. A regular file is copied up as a *partial file*: a
 //! sparse upper file of the same size holding no blocks, marked with the lower file it patches
-//! (partial.rs). Directories, symlinks and special files are recreated. Owner, mode, times and
+//! (partial.rs) — or, where the upper file system can clone the lower file's extents (XFS with
+//! reflink, btrfs; `reflink=` option), as a complete clone, which costs no more and needs the
+//! daemon for none of its I/O afterwards. Directories, symlinks and special files are recreated. Owner, mode, times and
 //! xattrs (ACLs included) come along; the origin's inode number is kept in `mosaicfs.origin`.
 //!
 //! Every object is built in the work directory and renamed into place, so the upper layer never
@@ -14,10 +16,11 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{Mode, OFlags, RenameFlags};
+use rustix::io::Errno;
 
 use crate::error::{Error, Result, errno};
 use crate::inode::{Node, ROOT_INO};
-use crate::layers::is_internal_xattr;
+use crate::layers::{LayerId, is_internal_xattr};
 use crate::overlay::Overlay;
 use crate::partial::PartialMark;
 use crate::partial_file::Source;
@@ -112,7 +115,9 @@ impl Overlay {
                     Mode::from_raw_mode(0o600),
                 )?;
                 if !empty && lattr.size > 0 {
-                    if self.sparse.sparse {
+                    if self.clone_lower(fd.as_fd(), ldir, lname, lower.top())? {
+                        // A complete copy sharing the lower file's extents: no mark.
+                    } else if self.sparse.sparse {
                         rustix::fs::ftruncate(&fd, lattr.size)?;
                         let mark = PartialMark::for_lower(lower.top(), lower.path.clone(), lattr);
                         rustix::fs::fsetxattr(
@@ -173,6 +178,60 @@ impl Overlay {
             Time::At(lattr.mtime.0, lattr.mtime.1),
         )?;
         Ok(())
+    }
+
+    /// Whether lower files of `layer` are cloned on copy-up.
+    pub fn reflinks_from(&self, layer: LayerId) -> bool {
+        self.reflink
+            .get(layer as usize)
+            .is_some_and(|r| r.load(Ordering::Relaxed))
+    }
+
+    /// Clones the lower file `lname` into the empty upper file `dst` (FICLONE), where the
+    /// layers allow it: O(1), and the copy is complete. False if they do not (the layer is not
+    /// tried again); an error only for a clone that should have worked and failed (ENOSPC).
+    fn clone_lower(
+        &self,
+        dst: BorrowedFd<'_>,
+        ldir: BorrowedFd<'_>,
+        lname: &OsStr,
+        layer: LayerId,
+    ) -> Result<bool> {
+        if !self.reflinks_from(layer) {
+            return Ok(false);
+        }
+        let src = rustix::fs::openat(
+            ldir,
+            lname,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        match rustix::fs::ioctl_ficlone(dst, &src) {
+            Ok(()) => {
+                self.stats.reflinks.add(1);
+                Ok(true)
+            }
+            Err(e)
+                if [
+                    Errno::XDEV,
+                    Errno::OPNOTSUPP,
+                    Errno::INVAL,
+                    Errno::NOTTY,
+                    Errno::PERM,
+                ]
+                .contains(&e) =>
+            {
+                if self.reflink[layer as usize].swap(false, Ordering::Relaxed) {
+                    log::info!(
+                        "lower layer {} cannot be cloned into the upper layer ({e}): its files \
+                         are copied up as partial files",
+                        self.layers.layer(layer).path.display()
+                    );
+                }
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Copies the xattrs of a lower object that belong to the file, not to an overlay.

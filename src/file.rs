@@ -638,6 +638,10 @@ impl Overlay {
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
+        if writable && self.clones_on_open(&node) {
+            // An O(1) copy-up now lets this very open use passthrough (copy_up.rs).
+            self.copy_up(&node)?;
+        }
         let file = self.open_file_as(&node, writable)?;
         let policy = self.config.passthrough;
         let Some(io) = node
@@ -655,6 +659,16 @@ impl Overlay {
             io: Mutex::new(io),
         });
         Ok(Opened { fh, io, writable })
+    }
+
+    /// Whether `node` is a lower file that copy-up would clone.
+    fn clones_on_open(&self, node: &Node) -> bool {
+        let st = node.state();
+        !st.upper
+            && st
+                .lower
+                .as_ref()
+                .is_some_and(|l| self.reflinks_from(l.top()))
     }
 
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.

@@ -118,6 +118,10 @@ pub struct Options {
     pub read_ahead_kb: u32,
     /// When partial files are completed in the background.
     pub completion: crate::complete::CompletionPolicy,
+    /// Copy up a regular file by cloning its extents (FICLONE) where the upper file system
+    /// can take them from the lower one: a complete upper file in O(1), opened for writing
+    /// with passthrough. `reflink=0` keeps partial files everywhere.
+    pub reflink: bool,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
     pub remount: bool,
     pub warnings: Vec<String>,
@@ -155,6 +159,7 @@ impl Default for Options {
             max_write: None,
             passthrough: crate::file::PassthroughPolicy::All,
             completion: Default::default(),
+            reflink: true,
             read_ahead_kb: 4096,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
@@ -313,6 +318,7 @@ impl Options {
                 }
             }
             "fsync" => self.skip_fsync = !parse_bool(name, value)?,
+            "reflink" => self.reflink = parse_bool(name, value)?,
             "volatile" => self.skip_fsync = true,
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,

@@ -61,6 +61,7 @@ pub struct Config {
     pub caw_workers: usize,
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
     pub passthrough: crate::file::PassthroughPolicy,
+    pub reflink: bool,
 }
 
 impl Config {
@@ -80,6 +81,7 @@ impl Config {
             completion: o.completion,
             caw_memory: o.caw_memory,
             caw_workers: o.caw_workers,
+            reflink: o.reflink,
         }
     }
 }
@@ -105,6 +107,9 @@ pub struct Overlay {
     pub moves: ChangeSeq,
     /// The descriptors open files may not take (file.rs).
     pub fd_reserve: crate::file::FdReserve,
+    /// Per layer id: copy-up may clone this lower layer's files into the upper layer
+    /// (copy_up.rs). Turned off for a layer at the first clone the kernel refuses (EXDEV).
+    pub reflink: Vec<std::sync::atomic::AtomicBool>,
     shut_down: std::sync::atomic::AtomicBool,
 }
 
@@ -150,6 +155,15 @@ impl Overlay {
             }
         }
         let root_lower = (!root_lower.layers.is_empty()).then_some(root_lower);
+        let clones = config.reflink
+            && !config.read_only
+            && layers
+                .work
+                .as_ref()
+                .is_some_and(|w| partial::probe_reflink(w.as_fd()));
+        let reflink = (0..=layers.lower_count())
+            .map(|i| std::sync::atomic::AtomicBool::new(clones && i as LayerId != UPPER))
+            .collect();
         let caw = config
             .caw_memory
             .filter(|_| layers.work.is_some())
@@ -174,6 +188,7 @@ impl Overlay {
             control_socket: Default::default(),
             moves: ChangeSeq::default(),
             fd_reserve: crate::file::FdReserve::from_rlimit(),
+            reflink,
             shut_down: Default::default(),
             layers,
         })

@@ -274,6 +274,28 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
     ))
 }
 
+/// Whether the upper file system clones extents (FICLONE): XFS with reflink, btrfs. Whether a
+/// given lower layer's files can be cloned into it is found at the first copy-up.
+pub fn probe_reflink(work: BorrowedFd<'_>) -> bool {
+    use rustix::fs::{Mode, OFlags};
+    let make = |name: &str| -> Result<rustix::fd::OwnedFd> {
+        let name = std::ffi::OsStr::new(name);
+        let fd = rustix::fs::openat(
+            work,
+            name,
+            OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+        Ok(fd)
+    };
+    let (Ok(src), Ok(dst)) = (make("probe-reflink-src"), make("probe-reflink-dst")) else {
+        return false;
+    };
+    sys::pwrite_full(src.as_fd(), &[0x5a; 4096], 0).is_ok()
+        && rustix::fs::ioctl_ficlone(&dst, &src).is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

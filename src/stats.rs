@@ -48,6 +48,8 @@ pub struct Stats {
     /// node id (file.rs, `IoMode`).
     pub rebinds: Counter,
     pub copy_ups: Counter,
+    /// Copy-ups that cloned the lower file's extents (a complete upper file at once).
+    pub reflinks: Counter,
     pub blocks_filled: Counter,
     pub blocks_deferred: Counter,
     pub completions: Counter,
@@ -59,7 +61,7 @@ pub struct Stats {
 impl Stats {
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={}; copy-ups={} blocks-deferred={} blocks-filled={} completions={}; fsyncs={} to-disk={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={}; fsyncs={} to-disk={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
@@ -68,6 +70,7 @@ impl Stats {
             self.opens_daemon.get(),
             self.rebinds.get(),
             self.copy_ups.get(),
+            self.reflinks.get(),
             self.blocks_deferred.get(),
             self.blocks_filled.get(),
             self.completions.get(),

@@ -1,6 +1,7 @@
 //! Partial files on the upper file systems container storage uses: XFS and btrfs (loop images),
 //! besides the ext4 and tmpfs of the other tests. A seeded run of unaligned writes and reads
-//! against a model, with copy-after-write on and lazy, then a remount.
+//! against a model, with copy-after-write on and lazy, then a remount. Where the lower layer
+//! shares the file system, copy-up clones the lower file instead (reflink).
 
 mod common;
 
@@ -11,43 +12,24 @@ use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-struct LoopMount(std::path::PathBuf);
-
-impl Drop for LoopMount {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
-}
-
 fn check_on(fs_type: &str, mkfs: &str) {
     let dir = tempfile::Builder::new()
         .prefix("mosaicfs-backing")
         .tempdir_in("/var/tmp")
         .unwrap();
     let p = dir.path();
-    for d in ["lower", "up", "mnt"] {
+    for d in ["lower", "mnt"] {
         fs::create_dir(p.join(d)).unwrap();
     }
-    let img = p.join("img");
-    fs::File::create(&img).unwrap().set_len(512 << 20).unwrap();
-    sh(&format!("{mkfs} {} >/dev/null 2>&1", img.display()));
-    sh(&format!(
-        "mount -o loop {} {}",
-        img.display(),
-        p.join("up").display()
-    ));
-    let _up = LoopMount(p.join("up"));
+    let up = LoopFs::new(mkfs, 512 << 20);
     let mut rng = StdRng::seed_from_u64(99);
     let mut base = vec![0u8; 3 << 20];
     rng.fill(&mut base[..]);
     write(p.join("lower/f"), &base);
     for workers in [2, 0] {
         let (u, w) = (
-            p.join(format!("up/u{workers}")),
-            p.join(format!("up/w{workers}")),
+            up.path.join(format!("u{workers}")),
+            up.path.join(format!("w{workers}")),
         );
         fs::create_dir(&u).unwrap();
         fs::create_dir(&w).unwrap();
@@ -104,4 +86,100 @@ fn partial_files_on_an_xfs_upper() {
 #[test]
 fn partial_files_on_a_btrfs_upper() {
     check_on("btrfs", "mkfs.btrfs -q -f");
+}
+
+/// Lower and upper on one XFS or btrfs: opening a lower file for writing clones it (O(1)), the
+/// open itself is served by passthrough, no write reaches the daemon, and the upper file is
+/// complete (no partial mark) and shares the lower file's extents. `reflink=0` keeps the
+/// partial file.
+fn clones_on(mkfs: &str) {
+    use std::os::unix::fs::MetadataExt;
+    let lfs = LoopFs::new(mkfs, 512 << 20);
+    let mut m = Mount::new_in(&lfs.path, 1);
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut base = vec![0u8; 64 << 20];
+    rng.fill(&mut base[..]);
+    write(m.lower(0).join("f"), &base);
+    let mut g = base[..1 << 20].to_vec();
+    write(m.lower(0).join("g"), &g);
+    m.mount();
+    let free = || {
+        rustix::fs::sync();
+        let st = rustix::fs::statvfs(&lfs.path).unwrap();
+        st.f_bfree * st.f_bsize
+    };
+    let free_before = free();
+    {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("f"))
+            .unwrap();
+        f.write_all_at(b"changed", 1000).unwrap();
+    }
+    base[1000..1007].copy_from_slice(b"changed");
+    assert!(
+        fs::read(m.path("f")).unwrap() == base,
+        "{mkfs}: content after the write"
+    );
+    let up = m.upper.join("f");
+    assert!(
+        get_xattr(&up, "trusted.mosaicfs.partial").is_none(),
+        "{mkfs}: a clone is complete, yet it carries a partial mark"
+    );
+    assert!(
+        fs::read(&up).unwrap() == base,
+        "{mkfs}: the upper file is not the whole file"
+    );
+    assert_eq!(fs::metadata(&up).unwrap().size(), base.len() as u64);
+    // Shared extents: far less than the file's 64 MiB came out of the free space.
+    let used = free_before.saturating_sub(free());
+    assert!(
+        used < 8 << 20,
+        "{mkfs}: the copy-up took {used} bytes of space"
+    );
+    let log = m.unmount();
+    assert_eq!(served(&log, "reflinks"), 1, "{mkfs}: {log}");
+    assert_eq!(
+        served(&log, "write"),
+        0,
+        "{mkfs}: writes went through the daemon: {log}"
+    );
+    assert_eq!(served(&log, "passthrough"), 2, "{mkfs}: {log}");
+    m.extra.push("reflink=0".into());
+    m.mount();
+    {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("g"))
+            .unwrap();
+        f.write_all_at(b"x", 10).unwrap();
+    }
+    assert!(get_xattr(&m.upper.join("g"), "trusted.mosaicfs.partial").is_some());
+    let log = m.unmount();
+    assert_eq!(served(&log, "reflinks"), 0, "{mkfs}: {log}");
+    m.extra.clear();
+    m.mount();
+    assert!(
+        fs::read(m.path("f")).unwrap() == base,
+        "{mkfs}: content after a remount"
+    );
+    g[10] = b'x';
+    let got = fs::read(m.path("g")).unwrap();
+    assert!(
+        got == g,
+        "{mkfs}: partial file after a remount: {} bytes, first difference at {:?}",
+        got.len(),
+        got.iter().zip(&g).position(|(a, b)| a != b)
+    );
+    m.unmount();
+}
+
+#[test]
+fn copy_up_clones_lower_files_on_one_xfs() {
+    clones_on("mkfs.xfs -q -f -m reflink=1");
+}
+
+#[test]
+fn copy_up_clones_lower_files_on_one_btrfs() {
+    clones_on("mkfs.btrfs -q -f");
 }

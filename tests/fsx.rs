@@ -50,6 +50,8 @@ struct Run {
     completions: u64,
     /// Blocks whose fill copy-after-write deferred, summed over remounts.
     deferred: u64,
+    /// Copy-ups that cloned the lower file, summed over remounts.
+    reflinks: u64,
     model: Model,
     /// Permission bits of each file in the model.
     modes: BTreeMap<String, u32>,
@@ -104,6 +106,7 @@ impl Run {
         let log = self.m.unmount();
         self.completions += served(&log, "completions");
         self.deferred += served(&log, "blocks-deferred");
+        self.reflinks += served(&log, "reflinks");
         self.m.mount();
     }
 
@@ -287,8 +290,14 @@ impl Run {
 /// Runs one seed; returns how many partial files the daemon completed and how many block
 /// fills copy-after-write deferred.
 fn run_seed(seed: u64, ops: usize, options: &[&str]) -> (u64, u64) {
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, options);
+    (run.completions, run.deferred)
+}
+
+/// `run_seed` with the layers in a new directory below `base`; returns the finished run.
+fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) -> Run {
     let model = initial_lower(seed);
-    let mut m = Mount::new(1);
+    let mut m = Mount::new_in(base, 1);
     m.extra = options.iter().map(|o| o.to_string()).collect();
     for (name, data) in &model {
         write(m.lower(0).join(name), data);
@@ -301,6 +310,7 @@ fn run_seed(seed: u64, ops: usize, options: &[&str]) -> (u64, u64) {
         m,
         completions: 0,
         deferred: 0,
+        reflinks: 0,
         model,
         modes,
         rng: StdRng::seed_from_u64(seed),
@@ -318,7 +328,7 @@ fn run_seed(seed: u64, ops: usize, options: &[&str]) -> (u64, u64) {
     std::thread::sleep(std::time::Duration::from_millis(300));
     run.remount();
     run.check_all();
-    (run.completions, run.deferred)
+    run
 }
 
 #[test]
@@ -371,4 +381,22 @@ fn fsx_with_lazy_copy_after_write_matches_the_model() {
     eprintln!("fsx (lazy copy-after-write): seed {seed}, {ops} operations");
     let (_, deferred) = run_seed(seed, ops, &["caw_workers=0", "complete_after=0"]);
     assert!(deferred > 0, "no write was deferred");
+}
+
+/// The same with lower and upper on one XFS: copy-up clones the lower file (reflink), and the
+/// clones take every operation the partial files take.
+#[test]
+fn fsx_with_reflink_copy_up_matches_the_model() {
+    let ops: usize = std::env::var("FSX_OPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
+    let seed = std::env::var("FSX_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7);
+    eprintln!("fsx (reflink copy-up on XFS): seed {seed}, {ops} operations");
+    let xfs = LoopFs::new("mkfs.xfs -q -f -m reflink=1", 512 << 20);
+    let run = run_seed_in(&xfs.path, seed, ops, &[]);
+    assert!(run.reflinks > 0, "no copy-up cloned a file");
 }

@@ -52,9 +52,14 @@ pub fn is_mounted(mnt: &Path) -> bool {
 impl Mount {
     /// Layers made empty; fill them with `lower(i)` / `upper` before `mount()`.
     pub fn new(nlower: usize) -> Mount {
+        Mount::new_in(Path::new("/tmp"), nlower)
+    }
+
+    /// `new`, with the layers and the mount point in a new directory below `base`.
+    pub fn new_in(base: &Path, nlower: usize) -> Mount {
         let dir = tempfile::Builder::new()
             .prefix("mosaicfs-test")
-            .tempdir_in("/tmp")
+            .tempdir_in(base)
             .unwrap();
         let lowers: Vec<PathBuf> = (0..nlower)
             .map(|i| dir.path().join(format!("lower{i}")))
@@ -231,6 +236,37 @@ impl Drop for Mount {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// A fresh file system of `fs_type` made by `mkfs` on a loop image, mounted until dropped.
+pub struct LoopFs {
+    pub path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl LoopFs {
+    pub fn new(mkfs: &str, size: u64) -> LoopFs {
+        let dir = tempfile::Builder::new()
+            .prefix("mosaicfs-loop")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let (img, path) = (dir.path().join("img"), dir.path().join("fs"));
+        fs::create_dir(&path).unwrap();
+        fs::File::create(&img).unwrap().set_len(size).unwrap();
+        sh(&format!("{mkfs} {} >/dev/null 2>&1", img.display()));
+        sh(&format!(
+            "mount -o loop {} {}",
+            img.display(),
+            path.display()
+        ));
+        LoopFs { path, _dir: dir }
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
     }
 }
 
