@@ -215,26 +215,31 @@ def main():
     ap.add_argument("--root", default="/var/tmp/mosaicfs-bench-suite")
     ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
     ap.add_argument("--also", action="append", default=[], help="extra mosaicfs options to run as another column")
-    ap.add_argument("--fs", choices=["ext4", "here"], default="ext4",
-                    help="ext4: the layers sit on a fresh journaled ext4 (loop device) made under --root; "
-                         "here: directly in --root")
+    ap.add_argument("--fs", choices=["ext4", "xfs", "btrfs", "here"], default="ext4",
+                    help="ext4, xfs (reflink=1), btrfs: the layers sit on a fresh file system of that kind "
+                         "(loop device) made under --root; here: directly in --root")
     a = ap.parse_args()
-    if a.fs == "ext4":
-        with FreshExt4(a.root) as root:
+    if a.fs != "here":
+        with FreshFs(a.root, a.fs) as root:
             run_suite(a, root)
     else:
         run_suite(a, a.root)
 
 
-class FreshExt4:
-    """A new journaled ext4 on a loop device, as under /var/lib/containers on a host. The root
-    file system of these VMs has no journal, and there ext4 scans for recently deleted inodes on
-    every create (`recently_deleted`), which made create-heavy workloads depend on what the
-    previous file system measured had deleted."""
+MKFS = {"ext4": "mkfs.ext4 -q -F", "xfs": "mkfs.xfs -q -f -m reflink=1", "btrfs": "mkfs.btrfs -q -f"}
 
-    def __init__(self, root):
+
+class FreshFs:
+    """A new file system on a loop device, as under /var/lib/containers on a host (a journaled
+    ext4, or XFS / btrfs, where upper and lower layers can share extents). The root file system
+    of these VMs has no journal, and there ext4 scans for recently deleted inodes on every create
+    (`recently_deleted`), which made create-heavy workloads depend on what the previous file
+    system measured had deleted."""
+
+    def __init__(self, root, kind):
         self.image = root.rstrip("/") + ".img"
-        self.mnt = os.path.join(root, "ext4")
+        self.mnt = os.path.join(root, kind)
+        self.mkfs = MKFS[kind]
 
     def __enter__(self):
         os.makedirs(self.mnt, exist_ok=True)
@@ -243,7 +248,7 @@ class FreshExt4:
             os.unlink(self.image)
         with open(self.image, "wb") as f:
             f.truncate(16 << 30)
-        sh(f"mkfs.ext4 -q -F {self.image}")
+        sh(f"{self.mkfs} {self.image}")
         sh(f"mount -o loop {self.image} {self.mnt}")
         return self.mnt
 
@@ -263,7 +268,7 @@ def run_suite(a, root):
             run_workloads(m, s, results)
         print(f"# {kind}: {time.time() - t0:.0f} s", file=sys.stderr)
     cols = [k for k, _ in kinds]
-    where = "layers on a fresh journaled ext4 (loop)" if a.fs == "ext4" else f"layers in {a.root}"
+    where = f"layers on a fresh {a.fs} (loop)" if a.fs != "here" else f"layers in {a.root}"
     print(f"\nBenchmark suite{' (quick)' if a.quick else ''}, {time.strftime('%Y-%m-%d', time.gmtime())}, "
           f"{os.cpu_count()} cores, {os.uname().release}, files of {s.size >> 20} MiB, {where}\n")
     head = "| workload | " + " | ".join(cols) + " | mosaicfs / overlayfs | mosaicfs / fuse-overlayfs |"

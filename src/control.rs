@@ -48,6 +48,20 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         },
         overlay.config.passthrough
     );
+    if overlay.layers.has_upper {
+        let clones: Vec<String> = (1..=overlay.layers.lower_count())
+            .filter(|&i| overlay.reflinks_from(i as u16))
+            .map(|i| overlay.layers.layer(i as u16).path.display().to_string())
+            .collect();
+        r += &format!(
+            "copy-up by clone (reflink) from: {}\n",
+            if clones.is_empty() {
+                "none (partial files)".to_string()
+            } else {
+                clones.join(":")
+            }
+        );
+    }
     r += &format!(
         "inodes known: {}\nopen handles: {}\npartial files waiting for completion: {}\n",
         overlay.inodes.len(),

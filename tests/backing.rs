@@ -137,6 +137,14 @@ fn clones_on(mkfs: &str) {
         used < 8 << 20,
         "{mkfs}: the copy-up took {used} bytes of space"
     );
+    let status = sh(&format!("{BIN} status {}", m.mnt.display()));
+    assert!(
+        status.contains(&format!(
+            "copy-up by clone (reflink) from: {}",
+            m.lower(0).display()
+        )),
+        "{mkfs}: {status}"
+    );
     let log = m.unmount();
     assert_eq!(served(&log, "reflinks"), 1, "{mkfs}: {log}");
     assert_eq!(
