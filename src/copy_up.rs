@@ -13,6 +13,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{Mode, OFlags, RenameFlags};
@@ -115,7 +116,7 @@ impl Overlay {
                     Mode::from_raw_mode(0o600),
                 )?;
                 if !empty && lattr.size > 0 {
-                    if self.clone_lower(fd.as_fd(), ldir, lname, lower.top())? {
+                    if self.clone_lower(fd.as_fd(), lower.top(), &lower.path)? {
                         // A complete copy sharing the lower file's extents: no mark.
                     } else if self.sparse.sparse {
                         rustix::fs::ftruncate(&fd, lattr.size)?;
@@ -187,25 +188,18 @@ impl Overlay {
             .is_some_and(|r| r.load(Ordering::Relaxed))
     }
 
-    /// Clones the lower file `lname` into the empty upper file `dst` (FICLONE), where the
-    /// layers allow it: O(1), and the copy is complete. False if they do not (the layer is not
-    /// tried again); an error only for a clone that should have worked and failed (ENOSPC).
-    fn clone_lower(
-        &self,
-        dst: BorrowedFd<'_>,
-        ldir: BorrowedFd<'_>,
-        lname: &OsStr,
-        layer: LayerId,
-    ) -> Result<bool> {
+    /// Clones the lower file `path` of `layer` into the empty upper file `dst` (FICLONE),
+    /// where the layers allow it: O(1), and the copy is complete. False if they do not (the
+    /// layer is not tried again) or if the lower file is itself a partial file (an upper layer
+    /// reused as a lower one: its bytes are not its content); an error only for a clone that
+    /// should have worked and failed (ENOSPC).
+    fn clone_lower(&self, dst: BorrowedFd<'_>, layer: LayerId, path: &Path) -> Result<bool> {
         if !self.reflinks_from(layer) {
             return Ok(false);
         }
-        let src = rustix::fs::openat(
-            ldir,
-            lname,
-            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
+        let Source::File(src) = self.open_lower_source(layer, path)? else {
+            return Ok(false);
+        };
         match rustix::fs::ioctl_ficlone(dst, &src) {
             Ok(()) => {
                 self.stats.reflinks.add(1);

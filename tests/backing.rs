@@ -180,6 +180,35 @@ fn clones_on(mkfs: &str) {
         got.iter().zip(&g).position(|(a, b)| a != b)
     );
     m.unmount();
+    // That upper layer, partial file and all, as the top lower layer of a new mount: its raw
+    // bytes are not g's content, so copy-up must not clone them.
+    let mut n = Mount::new_in(&lfs.path, 0);
+    n.lowers = vec![m.upper.clone(), m.lower(0).to_path_buf()];
+    n.mount();
+    {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(n.path("g"))
+            .unwrap();
+        f.write_all_at(b"y", 20).unwrap();
+    }
+    g[20] = b'y';
+    assert!(
+        fs::read(n.path("g")).unwrap() == g,
+        "{mkfs}: copy-up of a lower partial file"
+    );
+    let log = n.unmount();
+    assert_eq!(
+        served(&log, "reflinks"),
+        0,
+        "{mkfs}: cloned a partial file: {log}"
+    );
+    n.mount();
+    assert!(
+        fs::read(n.path("g")).unwrap() == g,
+        "{mkfs}: after a remount"
+    );
+    n.unmount();
 }
 
 #[test]
