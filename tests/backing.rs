@@ -109,13 +109,7 @@ fn clones_on(mkfs: &str) {
         st.f_bfree * st.f_bsize
     };
     let free_before = free();
-    {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .open(m.path("f"))
-            .unwrap();
-        f.write_all_at(b"changed", 1000).unwrap();
-    }
+    write_at(m.path("f"), 1000, b"changed");
     base[1000..1007].copy_from_slice(b"changed");
     assert!(
         fs::read(m.path("f")).unwrap() == base,
@@ -155,13 +149,7 @@ fn clones_on(mkfs: &str) {
     assert_eq!(served(&log, "passthrough"), 2, "{mkfs}: {log}");
     m.extra.push("reflink=0".into());
     m.mount();
-    {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .open(m.path("g"))
-            .unwrap();
-        f.write_all_at(b"x", 10).unwrap();
-    }
+    write_at(m.path("g"), 10, b"x");
     assert!(get_xattr(&m.upper.join("g"), "trusted.mosaicfs.partial").is_some());
     let log = m.unmount();
     assert_eq!(served(&log, "reflinks"), 0, "{mkfs}: {log}");
@@ -185,13 +173,7 @@ fn clones_on(mkfs: &str) {
     let mut n = Mount::new_in(&lfs.path, 0);
     n.lowers = vec![m.upper.clone(), m.lower(0).to_path_buf()];
     n.mount();
-    {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .open(n.path("g"))
-            .unwrap();
-        f.write_all_at(b"y", 20).unwrap();
-    }
+    write_at(n.path("g"), 20, b"y");
     g[20] = b'y';
     assert!(
         fs::read(n.path("g")).unwrap() == g,

@@ -277,6 +277,13 @@ pub fn write(p: impl AsRef<Path>, data: impl AsRef<[u8]>) {
     fs::write(p, data).unwrap();
 }
 
+/// Writes `data` at `off` into the existing file `p` (open for writing, write, close).
+pub fn write_at(p: impl AsRef<Path>, off: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::OpenOptions::new().write(true).open(p).unwrap();
+    f.write_all_at(data, off).unwrap();
+}
+
 pub fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
     r.expect_err("expected an error").raw_os_error().unwrap()
 }
