@@ -227,15 +227,7 @@ pub struct SparseSupport {
 /// reads back as data. A file system that allocates at a coarser grain gets a larger block size;
 /// one that does not report holes at all is reported as not sparse.
 pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
-    use rustix::fs::{Mode, OFlags};
-    let name = std::ffi::OsStr::new("probe-sparse");
-    let fd = rustix::fs::openat(
-        work,
-        name,
-        OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
-        Mode::from_raw_mode(0o600),
-    )?;
-    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    let fd = probe_file(work, "probe-sparse")?;
     let grain = sys::fstat(fd.as_fd())?.blksize.max(4096) as u64;
     let size = 64 * 1024 * 1024u64;
     rustix::fs::ftruncate(&fd, size)?;
@@ -274,22 +266,27 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
     ))
 }
 
+/// An empty file in the work directory, already unlinked: gone with its descriptor.
+fn probe_file(work: BorrowedFd<'_>, name: &str) -> Result<rustix::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let name = std::ffi::OsStr::new(name);
+    let fd = rustix::fs::openat(
+        work,
+        name,
+        OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    Ok(fd)
+}
+
 /// Whether the upper file system clones extents (FICLONE): XFS with reflink, btrfs. Whether a
 /// given lower layer's files can be cloned into it is found at the first copy-up.
 pub fn probe_reflink(work: BorrowedFd<'_>) -> bool {
-    use rustix::fs::{Mode, OFlags};
-    let make = |name: &str| -> Result<rustix::fd::OwnedFd> {
-        let name = std::ffi::OsStr::new(name);
-        let fd = rustix::fs::openat(
-            work,
-            name,
-            OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )?;
-        let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
-        Ok(fd)
-    };
-    let (Ok(src), Ok(dst)) = (make("probe-reflink-src"), make("probe-reflink-dst")) else {
+    let (Ok(src), Ok(dst)) = (
+        probe_file(work, "probe-reflink-src"),
+        probe_file(work, "probe-reflink-dst"),
+    ) else {
         return false;
     };
     sys::pwrite_full(src.as_fd(), &[0x5a; 4096], 0).is_ok()

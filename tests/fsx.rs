@@ -331,13 +331,23 @@ fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) 
     run
 }
 
-#[test]
-fn fsx_random_operations_match_the_model() {
-    let ops: usize = std::env::var("FSX_OPS")
+/// Operations per seed: `FSX_OPS`, 2,000 unless set.
+fn fsx_ops() -> usize {
+    std::env::var("FSX_OPS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let seeds: Vec<u64> = match std::env::var("FSX_SEED").ok().and_then(|s| s.parse().ok()) {
+        .unwrap_or(2000)
+}
+
+/// The one seed `FSX_SEED` asks for, if set.
+fn fsx_seed() -> Option<u64> {
+    std::env::var("FSX_SEED").ok().and_then(|s| s.parse().ok())
+}
+
+#[test]
+fn fsx_random_operations_match_the_model() {
+    let ops = fsx_ops();
+    let seeds: Vec<u64> = match fsx_seed() {
         Some(s) => vec![s],
         None => vec![1, 2, 3],
     };
@@ -351,16 +361,10 @@ fn fsx_random_operations_match_the_model() {
 /// their last write) and passthrough for completed files.
 #[test]
 fn fsx_with_eager_completion_matches_the_model() {
-    let ops: usize = std::env::var("FSX_OPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
+    let ops = fsx_ops();
     // Seed 41 keeps large partial files alive across many remounts (some seeds truncate every
     // file early, leaving nothing to complete).
-    let seed = std::env::var("FSX_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(41);
+    let seed = fsx_seed().unwrap_or(41);
     eprintln!("fsx (eager completion): seed {seed}, {ops} operations");
     let (completed, _) = run_seed(seed, ops, &["complete_after=0.001", "complete_ratio=10"]);
     assert!(completed > 0, "completion never ran");
@@ -370,14 +374,8 @@ fn fsx_with_eager_completion_matches_the_model() {
 /// pending bytes, and close, truncate, punch and remount must flush them.
 #[test]
 fn fsx_with_lazy_copy_after_write_matches_the_model() {
-    let ops: usize = std::env::var("FSX_OPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let seed = std::env::var("FSX_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(5);
     eprintln!("fsx (lazy copy-after-write): seed {seed}, {ops} operations");
     let (_, deferred) = run_seed(seed, ops, &["caw_workers=0", "complete_after=0"]);
     assert!(deferred > 0, "no write was deferred");
@@ -387,14 +385,8 @@ fn fsx_with_lazy_copy_after_write_matches_the_model() {
 /// clones take every operation the partial files take.
 #[test]
 fn fsx_with_reflink_copy_up_matches_the_model() {
-    let ops: usize = std::env::var("FSX_OPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let seed = std::env::var("FSX_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7);
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(7);
     eprintln!("fsx (reflink copy-up on XFS): seed {seed}, {ops} operations");
     let xfs = LoopFs::new("mkfs.xfs -q -f -m reflink=1", 512 << 20);
     let run = run_seed_in(&xfs.path, seed, ops, &[]);
