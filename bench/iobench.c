@@ -5,6 +5,9 @@
  *   iobench seqread FILE                   read the whole file in 1 MiB reads
  *   iobench stride FILE BLOCK LEN          one open; write LEN bytes at the start of every BLOCK
  *   iobench metamix DIR N                  create+write, stat, rename, mkdir, readdir, unlink, rmdir
+ *   iobench nullrt FILE N                  N getxattr calls of a name FILE does not have (a request
+ *                                          the daemon answers at once: the FUSE round trip)
+ *   iobench openclose FILE N RDONLY|WRONLY  N open + close pairs
  *   iobench fxmark drbl|dwol DIR NPROC SECS  FxMark-style: NPROC processes each read (DRBL) or
  *                                          overwrite (DWOL) one 4 KiB block of its own file
  *                                          DIR/fx-<i>; prints ops/s
@@ -22,6 +25,7 @@
 #include <dirent.h>
 #include <sys/wait.h>
 #include <sys/mman.h>
+#include <sys/xattr.h>
 
 static double now(void) {
     struct timespec t;
@@ -133,6 +137,25 @@ int main(int argc, char **argv) {
         }
         double total = now() - start;
         printf("total_s=%.3f ops=%ld ops_s=%.0f\n", total, ops, ops / total);
+    } else if (!strcmp(mode, "nullrt") && argc == 4) {
+        long n = atol(argv[3]);
+        char buf[64];
+        double start = now();
+        for (long i = 0; i < n; i++)
+            if (getxattr(path, "user.mosaicfs-bench-none", buf, sizeof buf) >= 0) die("getxattr found it");
+        double total = now() - start;
+        printf("total_s=%.3f avg_us=%.2f ops=%ld\n", total, total / n * 1e6, n);
+    } else if (!strcmp(mode, "openclose") && argc == 5) {
+        long n = atol(argv[3]);
+        int flags = !strcmp(argv[4], "WRONLY") ? O_WRONLY : O_RDONLY;
+        double start = now();
+        for (long i = 0; i < n; i++) {
+            int fd = open(path, flags);
+            if (fd < 0) die("open");
+            if (close(fd) < 0) die("close");
+        }
+        double total = now() - start;
+        printf("total_s=%.3f avg_us=%.2f ops=%ld\n", total, total / n * 1e6, n);
     } else if (!strcmp(mode, "fxmark") && argc == 6) {
         const char *kind = argv[2], *dir = argv[3];
         int nproc = atoi(argv[4]);

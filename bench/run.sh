@@ -2,12 +2,15 @@
 # The benchmark suite: the same workloads on mosaicfs, kernel overlayfs and fuse-overlayfs in
 # one run, printed as a table of ratios (see suite.py for the workloads).
 #
-# Usage: bench/run.sh [--quick] [--also passthrough=all] [--fs ext4|xfs|btrfs|here]
-#   (quick: under 3 minutes; --fs: what the layers sit on, default a fresh ext4). Needs root.
+# Usage: bench/run.sh [--sustained] [--quick] [--also passthrough=all] [--fs ext4|xfs|btrfs|here]
+#   (quick: under 3 minutes; --fs: what the layers sit on, default a fresh ext4; --sustained:
+#   the rows of sustained.py, I/O after the first write, issue #11). Needs root.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 for tool in fio fuse-overlayfs cc mkfs.xfs mkfs.btrfs; do
   command -v $tool >/dev/null || { apt-get install -y -qq fio fuse-overlayfs gcc xfsprogs btrfs-progs >/dev/null; break; }
 done
 [ -x "$here/../target/release/mosaicfs" ] || (cd "$here/.." && cargo build --release)
-exec python3 "$here/suite.py" "$@"
+script=suite.py
+[ "${1:-}" = --sustained ] && { script=sustained.py; shift; }
+exec python3 "$here/$script" "$@"

@@ -100,6 +100,10 @@ class Mount:
         shutil.rmtree(self.dir, ignore_errors=True)
         for d in ["upper", "work", "mnt"]:
             os.makedirs(os.path.join(self.dir, d))
+        self.mount()
+        return self
+
+    def mount(self):
         o = f"lowerdir={self.setup.lower},upperdir={self.dir}/upper,workdir={self.dir}/work"
         if self.kind.startswith("mosaicfs"):
             sh(f"{self.binary} -o {o}{self.extra} {self.mnt}")
@@ -107,14 +111,21 @@ class Mount:
             sh(f"mount -t overlay overlay -o {o} {self.mnt}")
         else:
             sh(f"fuse-overlayfs -o {o} {self.mnt}")
-        return self
 
-    def __exit__(self, *exc):
+    def unmount(self):
         for _ in range(50):
             if subprocess.run(["umount", self.mnt], capture_output=True).returncode == 0:
                 break
             time.sleep(0.1)
         time.sleep(0.3)
+
+    def remount(self):
+        """The same layers, unmounted and mounted again."""
+        self.unmount()
+        self.mount()
+
+    def __exit__(self, *exc):
+        self.unmount()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def path(self, *p):
@@ -209,12 +220,18 @@ def run_workloads(m, s, results):
 LOWER_IS_BETTER = "(s)"
 
 
-def main():
+def arguments(root):
+    """The options every script of the suite takes; --fs is added by each."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--root", default="/var/tmp/mosaicfs-bench-suite")
+    ap.add_argument("--root", default=root)
     ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
     ap.add_argument("--also", action="append", default=[], help="extra mosaicfs options to run as another column")
+    return ap
+
+
+def main():
+    ap = arguments("/var/tmp/mosaicfs-bench-suite")
     ap.add_argument("--fs", choices=["ext4", "xfs", "btrfs", "here"], default="ext4",
                     help="ext4, xfs (reflink=1), btrfs: the layers sit on a fresh file system of that kind "
                          "(loop device) made under --root; here: directly in --root")

@@ -8,6 +8,12 @@
 //! leaves either a valid partial file or a complete one. Afterwards the file is a plain upper
 //! file: kernel overlayfs reads it correctly and mosaicfs serves it with passthrough.
 //!
+//! Completion follows use: a partial file opened for writing `REOPENS` times is due at once,
+//! since each later open of a complete file is served by passthrough. The share-of-blocks
+//! trigger waits until the file has had no write for `SETTLE`, so that completion does not
+//! copy from the lower file the blocks a writer (a sequential one, above all) is about to
+//! overwrite. Small files are made complete when opened for writing (`copy_whole=`, file.rs).
+//!
 //! Every open file that is or becomes partial is registered once (not per write) in a queue
 //! that keeps it open until it is completed; a worker thread looks at the queue every half idle
 //! time (at most once a second).
@@ -16,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::file::OpenFile;
+use crate::file::{OpenFile, Progress};
 use crate::overlay::Overlay;
 
 /// At most this many partial files wait for completion at once (each holds two descriptors);
@@ -24,6 +30,15 @@ use crate::overlay::Overlay;
 const MAX_QUEUED: usize = 512;
 /// Blocks filled per lock hold.
 const CHUNK_BLOCKS: u64 = 256;
+/// Opens for writing after which a partial file is completed at once.
+pub const REOPENS: u32 = 8;
+/// How long a file must go without writes before the share-of-blocks trigger completes it.
+const SETTLE: Duration = Duration::from_millis(250);
+
+/// Default `copy_whole=`: below this a whole copy at open costs about what the first write to
+/// a partial file costs, and every later read and write of the file skips the daemon
+/// (docs/PERFORMANCE.md, "Whole copies of small files").
+pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
 
 #[derive(Debug, Clone, Copy)]
 pub struct CompletionPolicy {
@@ -31,6 +46,52 @@ pub struct CompletionPolicy {
     pub after_idle: Option<Duration>,
     /// Complete a partial file once this share (0..=1) of its blocks is present; 0: never.
     pub ratio: f64,
+    /// A file with at most this many bytes to copy is made complete when it is opened for
+    /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
+    pub at_open_below: u64,
+}
+
+impl CompletionPolicy {
+    /// Why a partial file with progress `p` is to be completed now, if it is.
+    pub fn due(&self, p: &Progress, now: Instant) -> Option<String> {
+        let idle = now.duration_since(p.last_write);
+        if p.unlinked {
+            return Some("deleted, nothing to complete".into());
+        }
+        if self.after_idle.is_some_and(|d| idle >= d) {
+            return Some(format!("no write for {:.1} s", idle.as_secs_f64()));
+        }
+        if p.writer_opens >= REOPENS {
+            return Some(format!("opened for writing {} times", p.writer_opens));
+        }
+        if self.ratio > 0.0
+            && p.present as f64 >= self.ratio * p.total.max(1) as f64
+            && idle >= SETTLE
+        {
+            return Some(format!(
+                "{:.0}% of its blocks present",
+                100.0 * p.present as f64 / p.total.max(1) as f64
+            ));
+        }
+        None
+    }
+
+    /// What completes a file that is not due yet.
+    fn waits_for(&self) -> String {
+        let mut w = Vec::new();
+        if let Some(d) = self.after_idle {
+            w.push(format!("no write for {:.0} s", d.as_secs_f64()));
+        }
+        w.push(format!("{REOPENS} opens for writing"));
+        if self.ratio > 0.0 {
+            w.push(format!(
+                "{:.0}% of blocks present and {} ms without a write",
+                self.ratio * 100.0,
+                SETTLE.as_millis()
+            ));
+        }
+        w.join(", or ")
+    }
 }
 
 impl Default for CompletionPolicy {
@@ -38,6 +99,7 @@ impl Default for CompletionPolicy {
         CompletionPolicy {
             after_idle: Some(Duration::from_secs(10)),
             ratio: 0.5,
+            at_open_below: DEFAULT_COPY_WHOLE,
         }
     }
 }
@@ -71,6 +133,35 @@ impl Completer {
 
     pub fn queued(&self) -> usize {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Wakes the worker: a file may have become due.
+    pub fn nudge(&self) {
+        self.wake.notify_all();
+    }
+
+    /// One line per queued file: how far it is and why it is or is not being completed.
+    pub fn describe(&self, policy: &CompletionPolicy) -> Vec<String> {
+        let files = self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let now = Instant::now();
+        files
+            .iter()
+            .filter_map(|f| {
+                let p = f.partial_progress()?;
+                let why = match policy.due(&p, now) {
+                    Some(reason) => format!("due: {reason}"),
+                    None => format!("waiting: {}", policy.waits_for()),
+                };
+                Some(format!(
+                    "inode {}: {} of {} blocks present, last write {:.1} s ago, writable opens {}; {why}",
+                    f.ino,
+                    p.present,
+                    p.total,
+                    now.duration_since(p.last_write).as_secs_f64(),
+                    p.writer_opens,
+                ))
+            })
+            .collect()
     }
 
     pub fn stop(&self) {
@@ -133,16 +224,9 @@ impl Overlay {
             let done = match f.partial_progress() {
                 None => true,
                 Some(p) => {
-                    let idle = self
-                        .config
-                        .completion
-                        .after_idle
-                        .is_some_and(|d| now.duration_since(p.last_write) >= d);
-                    let full = self.config.completion.ratio > 0.0
-                        && p.present as f64 >= self.config.completion.ratio * p.total.max(1) as f64;
                     if p.unlinked {
                         true // nobody can read it again: nothing to complete
-                    } else if idle || full {
+                    } else if self.config.completion.due(&p, now).is_some() {
                         match self.complete_file(&f) {
                             Ok(()) => true,
                             Err(e) => {

@@ -68,6 +68,9 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         overlay.handles.len(),
         overlay.completer.queued()
     );
+    for line in overlay.completer.describe(&overlay.config.completion) {
+        r += &format!("  {line}\n");
+    }
     if let Some(caw) = &overlay.caw {
         r += &format!("copy-after-write pending: {} bytes\n", caw.pending_bytes());
     }

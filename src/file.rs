@@ -106,6 +106,8 @@ pub struct OpenFile {
     /// The object's inode number (`Node::st_ino`).
     pub ino: Ino,
     data: RwLock<FileData>,
+    /// Opens for writing since this state was made (completion follows use, complete.rs).
+    writer_opens: std::sync::atomic::AtomicU32,
 }
 
 /// How a handle does its I/O.
@@ -251,6 +253,8 @@ pub struct Progress {
     pub total: u64,
     pub last_write: Instant,
     pub unlinked: bool,
+    /// Opens for writing so far.
+    pub writer_opens: u32,
 }
 
 pub struct Handle {
@@ -281,8 +285,9 @@ pub type HandleTable = HandleMap<Handle>;
 pub struct Opened {
     pub fh: u64,
     pub io: IoMode,
-    /// Whether the handle may write (only then does its close need to reach the daemon).
-    pub writable: bool,
+    /// Whether its close must reach the daemon (FLUSH): a handle that writes through the
+    /// daemon may leave copy-after-write blocks pending.
+    pub flushes: bool,
 }
 
 impl OpenFile {
@@ -315,6 +320,41 @@ impl OpenFile {
         matches!(&*self.read_data(), FileData::Lower(_))
     }
 
+    /// Whether a write by an unprivileged caller would have to clear set-id bits or file
+    /// capabilities of this complete upper file.
+    fn has_privs_to_kill(&self) -> bool {
+        let FileData::Upper(fd) = &*self.read_data() else {
+            return false;
+        };
+        let setid = sys::fstat(fd.as_fd()).map_or(true, |a| {
+            a.mode & libc::S_ISUID != 0
+                || a.mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
+        });
+        let mut probe = [0u8; 64];
+        setid
+            || !matches!(
+                rustix::fs::fgetxattr(fd, "security.capability", &mut probe),
+                Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP)
+            )
+    }
+
+    pub fn is_partial(&self) -> bool {
+        matches!(&*self.read_data(), FileData::Partial(_))
+    }
+
+    /// How many bytes making this file a complete upper file would copy from the lower layer:
+    /// all of a lower file, what a partial file still lacks; `None` for a complete file.
+    pub fn bytes_to_copy(&self) -> Option<u64> {
+        match &*self.read_data() {
+            FileData::Upper(_) => None,
+            FileData::Lower(src) => Some(src.size().unwrap_or(u64::MAX)),
+            FileData::Partial(p) => {
+                let blocks = p.fill_limit().div_ceil(p.block);
+                Some(blocks.saturating_sub(p.blocks.block_count()) * p.block)
+            }
+        }
+    }
+
     /// Blocks present and blocks that need the lower file, for a partial file.
     pub fn partial_progress(&self) -> Option<Progress> {
         match &*self.read_data() {
@@ -323,6 +363,7 @@ impl OpenFile {
                 total: p.fill_limit().div_ceil(p.block),
                 last_write: p.last_write,
                 unlinked: sys::fstat(p.upper.as_fd()).is_ok_and(|a| a.nlink == 0),
+                writer_opens: self.writer_opens.load(std::sync::atomic::Ordering::Relaxed),
             }),
             _ => None,
         }
@@ -341,11 +382,16 @@ impl OpenFile {
         }
         let end = (from + n).min(limit);
         let mut filled = 0;
-        for blk in from..end {
-            if p.needs_fill(blk) {
-                p.fill_block(blk)?;
-                filled += 1;
+        let mut blk = from;
+        while blk < end {
+            if !p.needs_fill(blk) {
+                blk += 1;
+                continue;
             }
+            let run = (blk..end).take_while(|&b| p.needs_fill(b)).count() as u64;
+            p.fill_blocks(blk, blk + run)?;
+            filled += run;
+            blk += run;
         }
         Ok(Some((end, filled)))
     }
@@ -593,6 +639,7 @@ impl Overlay {
         let f = Arc::new(OpenFile {
             ino: node.st_ino,
             data: RwLock::new(data),
+            writer_opens: Default::default(),
         });
         st.open = Arc::downgrade(&f);
         drop(st);
@@ -607,6 +654,7 @@ impl Overlay {
         let f = Arc::new(OpenFile {
             ino: node.st_ino,
             data: RwLock::new(data),
+            writer_opens: Default::default(),
         });
         node.state().open = Arc::downgrade(&f);
         f
@@ -643,7 +691,24 @@ impl Overlay {
             self.copy_up(&node)?;
         }
         let file = self.open_file_as(&node, writable)?;
-        let policy = self.config.passthrough;
+        if writable {
+            let opens = 1 + file
+                .writer_opens
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.complete_small(&node, &file)?;
+            if opens == crate::complete::REOPENS && file.is_partial() {
+                // Completion follows use (complete.rs): the file is due now.
+                self.completer.nudge();
+            }
+        }
+        let policy = if writable && file.has_privs_to_kill() {
+            // A passthrough write reaches the upper file as the daemon, which would keep the
+            // set-id bits and capabilities an unprivileged writer must clear: such writes go
+            // through the daemon (`kill_privs`), as kernel overlayfs clears them itself.
+            PassthroughPolicy::Off
+        } else {
+            self.config.passthrough
+        };
         let Some(io) = node
             .io
             .begin(file.kind(), writable, policy, node.is_alias())
@@ -658,7 +723,30 @@ impl Overlay {
             sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
             io: Mutex::new(io),
         });
-        Ok(Opened { fh, io, writable })
+        let flushes = writable && self.caw.is_some();
+        Ok(Opened { fh, io, flushes })
+    }
+
+    /// Makes a small lower or partial file complete before a writable open of it returns
+    /// (`copy_whole=`): the copy costs about what a partial file's first write costs, and the
+    /// open can then use passthrough, so no later read or write of it needs the daemon. The
+    /// copy is a partial file filled and made durable before its mark goes (complete.rs), so a
+    /// crash at any point leaves a valid file.
+    fn complete_small(&self, node: &Node, file: &OpenFile) -> Result<()> {
+        let limit = self.config.completion.at_open_below;
+        if limit == 0 || file.bytes_to_copy().is_none_or(|n| n > limit) {
+            return Ok(());
+        }
+        if file.is_lower() {
+            self.copy_up(node)?;
+        }
+        if file.partial_progress().is_some() {
+            self.complete_file(file)?;
+            if !file.is_partial() {
+                self.stats.completions_at_open.add(1);
+            }
+        }
+        Ok(())
     }
 
     /// Whether `node` is a lower file that copy-up would clone.
@@ -841,6 +929,15 @@ impl Overlay {
         }
         match rustix::fs::fremovexattr(&fd, "security.capability") {
             Ok(()) | Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
+            // A daemon without CAP_SETFCAP (an unprivileged mount) may not even try; it is
+            // only an error if there is a capability to remove.
+            Err(e @ (rustix::io::Errno::PERM | rustix::io::Errno::ACCESS)) => {
+                let mut probe = [0u8; 64];
+                match rustix::fs::fgetxattr(&fd, "security.capability", &mut probe) {
+                    Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
+                    _ => Err(e.into()),
+                }
+            }
             Err(e) => Err(e.into()),
         }
     }

@@ -131,10 +131,10 @@ fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
     }
 }
 
-fn fopen_flags(io: IoMode, writable: bool) -> FopenFlags {
+fn fopen_flags(io: IoMode, flushes: bool) -> FopenFlags {
     // FLUSH (sent on every close) only fills copy-after-write blocks, which only a handle
     // that writes through the daemon can leave; POSIX locks are the kernel's own here.
-    let noflush = if writable && io == IoMode::Cached {
+    let noflush = if flushes && io == IoMode::Cached {
         FopenFlags::empty()
     } else {
         FopenFlags::FOPEN_NOFLUSH
@@ -206,7 +206,7 @@ impl MosaicFs {
                     );
                 }
                 Err(io) => {
-                    let flags = fopen_flags(io, opened.writable);
+                    let flags = fopen_flags(io, opened.flushes);
                     return reply.created(&ttl, &attr, generation, fh, flags);
                 }
             }
@@ -217,7 +217,7 @@ impl MosaicFs {
             &attr,
             generation,
             fh,
-            fopen_flags(opened.io, opened.writable),
+            fopen_flags(opened.io, opened.flushes),
         )
     }
 
@@ -437,11 +437,11 @@ impl Filesystem for MosaicFs {
                         .expect("only BackingIds are stored");
                     return reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, id);
                 }
-                Err(io) => return reply.opened(fh, fopen_flags(io, opened.writable)),
+                Err(io) => return reply.opened(fh, fopen_flags(io, opened.flushes)),
             }
         }
         self.core.stats.opens_daemon.add(1);
-        reply.opened(fh, fopen_flags(opened.io, opened.writable))
+        reply.opened(fh, fopen_flags(opened.io, opened.flushes))
     }
 
     fn read(

@@ -264,6 +264,22 @@ fn parse_num<T: std::str::FromStr>(name: &str, value: Option<&str>) -> Result<T,
         .map_err(|_| format!("option '{name}' takes a number, not '{v}'"))
 }
 
+/// A size in bytes, with an optional K, M or G suffix (powers of 1024).
+fn parse_size(name: &str, value: Option<&str>) -> Result<u64, String> {
+    let v = value.ok_or_else(|| format!("option '{name}' needs a size: {name}=N[K|M|G]"))?;
+    let (digits, shift) = match v.as_bytes().last().map(u8::to_ascii_uppercase) {
+        Some(b'K') => (&v[..v.len() - 1], 10),
+        Some(b'M') => (&v[..v.len() - 1], 20),
+        Some(b'G') => (&v[..v.len() - 1], 30),
+        _ => (v, 0),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| format!("option '{name}' takes a size such as 4096, 512K or 1M, not '{v}'"))
+}
+
 impl Options {
     fn apply(&mut self, opt: &str) -> Result<(), String> {
         let (name, value) = match opt.split_once('=') {
@@ -349,6 +365,7 @@ impl Options {
                 }
                 self.completion.after_idle = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
             }
+            "copy_whole" => self.completion.at_open_below = parse_size(name, value)?,
             "complete_ratio" => {
                 let pct: f64 = parse_num(name, value)?;
                 if !(0.0..=100.0).contains(&pct) {

@@ -41,6 +41,14 @@ impl Source {
         }
     }
 
+    /// The size of the file's content.
+    pub fn size(&self) -> Result<u64> {
+        match self {
+            Source::File(fd) => Ok(sys::fstat(fd.as_fd())?.size),
+            Source::Partial(p) => Ok(p.size),
+        }
+    }
+
     pub fn is_plain(&self) -> bool {
         matches!(self, Source::File(_))
     }
@@ -166,15 +174,25 @@ impl PartialFile {
 
     /// Writes block `blk` whole, as the merged view shows it.
     pub fn fill_block(&mut self, blk: u64) -> Result<()> {
-        let start = blk * self.block;
-        let end = ((blk + 1) * self.block).min(self.size);
-        let data = self.read(start, (end - start) as usize)?;
-        sys::pwrite_full(self.upper.as_fd(), &data, start)?;
-        self.disk_size = self.disk_size.max(end);
-        self.blocks.insert(blk, blk + 1);
-        if self.pending.remove(&blk).is_some() {
-            self.release_pending(1);
+        self.fill_blocks(blk, blk + 1)
+    }
+
+    /// Writes blocks `first..end`, none of them present, as the merged view shows them: one
+    /// read of the merged content and one write of the upper file for the whole run.
+    pub fn fill_blocks(&mut self, first: u64, end: u64) -> Result<()> {
+        let start = first * self.block;
+        let stop = (end * self.block).min(self.size);
+        if start < stop {
+            let data = self.read(start, (stop - start) as usize)?;
+            sys::pwrite_full(self.upper.as_fd(), &data, start)?;
+            self.disk_size = self.disk_size.max(stop);
         }
+        self.blocks.insert(first, end);
+        let done: Vec<u64> = self.pending.range(first..end).map(|(&b, _)| b).collect();
+        for blk in &done {
+            self.pending.remove(blk);
+        }
+        self.release_pending(done.len());
         Ok(())
     }
 

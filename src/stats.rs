@@ -53,6 +53,8 @@ pub struct Stats {
     pub blocks_filled: Counter,
     pub blocks_deferred: Counter,
     pub completions: Counter,
+    /// Files made complete when opened for writing (`copy_whole=`).
+    pub completions_at_open: Counter,
     /// fsync/fdatasync requests, and how many reached the disk (none with `volatile`).
     pub fsyncs: Counter,
     pub fsyncs_to_disk: Counter,
@@ -61,7 +63,7 @@ pub struct Stats {
 impl Stats {
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={}; fsyncs={} to-disk={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={} at-open={}; fsyncs={} to-disk={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
@@ -74,6 +76,7 @@ impl Stats {
             self.blocks_deferred.get(),
             self.blocks_filled.get(),
             self.completions.get(),
+            self.completions_at_open.get(),
             self.fsyncs.get(),
             self.fsyncs_to_disk.get()
         )

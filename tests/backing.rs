@@ -148,6 +148,7 @@ fn clones_on(mkfs: &str) {
     );
     assert_eq!(served(&log, "passthrough"), 2, "{mkfs}: {log}");
     m.extra.push("reflink=0".into());
+    m.extra.push("copy_whole=0".into());
     m.mount();
     write_at(m.path("g"), 10, b"x");
     assert!(get_xattr(&m.upper.join("g"), "trusted.mosaicfs.partial").is_some());

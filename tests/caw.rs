@@ -9,12 +9,6 @@ use std::time::Duration;
 
 use common::*;
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
-}
-
 fn has_data(p: &std::path::Path) -> bool {
     let f = fs::File::open(p).unwrap();
     rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(0)).is_ok()
@@ -24,7 +18,7 @@ fn has_data(p: &std::path::Path) -> bool {
 fn lazy_mount(data: &[u8], extra: &[&str]) -> Mount {
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), data);
-    m.extra = ["caw_workers=0", "complete_after=0"]
+    m.extra = ["caw_workers=0", "complete_after=0", "copy_whole=0"]
         .iter()
         .chain(extra)
         .map(|s| s.to_string())
@@ -70,7 +64,7 @@ fn workers_fill_pending_blocks_in_the_background() {
     let base = pattern(1 << 20, 2);
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), &base);
-    m.extra = vec!["complete_after=0".into()];
+    m.extra = vec!["complete_after=0".into(), "copy_whole=0".into()];
     m.mount();
     let f = fs::OpenOptions::new()
         .write(true)

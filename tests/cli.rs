@@ -303,6 +303,7 @@ fn the_mount_reads_ahead_as_configured() {
 fn status_reports_a_live_mount_and_explains_a_dead_one() {
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), vec![1u8; 100_000]);
+    m.extra = vec!["copy_whole=0".into()];
     m.mount();
     fs::OpenOptions::new()
         .write(true)
@@ -336,6 +337,12 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
         text.contains("copy-ups=1") && text.contains("write=1"),
         "{text}"
     );
+    // Each partial file, and why it is not complete yet.
+    assert!(
+        text.contains("1 of 25 blocks present")
+            && text.contains("writable opens 1; waiting: no write for 10 s"),
+        "{text}"
+    );
     m.unmount();
     let out = Command::new(BIN)
         .arg("status")
@@ -354,7 +361,7 @@ fn mounts_in_a_user_namespace_with_user_xattrs() {
     fs::write(d.path().join("l/big"), vec![7u8; 100_000]).unwrap();
     fs::write(d.path().join("l/gone"), "x").unwrap();
     let script = format!(
-        "set -e; {BIN} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w {p}/m; \
+        "set -e; {BIN} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w,copy_whole=0 {p}/m; \
          printf Y | dd of={p}/m/big bs=1 seek=50000 conv=notrunc 2>/dev/null; \
          rm {p}/m/gone; chmod 600 {p}/m/big; cat {p}/m/big | wc -c; umount {p}/m"
     );
@@ -399,7 +406,7 @@ fn an_unprivileged_user_mounts_through_fusermount3() {
     sh(&format!("chown -R nobody:nogroup {p}"));
     let script = format!(
         "set -e; cd {p}; {BIN} -o lowerdir=l,upperdir=u,workdir=w m; echo more >> m/a; \
-         rm m/gone; cat m/a; ls m; fusermount3 -u m"
+         echo new > m/n; echo again >> m/n; rm m/gone; cat m/a m/n; ls m; fusermount3 -u m"
     );
     let out = Command::new("setpriv")
         .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups"])
@@ -411,7 +418,10 @@ fn an_unprivileged_user_mounts_through_fusermount3() {
         "as nobody: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "lower\nmore\na\n");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "lower\nmore\nnew\nagain\na\nn\n"
+    );
     wait_unmounted(&d.path().join("m"));
     let a = d.path().join("u/a");
     assert!(

@@ -8,12 +8,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
-}
-
 fn is_partial(p: &std::path::Path) -> bool {
     get_xattr(p, "trusted.mosaicfs.partial").is_some()
 }
@@ -79,10 +73,38 @@ fn an_idle_partial_file_is_completed_and_kernel_overlayfs_reads_it() {
 }
 
 #[test]
+fn a_partial_file_reopened_for_writing_is_completed_at_once() {
+    // Completion follows use: the eighth open for writing makes the file due, so that later
+    // opens are served by passthrough; neither idleness nor the share of blocks would.
+    let base = pattern(4 << 20, 6);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("log"), &base);
+    m.extra = vec!["complete_after=600".into(), "complete_ratio=0".into()];
+    m.mount();
+    let mut want = base.clone();
+    for i in 0..8u64 {
+        write_at(m.path("log"), i * 4096, b"line");
+        want[i as usize * 4096..i as usize * 4096 + 4].copy_from_slice(b"line");
+        if i < 7 {
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(is_partial(&m.upper.join("log")), "after {} opens", i + 1);
+        }
+    }
+    wait_complete(&m.upper.join("log"), Duration::from_secs(5));
+    assert!(fs::read(m.path("log")).unwrap() == want);
+    let log = m.unmount();
+    assert_eq!(served(&log, "completions"), 1, "{log}");
+}
+
+#[test]
 fn a_mostly_rewritten_file_is_completed_by_ratio() {
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), pattern(1 << 20, 2));
-    m.extra = vec!["complete_after=0".into(), "complete_ratio=50".into()];
+    m.extra = vec![
+        "complete_after=0".into(),
+        "complete_ratio=50".into(),
+        "copy_whole=0".into(),
+    ];
     m.mount();
     let f = fs::OpenOptions::new()
         .write(true)

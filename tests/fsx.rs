@@ -52,6 +52,8 @@ struct Run {
     deferred: u64,
     /// Copy-ups that cloned the lower file, summed over remounts.
     reflinks: u64,
+    /// Files made complete when opened for writing, summed over remounts.
+    at_open: u64,
     model: Model,
     /// Permission bits of each file in the model.
     modes: BTreeMap<String, u32>,
@@ -107,6 +109,7 @@ impl Run {
         self.completions += served(&log, "completions");
         self.deferred += served(&log, "blocks-deferred");
         self.reflinks += served(&log, "reflinks");
+        self.at_open += served(&log, "at-open");
         self.m.mount();
     }
 
@@ -311,6 +314,7 @@ fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) 
         completions: 0,
         deferred: 0,
         reflinks: 0,
+        at_open: 0,
         model,
         modes,
         rng: StdRng::seed_from_u64(seed),
@@ -368,6 +372,20 @@ fn fsx_with_eager_completion_matches_the_model() {
     eprintln!("fsx (eager completion): seed {seed}, {ops} operations");
     let (completed, _) = run_seed(seed, ops, &["complete_after=0.001", "complete_ratio=10"]);
     assert!(completed > 0, "completion never ran");
+}
+
+/// The same with every file copied whole when opened for writing (`copy_whole=` above the
+/// largest file), and with none (`copy_whole=0`: partial files of every size).
+#[test]
+fn fsx_with_whole_copies_at_open_and_without_matches_the_model() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(7);
+    eprintln!("fsx (whole copies at open): seed {seed}, {ops} operations");
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &["copy_whole=64M"]);
+    assert!(run.at_open > 0, "no file was copied whole at open");
+    eprintln!("fsx (no whole copies): seed {seed}, {ops} operations");
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &["copy_whole=0"]);
+    assert_eq!(run.at_open, 0, "copy_whole=0 copied a file whole");
 }
 
 /// The same with pending blocks filled only when needed (no workers): every read merges

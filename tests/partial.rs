@@ -10,21 +10,6 @@ use common::*;
 
 const MIB: usize = 1 << 20;
 
-/// Deterministic pseudo-random bytes.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// Whether the file has any data extent (SEEK_DATA finds one).
 fn has_data(p: &std::path::Path) -> bool {
     let f = fs::File::open(p).unwrap();
@@ -34,7 +19,12 @@ fn has_data(p: &std::path::Path) -> bool {
 fn lower_with(name: &str, data: &[u8]) -> Mount {
     let data = data.to_vec();
     let name = name.to_string();
-    Mount::with(move |l| write(l.join(name), data))
+    let mut m = Mount::new(1);
+    write(m.lower(0).join(name), data);
+    // Partial files of every size: small ones would be copied whole when opened for writing.
+    m.extra = vec!["copy_whole=0".into()];
+    m.mount();
+    m
 }
 
 #[test]

@@ -5,7 +5,7 @@ mod common;
 
 use std::fs;
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 
 use common::*;
 
@@ -33,7 +33,7 @@ fn complete_upper_files_never_send_reads_or_writes_to_the_daemon() {
 
 #[test]
 fn partial_files_and_writes_to_lower_files_go_through_the_daemon() {
-    let mut m = Mount::with(|l| write(l.join("f"), vec![1u8; 1 << 20]));
+    let mut m = Mount::with(|l| write(l.join("f"), vec![1u8; 2 << 20]));
     fs::OpenOptions::new()
         .write(true)
         .open(m.path("f"))
@@ -48,6 +48,60 @@ fn partial_files_and_writes_to_lower_files_go_through_the_daemon() {
         served(&log, "read") >= 1,
         "partial file reads merge in the daemon: {log}"
     );
+}
+
+#[test]
+fn a_small_file_opened_for_writing_is_copied_whole_and_skips_the_daemon() {
+    let small = pattern(200_000, 4);
+    let big = pattern(3 << 20, 5);
+    let mut m = Mount::with(|l| {
+        write(l.join("small"), &small);
+        write(l.join("big"), &big);
+    });
+    for name in ["small", "big"] {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(m.path(name))
+            .unwrap();
+        for i in 0..20u64 {
+            f.write_all_at(b"w", i * 9000 + 1).unwrap();
+        }
+    }
+    let mut want = small.clone();
+    for i in 0..20 {
+        want[i * 9000 + 1] = b'w';
+    }
+    assert!(fs::read(m.path("small")).unwrap() == want);
+    // Complete and durable before the open returned: no mark, and its own bytes in the upper
+    // layer (kernel overlayfs would read it the same).
+    assert!(get_xattr(&m.upper.join("small"), "trusted.mosaicfs.partial").is_none());
+    assert!(fs::read(m.upper.join("small")).unwrap() == want);
+    // Above copy_whole= (1 MiB by default) the first write still copies a block, not the file.
+    assert!(get_xattr(&m.upper.join("big"), "trusted.mosaicfs.partial").is_some());
+    let log = m.unmount();
+    assert_eq!(served(&log, "at-open"), 1, "{log}");
+    assert_eq!(
+        served(&log, "write"),
+        20,
+        "only the big file's writes: {log}"
+    );
+}
+
+#[test]
+fn writable_opens_of_set_id_files_go_through_the_daemon() {
+    // A passthrough write reaches the upper file as the daemon, which would keep set-id bits
+    // that an unprivileged writer must clear.
+    let mut m = Mount::with(|l| write(l.join("tool"), "x"));
+    fs::set_permissions(m.path("tool"), fs::Permissions::from_mode(0o4755)).unwrap();
+    fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("tool"))
+        .unwrap()
+        .write_all(b"y")
+        .unwrap();
+    let log = m.unmount();
+    assert_eq!(served(&log, "write"), 1, "{log}");
 }
 
 #[test]

@@ -368,3 +368,18 @@ pub fn served(log: &str, what: &str) -> u64 {
         .parse()
         .unwrap()
 }
+
+/// `len` bytes of a pseudo-random pattern, the same for the same seed.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
