@@ -883,3 +883,54 @@ fn long_listings_with_attributes_then_every_entry_still_works() {
     assert_eq!(names(m.path("big")).len(), 2000);
     assert_eq!(fs::read_to_string(m.path("big/lower0001")).unwrap(), "1");
 }
+
+/// A short form of bench/sustained.py's SQLite rows: a database baked into the lower layer,
+/// updated through the mount with small transactions (rollback journal, then WAL), whole after
+/// each phase and after a remount.
+#[test]
+fn a_sqlite_database_in_a_lower_layer_survives_updates_and_a_remount() {
+    let python = |db: &Path, code: &str| {
+        let out = std::process::Command::new("python3")
+            .args(["-c", &format!("import sqlite3, sys\ncon = sqlite3.connect(sys.argv[1], isolation_level=None)\n{code}")])
+            .arg(db)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let check = "print(con.execute('PRAGMA integrity_check').fetchone()[0], \
+                 con.execute('SELECT count(*), sum(k) FROM t').fetchone())";
+    let mut m = Mount::new(1);
+    python(
+        &m.lower(0).join("db"),
+        "con.execute('PRAGMA page_size=4096')\ncon.execute('CREATE TABLE t(id INTEGER PRIMARY KEY, k INTEGER, v BLOB)')\n\
+         con.execute('BEGIN')\ncon.executemany('INSERT INTO t VALUES(?,?,randomblob(300))', ((i, i) for i in range(20000)))\n\
+         con.execute('CREATE INDEX tk ON t(k)')\ncon.execute('COMMIT')",
+    );
+    m.mount();
+    let db = m.path("db");
+    for mode in ["DELETE", "WAL"] {
+        python(
+            &db,
+            &format!(
+                "con.execute('PRAGMA journal_mode={mode}')\nfor i in range(300):\n    \
+                 con.execute('BEGIN')\n    con.execute('UPDATE t SET k=k+1, v=randomblob(300) WHERE id=?', ((i * 7919) % 20000,))\n    \
+                 con.execute('INSERT INTO t(k, v) VALUES(1, randomblob(300))')\n    con.execute('COMMIT')"
+            ),
+        );
+    }
+    // 20,000 rows plus 300 per phase; every k was 0..19999, 600 of them were incremented and
+    // 600 rows with k = 1 were added.
+    let want = format!("ok (20600, {})", (0..20000u64).sum::<u64>() + 1200);
+    assert_eq!(python(&db, check), want);
+    m.remount();
+    assert_eq!(python(&db, check), want);
+    assert!(
+        get_xattr(&m.upper.join("db"), "trusted.mosaicfs.partial").is_some(),
+        "a database larger than copy_whole stays a partial file"
+    );
+}
