@@ -686,16 +686,12 @@ impl Overlay {
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
-        if writable && self.clones_on_open(&node) {
-            // An O(1) copy-up now lets this very open use passthrough (copy_up.rs).
-            self.copy_up(&node)?;
-        }
         let file = self.open_file_as(&node, writable)?;
         if writable {
             let opens = 1 + file
                 .writer_opens
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.complete_small(&node, &file)?;
+            self.complete_at_open(&node, &file)?;
             if opens == crate::complete::REOPENS && file.is_partial() {
                 // Completion follows use (complete.rs): the file is due now.
                 self.completer.nudge();
@@ -727,20 +723,19 @@ impl Overlay {
         Ok(Opened { fh, io, flushes })
     }
 
-    /// Makes a small lower or partial file complete before a writable open of it returns
-    /// (`copy_whole=`): the copy costs about what a partial file's first write costs, and the
-    /// open can then use passthrough, so no later read or write of it needs the daemon. The
-    /// copy is a partial file filled and made durable before its mark goes (complete.rs), so a
-    /// crash at any point leaves a valid file.
-    fn complete_small(&self, node: &Node, file: &OpenFile) -> Result<()> {
+    /// Makes the file complete before a writable open of it returns, where that is cheap, so
+    /// that the open can use passthrough and no later read or write of it needs the daemon: a
+    /// lower file the upper layer can clone (O(1), copy_up.rs), and a small lower or partial
+    /// file (`copy_whole=`; the copy costs about what a partial file's first write costs). The
+    /// small copy is a partial file filled and made durable before its mark goes
+    /// (complete.rs), so a crash at any point leaves a valid file.
+    fn complete_at_open(&self, node: &Node, file: &OpenFile) -> Result<()> {
         let limit = self.config.completion.at_open_below;
-        if limit == 0 || file.bytes_to_copy().is_none_or(|n| n > limit) {
-            return Ok(());
-        }
-        if file.is_lower() {
+        let small = limit > 0 && file.bytes_to_copy().is_some_and(|n| n <= limit);
+        if file.is_lower() && (small || self.clones_on_open(node)) {
             self.copy_up(node)?;
         }
-        if file.partial_progress().is_some() {
+        if small && file.is_partial() {
             self.complete_file(file)?;
             if !file.is_partial() {
                 self.stats.completions_at_open.add(1);

@@ -890,17 +890,13 @@ fn long_listings_with_attributes_then_every_entry_still_works() {
 #[test]
 fn a_sqlite_database_in_a_lower_layer_survives_updates_and_a_remount() {
     let python = |db: &Path, code: &str| {
-        let out = std::process::Command::new("python3")
-            .args(["-c", &format!("import sqlite3, sys\ncon = sqlite3.connect(sys.argv[1], isolation_level=None)\n{code}")])
-            .arg(db)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        let prelude =
+            "import sqlite3, sys\ncon = sqlite3.connect(sys.argv[1], isolation_level=None)";
+        run(std::process::Command::new("python3")
+            .args(["-c", &format!("{prelude}\n{code}")])
+            .arg(db))
+        .trim()
+        .to_string()
     };
     let check = "print(con.execute('PRAGMA integrity_check').fetchone()[0], \
                  con.execute('SELECT count(*), sum(k) FROM t').fetchone())";

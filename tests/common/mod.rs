@@ -332,13 +332,19 @@ pub fn mknod_whiteout(dir: &Path, name: &str) {
 
 /// Runs a shell command, asserting success; returns stdout.
 pub fn sh(cmd: &str) -> String {
+    run(Command::new("sh").arg("-c").arg(cmd))
+}
+
+/// Runs `cmd` to its end (not while a mount is being set up, see `forking`); its stdout.
+/// Panics with its output if it fails.
+pub fn run(cmd: &mut Command) -> String {
     let out = {
         let _forking = forking();
-        Command::new("sh").arg("-c").arg(cmd).output().unwrap()
+        cmd.output().unwrap()
     };
     assert!(
         out.status.success(),
-        "`{cmd}` failed: {}{}",
+        "`{cmd:?}` failed: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
