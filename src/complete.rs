@@ -8,8 +8,10 @@
 //! leaves either a valid partial file or a complete one. Afterwards the file is a plain upper
 //! file: kernel overlayfs reads it correctly and mosaicfs serves it with passthrough.
 //!
-//! Completion follows use: a partial file opened for writing `REOPENS` times is due at once,
-//! since each later open of a complete file is served by passthrough. The share-of-blocks
+//! Completion follows use: a partial file that has been written and is opened for writing
+//! again is in sustained use (a database, a log, an image being edited) and is due at once,
+//! since each later open of a complete file is served by passthrough; up to
+//! `complete_on_reopen=` bytes to copy it is even completed before that open returns (file.rs). The share-of-blocks
 //! trigger waits until the file has had no write for `SETTLE`, so that completion does not
 //! copy from the lower file the blocks a writer (a sequential one, above all) is about to
 //! overwrite. Small files are made complete when opened for writing (`copy_whole=`, file.rs).
@@ -30,8 +32,6 @@ use crate::overlay::Overlay;
 const MAX_QUEUED: usize = 512;
 /// Blocks filled per lock hold.
 const CHUNK_BLOCKS: u64 = 256;
-/// Opens for writing after which a partial file is completed at once.
-pub const REOPENS: u32 = 8;
 /// How long a file must go without writes before the share-of-blocks trigger completes it.
 const SETTLE: Duration = Duration::from_millis(250);
 
@@ -39,6 +39,11 @@ const SETTLE: Duration = Duration::from_millis(250);
 /// a partial file costs, and every later read and write of the file skips the daemon
 /// (docs/PERFORMANCE.md, "Whole copies of small files").
 pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
+
+/// Default `complete_on_reopen=`: a file reopened for writing after it was written is in
+/// sustained use; completing it then costs what kernel overlayfs pays at the first open, up to
+/// this size (docs/PERFORMANCE.md, "Completion follows use").
+pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Copy)]
 pub struct CompletionPolicy {
@@ -49,6 +54,10 @@ pub struct CompletionPolicy {
     /// A file with at most this many bytes to copy is made complete when it is opened for
     /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
     pub at_open_below: u64,
+    /// A partial file that has been written (it holds blocks of its own) and is opened for
+    /// writing again is completed before that open returns when at most this many bytes are
+    /// left to copy, else in the background at once; 0: neither (`complete_on_reopen=`).
+    pub on_reopen_below: u64,
 }
 
 impl CompletionPolicy {
@@ -61,8 +70,11 @@ impl CompletionPolicy {
         if self.after_idle.is_some_and(|d| idle >= d) {
             return Some(format!("no write for {:.1} s", idle.as_secs_f64()));
         }
-        if p.writer_opens >= REOPENS {
-            return Some(format!("opened for writing {} times", p.writer_opens));
+        if self.on_reopen_below > 0 && p.reopened_after_write() {
+            return Some(format!(
+                "written, then opened for writing again ({} opens)",
+                p.writer_opens
+            ));
         }
         if self.ratio > 0.0
             && p.present as f64 >= self.ratio * p.total.max(1) as f64
@@ -82,13 +94,18 @@ impl CompletionPolicy {
         if let Some(d) = self.after_idle {
             w.push(format!("no write for {:.0} s", d.as_secs_f64()));
         }
-        w.push(format!("{REOPENS} opens for writing"));
+        if self.on_reopen_below > 0 {
+            w.push("an open for writing after a write".to_string());
+        }
         if self.ratio > 0.0 {
             w.push(format!(
                 "{:.0}% of blocks present and {} ms without a write",
                 self.ratio * 100.0,
                 SETTLE.as_millis()
             ));
+        }
+        if w.is_empty() {
+            return "nothing: completion is off (complete_after=0, complete_ratio=0, complete_on_reopen=0)".into();
         }
         w.join(", or ")
     }
@@ -100,6 +117,7 @@ impl Default for CompletionPolicy {
             after_idle: Some(Duration::from_secs(10)),
             ratio: 0.5,
             at_open_below: DEFAULT_COPY_WHOLE,
+            on_reopen_below: DEFAULT_COMPLETE_ON_REOPEN,
         }
     }
 }

@@ -240,6 +240,7 @@ impl Overlay {
             Ok(())
         });
         let mut _file = None;
+        let mut flags = flags;
         let (node, attr) = match made {
             Ok(v) => {
                 if let Some(fd) = fd.take() {
@@ -247,6 +248,7 @@ impl Overlay {
                     self.fd_reserve.check(&data, false)?;
                     _file = Some(self.adopt_open_file(&v.0, data));
                 }
+                flags &= !libc::O_TRUNC; // new and empty
                 v
             }
             Err(e) if e.is(libc::EEXIST) && flags & libc::O_EXCL == 0 => {
@@ -257,7 +259,7 @@ impl Overlay {
         if node.kind() == libc::S_IFDIR {
             return Err(errno(libc::EISDIR));
         }
-        let opened = self.open(node.ino, flags)?;
+        let opened = self.open(node.ino, flags, caller.uid != 0)?;
         Ok((node, attr, opened))
     }
 
@@ -309,7 +311,7 @@ impl Overlay {
         let node = self.inodes.remember_unnamed(&found);
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
         let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(fd));
-        let opened = self.open(node.ino, flags & !libc::O_TMPFILE)?;
+        let opened = self.open(node.ino, flags & !(libc::O_TMPFILE | libc::O_TRUNC), false)?;
         let attr = self.present(&node, attr);
         Ok((node, attr, opened))
     }

@@ -257,6 +257,13 @@ pub struct Progress {
     pub writer_opens: u32,
 }
 
+impl Progress {
+    /// The file holds blocks written to it and has been opened for writing more than once.
+    pub fn reopened_after_write(&self) -> bool {
+        self.writer_opens >= 2 && self.present > 0
+    }
+}
+
 pub struct Handle {
     pub file: Arc<OpenFile>,
     pub node: Arc<Node>,
@@ -340,6 +347,11 @@ impl OpenFile {
 
     pub fn is_partial(&self) -> bool {
         matches!(&*self.read_data(), FileData::Partial(_))
+    }
+
+    /// A partial file that holds blocks written to it, not only the lower file's metadata.
+    pub fn has_blocks_of_its_own(&self) -> bool {
+        matches!(&*self.read_data(), FileData::Partial(p) if !p.blocks.is_empty())
     }
 
     /// How many bytes making this file a complete upper file would copy from the lower layer:
@@ -676,23 +688,38 @@ impl Overlay {
         Ok(())
     }
 
-    pub fn open(&self, ino: Ino, flags: i32) -> Result<Opened> {
+    /// open(2) of a regular file. `O_TRUNC` truncates here (FUSE_ATOMIC_O_TRUNC), before the
+    /// file's data is looked at: a lower or partial file becomes an empty complete upper file
+    /// without copying anything, and the open is served by passthrough. `kill_privs`: the
+    /// caller lacks CAP_FSETID, so the truncation clears set-id bits and capabilities, as the
+    /// VFS does for local files.
+    pub fn open(&self, ino: Ino, flags: i32, kill_privs: bool) -> Result<Opened> {
         let node = self.node(ino)?;
         let acc = flags & libc::O_ACCMODE;
         let writable = acc != libc::O_RDONLY;
-        if writable {
+        let truncate = flags & libc::O_TRUNC != 0;
+        if writable || truncate {
             self.check_writable()?;
         }
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
+        if truncate {
+            self.truncate(&node, 0)?;
+        }
         let file = self.open_file_as(&node, writable)?;
+        if truncate && kill_privs {
+            self.kill_privs(&node, &file)?;
+        }
         if writable {
             let opens = 1 + file
                 .writer_opens
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.complete_at_open(&node, &file)?;
-            if opens == crate::complete::REOPENS && file.is_partial() {
+            if opens >= 2
+                && self.config.completion.on_reopen_below > 0
+                && file.has_blocks_of_its_own()
+            {
                 // Completion follows use (complete.rs): the file is due now.
                 self.completer.nudge();
             }
@@ -723,19 +750,31 @@ impl Overlay {
         Ok(Opened { fh, io, flushes })
     }
 
-    /// Makes the file complete before a writable open of it returns, where that is cheap, so
-    /// that the open can use passthrough and no later read or write of it needs the daemon: a
-    /// lower file the upper layer can clone (O(1), copy_up.rs), and a small lower or partial
-    /// file (`copy_whole=`; the copy costs about what a partial file's first write costs). The
-    /// small copy is a partial file filled and made durable before its mark goes
-    /// (complete.rs), so a crash at any point leaves a valid file.
+    /// Makes the file complete before a writable open of it returns, where that is cheap or
+    /// the file is in sustained use, so that the open can use passthrough and no later read or
+    /// write of it needs the daemon:
+    /// - a lower file the upper layer can clone (O(1), copy_up.rs);
+    /// - a small lower or partial file (`copy_whole=`; the copy costs about what a partial
+    ///   file's first write costs);
+    /// - a partial file that has been written before and is opened for writing again
+    ///   (`complete_on_reopen=`): a file written, closed and reopened — a database, a log, an
+    ///   image being edited — would otherwise send every later read and write to the daemon,
+    ///   and completion copies it anyway once it goes idle. A partial file with no blocks of
+    ///   its own (chown, chmod: a metadata-only copy-up) keeps block-level copy-up for its
+    ///   first write.
+    ///
+    /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
+    /// so a crash at any point leaves a valid file.
     fn complete_at_open(&self, node: &Node, file: &OpenFile) -> Result<()> {
-        let limit = self.config.completion.at_open_below;
-        let small = limit > 0 && file.bytes_to_copy().is_some_and(|n| n <= limit);
+        let policy = &self.config.completion;
+        let to_copy = file.bytes_to_copy();
+        let below = |limit: u64| limit > 0 && to_copy.is_some_and(|n| n <= limit);
+        let small = below(policy.at_open_below);
         if file.is_lower() && (small || self.clones_on_open(node)) {
             self.copy_up(node)?;
         }
-        if small && file.is_partial() {
+        let reopened = below(policy.on_reopen_below) && file.has_blocks_of_its_own();
+        if (small || reopened) && file.is_partial() {
             self.complete_file(file)?;
             if !file.is_partial() {
                 self.stats.completions_at_open.add(1);

@@ -245,7 +245,10 @@ impl Filesystem for MosaicFs {
             | InitFlags::FUSE_DO_READDIRPLUS
             | InitFlags::FUSE_READDIRPLUS_AUTO
             | InitFlags::FUSE_EXPORT_SUPPORT
-            | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2
+            // open(O_TRUNC) truncates in OPEN (file.rs `open`): no SETATTR after it, and a
+            // lower or partial file opened with O_TRUNC is passthrough at once.
+            | InitFlags::FUSE_ATOMIC_O_TRUNC;
         if self.core.config.acl {
             wanted |= InitFlags::FUSE_POSIX_ACL;
         }
@@ -422,8 +425,10 @@ impl Filesystem for MosaicFs {
         self.entry(reply, r)
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let opened = match self.core.open(ino.0, flags.0) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        // fuser does not pass FUSE_OPEN_KILL_SUIDGID: the caller's uid stands in for
+        // CAP_FSETID, as for a truncating setattr (attr.rs).
+        let opened = match self.core.open(ino.0, flags.0, req.uid() != 0) {
             Ok(o) => o,
             Err(e) => return reply.error(errno(e)),
         };

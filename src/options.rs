@@ -366,6 +366,7 @@ impl Options {
                 self.completion.after_idle = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
             }
             "copy_whole" => self.completion.at_open_below = parse_size(name, value)?,
+            "complete_on_reopen" => self.completion.on_reopen_below = parse_size(name, value)?,
             "complete_ratio" => {
                 let pct: f64 = parse_num(name, value)?;
                 if !(0.0..=100.0).contains(&pct) {

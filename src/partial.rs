@@ -209,6 +209,10 @@ impl BlockMap {
         self.ranges.range(blk..).next().map(|(s, _)| *s)
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
     pub fn block_count(&self) -> u64 {
         self.ranges.iter().map(|(s, e)| e - s).sum()
     }

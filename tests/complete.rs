@@ -72,28 +72,98 @@ fn an_idle_partial_file_is_completed_and_kernel_overlayfs_reads_it() {
     );
 }
 
+/// Writes `data` at `off` through a new descriptor, reporting whether the upper file was
+/// partial right after the open returned (before the write).
+fn reopen_and_write(m: &Mount, name: &str, off: u64, data: &[u8]) -> bool {
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path(name))
+        .unwrap();
+    let partial = is_partial(&m.upper.join(name));
+    f.write_all_at(data, off).unwrap();
+    partial
+}
+
 #[test]
-fn a_partial_file_reopened_for_writing_is_completed_at_once() {
-    // Completion follows use: the eighth open for writing makes the file due, so that later
-    // opens are served by passthrough; neither idleness nor the share of blocks would.
+fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
+    // Completion follows use: a file written, closed and opened for writing again (a database,
+    // a log) is completed by that open, which is then served by passthrough. Neither idleness
+    // nor the share of blocks would complete it here.
     let base = pattern(4 << 20, 6);
     let mut m = Mount::new(1);
     write(m.lower(0).join("log"), &base);
+    write(m.lower(0).join("owned"), &base);
     m.extra = vec!["complete_after=600".into(), "complete_ratio=0".into()];
     m.mount();
+    assert!(!reopen_and_write(&m, "log", 4096, b"one"), "a lower file");
+    assert!(
+        is_partial(&m.upper.join("log")),
+        "the first write copies blocks, not the file"
+    );
+    assert!(
+        !reopen_and_write(&m, "log", 3 << 20, b"two"),
+        "complete as soon as the second writable open returned"
+    );
     let mut want = base.clone();
-    for i in 0..8u64 {
-        write_at(m.path("log"), i * 4096, b"line");
-        want[i as usize * 4096..i as usize * 4096 + 4].copy_from_slice(b"line");
-        if i < 7 {
-            std::thread::sleep(Duration::from_millis(100));
-            assert!(is_partial(&m.upper.join("log")), "after {} opens", i + 1);
-        }
-    }
+    want[4096..4099].copy_from_slice(b"one");
+    want[3 << 20..(3 << 20) + 3].copy_from_slice(b"two");
+    assert!(fs::read(m.path("log")).unwrap() == want);
+    assert!(
+        fs::read(m.upper.join("log")).unwrap() == want,
+        "the upper file alone"
+    );
+    // A metadata-only copy-up is not a write: the first write after it still copies blocks.
+    sh(&format!("chown 1:1 {}", m.path("owned").display()));
+    assert!(
+        reopen_and_write(&m, "owned", 0, b"x"),
+        "partial after chown"
+    );
+    assert!(is_partial(&m.upper.join("owned")));
+    let log = m.unmount();
+    assert_eq!(served(&log, "at-open"), 1, "{log}");
+}
+
+#[test]
+fn a_reopened_file_above_complete_on_reopen_is_completed_in_the_background() {
+    let base = pattern(4 << 20, 7);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("log"), &base);
+    write(m.lower(0).join("kept"), &base);
+    m.extra = vec![
+        "complete_after=600".into(),
+        "complete_ratio=0".into(),
+        "complete_on_reopen=1M".into(),
+    ];
+    m.mount();
+    reopen_and_write(&m, "log", 0, b"one");
+    // 4 MiB > 1M: not at the open (at-open=0 below), but the open makes it due at once.
+    reopen_and_write(&m, "log", 8192, b"two");
     wait_complete(&m.upper.join("log"), Duration::from_secs(5));
+    let mut want = base.clone();
+    want[..3].copy_from_slice(b"one");
+    want[8192..8195].copy_from_slice(b"two");
     assert!(fs::read(m.path("log")).unwrap() == want);
     let log = m.unmount();
-    assert_eq!(served(&log, "completions"), 1, "{log}");
+    assert_eq!(served(&log, "at-open"), 0, "{log}");
+    // complete_on_reopen=0: reopening is no reason to complete.
+    m.extra = vec![
+        "complete_after=600".into(),
+        "complete_ratio=0".into(),
+        "complete_on_reopen=0".into(),
+    ];
+    m.mount();
+    for i in 0..10u64 {
+        assert!(reopen_and_write(&m, "kept", i * 4096, b"k") || i == 0);
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(is_partial(&m.upper.join("kept")));
+    let status = run(std::process::Command::new(env!("CARGO_BIN_EXE_mosaicfs"))
+        .arg("status")
+        .arg(&m.mnt));
+    assert!(
+        status.contains("waiting: no write for 600 s") && !status.contains("open for writing"),
+        "{status}"
+    );
 }
 
 #[test]
@@ -222,5 +292,46 @@ fn a_file_written_again_after_the_kernel_forgot_it_keeps_both_writes_through_com
     assert!(
         fs::read(m.upper.join("f")).unwrap() == want,
         "completed upper file"
+    );
+}
+
+#[test]
+fn kill_9_while_a_reopen_completes_the_file_keeps_every_synced_byte() {
+    // The completion a reopen does before it returns is the background one's: filled blocks,
+    // fdatasync, then the mark goes. Killed half-way, the file is a valid partial file.
+    let base = pattern(96 << 20, 8);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    m.extra = vec!["complete_after=0".into(), "complete_ratio=0".into()];
+    m.mount();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(b"synced", 50 << 20).unwrap();
+    f.sync_data().unwrap();
+    drop(f);
+    let path = m.path("f");
+    let reopen = std::thread::spawn(move || {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map(|f| f.write_all_at(b"late", 90 << 20))
+    });
+    std::thread::sleep(Duration::from_millis(40));
+    m.kill9();
+    let reopened = reopen.join().unwrap();
+    m.extra = vec!["complete_on_reopen=0".into(), "complete_after=0".into()];
+    m.mount();
+    let mut want = base;
+    want[50 << 20..(50 << 20) + 6].copy_from_slice(b"synced");
+    let got = fs::read(m.path("f")).unwrap();
+    // The reopen may have finished before the kill; its write was never synced.
+    if reopened.is_ok_and(|w| w.is_ok()) && got[90 << 20..(90 << 20) + 4] == *b"late" {
+        want[90 << 20..(90 << 20) + 4].copy_from_slice(b"late");
+    }
+    assert!(
+        got == want,
+        "every synced byte, the lower file everywhere else"
     );
 }

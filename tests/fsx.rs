@@ -375,7 +375,8 @@ fn fsx_with_eager_completion_matches_the_model() {
 }
 
 /// The same with every file copied whole when opened for writing (`copy_whole=` above the
-/// largest file), and with none (`copy_whole=0`: partial files of every size).
+/// largest file), with files completed only when reopened after a write (`complete_on_reopen=`),
+/// and with neither (partial files of every size).
 #[test]
 fn fsx_with_whole_copies_at_open_and_without_matches_the_model() {
     let ops = fsx_ops();
@@ -383,9 +384,14 @@ fn fsx_with_whole_copies_at_open_and_without_matches_the_model() {
     eprintln!("fsx (whole copies at open): seed {seed}, {ops} operations");
     let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &["copy_whole=64M"]);
     assert!(run.at_open > 0, "no file was copied whole at open");
+    eprintln!("fsx (completed when reopened): seed {seed}, {ops} operations");
+    let reopen = ["copy_whole=0", "complete_on_reopen=64M"];
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &reopen);
+    assert!(run.at_open > 0, "no file was completed when reopened");
     eprintln!("fsx (no whole copies): seed {seed}, {ops} operations");
-    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &["copy_whole=0"]);
-    assert_eq!(run.at_open, 0, "copy_whole=0 copied a file whole");
+    let none = ["copy_whole=0", "complete_on_reopen=0"];
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &none);
+    assert_eq!(run.at_open, 0, "{none:?} copied a file whole");
 }
 
 /// The same with pending blocks filled only when needed (no workers): every read merges

@@ -819,8 +819,10 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
         write(l.join("byuser"), "x");
         write(l.join("byroot"), "x");
         write(l.join("trunc"), "x");
+        write(l.join("otrunc"), "x");
+        write(l.join("otrunc-root"), "x");
     });
-    for f in ["byuser", "byroot", "trunc"] {
+    for f in ["byuser", "byroot", "trunc", "otrunc", "otrunc-root"] {
         fs::set_permissions(m.path(f), fs::Permissions::from_mode(0o6777)).unwrap();
     }
     let as_user = |cmd: &str| {
@@ -853,6 +855,19 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
         fs::metadata(m.path("trunc")).unwrap().mode() & 0o7777,
         0o0777
     );
+    // open(O_TRUNC) truncates in the OPEN request (FUSE_ATOMIC_O_TRUNC): same rules.
+    as_user(&format!("echo new > {}", m.path("otrunc").display()));
+    assert_eq!(
+        fs::metadata(m.path("otrunc")).unwrap().mode() & 0o7777,
+        0o0777
+    );
+    write(m.path("otrunc-root"), "root");
+    assert_eq!(
+        fs::metadata(m.path("otrunc-root")).unwrap().mode() & 0o7777,
+        0o6777,
+        "root keeps them"
+    );
+    assert_eq!(fs::read_to_string(m.path("otrunc")).unwrap(), "new\n");
 }
 
 #[test]
@@ -886,9 +901,18 @@ fn long_listings_with_attributes_then_every_entry_still_works() {
 
 /// A short form of bench/sustained.py's SQLite rows: a database baked into the lower layer,
 /// updated through the mount with small transactions (rollback journal, then WAL), whole after
-/// each phase and after a remount.
+/// each phase and after a remount: completed when the second phase opens it again (the
+/// default), and kept a partial file throughout.
 #[test]
 fn a_sqlite_database_in_a_lower_layer_survives_updates_and_a_remount() {
+    sqlite_updates_survive(&[], false);
+    sqlite_updates_survive(
+        &["copy_whole=0", "complete_on_reopen=0", "complete_after=0"],
+        true,
+    );
+}
+
+fn sqlite_updates_survive(options: &[&str], stays_partial: bool) {
     let python = |db: &Path, code: &str| {
         let prelude =
             "import sqlite3, sys\ncon = sqlite3.connect(sys.argv[1], isolation_level=None)";
@@ -901,6 +925,7 @@ fn a_sqlite_database_in_a_lower_layer_survives_updates_and_a_remount() {
     let check = "print(con.execute('PRAGMA integrity_check').fetchone()[0], \
                  con.execute('SELECT count(*), sum(k) FROM t').fetchone())";
     let mut m = Mount::new(1);
+    m.extra = options.iter().map(|o| o.to_string()).collect();
     python(
         &m.lower(0).join("db"),
         "con.execute('PRAGMA page_size=4096')\ncon.execute('CREATE TABLE t(id INTEGER PRIMARY KEY, k INTEGER, v BLOB)')\n\
@@ -925,8 +950,9 @@ fn a_sqlite_database_in_a_lower_layer_survives_updates_and_a_remount() {
     assert_eq!(python(&db, check), want);
     m.remount();
     assert_eq!(python(&db, check), want);
-    assert!(
+    assert_eq!(
         get_xattr(&m.upper.join("db"), "trusted.mosaicfs.partial").is_some(),
-        "a database larger than copy_whole stays a partial file"
+        stays_partial,
+        "partial file with {options:?}"
     );
 }

@@ -5,7 +5,7 @@ mod common;
 
 use std::fs;
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 
 use common::*;
 
@@ -85,6 +85,56 @@ fn a_small_file_opened_for_writing_is_copied_whole_and_skips_the_daemon() {
         served(&log, "write"),
         20,
         "only the big file's writes: {log}"
+    );
+}
+
+#[test]
+fn open_with_o_trunc_copies_nothing_and_is_passthrough() {
+    // FUSE_ATOMIC_O_TRUNC: the OPEN request truncates, so a lower file (or a partial one)
+    // opened with O_TRUNC becomes an empty complete upper file before the open returns; none
+    // of its bytes are copied, whatever completion would otherwise do at a reopen.
+    let mut m = Mount::with(|l| {
+        write(l.join("lower"), pattern(8 << 20, 8));
+        write(l.join("partial"), pattern(8 << 20, 9));
+    });
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("partial"))
+        .unwrap()
+        .write_all_at(b"block", 4 << 20)
+        .unwrap();
+    for name in ["lower", "partial"] {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(m.path(name))
+            .unwrap();
+        assert!(get_xattr(&m.upper.join(name), "trusted.mosaicfs.partial").is_none());
+        assert_eq!(fs::metadata(m.path(name)).unwrap().len(), 0);
+        f.write_all(name.as_bytes()).unwrap();
+    }
+    assert_eq!(fs::read(m.path("lower")).unwrap(), b"lower");
+    assert_eq!(fs::read(m.upper.join("partial")).unwrap(), b"partial");
+    // O_RDONLY | O_TRUNC truncates too (Linux does, given write permission).
+    write(m.path("ro"), "data");
+    drop(
+        fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_TRUNC)
+            .open(m.path("ro"))
+            .unwrap(),
+    );
+    assert_eq!(fs::metadata(m.path("ro")).unwrap().len(), 0);
+    let log = m.unmount();
+    assert!(
+        served(&log, "blocks-filled") <= 1,
+        "only the edge block of the first write: {log}"
+    );
+    assert_eq!(served(&log, "at-open"), 0, "{log}");
+    assert_eq!(
+        served(&log, "write"),
+        1,
+        "only the partial file's first write: {log}"
     );
 }
 
