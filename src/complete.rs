@@ -70,7 +70,7 @@ impl CompletionPolicy {
         if self.after_idle.is_some_and(|d| idle >= d) {
             return Some(format!("no write for {:.1} s", idle.as_secs_f64()));
         }
-        if self.on_reopen_below > 0 && p.reopened_after_write() {
+        if self.on_reopen_below > 0 && p.reopened {
             return Some(format!(
                 "written, then opened for writing again ({} opens)",
                 p.writer_opens

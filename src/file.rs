@@ -108,6 +108,8 @@ pub struct OpenFile {
     data: RwLock<FileData>,
     /// Opens for writing since this state was made (completion follows use, complete.rs).
     writer_opens: std::sync::atomic::AtomicU32,
+    /// Opened for writing when it already held blocks of its own: in sustained use.
+    reopened: std::sync::atomic::AtomicBool,
 }
 
 /// How a handle does its I/O.
@@ -255,13 +257,8 @@ pub struct Progress {
     pub unlinked: bool,
     /// Opens for writing so far.
     pub writer_opens: u32,
-}
-
-impl Progress {
-    /// The file holds blocks written to it and has been opened for writing more than once.
-    pub fn reopened_after_write(&self) -> bool {
-        self.writer_opens >= 2 && self.present > 0
-    }
+    /// Opened for writing after it was written.
+    pub reopened: bool,
 }
 
 pub struct Handle {
@@ -376,6 +373,7 @@ impl OpenFile {
                 last_write: p.last_write,
                 unlinked: sys::fstat(p.upper.as_fd()).is_ok_and(|a| a.nlink == 0),
                 writer_opens: self.writer_opens.load(std::sync::atomic::Ordering::Relaxed),
+                reopened: self.reopened.load(std::sync::atomic::Ordering::Relaxed),
             }),
             _ => None,
         }
@@ -652,6 +650,7 @@ impl Overlay {
             ino: node.st_ino,
             data: RwLock::new(data),
             writer_opens: Default::default(),
+            reopened: Default::default(),
         });
         st.open = Arc::downgrade(&f);
         drop(st);
@@ -667,6 +666,7 @@ impl Overlay {
             ino: node.st_ino,
             data: RwLock::new(data),
             writer_opens: Default::default(),
+            reopened: Default::default(),
         });
         node.state().open = Arc::downgrade(&f);
         f
@@ -712,15 +712,17 @@ impl Overlay {
             self.kill_privs(&node, &file)?;
         }
         if writable {
-            let opens = 1 + file
-                .writer_opens
+            file.writer_opens
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.complete_at_open(&node, &file)?;
-            if opens >= 2
-                && self.config.completion.on_reopen_below > 0
-                && file.has_blocks_of_its_own()
-            {
-                // Completion follows use (complete.rs): the file is due now.
+            // Written before this open: in sustained use (completion follows use, complete.rs).
+            let reopened = file.has_blocks_of_its_own();
+            if reopened {
+                file.reopened
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            self.complete_at_open(&node, &file, reopened)?;
+            if reopened && file.is_partial() && self.config.completion.on_reopen_below > 0 {
+                // Too big to complete within the open: due in the background now.
                 self.completer.nudge();
             }
         }
@@ -750,9 +752,9 @@ impl Overlay {
         Ok(Opened { fh, io, flushes })
     }
 
-    /// Makes the file complete before a writable open of it returns, where that is cheap or
-    /// the file is in sustained use, so that the open can use passthrough and no later read or
-    /// write of it needs the daemon:
+    /// Copies a lower file up for a writable open, and makes the file complete before the open
+    /// returns where that is cheap or the file is in sustained use, so that the open can use
+    /// passthrough and no later read or write of it needs the daemon:
     /// - a lower file the upper layer can clone (O(1), copy_up.rs);
     /// - a small lower or partial file (`copy_whole=`; the copy costs about what a partial
     ///   file's first write costs);
@@ -765,32 +767,24 @@ impl Overlay {
     ///
     /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
     /// so a crash at any point leaves a valid file.
-    fn complete_at_open(&self, node: &Node, file: &OpenFile) -> Result<()> {
+    fn complete_at_open(&self, node: &Node, file: &OpenFile, reopened: bool) -> Result<()> {
         let policy = &self.config.completion;
         let to_copy = file.bytes_to_copy();
         let below = |limit: u64| limit > 0 && to_copy.is_some_and(|n| n <= limit);
         let small = below(policy.at_open_below);
-        if file.is_lower() && (small || self.clones_on_open(node)) {
+        if file.is_lower() {
+            // Copied up at the open, as overlayfs does: tools that look at the upper layer
+            // after an open for writing find the file there. A clone or a small file comes up
+            // complete; anything else as a partial file with no blocks (metadata only).
             self.copy_up(node)?;
         }
-        let reopened = below(policy.on_reopen_below) && file.has_blocks_of_its_own();
-        if (small || reopened) && file.is_partial() {
+        if (small || reopened && below(policy.on_reopen_below)) && file.is_partial() {
             self.complete_file(file)?;
             if !file.is_partial() {
                 self.stats.completions_at_open.add(1);
             }
         }
         Ok(())
-    }
-
-    /// Whether `node` is a lower file that copy-up would clone.
-    fn clones_on_open(&self, node: &Node) -> bool {
-        let st = node.state();
-        !st.upper
-            && st
-                .lower
-                .as_ref()
-                .is_some_and(|l| self.reflinks_from(l.top()))
     }
 
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.

@@ -95,7 +95,10 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
     write(m.lower(0).join("owned"), &base);
     m.extra = vec!["complete_after=600".into(), "complete_ratio=0".into()];
     m.mount();
-    assert!(!reopen_and_write(&m, "log", 4096, b"one"), "a lower file");
+    assert!(
+        reopen_and_write(&m, "log", 4096, b"one"),
+        "copied up at the open, as a partial file with no blocks"
+    );
     assert!(
         is_partial(&m.upper.join("log")),
         "the first write copies blocks, not the file"

@@ -28,6 +28,18 @@ fn lower_with(name: &str, data: &[u8]) -> Mount {
 }
 
 #[test]
+fn a_read_only_open_copies_nothing_up() {
+    let m = lower_with("ro", b"read only");
+    let mut back = String::new();
+    fs::File::open(m.path("ro"))
+        .unwrap()
+        .read_to_string(&mut back)
+        .unwrap();
+    assert_eq!(back, "read only");
+    assert!(!m.upper.join("ro").exists());
+}
+
+#[test]
 fn first_write_to_lower_copies_one_block() {
     let base = pattern(64 * MIB, 1);
     let m = lower_with("big", &base);
@@ -35,9 +47,16 @@ fn first_write_to_lower_copies_one_block() {
         .write(true)
         .open(m.path("big"))
         .unwrap();
+    // Copied up at the open, as overlayfs does, but as a partial file with no blocks: the
+    // open copies no data.
+    assert_eq!(
+        fs::metadata(m.upper.join("big")).unwrap().len(),
+        64 * MIB as u64,
+        "in the upper layer once opened for writing"
+    );
     assert!(
-        !m.upper.join("big").exists(),
-        "opening for write copies nothing"
+        !has_data(&m.upper.join("big")),
+        "opening for write copies no data"
     );
     f.write_all_at(b"X", 1_000_000).unwrap();
     drop(f);
