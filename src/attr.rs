@@ -43,9 +43,8 @@ impl Overlay {
             match node.kind() {
                 libc::S_IFDIR => return Err(errno(libc::EISDIR)),
                 libc::S_IFREG => {
-                    self.truncate(&node, size)?;
+                    let file = self.truncate(&node, size)?;
                     if caller.uid != 0 && set.mode.is_none() {
-                        let file = self.open_file(&node)?;
                         self.kill_privs(&node, &file)?;
                     }
                 }

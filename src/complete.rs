@@ -11,10 +11,10 @@
 //! Completion follows use: a partial file that has been written and is opened for writing
 //! again is in sustained use (a database, a log, an image being edited) and is due at once,
 //! since each later open of a complete file is served by passthrough; up to
-//! `complete_on_reopen=` bytes to copy it is even completed before that open returns (file.rs). The share-of-blocks
-//! trigger waits until the file has had no write for `SETTLE`, so that completion does not
-//! copy from the lower file the blocks a writer (a sequential one, above all) is about to
-//! overwrite. Small files are made complete when opened for writing (`copy_whole=`, file.rs).
+//! `complete_on_reopen=` bytes to copy it is even completed before that open returns
+//! (file.rs). The share-of-blocks trigger waits until the file has had no write for `SETTLE`,
+//! so that completion does not copy from the lower file the blocks a writer (a sequential one,
+//! above all) is about to overwrite. Small files are made complete when opened for writing (`copy_whole=`, file.rs).
 //!
 //! Every open file that is or becomes partial is registered once (not per write) in a queue
 //! that keeps it open until it is completed; a worker thread looks at the queue every half idle

@@ -704,13 +704,16 @@ impl Overlay {
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
-        if truncate {
-            self.truncate(&node, 0)?;
-        }
-        let file = self.open_file_as(&node, writable)?;
-        if truncate && kill_privs {
-            self.kill_privs(&node, &file)?;
-        }
+        let file = if truncate {
+            // Truncated to 0, the file is complete: no partial file for the reserve to count.
+            let file = self.truncate(&node, 0)?;
+            if kill_privs {
+                self.kill_privs(&node, &file)?;
+            }
+            file
+        } else {
+            self.open_file_as(&node, writable)?
+        };
         if writable {
             file.writer_opens
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -752,9 +755,9 @@ impl Overlay {
         Ok(Opened { fh, io, flushes })
     }
 
-    /// Copies a lower file up for a writable open, and makes the file complete before the open
-    /// returns where that is cheap or the file is in sustained use, so that the open can use
-    /// passthrough and no later read or write of it needs the daemon:
+    /// Makes the file complete before a writable open of it returns, where that is cheap or
+    /// the file is in sustained use, so that the open can use passthrough and no later read or
+    /// write of it needs the daemon:
     /// - a lower file the upper layer can clone (O(1), copy_up.rs);
     /// - a small lower or partial file (`copy_whole=`; the copy costs about what a partial
     ///   file's first write costs);
@@ -772,10 +775,7 @@ impl Overlay {
         let to_copy = file.bytes_to_copy();
         let below = |limit: u64| limit > 0 && to_copy.is_some_and(|n| n <= limit);
         let small = below(policy.at_open_below);
-        if file.is_lower() {
-            // Copied up at the open, as overlayfs does: tools that look at the upper layer
-            // after an open for writing find the file there. A clone or a small file comes up
-            // complete; anything else as a partial file with no blocks (metadata only).
+        if file.is_lower() && (small || self.clones_on_open(node)) {
             self.copy_up(node)?;
         }
         if (small || reopened && below(policy.on_reopen_below)) && file.is_partial() {
@@ -785,6 +785,16 @@ impl Overlay {
             }
         }
         Ok(())
+    }
+
+    /// Whether `node` is a lower file that copy-up would clone.
+    fn clones_on_open(&self, node: &Node) -> bool {
+        let st = node.state();
+        !st.upper
+            && st
+                .lower
+                .as_ref()
+                .is_some_and(|l| self.reflinks_from(l.top()))
     }
 
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.
@@ -970,8 +980,9 @@ impl Overlay {
         }
     }
 
-    /// Sets the size of `node`, copying up as little as that needs.
-    pub fn truncate(&self, node: &Arc<Node>, size: u64) -> Result<()> {
+    /// Sets the size of `node`, copying up as little as that needs. Returns the file's open
+    /// state, for what the caller does next with it.
+    pub fn truncate(&self, node: &Arc<Node>, size: u64) -> Result<Arc<OpenFile>> {
         self.check_writable()?;
         if !node.state().upper {
             self.copy_up_with(node, size == 0)?;
@@ -990,7 +1001,8 @@ impl Overlay {
             }
             FileData::Lower(_) => return Err(errno(libc::EIO)),
         }
-        Ok(())
+        drop(data);
+        Ok(file)
     }
 
     pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> Result<()> {

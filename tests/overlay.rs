@@ -925,7 +925,7 @@ fn sqlite_updates_survive(options: &[&str], stays_partial: bool) {
     let check = "print(con.execute('PRAGMA integrity_check').fetchone()[0], \
                  con.execute('SELECT count(*), sum(k) FROM t').fetchone())";
     let mut m = Mount::new(1);
-    m.extra = options.iter().map(|o| o.to_string()).collect();
+    m.extra = opts(options);
     python(
         &m.lower(0).join("db"),
         "con.execute('PRAGMA page_size=4096')\ncon.execute('CREATE TABLE t(id INTEGER PRIMARY KEY, k INTEGER, v BLOB)')\n\

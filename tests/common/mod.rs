@@ -375,6 +375,11 @@ pub fn served(log: &str, what: &str) -> u64 {
         .unwrap()
 }
 
+/// Mount options for `Mount::extra`.
+pub fn opts(list: &[&str]) -> Vec<String> {
+    list.iter().map(|o| o.to_string()).collect()
+}
+
 /// `len` bytes of a pseudo-random pattern, the same for the same seed.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed
