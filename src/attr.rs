@@ -2,7 +2,8 @@
 //!
 //! Changing anything about a lower object copies it up first — metadata only: a regular file
 //! becomes a partial file without a single data block (chown -R of a tree of large files writes
-//! no data). mosaicfs' and the overlays' own xattrs are hidden from the merged view.
+//! no data). mosaicfs' and the overlays' own xattrs are hidden from the merged view; those of an
+//! overlay nested on top are kept escaped (`layers::stored_xattr_name`).
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::AsFd;
@@ -11,7 +12,7 @@ use std::sync::Arc;
 
 use crate::error::{Result, errno};
 use crate::inode::{Ino, Node};
-use crate::layers::is_internal_xattr;
+use crate::layers::{merged_xattr_name, stored_xattr_name};
 use crate::overlay::Overlay;
 use crate::sys::{self, Attr, Time};
 
@@ -65,27 +66,24 @@ impl Overlay {
 
     /// Sets owner, mode and times of `node`'s upper object.
     fn set_upper_attr(&self, node: &Node, set: &SetAttr) -> Result<()> {
-        let (dir, name) = self.upper_entry(node)?;
-        let (dir, name) = (dir.as_fd(), name.as_os_str());
+        let (dir, name) = self.upper_target(node)?;
+        let (dir, name) = (dir.as_fd(), name.as_deref());
+        if set.uid.is_some() || set.gid.is_some() {
+            let uid = set.uid.map(|u| self.config.uid_map.to_outside(u));
+            let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
+            sys::chown_at(dir, name, uid, gid)?;
+        }
+        if let Some(mode) = set.mode
+            && node.kind() != libc::S_IFLNK
         {
-            if set.uid.is_some() || set.gid.is_some() {
-                let uid = set.uid.map(|u| self.config.uid_map.to_outside(u));
-                let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
-                sys::chown_at(dir, name, uid, gid)?;
-            }
-            if let Some(mode) = set.mode
-                && node.kind() != libc::S_IFLNK
-            {
-                sys::chmod_at(dir, name, mode)?;
-            }
-            if set.atime.is_some() || set.mtime.is_some() {
-                sys::utimens_at(
-                    dir,
-                    name,
-                    set.atime.unwrap_or(Time::Omit),
-                    set.mtime.unwrap_or(Time::Omit),
-                )?;
-            }
+            sys::chmod_at(dir, name, mode)?;
+        }
+        if set.atime.is_some() || set.mtime.is_some() {
+            let (atime, mtime) = (
+                set.atime.unwrap_or(Time::Omit),
+                set.mtime.unwrap_or(Time::Omit),
+            );
+            sys::utimens_at(dir, name, atime, mtime)?;
         }
         Ok(())
     }
@@ -110,13 +108,11 @@ impl Overlay {
 
     pub fn getxattr(&self, ino: Ino, name: &OsStr) -> Result<Vec<u8>> {
         self.check_xattr_name(name)?;
-        if is_internal_xattr(name.as_bytes()) {
-            return Err(errno(libc::ENODATA));
-        }
+        let name = OsStr::from_bytes(&stored_xattr_name(name.as_bytes())).to_owned();
         let node = self.node(ino)?;
         self.settled(|| {
             let (dir, file) = self.top_entry(&node)?;
-            sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
+            sys::get_xattr_raw(dir.as_fd(), file.as_deref(), &name)
         })
     }
 
@@ -131,11 +127,13 @@ impl Overlay {
         })?;
         let mut out = Vec::new();
         for n in names {
-            let b = n.as_bytes();
-            if is_internal_xattr(b) || (!self.config.acl && b.starts_with(b"system.posix_acl_")) {
+            let Some(b) = merged_xattr_name(n.as_bytes()) else {
+                continue;
+            };
+            if !self.config.acl && b.starts_with(b"system.posix_acl_") {
                 continue;
             }
-            out.extend_from_slice(b);
+            out.extend_from_slice(&b);
             out.push(0);
         }
         Ok(out)
@@ -144,30 +142,26 @@ impl Overlay {
     pub fn setxattr(&self, ino: Ino, name: &OsStr, value: &[u8], flags: i32) -> Result<()> {
         self.check_xattr_name(name)?;
         self.check_writable()?;
-        if is_internal_xattr(name.as_bytes()) {
-            return Err(errno(libc::EPERM));
-        }
+        let name = OsStr::from_bytes(&stored_xattr_name(name.as_bytes())).to_owned();
         let node = self.node(ino)?;
         self.copy_up(&node)?;
         self.settled(|| {
-            let (dir, file) = self.upper_entry(&node)?;
-            sys::set_xattr(dir.as_fd(), Some(&file), name, value, flags)
+            let (dir, file) = self.upper_target(&node)?;
+            sys::set_xattr(dir.as_fd(), file.as_deref(), &name, value, flags)
         })
     }
 
     pub fn removexattr(&self, ino: Ino, name: &OsStr) -> Result<()> {
         self.check_xattr_name(name)?;
         self.check_writable()?;
-        if is_internal_xattr(name.as_bytes()) {
-            return Err(errno(libc::ENODATA));
-        }
         let node = self.node(ino)?;
         // Removing an xattr the file does not have must not copy it up.
         self.getxattr(ino, name)?;
+        let name = OsStr::from_bytes(&stored_xattr_name(name.as_bytes())).to_owned();
         self.copy_up(&node)?;
         self.settled(|| {
-            let (dir, file) = self.upper_entry(&node)?;
-            sys::remove_xattr(dir.as_fd(), Some(&file), name)
+            let (dir, file) = self.upper_target(&node)?;
+            sys::remove_xattr(dir.as_fd(), file.as_deref(), &name)
         })
     }
 }

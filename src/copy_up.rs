@@ -21,13 +21,20 @@ use rustix::io::Errno;
 
 use crate::error::{Error, Result, errno};
 use crate::inode::{Node, ROOT_INO};
-use crate::layers::{LayerId, is_internal_xattr};
+use crate::layers::{LayerId, merged_xattr_name};
 use crate::overlay::Overlay;
 use crate::partial::PartialMark;
 use crate::partial_file::Source;
 use crate::sys::{self, Attr, Time};
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Which xattrs `copy_xattrs` copies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Xattrs {
+    OfTheFile,
+    All,
+}
 
 /// A fresh name in the work directory.
 pub fn temp_name(tag: &str) -> OsString {
@@ -147,7 +154,7 @@ impl Overlay {
                 }
             }
         }
-        self.copy_xattrs(ldir, lname, work, tmp)?;
+        self.copy_xattrs(ldir, lname, work, tmp, Xattrs::OfTheFile)?;
         let origin = node.st_ino.to_string();
         if let Err(e) = sys::set_xattr(
             work,
@@ -168,13 +175,13 @@ impl Overlay {
         } else {
             (lattr.uid, lattr.gid)
         };
-        sys::chown_at(work, tmp, Some(uid), Some(gid))?;
+        sys::chown_at(work, Some(tmp), Some(uid), Some(gid))?;
         if !lattr.is_symlink() {
-            sys::chmod_at(work, tmp, lattr.mode)?;
+            sys::chmod_at(work, Some(tmp), lattr.mode)?;
         }
         sys::utimens_at(
             work,
-            tmp,
+            Some(tmp),
             Time::At(lattr.atime.0, lattr.atime.1),
             Time::At(lattr.mtime.0, lattr.mtime.1),
         )?;
@@ -228,16 +235,19 @@ impl Overlay {
         }
     }
 
-    /// Copies the xattrs of a lower object that belong to the file, not to an overlay.
-    fn copy_xattrs(
+    /// Copies the xattrs of an object: with `Xattrs::OfTheFile` those that belong to the file,
+    /// not to an overlay (escaped names of a nested overlay's bookkeeping belong to the file:
+    /// they are copied as they are); with `Xattrs::All` mosaicfs' own too.
+    pub(crate) fn copy_xattrs(
         &self,
         sdir: BorrowedFd<'_>,
         sname: &OsStr,
         ddir: BorrowedFd<'_>,
         dname: &OsStr,
+        which: Xattrs,
     ) -> Result<()> {
         for key in sys::list_xattr(sdir, Some(sname))? {
-            if is_internal_xattr(key.as_encoded_bytes()) {
+            if which == Xattrs::OfTheFile && merged_xattr_name(key.as_encoded_bytes()).is_none() {
                 continue;
             }
             let Ok(value) = sys::get_xattr_raw(sdir, Some(sname), &key) else {

@@ -7,14 +7,14 @@
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
 
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 
-use crate::copy_up::temp_name;
+use crate::copy_up::{Xattrs, temp_name};
 use crate::error::{Result, errno};
 use crate::inode::{Found, Ino, Node};
 use crate::layers::{UPPER, is_reserved_name, remove_tree, wh_name};
@@ -125,7 +125,7 @@ impl Overlay {
         };
         let uid = self.config.uid_map.to_outside(caller.uid);
         if before.uid != uid || before.gid != gid {
-            sys::chown_at(dir, name, Some(uid), Some(gid))?;
+            sys::chown_at(dir, Some(name), Some(uid), Some(gid))?;
             // chown clears set-id bits of non-directories; the creator asked for them.
             if !before.is_dir() && !before.is_symlink() && before.mode & 0o6000 != 0 {
                 let mut mode = before.mode;
@@ -135,7 +135,7 @@ impl Overlay {
                 {
                     mode &= !libc::S_ISGID;
                 }
-                sys::chmod_at(dir, name, mode)?;
+                sys::chmod_at(dir, Some(name), mode)?;
             }
         }
         Ok(())
@@ -328,16 +328,36 @@ impl Overlay {
         self.copy_up(&node)?;
         let udir = self.upper_dir(&pnode)?;
         let udir = udir.as_fd();
-        let (sdir, sname) = self.upper_entry(&node)?;
+        let link_at = |dir: BorrowedFd<'_>, name: &OsStr| -> Result<()> {
+            if let Some(fd) = self.unnamed_upper_fd(&node) {
+                // Not AT_EMPTY_PATH: that needs CAP_DAC_READ_SEARCH, which a rootless daemon
+                // lacks.
+                let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+                let follow = AtFlags::SYMLINK_FOLLOW;
+                return Ok(rustix::fs::linkat(
+                    rustix::fs::CWD,
+                    &path,
+                    dir,
+                    name,
+                    follow,
+                )?);
+            }
+            let (sdir, sname) = self.upper_entry(&node)?;
+            Ok(rustix::fs::linkat(
+                sdir.as_fd(),
+                &sname,
+                dir,
+                name,
+                AtFlags::empty(),
+            )?)
+        };
         let _changing = pnode.entries.write();
         match shadow {
-            UpperSlot::Empty => {
-                rustix::fs::linkat(sdir.as_fd(), &sname, udir, newname, AtFlags::empty())?
-            }
+            UpperSlot::Empty => link_at(udir, newname)?,
             shadow => {
                 let work = self.layers.work()?;
                 let tmp = temp_name("link");
-                rustix::fs::linkat(sdir.as_fd(), &sname, work, &tmp, AtFlags::empty())?;
+                link_at(work, &tmp)?;
                 sys::rename_at(work, &tmp, udir, newname, RenameFlags::empty())?;
                 if matches!(shadow, UpperSlot::WhFile) {
                     rustix::fs::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
@@ -510,6 +530,7 @@ impl Overlay {
         newparent: Ino,
         newname: &OsStr,
         flags: u32,
+        caller: &Caller,
     ) -> Result<()> {
         let _recount = SubdirsChange(self, [parent, newparent]);
         self.check_writable()?;
@@ -517,7 +538,13 @@ impl Overlay {
         self.check_new_name(newname)?;
         let exchange = flags & libc::RENAME_EXCHANGE != 0;
         let noreplace = flags & libc::RENAME_NOREPLACE != 0;
-        if flags & !(libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE) != 0 || (exchange && noreplace)
+        // RENAME_WHITEOUT leaves a char device 0/0 at the old name (an overlay nested on this
+        // one asks for it): a real device of the merged view, which needs `mosaicfs.device`.
+        let whiteout = flags & libc::RENAME_WHITEOUT != 0;
+        let known = libc::RENAME_EXCHANGE | libc::RENAME_NOREPLACE | libc::RENAME_WHITEOUT;
+        if flags & !known != 0
+            || (exchange && (noreplace || whiteout))
+            || (whiteout && self.layers.xattr.prefix != "trusted.")
         {
             return Err(errno(libc::EINVAL));
         }
@@ -575,13 +602,14 @@ impl Overlay {
         {
             self.layers.make_opaque(ddir, newname)?;
         }
+        // Nothing below changes what either name shows until the one rename(2) that does the
+        // move: if that fails, both names show what they showed before (as in kernel overlayfs).
         let mut wh_file_after = false;
+        let mut dir_over_whiteout = false;
         if !exchange {
             match self.upper_slot(ddir, newname, nview.lower.is_some())? {
-                UpperSlot::Whiteout if src.attr.is_dir() => {
-                    // rename(2) will not put a directory over a whiteout device.
-                    rustix::fs::unlinkat(ddir, newname, AtFlags::empty())?;
-                }
+                // rename(2) will not put a directory over a whiteout: exchange them instead.
+                UpperSlot::Whiteout if src.attr.is_dir() => dir_over_whiteout = true,
                 UpperSlot::WhFile => wh_file_after = true,
                 _ => {}
             }
@@ -589,11 +617,7 @@ impl Overlay {
                 && d.found.upper
                 && d.attr.is_dir()
             {
-                // The merged view says it is empty; the upper part may still hold whiteouts.
-                let dsub = sys::open_dir(ddir, Path::new(newname))?;
-                for e in sys::read_dir(ddir, Path::new(newname))? {
-                    remove_tree(dsub.as_fd(), &e.name)?;
-                }
+                self.clear_empty_dir(ddir, newname)?;
             }
         }
         let moves_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
@@ -606,7 +630,15 @@ impl Overlay {
         if noreplace {
             rflags |= RenameFlags::NOREPLACE;
         }
-        if src_needs_whiteout && self.layers.whiteout_chardev {
+        if dir_over_whiteout {
+            sys::rename_at(sdir, name, ddir, newname, RenameFlags::EXCHANGE)?;
+            // The whiteout now sits at the old name, where it is needed or just left over.
+            if !src_needs_whiteout
+                && let Err(e) = rustix::fs::unlinkat(sdir, name, AtFlags::empty())
+            {
+                log::warn!("a whiteout {name:?} is left in the upper layer: {e}");
+            }
+        } else if src_needs_whiteout && self.layers.whiteout_chardev {
             // The whiteout RENAME_WHITEOUT makes is owned by this thread's fs ids.
             crate::creds::act_as_daemon();
             match sys::rename_at(sdir, name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
@@ -639,6 +671,39 @@ impl Overlay {
         self.note_origin_moved_into(&npnode, snode.state().has_origin)?;
         if let (Some(d), true) = (&dnode, exchange) {
             self.note_origin_moved_into(&pnode, d.state().has_origin)?;
+        }
+        if whiteout {
+            // Over the whiteout this overlay may have left, in one rename from the work dir.
+            self.mknod(parent, name, libc::S_IFCHR, 0, caller)?;
+        }
+        Ok(())
+    }
+
+    /// Swaps the upper directory `name` in `dir`, empty in the merged view but perhaps holding
+    /// whiteouts, for an empty opaque directory with its owner, mode and xattrs, built in the
+    /// work dir: what a rename over it may replace, and if that rename fails the name still
+    /// shows an empty directory (removing the whiteouts in place would bring lower entries
+    /// back for good).
+    fn clear_empty_dir(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+        if sys::read_dir(dir, Path::new(name))?.is_empty() {
+            return Ok(());
+        }
+        crate::creds::act_as_daemon();
+        let work = self.layers.work()?;
+        let tmp = temp_name("clear");
+        let old = sys::stat_at(dir, name)?;
+        rustix::fs::mkdirat(work, &tmp, Mode::from_raw_mode(0o700))?;
+        let swapped = (|| {
+            sys::chown_at(work, Some(&tmp), Some(old.uid), Some(old.gid))?;
+            sys::chmod_at(work, Some(&tmp), old.mode & 0o7777)?;
+            self.copy_xattrs(dir, name, work, &tmp, Xattrs::All)?;
+            self.layers.make_opaque(work, &tmp)?;
+            sys::rename_at(work, &tmp, dir, name, RenameFlags::EXCHANGE)
+        })();
+        let removed = remove_tree(work, &tmp);
+        swapped?;
+        if let Err(e) = removed {
+            log::warn!("could not empty the work dir of {tmp:?}; the next mount will: {e}");
         }
         Ok(())
     }

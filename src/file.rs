@@ -611,6 +611,23 @@ impl Overlay {
         self.layer_source(fd, layer, &mark.path)
     }
 
+    /// A descriptor of `node`'s upper file when the file has no name any more (or never had
+    /// one: O_TMPFILE) and is still open: the only way left to reach it.
+    pub fn unnamed_upper_fd(&self, node: &Node) -> Option<OwnedFd> {
+        let file = {
+            let st = node.state();
+            if !st.links.is_empty() || !st.upper {
+                return None;
+            }
+            st.open.upgrade()?
+        };
+        match &*file.read_data() {
+            FileData::Upper(fd) => fd.try_clone().ok(),
+            FileData::Partial(p) => p.upper.try_clone().ok(),
+            FileData::Lower(_) => None,
+        }
+    }
+
     /// The shared open state of `node`, opened if no handle has it yet.
     pub fn open_file(&self, node: &Arc<Node>) -> Result<Arc<OpenFile>> {
         self.open_file_as(node, false)

@@ -398,7 +398,7 @@ impl Filesystem for MosaicFs {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -408,8 +408,14 @@ impl Filesystem for MosaicFs {
     ) {
         done(
             reply,
-            self.core
-                .rename(parent.0, name, newparent.0, newname, flags.bits()),
+            self.core.rename(
+                parent.0,
+                name,
+                newparent.0,
+                newname,
+                flags.bits(),
+                &caller(req, 0),
+            ),
         )
     }
 

@@ -92,16 +92,41 @@ impl XattrNames {
     }
 }
 
-/// Whether an xattr belongs to an overlay's bookkeeping and is hidden in the merged view.
-pub fn is_internal_xattr(name: &[u8]) -> bool {
-    const HIDDEN: [&[u8]; 5] = [
-        b"trusted.mosaicfs.",
-        b"user.mosaicfs.",
-        b"trusted.overlay.",
-        b"user.overlay.",
-        b"user.fuseoverlayfs.",
-    ];
-    HIDDEN.iter().any(|p| name.starts_with(p))
+/// Namespaces of xattrs that belong to an overlay's bookkeeping: mosaicfs', kernel overlayfs'
+/// and fuse-overlayfs'. Each is `NS.OWNER.`; see `stored_xattr_name`.
+const OVERLAY_XATTRS: [(&[u8], &[u8]); 5] = [
+    (b"trusted.mosaicfs.", b"mosaicfs."),
+    (b"user.mosaicfs.", b"mosaicfs."),
+    (b"trusted.overlay.", b"overlay."),
+    (b"user.overlay.", b"overlay."),
+    (b"user.fuseoverlayfs.", b"fuseoverlayfs."),
+];
+
+/// The name under which an xattr of the merged view is kept on the layers. An overlay mounted
+/// on top of this one (nested containers) keeps its own bookkeeping in the same namespaces as
+/// the layers' overlays do, so such a name is escaped by repeating its owner, as kernel
+/// overlayfs does since 6.7: `trusted.overlay.opaque` of the merged view is
+/// `trusted.overlay.overlay.opaque` on the layer, and a layer read by kernel overlayfs shows it
+/// the same way. Every other name is kept as it is.
+pub fn stored_xattr_name(merged: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    for (prefix, owner) in OVERLAY_XATTRS {
+        if let Some(rest) = merged.strip_prefix(prefix) {
+            return [prefix, owner, rest].concat().into();
+        }
+    }
+    merged.into()
+}
+
+/// The merged view's name of an xattr found on a layer, or `None` when it is an overlay's
+/// bookkeeping that the merged view hides (the inverse of `stored_xattr_name`).
+pub fn merged_xattr_name(stored: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
+    for (prefix, owner) in OVERLAY_XATTRS {
+        if let Some(rest) = stored.strip_prefix(prefix) {
+            let escaped = rest.strip_prefix(owner)?;
+            return Some([prefix, escaped].concat().into());
+        }
+    }
+    Some(stored.into())
 }
 
 pub struct LayerStack {

@@ -313,14 +313,24 @@ impl Overlay {
 
     /// The layer directory holding the file the merged object `node` shows now (upper if it
     /// has an upper part), and its name there; no name for a layer's root.
+    /// `node`'s upper object as a directory and a name in it, or as a descriptor of the object
+    /// itself (`None`) for the root and for an unnamed open file (O_TMPFILE, or unlinked while
+    /// open), which no name reaches.
+    pub fn upper_target(&self, node: &Node) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
+        if let Some(fd) = self.unnamed_upper_fd(node) {
+            return Ok((Arc::new(fd), None));
+        }
+        let (dir, name) = self.upper_entry(node)?;
+        Ok((dir, (node.ino != ROOT_INO).then_some(name)))
+    }
+
     pub fn top_entry(&self, node: &Node) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
         let (upper, lower) = {
             let st = node.state();
             (st.upper, st.lower.clone())
         };
         if upper {
-            let (dir, name) = self.upper_entry(node)?;
-            return Ok((dir, (node.ino != ROOT_INO).then_some(name)));
+            return self.upper_target(node);
         }
         let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
         match (lower.path.parent(), lower.path.file_name()) {

@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
-use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
+use rustix::fs::{AtFlags, CWD, Mode, OFlags, ResolveFlags};
 
 use crate::error::{Result, errno};
 
@@ -118,17 +118,43 @@ pub fn fstat(fd: BorrowedFd<'_>) -> Result<Attr> {
     Ok(rustix::fs::fstat(fd)?.into())
 }
 
-/// A path through `/proc/self/fd` naming `name` inside the directory `dir` (or `dir` itself when
-/// `name` is `None`). The directory's magic link is only ever an intermediate component, and the
-/// `l*xattr` calls do not follow the final one, so this reaches symlinks and devices too, which
-/// cannot be opened for `f*xattr`.
-fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> CString {
-    let mut p = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
-    match name {
-        Some(n) => p.extend_from_slice(n.as_bytes()),
-        None => p.push(b'.'),
+/// A path through `/proc/self/fd` naming `name` inside the directory `dir`, and whether the
+/// xattr calls are to follow its last component. The directory's magic link is then only an
+/// intermediate component, and the `l*xattr` calls do not follow the final one, so this reaches
+/// symlinks and devices too, which cannot be opened for `f*xattr`. With `name` `None` the path
+/// is `dir`'s own magic link, followed: `dir` is then the object itself (a directory, or an
+/// unnamed open file that no name reaches).
+fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> (CString, bool) {
+    let mut p = format!("/proc/self/fd/{}", dir.as_raw_fd()).into_bytes();
+    if let Some(n) = name {
+        p.push(b'/');
+        p.extend_from_slice(n.as_bytes());
     }
-    CString::new(p).expect("file names hold no NUL")
+    (
+        CString::new(p).expect("file names hold no NUL"),
+        name.is_none(),
+    )
+}
+
+fn getxattr_at(
+    path: &CString,
+    follow: bool,
+    key: &OsStr,
+    buf: &mut [u8],
+) -> rustix::io::Result<usize> {
+    if follow {
+        rustix::fs::getxattr(path.as_c_str(), key, buf)
+    } else {
+        rustix::fs::lgetxattr(path.as_c_str(), key, buf)
+    }
+}
+
+fn listxattr_at(path: &CString, follow: bool, buf: &mut [u8]) -> rustix::io::Result<usize> {
+    if follow {
+        rustix::fs::listxattr(path.as_c_str(), buf)
+    } else {
+        rustix::fs::llistxattr(path.as_c_str(), buf)
+    }
 }
 
 /// Reads one extended attribute; `Ok(None)` when it is absent or the file cannot carry it.
@@ -142,16 +168,16 @@ pub fn get_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &str) -> Result
 
 /// Reads one extended attribute, passing every error through (for the merged view's getxattr).
 pub fn get_xattr_raw(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &OsStr) -> Result<Vec<u8>> {
-    let path = proc_path(dir, name);
+    let (path, follow) = proc_path(dir, name);
     let mut buf = vec![0u8; 256];
     loop {
-        match rustix::fs::lgetxattr(path.as_c_str(), key, &mut buf[..]) {
+        match getxattr_at(&path, follow, key, &mut buf[..]) {
             Ok(n) => {
                 buf.truncate(n);
                 return Ok(buf);
             }
             Err(rustix::io::Errno::RANGE) => {
-                let n: usize = rustix::fs::lgetxattr(path.as_c_str(), key, &mut [0u8; 0][..])?;
+                let n = getxattr_at(&path, follow, key, &mut [])?;
                 buf.resize(n.max(buf.len() * 2), 0);
             }
             Err(e) => return Err(e.into()),
@@ -166,14 +192,14 @@ pub fn set_xattr(
     value: &[u8],
     flags: i32,
 ) -> Result<()> {
-    let path = proc_path(dir, name);
+    let (path, follow) = proc_path(dir, name);
     let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
-    Ok(rustix::fs::lsetxattr(
-        path.as_c_str(),
-        key.as_ref(),
-        value,
-        flags,
-    )?)
+    let (path, key) = (path.as_c_str(), key.as_ref());
+    Ok(if follow {
+        rustix::fs::setxattr(path, key, value, flags)
+    } else {
+        rustix::fs::lsetxattr(path, key, value, flags)
+    }?)
 }
 
 pub fn remove_xattr(
@@ -181,19 +207,24 @@ pub fn remove_xattr(
     name: Option<&OsStr>,
     key: impl AsRef<OsStr>,
 ) -> Result<()> {
-    let path = proc_path(dir, name);
-    Ok(rustix::fs::lremovexattr(path.as_c_str(), key.as_ref())?)
+    let (path, follow) = proc_path(dir, name);
+    let (path, key) = (path.as_c_str(), key.as_ref());
+    Ok(if follow {
+        rustix::fs::removexattr(path, key)
+    } else {
+        rustix::fs::lremovexattr(path, key)
+    }?)
 }
 
 /// All extended attribute names of a file. A file system without xattrs has none.
 pub fn list_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Vec<OsString>> {
-    let path = proc_path(dir, name);
+    let (path, follow) = proc_path(dir, name);
     let mut buf = vec![0u8; 1024];
     let n = loop {
-        match rustix::fs::llistxattr(path.as_c_str(), &mut buf[..]) {
+        match listxattr_at(&path, follow, &mut buf[..]) {
             Ok(n) => break n,
             Err(rustix::io::Errno::RANGE) => {
-                let n: usize = rustix::fs::llistxattr(path.as_c_str(), &mut [0u8; 0][..])?;
+                let n = listxattr_at(&path, follow, &mut [])?;
                 buf.resize(n.max(buf.len() * 2), 0);
             }
             Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
@@ -329,31 +360,29 @@ pub fn rename_at(
     )?)
 }
 
+/// chown of `name` in `dir`, or of `dir` itself when `name` is `None` (as for the calls below;
+/// `dir` may be an `O_PATH` descriptor, so through its magic link rather than `fchown`).
 pub fn chown_at(
     dir: BorrowedFd<'_>,
-    name: &OsStr,
+    name: Option<&OsStr>,
     uid: Option<u32>,
     gid: Option<u32>,
 ) -> Result<()> {
     let uid = uid.map(rustix::fs::Uid::from_raw);
     let gid = gid.map(rustix::fs::Gid::from_raw);
-    Ok(rustix::fs::chownat(
-        dir,
-        name,
-        uid,
-        gid,
-        AtFlags::SYMLINK_NOFOLLOW,
-    )?)
+    Ok(match name {
+        Some(name) => rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW),
+        None => rustix::fs::chownat(CWD, &proc_path(dir, None).0, uid, gid, AtFlags::empty()),
+    }?)
 }
 
 /// chmod of `name` in `dir`. Symlinks have no mode of their own on Linux: callers skip them.
-pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<()> {
-    Ok(rustix::fs::chmodat(
-        dir,
-        name,
-        Mode::from_raw_mode(mode & 0o7777),
-        AtFlags::empty(),
-    )?)
+pub fn chmod_at(dir: BorrowedFd<'_>, name: Option<&OsStr>, mode: u32) -> Result<()> {
+    let mode = Mode::from_raw_mode(mode & 0o7777);
+    Ok(match name {
+        Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
+        None => rustix::fs::chmodat(CWD, &proc_path(dir, None).0, mode, AtFlags::empty()),
+    }?)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -380,17 +409,20 @@ fn timespec(t: &Time) -> rustix::fs::Timespec {
     }
 }
 
-pub fn utimens_at(dir: BorrowedFd<'_>, name: &OsStr, atime: Time, mtime: Time) -> Result<()> {
+pub fn utimens_at(
+    dir: BorrowedFd<'_>,
+    name: Option<&OsStr>,
+    atime: Time,
+    mtime: Time,
+) -> Result<()> {
     let ts = rustix::fs::Timestamps {
         last_access: timespec(&atime),
         last_modification: timespec(&mtime),
     };
-    Ok(rustix::fs::utimensat(
-        dir,
-        name,
-        &ts,
-        AtFlags::SYMLINK_NOFOLLOW,
-    )?)
+    Ok(match name {
+        Some(name) => rustix::fs::utimensat(dir, name, &ts, AtFlags::SYMLINK_NOFOLLOW),
+        None => rustix::fs::utimensat(CWD, &proc_path(dir, None).0, &ts, AtFlags::empty()),
+    }?)
 }
 
 pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OsString> {

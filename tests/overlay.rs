@@ -386,6 +386,89 @@ fn renameat2(from: &Path, to: &Path, flags: rustix::fs::RenameFlags) -> std::io:
 }
 
 #[test]
+fn rename_whiteout_leaves_a_device_at_the_old_name() {
+    // What kernel overlayfs nested on mosaicfs does for every rename and removal it makes.
+    let mut m = Mount::with(|l| {
+        write(l.join("f"), "lower f");
+        write(l.join("d/in"), "in");
+    });
+    renameat2(
+        &m.path("f"),
+        &m.path("g"),
+        rustix::fs::RenameFlags::WHITEOUT,
+    )
+    .unwrap();
+    renameat2(
+        &m.path("d"),
+        &m.path("e"),
+        rustix::fs::RenameFlags::WHITEOUT,
+    )
+    .unwrap();
+    let check = |m: &Mount| {
+        assert_eq!(fs::read_to_string(m.path("g")).unwrap(), "lower f");
+        assert_eq!(names(m.path("e")), ["in"]);
+        for old in ["f", "d"] {
+            let md = fs::symlink_metadata(m.path(old)).unwrap();
+            assert!(
+                md.file_type().is_char_device() && md.rdev() == 0,
+                "{old}: {md:?}"
+            );
+        }
+        assert_eq!(names(&m.mnt), ["d", "e", "f", "g"]);
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    // The device is a real one of the merged view: it can go, and the lower file stays hidden.
+    fs::remove_file(m.path("f")).unwrap();
+    assert!(!m.path("f").exists());
+}
+
+#[test]
+fn a_rename_over_a_directory_that_fails_changes_neither_name() {
+    // The target holds whiteouts in the upper layer; one of them cannot be removed (immutable,
+    // as a hostile or damaged layer may have it). Removing them in place before the rename
+    // brought lower entries back for good when the rename then failed.
+    let mut m = Mount::new(1);
+    for i in 0..8 {
+        write(m.lower(0).join(format!("t/w{i}")), "lower");
+    }
+    fs::create_dir(m.upper.join("t")).unwrap();
+    for i in 0..8 {
+        write(m.upper.join(format!("t/.wh.w{i}")), "");
+    }
+    let last = fs::read_dir(m.upper.join("t"))
+        .unwrap()
+        .last()
+        .unwrap()
+        .unwrap()
+        .path();
+    if !std::process::Command::new("chattr")
+        .arg("+i")
+        .arg(&last)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        eprintln!("chattr +i does not work here: skipped");
+        return;
+    }
+    m.mount();
+    fs::create_dir(m.path("s")).unwrap();
+    write(m.path("s/new"), "new");
+    assert!(names(m.path("t")).is_empty());
+    let r = fs::rename(m.path("s"), m.path("t"));
+    let list = |p: &Path| p.exists().then(|| names(p));
+    let (src, dst) = (list(&m.path("s")), list(&m.path("t")));
+    m.unmount();
+    sh(&format!("chattr -R -i {}", m.dir.path().display()));
+    let new = Some(vec!["new".to_string()]);
+    match r {
+        Ok(()) => assert_eq!((src, dst), (None, new)),
+        Err(e) => assert_eq!((src, dst), (new, Some(vec![])), "{e}"),
+    }
+}
+
+#[test]
 fn rename_noreplace_and_exchange() {
     let m = Mount::with(|l| {
         write(l.join("a"), "A");
@@ -471,6 +554,77 @@ fn xattrs_round_trip_and_internal_ones_are_hidden() {
     assert!(get_xattr(&f, "trusted.mosaicfs.partial").is_none());
     rustix::fs::lremovexattr(&f, "user.test").unwrap();
     assert!(get_xattr(&f, "user.test").is_none());
+}
+
+#[test]
+fn a_nested_overlays_xattrs_are_stored_escaped_and_mean_nothing_to_this_one() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), "data");
+    write(m.lower(0).join("d/x"), "x");
+    // As kernel overlayfs (6.7+) writes an overlay nested on top of it into a layer.
+    set_xattr(
+        &m.lower(0).join("f"),
+        "trusted.overlay.overlay.origin",
+        b"o",
+    );
+    m.mount();
+    let f = m.path("f");
+    assert_eq!(get_xattr(&f, "trusted.overlay.origin").unwrap(), b"o");
+    assert_eq!(list_xattr(&f), ["trusted.overlay.origin"]);
+    // What a nested overlayfs, fuse-overlayfs or mosaicfs sets on the files of its layers.
+    let d = m.path("d");
+    let nested = [
+        "trusted.overlay.opaque",
+        "user.overlay.opaque",
+        "user.fuseoverlayfs.opaque",
+        "trusted.mosaicfs.redirect",
+        "user.mosaicfs.partial",
+    ];
+    for n in nested {
+        set_xattr(&d, n, b"y");
+    }
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o600)).unwrap();
+    set_xattr(&f, "trusted.mosaicfs.partial", b"not a mark of this mount");
+    let check = |m: &Mount| {
+        let d = m.path("d");
+        for n in nested {
+            assert_eq!(get_xattr(&d, n).as_deref(), Some(&b"y"[..]), "{n}");
+        }
+        let mut listed = list_xattr(&d);
+        listed.sort();
+        let mut want = nested.map(String::from).to_vec();
+        want.sort();
+        assert_eq!(listed, want);
+        // Not opaque, not redirected, not partial for this overlay.
+        assert_eq!(names(&d), ["x"]);
+        assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "data");
+        assert_eq!(
+            get_xattr(&m.path("f"), "trusted.overlay.origin").unwrap(),
+            b"o"
+        );
+    };
+    check(&m);
+    let up = m.upper.join("d");
+    assert_eq!(
+        get_xattr(&up, "trusted.overlay.overlay.opaque").unwrap(),
+        b"y"
+    );
+    assert_eq!(
+        get_xattr(&up, "user.mosaicfs.mosaicfs.partial").unwrap(),
+        b"y"
+    );
+    assert!(get_xattr(&up, "trusted.overlay.opaque").is_none());
+    // Copy-up kept the lower file's escaped name.
+    assert_eq!(
+        get_xattr(&m.upper.join("f"), "trusted.overlay.overlay.origin").unwrap(),
+        b"o"
+    );
+    m.unmount();
+    m.mount();
+    check(&m);
+    rustix::fs::lremovexattr(m.path("d"), "trusted.overlay.opaque").unwrap();
+    assert!(get_xattr(&m.path("d"), "trusted.overlay.opaque").is_none());
+    assert!(get_xattr(&up, "trusted.overlay.overlay.opaque").is_none());
 }
 
 #[test]
@@ -758,6 +912,61 @@ fn o_tmpfile_makes_an_unnamed_file() {
     std::io::Seek::seek(&mut f, SeekFrom::Start(0)).unwrap();
     f.read_to_string(&mut back).unwrap();
     assert_eq!(back, "unnamed data");
+    // Metadata changes reach it through its descriptor (kernel overlayfs nested on mosaicfs
+    // copies up through O_TMPFILE and sets owner, mode, times and xattrs so).
+    f.set_permissions(fs::Permissions::from_mode(0o604))
+        .unwrap();
+    std::os::unix::fs::fchown(&f, Some(4321), Some(4322)).unwrap();
+    f.set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(1000))
+        .unwrap();
+    rustix::fs::fsetxattr(&f, "user.k", b"v", rustix::fs::XattrFlags::empty()).unwrap();
+    let md = f.metadata().unwrap();
+    assert_eq!(
+        (md.mode() & 0o7777, md.uid(), md.gid(), md.mtime()),
+        (0o604, 4321, 4322, 1000)
+    );
+    let mut buf = [0u8; 8];
+    let n = rustix::fs::fgetxattr(&f, "user.k", &mut buf[..]).unwrap();
+    assert_eq!(&buf[..n], b"v");
+    // linkat(2) through /proc gives it a name.
+    let proc = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f));
+    rustix::fs::linkat(
+        rustix::fs::CWD,
+        proc.as_str(),
+        rustix::fs::CWD,
+        m.path("dir/named"),
+        rustix::fs::AtFlags::SYMLINK_FOLLOW,
+    )
+    .unwrap();
+    assert_eq!(
+        fs::read_to_string(m.path("dir/named")).unwrap(),
+        "unnamed data"
+    );
+    assert_eq!(
+        fs::read_to_string(m.upper.join("dir/named")).unwrap(),
+        "unnamed data"
+    );
+    assert_eq!(get_xattr(&m.path("dir/named"), "user.k").unwrap(), b"v");
+    assert_eq!(f.metadata().unwrap().nlink(), 1);
+}
+
+#[test]
+fn a_file_unlinked_while_open_still_takes_metadata_changes() {
+    let m = Mount::with(|l| write(l.join("f"), "lower"));
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(b"L", 0).unwrap();
+    fs::remove_file(m.path("f")).unwrap();
+    f.set_permissions(fs::Permissions::from_mode(0o640))
+        .unwrap();
+    rustix::fs::fsetxattr(&f, "user.k", b"v", rustix::fs::XattrFlags::empty()).unwrap();
+    assert_eq!(f.metadata().unwrap().mode() & 0o7777, 0o640);
+    let mut back = String::new();
+    (&f).read_to_string(&mut back).unwrap();
+    assert_eq!(back, "Lower");
 }
 
 #[test]
