@@ -613,16 +613,18 @@ impl Overlay {
                 UpperSlot::WhFile => wh_file_after = true,
                 _ => {}
             }
-            if let Some(d) = &dst
-                && d.found.upper
-                && d.attr.is_dir()
-            {
-                self.clear_empty_dir(ddir, newname)?;
-            }
         }
         let moves_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
         let _changing = (pnode.entries.write(), npnode.entries.write());
         let _moving = moves_dir.then(|| self.moves.write());
+        if let Some(d) = &dst
+            && !exchange
+            && d.found.upper
+            && d.attr.is_dir()
+        {
+            // Moves the target directory to the work dir: under `moves`, as paths below it change.
+            self.clear_empty_dir(ddir, newname)?;
+        }
         let mut rflags = RenameFlags::empty();
         if exchange {
             rflags |= RenameFlags::EXCHANGE;

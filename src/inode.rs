@@ -42,16 +42,46 @@ pub const ROOT_INO: Ino = 1;
 
 /// Where the lower part of a merged object lives. For a directory, every lower layer that
 /// contributes to it (top to bottom, stopping at an opaque one); for anything else, the one
-/// topmost layer that has it. The path is the same in all those layers.
+/// topmost layer that has it. The path is the same in all those layers unless a directory
+/// renamed in a lower layer (a redirect there) sent the layers below it elsewhere.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LowerRef {
+    /// The path in the top layer.
     pub path: PathBuf,
     pub layers: Vec<LayerId>,
+    /// `(layer, path)`: from `layer` down, the object is at `path` (redirects in lower layers;
+    /// usually empty).
+    pub moved: Vec<(LayerId, PathBuf)>,
 }
 
 impl LowerRef {
+    pub fn new(path: PathBuf, layer: LayerId) -> LowerRef {
+        LowerRef {
+            path,
+            layers: vec![layer],
+            moved: Vec::new(),
+        }
+    }
+
     pub fn top(&self) -> LayerId {
         self.layers[0]
+    }
+
+    /// The object's path in `layer`.
+    pub fn path_in(&self, layer: LayerId) -> &std::path::Path {
+        self.moved
+            .iter()
+            .rev()
+            .find(|(from, _)| *from <= layer)
+            .map_or(&self.path, |(_, p)| p)
+    }
+
+    /// Adds `layer`, below the others, where the object is at `path`.
+    pub fn push(&mut self, layer: LayerId, path: &std::path::Path) {
+        if path != self.path_in(layer) {
+            self.moved.push((layer, path.to_owned()));
+        }
+        self.layers.push(layer);
     }
 }
 
@@ -496,10 +526,7 @@ mod tests {
             ino,
             kind: libc::S_IFREG,
             upper: false,
-            lower: Some(LowerRef {
-                path: PathBuf::from("f"),
-                layers: vec![1],
-            }),
+            lower: Some(LowerRef::new(PathBuf::from("f"), 1)),
             origin: false,
             origins: false,
         }

@@ -34,6 +34,8 @@ const OPAQUE_XATTRS: [&str; 3] = [
     "user.fuseoverlayfs.opaque",
 ];
 const WHITEOUT_XATTRS: [&str; 2] = ["trusted.overlay.whiteout", "user.overlay.whiteout"];
+/// Redirects of directories renamed by kernel overlayfs (read after mosaicfs' own).
+const REDIRECT_XATTRS: [&str; 2] = ["trusted.overlay.redirect", "user.overlay.redirect"];
 
 pub struct Layer {
     pub root: OwnedFd,
@@ -47,7 +49,7 @@ pub struct Layer {
 }
 
 /// Marks on a layer directory.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct DirFlags {
     pub opaque: bool,
     /// Entries may be whiteouts marked by xattr (kernel overlayfs `opaque=x`).
@@ -55,8 +57,9 @@ pub struct DirFlags {
     /// Entries may carry `mosaicfs.origin` although the directory has no lower part (a
     /// copied-up object was moved in).
     pub origins: bool,
-    /// The directory carries `mosaicfs.redirect` (read it with `get_xattr`).
-    pub redirect: bool,
+    /// The directory was renamed: where its lower part is (the value of `mosaicfs.redirect`,
+    /// or of kernel overlayfs' `trusted.overlay.redirect` / `user.overlay.redirect`).
+    pub redirect: Option<Vec<u8>>,
 }
 
 /// The names of mosaicfs' own xattrs, in the namespace chosen at mount.
@@ -394,9 +397,15 @@ impl LayerStack {
         let has = |key: &str| names.iter().any(|n| n.as_bytes() == key.as_bytes());
         let mut flags = DirFlags {
             origins: has(&self.xattr.origins),
-            redirect: has(&self.xattr.redirect),
             ..DirFlags::default()
         };
+        let own = [self.xattr.redirect.as_str()];
+        for key in own.into_iter().chain(REDIRECT_XATTRS) {
+            if has(key) {
+                flags.redirect = sys::get_xattr(dir, name, key)?;
+                break;
+            }
+        }
         for key in OPAQUE_XATTRS {
             if has(key) {
                 match sys::get_xattr(dir, name, key)?
@@ -411,7 +420,7 @@ impl LayerStack {
             }
         }
         // A redirect leads to lower layers even where none lie below the parent.
-        if (opaque_file || flags.redirect) && !flags.opaque {
+        if (opaque_file || flags.redirect.is_some()) && !flags.opaque {
             let sub = match name {
                 Some(n) => {
                     sys::open_beneath(dir, Path::new(n), OFlags::PATH | OFlags::DIRECTORY, 0)?

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::error::{Result, errno};
 use crate::inode::{Found, Ino, LowerRef, Node};
-use crate::layers::{UPPER, is_reserved_name};
+use crate::layers::{LayerId, UPPER, is_reserved_name};
 use crate::overlay::{DirView, Overlay};
 use crate::sys::{self, Attr};
 
@@ -154,13 +154,15 @@ impl Overlay {
                 };
                 let lower = if !attr.is_dir() || flags.opaque {
                     None
-                } else if let Some(target) = flags
-                    .redirect
-                    .then(|| sys::get_xattr(dir, Some(name), &self.layers.xattr.redirect))
-                    .transpose()?
-                    .flatten()
-                {
-                    self.resolve_redirect(Path::new(OsStr::from_bytes(&target)))?
+                } else if let Some(redirect) = flags.redirect.as_deref().and_then(Redirect::parse) {
+                    match (redirect, &view.lower) {
+                        (Redirect::Absolute(target), _) => self.resolve_redirect(&target)?,
+                        (Redirect::Sibling(other), Some(l)) => self
+                            .resolve_lower(l, &other)?
+                            .filter(|(a, _)| a.is_dir())
+                            .map(|(_, r)| r),
+                        (Redirect::Sibling(_), None) => None,
+                    }
                 } else {
                     match &view.lower {
                         Some(l) => self
@@ -202,9 +204,44 @@ impl Overlay {
 
     /// Resolves `name` in the lower directories `dir` only.
     pub fn resolve_lower(&self, dir: &LowerRef, name: &OsStr) -> Result<Option<(Attr, LowerRef)>> {
+        let candidates = dir
+            .layers
+            .iter()
+            .map(|&l| (l, dir.path_in(l).join(name)))
+            .collect();
+        self.merge_lower(candidates)
+    }
+
+    /// The lower directories at `target`, for a renamed directory's redirect.
+    pub fn resolve_redirect(&self, target: &Path) -> Result<Option<LowerRef>> {
+        let candidates = self
+            .layers
+            .lower_ids()
+            .map(|l| (l, target.to_owned()))
+            .collect();
+        Ok(self
+            .merge_lower(candidates)?
+            .filter(|(a, _)| a.is_dir())
+            .map(|(_, r)| r))
+    }
+
+    /// The object seen through `candidates` (layer, path in it), top down: the first
+    /// non-directory, or the directories merged until an opaque one, a whiteout or a
+    /// non-directory. A directory renamed in a lower layer (a redirect there, written by
+    /// mosaicfs or kernel overlayfs when that layer was an upper one) sends the layers below it
+    /// to the redirect's path.
+    fn merge_lower(
+        &self,
+        mut candidates: Vec<(LayerId, PathBuf)>,
+    ) -> Result<Option<(Attr, LowerRef)>> {
         let mut result: Option<(Attr, LowerRef)> = None;
-        for &layer in &dir.layers {
-            let fd = match self.layers.dir(layer, &dir.path) {
+        let mut i = 0;
+        while let Some((layer, path)) = candidates.get(i).cloned() {
+            i += 1;
+            let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+                continue;
+            };
+            let fd = match self.layers.dir(layer, parent) {
                 Ok(fd) => fd,
                 Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
                 Err(e) => return Err(e),
@@ -221,10 +258,7 @@ impl Overlay {
             }
             match &mut result {
                 None => {
-                    let lower = LowerRef {
-                        path: dir.path.join(name),
-                        layers: vec![layer],
-                    };
+                    let lower = LowerRef::new(path.clone(), layer);
                     if !attr.is_dir() {
                         return Ok(Some((attr, lower)));
                     }
@@ -234,47 +268,28 @@ impl Overlay {
                     if !attr.is_dir() {
                         break;
                     }
-                    lower.layers.push(layer);
+                    lower.push(layer, &path);
                 }
             }
-            if self.layers.is_opaque(fd, name)? {
+            let flags = self.layers.dir_flags(fd, Some(name), true)?;
+            if flags.opaque {
                 break;
             }
-        }
-        Ok(result)
-    }
-
-    /// The lower directories at `target`, for a renamed directory's redirect.
-    pub fn resolve_redirect(&self, target: &Path) -> Result<Option<LowerRef>> {
-        let target: PathBuf = target
-            .components()
-            .filter(|c| matches!(c, std::path::Component::Normal(_)))
-            .collect();
-        let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
-            return Ok(None);
-        };
-        let mut lower = LowerRef {
-            path: target.clone(),
-            layers: Vec::new(),
-        };
-        for layer in self.layers.lower_ids() {
-            let fd = match self.layers.dir(layer, parent) {
-                Ok(fd) => fd,
-                Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
-                Err(e) => return Err(e),
-            };
-            match sys::stat_opt(fd.as_fd(), name)? {
-                Some(a) if a.is_dir() => {
-                    lower.layers.push(layer);
-                    if self.layers.is_opaque(fd.as_fd(), name)? {
-                        break;
+            match flags.redirect.as_deref().and_then(Redirect::parse) {
+                Some(Redirect::Absolute(target)) => {
+                    candidates.truncate(i);
+                    let below = self.layers.lower_ids().filter(|&l| l > layer);
+                    candidates.extend(below.map(|l| (l, target.clone())));
+                }
+                Some(Redirect::Sibling(other)) => {
+                    for (_, p) in &mut candidates[i..] {
+                        p.set_file_name(&other);
                     }
                 }
-                Some(_) => break,
                 None => {}
             }
         }
-        Ok((!lower.layers.is_empty()).then_some(lower))
+        Ok(result)
     }
 
     /// The inode number a copied-up object keeps from its origin, if it has one.
@@ -313,6 +328,61 @@ impl Overlay {
         match lower {
             Some(l) => Ok(self.resolve_lower(&l, name)?.is_some()),
             None => Ok(false),
+        }
+    }
+}
+
+/// Where a renamed directory's lower part is, as its redirect xattr says.
+pub enum Redirect {
+    /// A path from the layer root (`/a/b`: mosaicfs always, kernel overlayfs for a move to
+    /// another directory).
+    Absolute(PathBuf),
+    /// Another name in the same parent directory (kernel overlayfs, a rename within one
+    /// directory).
+    Sibling(std::ffi::OsString),
+}
+
+impl Redirect {
+    /// `None` for a value no overlay writes (a relative path of several components, `..`):
+    /// a damaged layer, read as if the directory had no redirect.
+    pub fn parse(value: &[u8]) -> Option<Redirect> {
+        let path = Path::new(OsStr::from_bytes(value));
+        let mut plain = path.components().filter_map(|c| match c {
+            std::path::Component::Normal(n) => Some(Ok(n)),
+            std::path::Component::RootDir => None,
+            _ => Some(Err(())),
+        });
+        if path.has_root() {
+            let target: Option<PathBuf> = plain.map(|c| c.ok()).collect();
+            return target
+                .filter(|t| t.file_name().is_some())
+                .map(Redirect::Absolute);
+        }
+        match (plain.next(), plain.next()) {
+            (Some(Ok(name)), None) => Some(Redirect::Sibling(name.to_owned())),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: &str) -> Option<String> {
+        Redirect::parse(v.as_bytes()).map(|r| match r {
+            Redirect::Absolute(p) => format!("abs {}", p.display()),
+            Redirect::Sibling(n) => format!("sib {}", n.to_string_lossy()),
+        })
+    }
+
+    #[test]
+    fn redirect_values_of_every_overlay_and_damaged_ones() {
+        assert_eq!(parse("/a/b").as_deref(), Some("abs a/b"));
+        assert_eq!(parse("//a/./b/").as_deref(), Some("abs a/b"));
+        assert_eq!(parse("d").as_deref(), Some("sib d"));
+        for bad in ["", "/", "a/b", "..", "/a/../b", "./x"] {
+            assert_eq!(parse(bad), None, "{bad:?}");
         }
     }
 }

@@ -144,6 +144,7 @@ impl Overlay {
         let mut root_lower = LowerRef {
             path: PathBuf::new(),
             layers: Vec::new(),
+            moved: Vec::new(),
         };
         let opaque_root = layers.has_upper && layers_root_opaque(&layers);
         if !opaque_root {

@@ -160,12 +160,13 @@ impl Overlay {
         }
         if let Some(lower) = &view.lower {
             for &layer in &lower.layers {
-                let entries = match sys::read_dir(self.layers.root(layer), &lower.path) {
+                let path = lower.path_in(layer);
+                let entries = match sys::read_dir(self.layers.root(layer), path) {
                     Ok(e) => e,
                     Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
                     Err(e) => return Err(e),
                 };
-                let dir = self.layers.dir(layer, &lower.path)?;
+                let dir = self.layers.dir(layer, path)?;
                 let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None, false)?.xwhiteouts;
                 let mut whiteouts = Vec::new();
                 for e in entries {

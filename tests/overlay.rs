@@ -6,6 +6,7 @@ use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
+use std::process::Command;
 
 use common::*;
 
@@ -383,6 +384,102 @@ fn rename_replaces_files_and_empty_directories() {
 
 fn renameat2(from: &Path, to: &Path, flags: rustix::fs::RenameFlags) -> std::io::Result<()> {
     rustix::fs::renameat_with(rustix::fs::CWD, from, rustix::fs::CWD, to, flags).map_err(Into::into)
+}
+
+/// A lower layer holding `d/f`, `d/sub/g` and `x/xf`.
+fn renames_base(l: &Path) {
+    write(l.join("d/f"), "f");
+    write(l.join("d/sub/g"), "g");
+    write(l.join("x/xf"), "xf");
+}
+
+/// Renames in the same directory and to another one, nested: what makes redirects.
+fn rename_around(mnt: &Path) {
+    fs::rename(mnt.join("d"), mnt.join("e")).unwrap();
+    fs::rename(mnt.join("e/sub"), mnt.join("e/sub2")).unwrap();
+    fs::create_dir(mnt.join("y")).unwrap();
+    fs::rename(mnt.join("x"), mnt.join("y/x2")).unwrap();
+    write(mnt.join("e/new"), "new");
+}
+
+#[test]
+fn an_upper_layer_with_renamed_directories_reads_the_same_when_stacked_as_a_lower_one() {
+    // containers/storage stacks each container's layer under the next image's.
+    let mut first = Mount::new(1);
+    renames_base(first.lower(0));
+    first.mount();
+    rename_around(&first.mnt);
+    let seen = tree(&first.mnt);
+    first.unmount();
+    let mut second = Mount::new(2);
+    second.lowers = vec![first.upper.clone(), first.lower(0).to_path_buf()];
+    second.mount();
+    assert_eq!(tree(&second.mnt), seen);
+    // And renamed once more on top, across a remount.
+    fs::rename(second.path("e"), second.path("z")).unwrap();
+    second.remount();
+    let mut moved: Vec<_> = seen
+        .iter()
+        .map(|(p, c)| match p.strip_prefix('e') {
+            Some(rest) => (format!("z{rest}"), c.clone()),
+            None => (p.clone(), c.clone()),
+        })
+        .collect();
+    moved.sort();
+    assert_eq!(tree(&second.mnt), moved);
+}
+
+#[test]
+fn redirects_written_by_kernel_overlayfs_are_followed() {
+    let d = tempfile::tempdir_in("/tmp").unwrap();
+    let (l, u, w, k) = (
+        d.path().join("l"),
+        d.path().join("u"),
+        d.path().join("w"),
+        d.path().join("k"),
+    );
+    for p in [&u, &w, &k] {
+        fs::create_dir(p).unwrap();
+    }
+    renames_base(&l);
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={},redirect_dir=on",
+        l.display(),
+        u.display(),
+        w.display()
+    );
+    run(Command::new("mount")
+        .args(["-t", "overlay", "overlay", "-o", &opts])
+        .arg(&k));
+    rename_around(&k);
+    let seen = tree(&k);
+    run(Command::new("umount").arg(&k));
+    // Relative ("d", "sub") and absolute ("/x") redirects, as kernel overlayfs wrote them.
+    assert_eq!(
+        get_xattr(&u.join("e"), "trusted.overlay.redirect").unwrap(),
+        b"d"
+    );
+    assert_eq!(
+        get_xattr(&u.join("y/x2"), "trusted.overlay.redirect").unwrap(),
+        b"/x"
+    );
+    let mut m = Mount::new(2);
+    m.lowers = vec![u.clone(), l.clone()];
+    m.mount();
+    assert_eq!(tree(&m.mnt), seen);
+    m.unmount();
+    // Kernel overlayfs' redirects in the user namespace (`userxattr`, rootless) too.
+    for (dir, key) in [
+        ("e", "redirect"),
+        ("e/sub2", "redirect"),
+        ("y/x2", "redirect"),
+    ] {
+        let v = get_xattr(&u.join(dir), &format!("trusted.overlay.{key}")).unwrap();
+        rustix::fs::lremovexattr(u.join(dir), format!("trusted.overlay.{key}").as_str()).unwrap();
+        set_xattr(&u.join(dir), &format!("user.overlay.{key}"), &v);
+    }
+    m.mount();
+    assert_eq!(tree(&m.mnt), seen);
 }
 
 #[test]

@@ -297,6 +297,30 @@ pub fn names(dir: impl AsRef<Path>) -> Vec<String> {
     v
 }
 
+/// Every path below `dir` with its file's content (`/` for a directory), sorted: a tree to
+/// compare two views by.
+pub fn tree(dir: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            if fs::symlink_metadata(&p).unwrap().is_dir() {
+                out.push((rel, "/".to_string()));
+                todo.push(p);
+            } else {
+                out.push((
+                    rel,
+                    String::from_utf8_lossy(&fs::read(&p).unwrap()).into_owned(),
+                ));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 pub fn get_xattr(p: &Path, name: &str) -> Option<Vec<u8>> {
     let mut buf = vec![0u8; 4096];
     match rustix::fs::lgetxattr(p, name, &mut buf[..]) {
