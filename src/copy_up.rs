@@ -127,13 +127,10 @@ impl Overlay {
                         // A complete copy sharing the lower file's extents: no mark.
                     } else if self.sparse.sparse {
                         rustix::fs::ftruncate(&fd, lattr.size)?;
-                        let mark = PartialMark::for_lower(lower.top(), lower.path.clone(), lattr);
-                        rustix::fs::fsetxattr(
-                            &fd,
-                            self.layers.xattr.partial.as_str(),
-                            &mark.encode(),
-                            rustix::fs::XattrFlags::empty(),
-                        )?;
+                        let block = self.sparse.block;
+                        let mark =
+                            PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
+                        mark.store(fd.as_fd(), &self.layers.xattr.partial)?;
                     } else {
                         // No sparse files on the upper file system (reported at mount): the
                         // only correct copy-up left is a whole one.

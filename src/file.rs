@@ -454,7 +454,7 @@ impl OpenFile {
         if !skip_fsync {
             rustix::fs::fdatasync(&p.upper)?;
         }
-        rustix::fs::fremovexattr(&p.upper, names.partial.as_str())?;
+        PartialMark::remove(p.upper.as_fd(), &names.partial)?;
         let upper = p.upper.try_clone()?;
         *data = FileData::Upper(upper);
         Ok(true)
@@ -496,6 +496,17 @@ impl Overlay {
         match self.read_mark(fd.as_fd(), UPPER, &path)? {
             None => Ok(FileData::Upper(fd)),
             Some(mark) => {
+                if let Some(b) = mark.block.filter(|b| b % self.sparse.block != 0) {
+                    // Writing one of its blocks would allocate (zero) neighbours that must
+                    // stay holes, i.e. "read the lower file".
+                    let msg = format!(
+                        "partial file '{}' was made with {b}-byte blocks, but the upper file                          system allocates {} bytes at a time, so it cannot be written here                          without losing lower data: mount its layers where it was made, or                          complete it there (or read it from a layer stacked below)",
+                        path.display(),
+                        self.sparse.block
+                    );
+                    log::error!("{msg}");
+                    return Err(Error::with_context(libc::EIO, msg));
+                }
                 let lower = self.open_partial_lower(UPPER, &mark, &path)?;
                 Ok(FileData::Partial(self.partial_file(
                     fd,
@@ -533,14 +544,10 @@ impl Overlay {
         layer: LayerId,
         path: &Path,
     ) -> Result<Option<PartialMark>> {
-        let mut buf = vec![0u8; 4096];
-        let raw = match rustix::fs::fgetxattr(fd, self.layers.xattr.partial.as_str(), &mut buf[..])
-        {
-            Ok(n) => &buf[..n],
-            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => return Ok(None),
-            Err(e) => return Err(e.into()),
+        let Some(mark) = PartialMark::load(fd, &self.layers.xattr.partial)? else {
+            return Ok(None);
         };
-        let mark = PartialMark::decode(raw).map_err(|why| {
+        let mark = mark.map_err(|why| {
             let msg = format!(
                 "damaged {} xattr on file '{}' in layer {layer}: {why}; \
                  restore the file from a backup or remove it",
@@ -561,14 +568,20 @@ impl Overlay {
         caw: Option<Arc<crate::caw::CawShared>>,
     ) -> Result<PartialFile> {
         let attr = sys::fstat(fd.as_fd())?;
-        let blocks = BlockMap::from_file(fd.as_fd(), attr.size, self.sparse.block)?;
+        // The file's holes mean something at the grain it was written in (v1: this mount's).
+        let block = mark.block.unwrap_or(self.sparse.block);
+        let mark = PartialMark {
+            block: Some(block),
+            ..mark
+        };
+        let blocks = BlockMap::from_file(fd.as_fd(), attr.size, block)?;
         Ok(PartialFile {
             upper: fd,
             lower,
             mark,
             blocks,
             size: attr.size,
-            block: self.sparse.block,
+            block,
             last_write: Instant::now(),
             pending: Default::default(),
             caw,

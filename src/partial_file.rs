@@ -320,13 +320,7 @@ impl PartialFile {
     }
 
     fn save_mark(&self, names: &crate::layers::XattrNames) -> Result<()> {
-        rustix::fs::fsetxattr(
-            &self.upper,
-            names.partial.as_str(),
-            &self.mark.encode(),
-            rustix::fs::XattrFlags::empty(),
-        )?;
-        Ok(())
+        self.mark.store(self.upper.as_fd(), &names.partial)
     }
 
     /// Changes the size. Shrinking below `valid` shortens the valid lower prefix, so that bytes
@@ -346,7 +340,7 @@ impl PartialFile {
         if new < self.mark.valid {
             self.mark.valid = new;
             if new == 0 {
-                rustix::fs::fremovexattr(&self.upper, names.partial.as_str())?;
+                PartialMark::remove(self.upper.as_fd(), &names.partial)?;
                 return Ok(true);
             }
             self.save_mark(names)?;

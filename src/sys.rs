@@ -157,6 +157,26 @@ fn listxattr_at(path: &CString, follow: bool, buf: &mut [u8]) -> rustix::io::Res
     }
 }
 
+/// Reads one extended attribute of an open file (not `O_PATH`), whatever its length; `Ok(None)`
+/// when it is absent or the file cannot carry it.
+pub fn fget_xattr(fd: BorrowedFd<'_>, key: &str) -> Result<Option<Vec<u8>>> {
+    let mut buf = vec![0u8; 256];
+    loop {
+        match rustix::fs::fgetxattr(fd, key, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(Some(buf));
+            }
+            Err(rustix::io::Errno::RANGE) => {
+                let n: usize = rustix::fs::fgetxattr(fd, key, &mut [0u8; 0][..])?;
+                buf.resize(n.max(buf.len() * 2), 0);
+            }
+            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// Reads one extended attribute; `Ok(None)` when it is absent or the file cannot carry it.
 pub fn get_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
     match get_xattr_raw(dir, name, OsStr::new(key)) {

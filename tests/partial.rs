@@ -363,6 +363,100 @@ fn a_damaged_mark_is_refused_with_eio() {
     assert!(log.contains("damaged") && log.contains("f"), "{log}");
 }
 
+/// The mark of `f` in the upper layer, rewritten by `edit`.
+fn edit_mark(m: &Mount, edit: impl FnOnce(String) -> String) {
+    let f = m.upper.join("f");
+    let mark = String::from_utf8(get_xattr(&f, "trusted.mosaicfs.partial").unwrap()).unwrap();
+    set_xattr(&f, "trusted.mosaicfs.partial", edit(mark).as_bytes());
+}
+
+#[test]
+fn marks_carry_their_block_size_and_v1_marks_still_read() {
+    let base = pattern(300_000, 21);
+    let mut m = lower_with("f", &base);
+    write_at(m.path("f"), 10_000, b"v2");
+    m.unmount();
+    let mark = get_xattr(&m.upper.join("f"), "trusted.mosaicfs.partial").unwrap();
+    assert!(mark.starts_with(b"v2\n") && mark.windows(11).any(|w| w == b"\nblock=4096"));
+    // As mosaicfs wrote it before block sizes were stored.
+    edit_mark(&m, |v2| {
+        v2.replacen("v2", "v1", 1).replace("block=4096\n", "")
+    });
+    // Reopened for writing below: it must stay partial, not be completed by the open.
+    m.extra.push("complete_on_reopen=0".into());
+    m.mount();
+    let mut want = base.clone();
+    want[10_000..10_002].copy_from_slice(b"v2");
+    assert!(fs::read(m.path("f")).unwrap() == want);
+    // A truncate rewrites the mark: as v2.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .set_len(200_000)
+        .unwrap();
+    m.unmount();
+    let mark = get_xattr(&m.upper.join("f"), "trusted.mosaicfs.partial").unwrap();
+    assert!(
+        mark.starts_with(b"v2\n"),
+        "{}",
+        String::from_utf8_lossy(&mark)
+    );
+}
+
+#[test]
+fn a_partial_file_is_read_and_written_in_the_block_size_of_its_mark() {
+    // Made where blocks were 8 KiB (a coarser upper file system): one whole 8 KiB block
+    // written, the rest holes.
+    let base = pattern(64 * 1024, 22);
+    let mut m = lower_with("f", &base);
+    write_at(m.path("f"), 9000, b"w");
+    m.unmount();
+    let f = m.upper.join("f");
+    let mut want = base.clone();
+    want[9000] = b'w';
+    {
+        let up = fs::OpenOptions::new().write(true).open(&f).unwrap();
+        up.write_all_at(&want[8192..16384], 8192).unwrap();
+    }
+    edit_mark(&m, |v2| v2.replace("block=4096", "block=8192"));
+    m.extra.push("complete_on_reopen=0".into());
+    m.mount();
+    assert!(fs::read(m.path("f")).unwrap() == want);
+    write_at(m.path("f"), 20_000, b"x");
+    want[20_000] = b'x';
+    m.unmount();
+    // The block written was an 8 KiB one, filled from the lower file around the byte.
+    let up = fs::File::open(&f).unwrap();
+    let start = rustix::fs::seek(&up, rustix::fs::SeekFrom::Data(16384)).unwrap();
+    let end = rustix::fs::seek(&up, rustix::fs::SeekFrom::Hole(start)).unwrap();
+    assert_eq!((start, end), (16384, 24576));
+    m.mount();
+    assert!(fs::read(m.path("f")).unwrap() == want);
+}
+
+#[test]
+fn a_mark_finer_than_the_upper_file_system_allocates_is_refused_and_nothing_is_lost() {
+    let base = pattern(64 * 1024, 23);
+    let mut m = lower_with("f", &base);
+    write_at(m.path("f"), 100, b"z");
+    m.unmount();
+    edit_mark(&m, |v2| v2.replace("block=4096", "block=2048"));
+    let before = fs::read(m.upper.join("f")).unwrap();
+    m.mount();
+    assert_eq!(errno_of(fs::read(m.path("f"))), libc::EIO);
+    assert_eq!(
+        errno_of(fs::OpenOptions::new().write(true).open(m.path("f"))),
+        libc::EIO
+    );
+    let log = m.unmount();
+    assert!(
+        log.contains("2048-byte blocks") && log.contains("4096"),
+        "{log}"
+    );
+    assert!(fs::read(m.upper.join("f")).unwrap() == before);
+}
+
 #[test]
 fn after_kill_9_every_block_is_old_or_new_and_synced_writes_are_there() {
     const BS: usize = 4096;

@@ -196,7 +196,9 @@ fn lower_reads_skip_the_daemon_and_a_writer_gets_a_new_kernel_inode() {
         .unwrap()
         .parse()
         .unwrap();
-    assert_eq!(read_bytes, 8 << 20, "{log}");
+    // (Under load the kernel may read some of its pages twice — once in ~20 runs of the suite
+    // about 220 KiB more; the first read through the daemon would add another 8 MiB.)
+    assert!((8 << 20..12 << 20).contains(&read_bytes), "{log}");
     assert!(served(&log, "passthrough") >= 1, "{log}");
     assert!(served(&log, "rebinds") >= 1, "{log}");
 }
