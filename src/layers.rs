@@ -545,8 +545,13 @@ fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<Ow
     let entries = sys::read_dir(work, Path::new(WORK_SUBDIR))
         .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
     for e in entries {
-        remove_tree(fd.as_fd(), &e.name)
-            .map_err(|e| format!("cannot clean workdir '{}': {e}", path.display()))?;
+        remove_tree(fd.as_fd(), &e.name).map_err(|err| {
+            format!(
+                "cannot clean workdir '{0}': {err}; '{0}/{WORK_SUBDIR}/{1}' is left from an                  interrupted operation and never visible: remove it by hand (chattr -i if it                  is immutable) and mount again",
+                path.display(),
+                e.name.to_string_lossy()
+            )
+        })?;
     }
     Ok(fd)
 }

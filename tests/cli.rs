@@ -110,6 +110,35 @@ fn bad_input_is_one_clear_line_and_mounts_nothing() {
 }
 
 #[test]
+fn a_work_dir_leftover_that_cannot_be_removed_is_named_with_what_to_do() {
+    let (d, p) = layers();
+    let junk = d.path().join("w/mosaicfs-work/copyup-1-1");
+    fs::create_dir_all(junk.parent().unwrap()).unwrap();
+    fs::write(&junk, "x").unwrap();
+    if !Command::new("chattr")
+        .arg("+i")
+        .arg(&junk)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        eprintln!("chattr +i does not work here: skipped");
+        return;
+    }
+    let (code, err) = run(&[
+        "-o",
+        &format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"),
+        &format!("{p}/m"),
+    ]);
+    sh(&format!("chattr -i {}", junk.display()));
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("copyup-1-1") && err.contains("remove it by hand"),
+        "{err}"
+    );
+    assert!(!is_mounted(std::path::Path::new(&format!("{p}/m"))));
+}
+
+#[test]
 fn upper_and_work_on_different_file_systems_are_refused() {
     let (d, p) = layers();
     let tmpfs = d.path().join("t");
