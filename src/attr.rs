@@ -108,11 +108,12 @@ impl Overlay {
 
     pub fn getxattr(&self, ino: Ino, name: &OsStr) -> Result<Vec<u8>> {
         self.check_xattr_name(name)?;
-        let name = OsStr::from_bytes(&stored_xattr_name(name.as_bytes())).to_owned();
+        let stored = stored_xattr_name(name.as_bytes());
+        let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         self.settled(|| {
             let (dir, file) = self.top_entry(&node)?;
-            sys::get_xattr_raw(dir.as_fd(), file.as_deref(), &name)
+            sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
         })
     }
 
@@ -142,12 +143,13 @@ impl Overlay {
     pub fn setxattr(&self, ino: Ino, name: &OsStr, value: &[u8], flags: i32) -> Result<()> {
         self.check_xattr_name(name)?;
         self.check_writable()?;
-        let name = OsStr::from_bytes(&stored_xattr_name(name.as_bytes())).to_owned();
+        let stored = stored_xattr_name(name.as_bytes());
+        let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
-            sys::set_xattr(dir.as_fd(), file.as_deref(), &name, value, flags)
+            sys::set_xattr(dir.as_fd(), file.as_deref(), name, value, flags)
         })
     }
 
@@ -157,11 +159,12 @@ impl Overlay {
         let node = self.node(ino)?;
         // Removing an xattr the file does not have must not copy it up.
         self.getxattr(ino, name)?;
-        let name = OsStr::from_bytes(&stored_xattr_name(name.as_bytes())).to_owned();
+        let stored = stored_xattr_name(name.as_bytes());
+        let name = OsStr::from_bytes(&stored);
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
-            sys::remove_xattr(dir.as_fd(), file.as_deref(), &name)
+            sys::remove_xattr(dir.as_fd(), file.as_deref(), name)
         })
     }
 }

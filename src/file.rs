@@ -500,7 +500,10 @@ impl Overlay {
                     // Writing one of its blocks would allocate (zero) neighbours that must
                     // stay holes, i.e. "read the lower file".
                     let msg = format!(
-                        "partial file '{}' was made with {b}-byte blocks, but the upper file                          system allocates {} bytes at a time, so it cannot be written here                          without losing lower data: mount its layers where it was made, or                          complete it there (or read it from a layer stacked below)",
+                        "partial file '{}' was made with {b}-byte blocks, but the upper file \
+                         system allocates {} bytes at a time, so it cannot be written here \
+                         without losing lower data: mount its layers where it was made, or \
+                         complete it there (or read it from a layer stacked below)",
                         path.display(),
                         self.sparse.block
                     );

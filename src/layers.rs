@@ -547,7 +547,9 @@ fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<Ow
     for e in entries {
         remove_tree(fd.as_fd(), &e.name).map_err(|err| {
             format!(
-                "cannot clean workdir '{0}': {err}; '{0}/{WORK_SUBDIR}/{1}' is left from an                  interrupted operation and never visible: remove it by hand (chattr -i if it                  is immutable) and mount again",
+                "cannot clean workdir '{0}': {err}; '{0}/{WORK_SUBDIR}/{1}' is left from an \
+                 interrupted operation and never visible: remove it by hand (chattr -i if it \
+                 is immutable) and mount again",
                 path.display(),
                 e.name.to_string_lossy()
             )

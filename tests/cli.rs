@@ -132,7 +132,8 @@ fn a_work_dir_leftover_that_cannot_be_removed_is_named_with_what_to_do() {
     sh(&format!("chattr -i {}", junk.display()));
     assert_ne!(code, 0);
     assert!(
-        err.contains("copyup-1-1") && err.contains("remove it by hand"),
+        err.contains("copyup-1-1' is left from an interrupted operation")
+            && err.contains("remove it by hand"),
         "{err}"
     );
     assert!(!is_mounted(std::path::Path::new(&format!("{p}/m"))));

@@ -451,7 +451,7 @@ fn a_mark_finer_than_the_upper_file_system_allocates_is_refused_and_nothing_is_l
     );
     let log = m.unmount();
     assert!(
-        log.contains("2048-byte blocks") && log.contains("4096"),
+        log.contains("2048-byte blocks, but the upper file system allocates 4096 bytes"),
         "{log}"
     );
     assert!(fs::read(m.upper.join("f")).unwrap() == before);
