@@ -7,7 +7,7 @@
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -330,17 +330,7 @@ impl Overlay {
         let udir = udir.as_fd();
         let link_at = |dir: BorrowedFd<'_>, name: &OsStr| -> Result<()> {
             if let Some(fd) = self.unnamed_upper_fd(&node) {
-                // Not AT_EMPTY_PATH: that needs CAP_DAC_READ_SEARCH, which a rootless daemon
-                // lacks.
-                let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-                let follow = AtFlags::SYMLINK_FOLLOW;
-                return Ok(rustix::fs::linkat(
-                    rustix::fs::CWD,
-                    &path,
-                    dir,
-                    name,
-                    follow,
-                )?);
+                return sys::link_open_file(fd.as_fd(), dir, name);
             }
             let (sdir, sname) = self.upper_entry(&node)?;
             Ok(rustix::fs::linkat(

@@ -136,6 +136,20 @@ fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> (CString, bool) {
     )
 }
 
+/// Gives the open file `fd` the name `name` in `dir` (an O_TMPFILE, or a file unlinked while
+/// open: no path reaches it). Through its /proc magic link, not AT_EMPTY_PATH: that needs
+/// CAP_DAC_READ_SEARCH, which a rootless daemon lacks.
+pub fn link_open_file(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+    let (path, _) = proc_path(fd, None);
+    Ok(rustix::fs::linkat(
+        CWD,
+        &path,
+        dir,
+        name,
+        AtFlags::SYMLINK_FOLLOW,
+    )?)
+}
+
 fn getxattr_at(
     path: &CString,
     follow: bool,
