@@ -130,7 +130,17 @@ impl Overlay {
                         let block = self.sparse.block;
                         let mark =
                             PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
-                        mark.store(fd.as_fd(), &self.layers.xattr.partial)?;
+                        match mark.store(fd.as_fd(), &self.layers.xattr.partial) {
+                            Ok(()) => {}
+                            // The mark names the lower path, and a path deep enough does not
+                            // fit in one xattr (ext4 holds about 4 KiB): copy the whole file.
+                            Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => {
+                                rustix::fs::ftruncate(&fd, 0)?;
+                                let src = self.open_lower_source(lower.top(), &lower.path)?;
+                                copy_all(&src, fd.as_fd(), lattr.size)?;
+                            }
+                            Err(e) => return Err(e),
+                        }
                     } else {
                         // No sparse files on the upper file system (reported at mount): the
                         // only correct copy-up left is a whole one.

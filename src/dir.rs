@@ -492,13 +492,18 @@ impl Overlay {
         let (dir, name) = self.upper_entry(node)?;
         let mut target = b"/".to_vec();
         target.extend_from_slice(lower.path.as_os_str().as_bytes());
-        sys::set_xattr(
+        match sys::set_xattr(
             dir.as_fd(),
             Some(&name),
             &self.layers.xattr.redirect,
             &target,
             0,
-        )
+        ) {
+            // A path too long for one xattr cannot be recorded: refuse the move as kernel
+            // overlayfs does, so that `mv` copies the tree instead.
+            Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => Err(errno(libc::EXDEV)),
+            r => r,
+        }
     }
 
     fn node_for(&self, parent: Ino, name: &OsStr, entry: &Entry) -> Arc<Node> {

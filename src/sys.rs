@@ -80,8 +80,38 @@ fn rel_or_dot(rel: &Path) -> &Path {
     }
 }
 
+/// Longest path one `openat2` is given. The kernel refuses a path of PATH_MAX bytes (4096,
+/// counting the NUL) or more; a layer may hold a tree deeper than that (kernel overlayfs serves
+/// one 2,000 levels deep), so longer paths are walked in steps.
+const PATH_STEP: usize = 4000;
+
 /// Opens `rel` below `root` without ever leaving it. `rel` is relative; empty means `root` itself.
+/// A path longer than `PATH_STEP` is opened a run of directories at a time, each run beneath
+/// the directory the previous one opened: every step is as confined as one call would be.
 pub fn open_beneath(root: BorrowedFd<'_>, rel: &Path, flags: OFlags, mode: u32) -> Result<OwnedFd> {
+    let mut rest = rel.as_os_str().as_bytes();
+    let mut dir: Option<OwnedFd> = None;
+    while rest.len() > PATH_STEP {
+        // A name is at most NAME_MAX (255) bytes, so a run of whole names fits in a step.
+        let cut = rest[..PATH_STEP]
+            .iter()
+            .rposition(|b| *b == b'/')
+            .ok_or_else(|| errno(libc::ENAMETOOLONG))?;
+        let run = Path::new(OsStr::from_bytes(&rest[..cut]));
+        let at = dir.as_ref().map_or(root, |d| d.as_fd());
+        dir = Some(openat2_beneath(
+            at,
+            run,
+            OFlags::PATH | OFlags::DIRECTORY,
+            0,
+        )?);
+        rest = &rest[cut + 1..];
+    }
+    let at = dir.as_ref().map_or(root, |d| d.as_fd());
+    openat2_beneath(at, Path::new(OsStr::from_bytes(rest)), flags, mode)
+}
+
+fn openat2_beneath(root: BorrowedFd<'_>, rel: &Path, flags: OFlags, mode: u32) -> Result<OwnedFd> {
     loop {
         match rustix::fs::openat2(
             root,

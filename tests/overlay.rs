@@ -1262,3 +1262,90 @@ fn sqlite_updates_survive(options: &[&str], stays_partial: bool) {
         "partial file with {options:?}"
     );
 }
+
+/// Opens (making it first with `create`) the chain `dd/dd/...` `depth` levels below `root`,
+/// one name at a time: the whole path is longer than any one system call takes.
+fn deep_dir(root: &Path, depth: usize, create: bool) -> std::os::fd::OwnedFd {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let mut fd = rustix::fs::open(root, flags, Mode::empty()).unwrap();
+    for level in 0..depth {
+        if create {
+            rustix::fs::mkdirat(&fd, "dd", Mode::from_raw_mode(0o755)).unwrap();
+        }
+        fd = rustix::fs::openat(&fd, "dd", flags, Mode::empty())
+            .unwrap_or_else(|e| panic!("level {level}: {e}"));
+    }
+    fd
+}
+
+fn at(dir: &std::os::fd::OwnedFd, name: &str) -> std::path::PathBuf {
+    use std::os::fd::AsRawFd;
+    Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name)
+}
+
+#[test]
+fn trees_deeper_than_path_max_work_in_every_layer() {
+    // 2,000 levels of "dd/": a 6,000-byte path below the layer root (PATH_MAX is 4,096).
+    const DEPTH: usize = 2000;
+    let old = pattern(100_000, 7);
+    let mut m = Mount::new(1);
+    let bottom = deep_dir(m.lower(0), DEPTH, true);
+    write(at(&bottom, "file"), &old);
+    fs::create_dir(at(&bottom, "sub")).unwrap();
+    write(at(&bottom, "sub/inner"), b"inner");
+    drop(bottom);
+    m.mount();
+
+    let d = deep_dir(&m.mnt, DEPTH, false);
+    assert_eq!(names(at(&d, "")), ["file", "sub"]);
+    // A write into the lower file copies it up; the rest still reads from below.
+    write_at(at(&d, "file"), 5000, b"Y");
+    write(at(&d, "new"), b"new");
+    fs::rename(at(&d, "new"), at(&d, "renamed")).unwrap();
+    fs::create_dir(at(&d, "made")).unwrap();
+    fs::rename(at(&d, "made"), at(&d, "made2")).unwrap();
+    std::os::unix::fs::symlink("target", at(&d, "link")).unwrap();
+    set_xattr(&at(&d, "file"), "user.deep", b"1");
+    fs::set_permissions(at(&d, "file"), fs::Permissions::from_mode(0o600)).unwrap();
+    // Moving a lower directory records its old path, which may not fit in an xattr: then
+    // EXDEV (as kernel overlayfs gives), so that `mv` copies; never a half-done move.
+    let moved = match fs::rename(at(&d, "sub"), at(&d, "sub2")) {
+        Ok(()) => "sub2",
+        Err(e) => {
+            assert_eq!(e.raw_os_error(), Some(libc::EXDEV), "{e}");
+            "sub"
+        }
+    };
+    drop(d);
+
+    m.remount();
+    let d = deep_dir(&m.mnt, DEPTH, false);
+    let mut want = old.clone();
+    want[5000] = b'Y';
+    assert!(
+        fs::read(at(&d, "file")).unwrap() == want,
+        "deep file lost data"
+    );
+    assert_eq!(fs::read(at(&d, "renamed")).unwrap(), b"new");
+    assert_eq!(
+        fs::read(at(&d, &format!("{moved}/inner"))).unwrap(),
+        b"inner"
+    );
+    assert_eq!(fs::read_link(at(&d, "link")).unwrap(), Path::new("target"));
+    assert_eq!(
+        get_xattr(&at(&d, "file"), "user.deep").as_deref(),
+        Some(&b"1"[..])
+    );
+    let meta = fs::metadata(at(&d, "file")).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    fs::remove_file(at(&d, "file")).unwrap();
+    fs::remove_dir_all(at(&d, moved)).unwrap();
+    let mut left = names(at(&d, ""));
+    left.sort();
+    assert_eq!(left, ["link", "made2", "renamed"]);
+    drop(d);
+    // The lower layer is as it was.
+    let below = deep_dir(m.lower(0), DEPTH, false);
+    assert!(fs::read(at(&below, "file")).unwrap() == old);
+}
