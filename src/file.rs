@@ -748,6 +748,9 @@ impl Overlay {
             self.open_file_as(&node, writable)?
         };
         if writable {
+            // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
+            // open for writing finds the file there (a partial file with no blocks: no data).
+            self.ensure_upper(&node, &file)?;
             file.writer_opens
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             // Written before this open: in sustained use (completion follows use, complete.rs).
@@ -756,7 +759,7 @@ impl Overlay {
                 file.reopened
                     .store(true, std::sync::atomic::Ordering::Relaxed);
             }
-            self.complete_at_open(&node, &file, reopened)?;
+            self.complete_at_open(&file, reopened)?;
             if reopened && file.is_partial() && self.config.completion.on_reopen_below > 0 {
                 // Too big to complete within the open: due in the background now.
                 self.completer.nudge();
@@ -790,27 +793,23 @@ impl Overlay {
 
     /// Makes the file complete before a writable open of it returns, where that is cheap or
     /// the file is in sustained use, so that the open can use passthrough and no later read or
-    /// write of it needs the daemon:
-    /// - a lower file the upper layer can clone (O(1), copy_up.rs);
-    /// - a small lower or partial file (`copy_whole=`; the copy costs about what a partial
-    ///   file's first write costs);
-    /// - a partial file that has been written before and is opened for writing again
-    ///   (`complete_on_reopen=`): a file written, closed and reopened — a database, a log, an
-    ///   image being edited — would otherwise send every later read and write to the daemon,
-    ///   and completion copies it anyway once it goes idle. A partial file with no blocks of
-    ///   its own (chown, chmod: a metadata-only copy-up) keeps block-level copy-up for its
-    ///   first write.
+    /// write of it needs the daemon. The file is in the upper layer already (a lower file the
+    /// upper layer can clone came up complete, in O(1), copy_up.rs); a partial file is
+    /// completed here when it is
+    /// - small (`copy_whole=`; the copy costs about what a partial file's first write costs);
+    /// - written before and opened for writing again (`complete_on_reopen=`): a file written,
+    ///   closed and reopened — a database, a log, an image being edited — would otherwise send
+    ///   every later read and write to the daemon, and completion copies it anyway once it
+    ///   goes idle. A partial file with no blocks of its own (chown, chmod, an open for
+    ///   writing: a metadata-only copy-up) keeps block-level copy-up for its first write.
     ///
     /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
     /// so a crash at any point leaves a valid file.
-    fn complete_at_open(&self, node: &Node, file: &OpenFile, reopened: bool) -> Result<()> {
+    fn complete_at_open(&self, file: &OpenFile, reopened: bool) -> Result<()> {
         let policy = &self.config.completion;
         let to_copy = file.bytes_to_copy();
         let below = |limit: u64| limit > 0 && to_copy.is_some_and(|n| n <= limit);
         let small = below(policy.at_open_below);
-        if file.is_lower() && (small || self.clones_on_open(node)) {
-            self.copy_up(node)?;
-        }
         if (small || reopened && below(policy.on_reopen_below)) && file.is_partial() {
             self.complete_file(file)?;
             if !file.is_partial() {
@@ -818,16 +817,6 @@ impl Overlay {
             }
         }
         Ok(())
-    }
-
-    /// Whether `node` is a lower file that copy-up would clone.
-    fn clones_on_open(&self, node: &Node) -> bool {
-        let st = node.state();
-        !st.upper
-            && st
-                .lower
-                .as_ref()
-                .is_some_and(|l| self.reflinks_from(l.top()))
     }
 
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.

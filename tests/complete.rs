@@ -95,7 +95,10 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
     write(m.lower(0).join("owned"), &base);
     m.extra = opts(&["complete_after=600", "complete_ratio=0"]);
     m.mount();
-    assert!(!reopen_and_write(&m, "log", 4096, b"one"), "a lower file");
+    assert!(
+        reopen_and_write(&m, "log", 4096, b"one"),
+        "the first open copies up a partial file with no blocks of its own"
+    );
     assert!(
         is_partial(&m.upper.join("log")),
         "the first write copies blocks, not the file"

@@ -40,6 +40,36 @@ fn a_read_only_open_copies_nothing_up() {
 }
 
 #[test]
+fn an_open_for_writing_copies_up_before_any_write() {
+    // As overlayfs does: a tool that looks at the upper layer after open(O_WRONLY) or O_RDWR
+    // finds the file there — a partial file without a single block of data.
+    let data = pattern(MIB, 3);
+    let m = lower_with("wo", &data);
+    write(m.lower(0).join("rw"), &data);
+    let held = [
+        fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("wo"))
+            .unwrap(),
+        fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(m.path("rw"))
+            .unwrap(),
+    ];
+    for name in ["wo", "rw"] {
+        let up = m.upper.join(name);
+        assert_eq!(fs::metadata(&up).unwrap().len(), MIB as u64, "{name}");
+        assert!(!has_data(&up), "{name}: the open copied data");
+    }
+    drop(held);
+    let mut m = m;
+    m.remount();
+    assert!(fs::read(m.path("wo")).unwrap() == data);
+    assert!(fs::read(m.path("rw")).unwrap() == data);
+}
+
+#[test]
 fn first_write_to_lower_copies_one_block() {
     let base = pattern(64 * MIB, 1);
     let m = lower_with("big", &base);
@@ -48,8 +78,8 @@ fn first_write_to_lower_copies_one_block() {
         .open(m.path("big"))
         .unwrap();
     assert!(
-        !m.upper.join("big").exists(),
-        "opening for write copies nothing"
+        !has_data(&m.upper.join("big")),
+        "opening for write copies no data"
     );
     f.write_all_at(b"X", 1_000_000).unwrap();
     drop(f);
