@@ -24,6 +24,7 @@ demo: build
 test: install
 	$(CARGO) test --release -- --test-threads=2
 	tests/pjdfstest/run.sh target/release/mosaicfs
+	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
 	tests/podman/run.sh target/release/mosaicfs
 
 bench: build

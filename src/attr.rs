@@ -6,14 +6,15 @@
 //! overlay nested on top are kept escaped (`layers::stored_xattr_name`).
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
 use crate::error::{Result, errno};
 use crate::inode::{Ino, Node};
-use crate::layers::{merged_xattr_name, stored_xattr_name};
+use crate::layers::{LayerId, UPPER, merged_xattr_name, stored_xattr_name};
 use crate::overlay::Overlay;
+use crate::stat_override::OverrideStat;
 use crate::sys::{self, Attr, Time};
 
 /// What a setattr asks to change.
@@ -68,13 +69,31 @@ impl Overlay {
     fn set_upper_attr(&self, node: &Node, set: &SetAttr) -> Result<()> {
         let (dir, name) = self.upper_target(node)?;
         let (dir, name) = (dir.as_fd(), name.as_deref());
-        if set.uid.is_some() || set.gid.is_some() {
+        if self.upper_overrides() && (set.uid.is_some() || set.gid.is_some() || set.mode.is_some())
+        {
+            // Owner and mode live in the xattr: the inode stays the daemon's.
+            let real = stat_target(dir, name)?;
+            let mut v = self
+                .override_at(UPPER, dir, name)
+                .unwrap_or_else(|| OverrideStat::of(&real));
+            if let Some(uid) = set.uid {
+                v.uid = self.config.uid_map.to_outside(uid);
+            }
+            if let Some(gid) = set.gid {
+                v.gid = self.config.gid_map.to_outside(gid);
+            }
+            if let Some(mode) = set.mode {
+                v.mode = mode & 0o7777;
+            }
+            self.set_override(dir, name, &v, real.file_type())?;
+        } else if set.uid.is_some() || set.gid.is_some() {
             let uid = set.uid.map(|u| self.config.uid_map.to_outside(u));
             let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
             sys::chown_at(dir, name, uid, gid)?;
         }
         if let Some(mode) = set.mode
             && node.kind() != libc::S_IFLNK
+            && !self.upper_overrides()
         {
             sys::chmod_at(dir, name, mode)?;
         }
@@ -106,9 +125,19 @@ impl Overlay {
         Ok(())
     }
 
+    /// The name an xattr of the merged view is kept under on the layers, or `None` when the
+    /// merged view may not have it.
+    fn stored_name<'a>(&self, merged: &'a OsStr) -> Option<std::borrow::Cow<'a, [u8]>> {
+        let perms = self.config.xattr_permissions;
+        match stored_xattr_name(merged.as_bytes()) {
+            std::borrow::Cow::Borrowed(b) => perms.stored_name(b),
+            std::borrow::Cow::Owned(v) => perms.stored_name(&v).map(|c| c.into_owned().into()),
+        }
+    }
+
     pub fn getxattr(&self, ino: Ino, name: &OsStr) -> Result<Vec<u8>> {
         self.check_xattr_name(name)?;
-        let stored = stored_xattr_name(name.as_bytes());
+        let stored = self.stored_name(name).ok_or_else(|| errno(libc::ENODATA))?;
         let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         self.settled(|| {
@@ -127,8 +156,12 @@ impl Overlay {
             sys::list_xattr(dir.as_fd(), file.as_deref())
         })?;
         let mut out = Vec::new();
+        let perms = self.config.xattr_permissions;
         for n in names {
-            let Some(b) = merged_xattr_name(n.as_bytes()) else {
+            let Some(n) = perms.merged_name(n.as_bytes()) else {
+                continue;
+            };
+            let Some(b) = merged_xattr_name(&n) else {
                 continue;
             };
             if !self.config.acl && b.starts_with(b"system.posix_acl_") {
@@ -143,7 +176,7 @@ impl Overlay {
     pub fn setxattr(&self, ino: Ino, name: &OsStr, value: &[u8], flags: i32) -> Result<()> {
         self.check_xattr_name(name)?;
         self.check_writable()?;
-        let stored = stored_xattr_name(name.as_bytes());
+        let stored = self.stored_name(name).ok_or_else(|| errno(libc::EPERM))?;
         let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         self.copy_up(&node)?;
@@ -159,12 +192,148 @@ impl Overlay {
         let node = self.node(ino)?;
         // Removing an xattr the file does not have must not copy it up.
         self.getxattr(ino, name)?;
-        let stored = stored_xattr_name(name.as_bytes());
+        let stored = self.stored_name(name).ok_or_else(|| errno(libc::EPERM))?;
         let name = OsStr::from_bytes(&stored);
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
             sys::remove_xattr(dir.as_fd(), file.as_deref(), name)
         })
+    }
+
+    /// Whether owners and modes of upper objects are kept in an xattr (`xattr_permissions=`).
+    pub fn upper_overrides(&self) -> bool {
+        self.layers.has_upper && self.layers.layer(UPPER).stat_override.is_some()
+    }
+
+    /// The owner and mode kept in an xattr for the object `name` in `dir` (`dir` itself for
+    /// `None`) of `layer`, when the layer keeps them so and the object has a value.
+    pub fn override_at(
+        &self,
+        layer: LayerId,
+        dir: BorrowedFd<'_>,
+        name: Option<&OsStr>,
+    ) -> Option<OverrideStat> {
+        let key = self.layers.layer(layer).stat_override?;
+        // ENODATA: no value (yet); symlinks and devices cannot hold user.* xattrs at all.
+        let raw = sys::get_xattr_raw(dir, name, OsStr::new(key)).ok()?;
+        match OverrideStat::parse(&raw) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                log::warn!(
+                    "{key} of {:?} in {} is damaged ({e}): showing the inode's own owner and \
+                     mode; chown and chmod it through the mount to set a good value",
+                    name.unwrap_or(OsStr::new(".")),
+                    self.layers.layer(layer).path.display()
+                );
+                None
+            }
+        }
+    }
+
+    /// `override_at` for the object behind `node`.
+    pub fn node_override(&self, node: &Node) -> Option<OverrideStat> {
+        if !self.layers.any_override {
+            return None;
+        }
+        let layer = {
+            let st = node.state();
+            if st.upper {
+                UPPER
+            } else {
+                st.lower.as_ref()?.top()
+            }
+        };
+        self.layers.layer(layer).stat_override?;
+        let (dir, name) = self.top_entry(node).ok()?;
+        self.override_at(layer, dir.as_fd(), name.as_deref())
+    }
+
+    /// Keeps owner and mode `v` of the upper object `name` in `dir` (of type `kind`) in the
+    /// upper layer's xattr.
+    pub fn set_override(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: Option<&OsStr>,
+        v: &OverrideStat,
+        kind: u32,
+    ) -> Result<()> {
+        let key = self
+            .layers
+            .layer(UPPER)
+            .stat_override
+            .ok_or_else(|| errno(libc::EIO))?;
+        match sys::set_xattr(dir, name, key, v.encode(kind).as_bytes(), 0) {
+            // user.* xattrs cannot sit on symlinks and special files: those keep owner and mode
+            // on the inode (a daemon that may not chown gets EPERM, as it would without this).
+            Err(e) if e.is(libc::EPERM) && !matches!(kind, libc::S_IFREG | libc::S_IFDIR) => {
+                let real = stat_target(dir, name)?;
+                if (real.uid, real.gid) != (v.uid, v.gid) {
+                    sys::chown_at(dir, name, Some(v.uid), Some(v.gid))?;
+                }
+                if kind != libc::S_IFLNK {
+                    sys::chmod_at(dir, name, kind | v.mode)?;
+                }
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// Gives the new upper object `name` in `dir` (`dir` itself for `None`) its owner and mode
+    /// in the upper layer's xattr: the caller, with the group of a setgid parent (`parent`, the
+    /// parent's upper directory), and the mode it was made with. The inode stays the daemon's,
+    /// which must keep reaching it whatever mode the creator asked for.
+    pub fn own_new_in_xattr(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: Option<&OsStr>,
+        caller: &crate::overlay::Caller,
+        parent: BorrowedFd<'_>,
+    ) -> Result<()> {
+        let real = stat_target(dir, name)?;
+        let shown_parent = self
+            .override_at(UPPER, parent, None)
+            .unwrap_or_else(|| OverrideStat::of(&sys::fstat(parent).unwrap_or_default()));
+        let setgid = shown_parent.mode & libc::S_ISGID != 0;
+        let mut v = OverrideStat::of(&real);
+        v.uid = self.config.uid_map.to_outside(caller.uid);
+        v.gid = if setgid {
+            shown_parent.gid
+        } else {
+            self.config.gid_map.to_outside(caller.gid)
+        };
+        if real.is_dir() && setgid {
+            v.mode |= libc::S_ISGID;
+        }
+        self.set_override(dir, name, &v, real.file_type())?;
+        self.keep_reachable(dir, name, &real)
+    }
+
+    /// Makes sure the daemon, which owns an inode whose owner and mode live in an xattr, can
+    /// read and write it (and search a directory) whatever mode the merged view shows.
+    pub fn keep_reachable(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: Option<&OsStr>,
+        real: &Attr,
+    ) -> Result<()> {
+        let need = match real.file_type() {
+            libc::S_IFDIR => 0o700,
+            libc::S_IFREG => 0o600,
+            _ => return Ok(()),
+        };
+        if real.mode & need != need {
+            sys::chmod_at(dir, name, (real.mode | need) & 0o7777)?;
+        }
+        Ok(())
+    }
+}
+
+/// `stat` of the object `name` in `dir`, or of `dir` itself for `None`.
+fn stat_target(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Attr> {
+    match name {
+        Some(n) => sys::stat_at(dir, n),
+        None => sys::fstat(dir),
     }
 }

@@ -25,6 +25,7 @@ use crate::layers::{LayerId, merged_xattr_name};
 use crate::overlay::Overlay;
 use crate::partial::PartialMark;
 use crate::partial_file::Source;
+use crate::stat_override::OverrideStat;
 use crate::sys::{self, Attr, Time};
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -182,9 +183,22 @@ impl Overlay {
         } else {
             (lattr.uid, lattr.gid)
         };
-        sys::chown_at(work, Some(tmp), Some(uid), Some(gid))?;
-        if !lattr.is_symlink() {
-            sys::chmod_at(work, Some(tmp), lattr.mode)?;
+        // The copy shows what the lower object showed, which a lower layer may keep in an xattr.
+        let shown = self
+            .override_at(lower.top(), ldir, Some(lname))
+            .unwrap_or(OverrideStat {
+                uid,
+                gid,
+                ..OverrideStat::of(lattr)
+            });
+        if self.upper_overrides() {
+            self.set_override(work, Some(tmp), &shown, lattr.file_type())?;
+            self.keep_reachable(work, Some(tmp), &sys::stat_at(work, tmp)?)?;
+        } else {
+            sys::chown_at(work, Some(tmp), Some(shown.uid), Some(shown.gid))?;
+            if !lattr.is_symlink() {
+                sys::chmod_at(work, Some(tmp), lattr.file_type() | shown.mode)?;
+            }
         }
         sys::utimens_at(
             work,

@@ -172,6 +172,7 @@ fn mount(opts: Options) -> Result<(), String> {
         opts.upperdir.as_deref(),
         opts.workdir.as_deref(),
         opts.read_only,
+        opts.xattr_permissions,
     )?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
     if overlay.layers.work.is_some() && !overlay.sparse.sparse {

@@ -68,7 +68,14 @@ impl Overlay {
         let udir = udir.as_fd();
         crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
         let (uid, gid) = self.disk_ids(caller.uid, caller.gid);
-        let as_caller = crate::creds::act_as(uid, gid);
+        let in_xattr = self.upper_overrides();
+        let as_caller = if in_xattr {
+            // The owner goes in the xattr; the inode is the daemon's.
+            crate::creds::act_as_daemon();
+            false
+        } else {
+            crate::creds::act_as(uid, gid)
+        };
         let (target_dir, target) = match shadow {
             UpperSlot::Empty => (udir, name.to_os_string()),
             _ => (self.layers.work()?, temp_name("create")),
@@ -76,7 +83,9 @@ impl Overlay {
         let _changing = pnode.entries.write();
         make(target_dir, &target)?;
         let finish = || -> Result<()> {
-            if !as_caller {
+            if in_xattr {
+                self.own_new_in_xattr(target_dir, Some(&target), caller, udir)?;
+            } else if !as_caller {
                 self.own_new(target_dir, &target, caller, &sys::fstat(udir)?)?;
             }
             match shadow {
@@ -284,20 +293,24 @@ impl Overlay {
             OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
             Mode::from_raw_mode(mode & 0o7777),
         )?;
-        let uid = self.config.uid_map.to_outside(caller.uid);
-        let gid = if pattr.mode & libc::S_ISGID != 0 {
-            pattr.gid
+        if self.upper_overrides() {
+            self.own_new_in_xattr(fd.as_fd(), None, caller, udir.as_fd())?;
         } else {
-            self.config.gid_map.to_outside(caller.gid)
-        };
-        let before = sys::fstat(fd.as_fd())?;
-        rustix::fs::fchown(
-            &fd,
-            Some(rustix::fs::Uid::from_raw(uid)),
-            Some(rustix::fs::Gid::from_raw(gid)),
-        )?;
-        if before.mode & 0o6000 != 0 {
-            rustix::fs::fchmod(&fd, Mode::from_raw_mode(before.mode & 0o7777))?;
+            let uid = self.config.uid_map.to_outside(caller.uid);
+            let gid = if pattr.mode & libc::S_ISGID != 0 {
+                pattr.gid
+            } else {
+                self.config.gid_map.to_outside(caller.gid)
+            };
+            let before = sys::fstat(fd.as_fd())?;
+            rustix::fs::fchown(
+                &fd,
+                Some(rustix::fs::Uid::from_raw(uid)),
+                Some(rustix::fs::Gid::from_raw(gid)),
+            )?;
+            if before.mode & 0o6000 != 0 {
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(before.mode & 0o7777))?;
+            }
         }
         let attr = sys::fstat(fd.as_fd())?;
         let found = Found {

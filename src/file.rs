@@ -325,19 +325,19 @@ impl OpenFile {
     }
 
     /// Whether a write by an unprivileged caller would have to clear set-id bits or file
-    /// capabilities of this complete upper file.
-    fn has_privs_to_kill(&self) -> bool {
+    /// capabilities of this complete upper file. `privs` reads its mode and capability name.
+    fn has_privs_to_kill(&self, privs: &PrivsOf) -> bool {
         let FileData::Upper(fd) = &*self.read_data() else {
             return false;
         };
-        let setid = sys::fstat(fd.as_fd()).map_or(true, |a| {
-            a.mode & libc::S_ISUID != 0
-                || a.mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
+        let setid = privs.mode(fd.as_fd()).map_or(true, |mode| {
+            mode & libc::S_ISUID != 0
+                || mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
         });
         let mut probe = [0u8; 64];
         setid
             || !matches!(
-                rustix::fs::fgetxattr(fd, "security.capability", &mut probe),
+                rustix::fs::fgetxattr(fd, privs.capability, &mut probe),
                 Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP)
             )
     }
@@ -765,7 +765,7 @@ impl Overlay {
                 self.completer.nudge();
             }
         }
-        let policy = if writable && file.has_privs_to_kill() {
+        let policy = if writable && file.has_privs_to_kill(&self.privs_of()) {
             // A passthrough write reaches the upper file as the daemon, which would keep the
             // set-id bits and capabilities an unprivileged writer must clear: such writes go
             // through the daemon (`kill_privs`), as kernel overlayfs clears them itself.
@@ -978,22 +978,32 @@ impl Overlay {
             FileData::Partial(p) => p.upper.try_clone()?,
             FileData::Lower(_) => return Err(errno(libc::EIO)),
         };
-        let a = sys::fstat(fd.as_fd())?;
-        let mut mode = a.mode & 0o7777;
+        let privs = self.privs_of();
+        let before = privs.mode(fd.as_fd())?;
+        let mut mode = before;
         mode &= !libc::S_ISUID;
         if mode & libc::S_IXGRP != 0 {
             mode &= !libc::S_ISGID;
         }
-        if mode != a.mode & 0o7777 {
-            rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
+        if mode != before {
+            if self.upper_overrides() {
+                let mut v = self
+                    .override_at(UPPER, fd.as_fd(), None)
+                    .ok_or_else(|| errno(libc::EIO))?;
+                v.mode = mode;
+                self.set_override(fd.as_fd(), None, &v, libc::S_IFREG)?;
+            } else {
+                rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
+            }
         }
-        match rustix::fs::fremovexattr(&fd, "security.capability") {
+        let capability = privs.capability;
+        match rustix::fs::fremovexattr(&fd, capability) {
             Ok(()) | Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
             // A daemon without CAP_SETFCAP (an unprivileged mount) may not even try; it is
             // only an error if there is a capability to remove.
             Err(e @ (rustix::io::Errno::PERM | rustix::io::Errno::ACCESS)) => {
                 let mut probe = [0u8; 64];
-                match rustix::fs::fgetxattr(&fd, "security.capability", &mut probe) {
+                match rustix::fs::fgetxattr(&fd, capability, &mut probe) {
                     Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
                     _ => Err(e.into()),
                 }
@@ -1119,5 +1129,35 @@ impl Overlay {
         )?;
         rustix::fs::fsync(&fd)?;
         Ok(())
+    }
+}
+
+/// Where the privileges a write by an unprivileged caller clears are kept: the mode (on the
+/// inode, or in the upper layer's owner-and-mode xattr) and the file capability's xattr name.
+pub struct PrivsOf<'a> {
+    overlay: &'a Overlay,
+    in_xattr: bool,
+    capability: &'static str,
+}
+
+impl PrivsOf<'_> {
+    /// Permission, set-id and sticky bits of the upper file `fd`.
+    fn mode(&self, fd: BorrowedFd<'_>) -> Result<u32> {
+        if self.in_xattr
+            && let Some(v) = self.overlay.override_at(UPPER, fd, None)
+        {
+            return Ok(v.mode);
+        }
+        Ok(sys::fstat(fd)?.mode & 0o7777)
+    }
+}
+
+impl Overlay {
+    pub fn privs_of(&self) -> PrivsOf<'_> {
+        PrivsOf {
+            overlay: self,
+            in_xattr: self.upper_overrides(),
+            capability: self.config.xattr_permissions.capability_name(),
+        }
     }
 }

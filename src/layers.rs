@@ -18,6 +18,7 @@ use std::sync::Arc;
 use rustix::fs::OFlags;
 
 use crate::error::{Error, Result, errno};
+use crate::stat_override::{self, XattrPermissions};
 use crate::sys::{self, Attr};
 
 pub type LayerId = u16;
@@ -46,6 +47,9 @@ pub struct Layer {
     pub dev: u64,
     /// Index of this layer's device among the distinct devices of the stack (for inode numbers).
     pub dev_index: u64,
+    /// The xattr holding owners and modes of this layer's objects, when they are kept in one
+    /// (stat_override.rs): the key its root carries, or for the upper layer `xattr_permissions=`.
+    pub stat_override: Option<&'static str>,
 }
 
 /// Marks on a layer directory.
@@ -142,6 +146,8 @@ pub struct LayerStack {
     pub xattr: XattrNames,
     /// Whether whiteouts can be char devices 0/0 (mknod works on the upper layer).
     pub whiteout_chardev: bool,
+    /// Whether any layer keeps owners and modes in an xattr (`Layer::stat_override`).
+    pub any_override: bool,
     dirs: crate::dircache::DirCache,
 }
 
@@ -166,6 +172,34 @@ fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Att
     Ok((fd, attr))
 }
 
+/// The owner-and-mode xattr a layer's root carries, if any (stat_override.rs).
+fn override_key_of(root: BorrowedFd<'_>) -> Option<&'static str> {
+    stat_override::KEYS
+        .into_iter()
+        .find(|k| sys::get_xattr_raw(root, None, OsStr::new(k)).is_ok())
+}
+
+/// Gives the upper root the key `xattr_permissions=` writes, so that the layer is read the
+/// same way by later mounts and when stacked below another.
+fn mark_override_root(
+    root: BorrowedFd<'_>,
+    attr: &Attr,
+    key: &str,
+    path: &Path,
+) -> std::result::Result<(), String> {
+    if override_key_of(root) == Some(key) {
+        return Ok(());
+    }
+    let value = stat_override::OverrideStat::of(attr).encode(libc::S_IFDIR);
+    sys::set_xattr(root, None, key, value.as_bytes(), 0).map_err(|e| {
+        format!(
+            "upperdir '{}': cannot set {key} ({e}), which xattr_permissions= keeps owners and \
+             modes in: xattr_permissions=1 needs a privileged daemon; use xattr_permissions=2",
+            path.display()
+        )
+    })
+}
+
 /// The file systems a layer may not sit on, with the reason.
 fn unsupported_fs(fd: BorrowedFd<'_>) -> Option<&'static str> {
     let st = rustix::fs::fstatfs(fd).ok()?;
@@ -185,6 +219,7 @@ impl LayerStack {
         upper: Option<&Path>,
         work: Option<&Path>,
         read_only: bool,
+        perms: XattrPermissions,
     ) -> std::result::Result<LayerStack, String> {
         let mut layers = Vec::new();
         let mut devs: Vec<u64> = Vec::new();
@@ -196,7 +231,9 @@ impl LayerStack {
                     devs.len() - 1
                 }
             } as u64;
+            let stat_override = override_key_of(fd.as_fd());
             layers.push(Layer {
+                stat_override,
                 root: fd,
                 idmapped: on_idmapped_mount(&path),
                 path,
@@ -253,6 +290,11 @@ impl LayerStack {
                 })?;
                 work_fd = Some(wsub);
             }
+            if let Some(key) = perms.key()
+                && !read_only
+            {
+                mark_override_root(ufd.as_fd(), &uattr, key, &upper)?;
+            }
             add(ufd, uattr, upper);
             has_upper = true;
         }
@@ -273,7 +315,12 @@ impl LayerStack {
             }
             add(fd, attr, path);
         }
+        if has_upper && perms.key().is_some() {
+            layers[UPPER as usize].stat_override = perms.key();
+        }
+        let any_override = layers.iter().any(|l| l.stat_override.is_some());
         Ok(LayerStack {
+            any_override,
             layers,
             has_upper,
             work: work_fd,

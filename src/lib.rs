@@ -23,5 +23,6 @@ pub mod partial;
 pub mod partial_file;
 pub mod readdir;
 pub mod seq;
+pub mod stat_override;
 pub mod stats;
 pub mod sys;

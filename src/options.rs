@@ -101,6 +101,8 @@ pub struct Options {
     /// `volatile` or `fsync=0`: fsync requests are not passed to the disk.
     pub skip_fsync: bool,
     pub static_nlink: bool,
+    /// `xattr_permissions=`: owners and modes kept in an xattr (stat_override.rs).
+    pub xattr_permissions: crate::stat_override::XattrPermissions,
     pub squash_uid: Option<u32>,
     pub squash_gid: Option<u32>,
     pub uid_map: IdMap,
@@ -150,6 +152,7 @@ impl Default for Options {
             xattrs: true,
             skip_fsync: false,
             static_nlink: false,
+            xattr_permissions: Default::default(),
             squash_uid: None,
             squash_gid: None,
             uid_map: IdMap::default(),
@@ -427,9 +430,10 @@ impl Options {
             "plugins" => {
                 self.warn("option 'plugins' is ignored: mosaicfs has no layer plugins".into())
             }
-            "xattr_permissions" => self.warn(
-                "option 'xattr_permissions' is ignored: xattrs are stored on the upper layer as they are".into(),
-            ),
+            "xattr_permissions" => {
+                self.xattr_permissions =
+                    crate::stat_override::XattrPermissions::parse(&need(value)?)?
+            }
             "auto_unmount" => self.warn(
                 "option 'auto_unmount' is ignored: unmount with 'umount MNT' or 'fusermount3 -u MNT'".into(),
             ),
@@ -593,6 +597,12 @@ mod tests {
             "unmapped ids show as the overflow id"
         );
         assert!(o.skip_fsync && o.read_only && !o.acl);
+        assert_eq!(
+            o.xattr_permissions,
+            crate::stat_override::XattrPermissions::Privileged
+        );
+        let e = parse(&["-o", "lowerdir=/a,xattr_permissions=3", "/m"]).unwrap_err();
+        assert!(e.contains("xattr_permissions=3 is not valid"), "{e}");
     }
 
     #[test]

@@ -62,6 +62,8 @@ pub struct Config {
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
     pub passthrough: crate::file::PassthroughPolicy,
     pub reflink: bool,
+    /// `xattr_permissions=`: how xattr names of the merged view are stored (stat_override.rs).
+    pub xattr_permissions: crate::stat_override::XattrPermissions,
 }
 
 impl Config {
@@ -77,6 +79,7 @@ impl Config {
             uid_map: o.uid_map.clone(),
             gid_map: o.gid_map.clone(),
             timeout: o.timeout,
+            xattr_permissions: o.xattr_permissions,
             passthrough: o.passthrough,
             completion: o.completion,
             caw_memory: o.caw_memory,
@@ -413,6 +416,9 @@ impl Overlay {
                     1
                 }
             };
+        }
+        if let Some(v) = self.node_override(node) {
+            v.apply(&mut a);
         }
         // Owners of an idmapped lower layer are already in the mount's id space.
         let idmapped = {

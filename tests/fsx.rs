@@ -405,6 +405,16 @@ fn fsx_with_lazy_copy_after_write_matches_the_model() {
     assert!(deferred > 0, "no write was deferred");
 }
 
+/// The same with owners and modes kept in xattrs (`xattr_permissions=2`): every chmod is an
+/// xattr write, every copy-up records the lower file's mode.
+#[test]
+fn fsx_with_owners_and_modes_in_xattrs_matches_the_model() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(11);
+    eprintln!("fsx (xattr_permissions=2): seed {seed}, {ops} operations");
+    run_seed(seed, ops, &["xattr_permissions=2"]);
+}
+
 /// The same with lower and upper on one XFS: copy-up clones the lower file (reflink), and the
 /// clones take every operation the partial files take.
 #[test]

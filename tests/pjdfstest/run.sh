@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the POSIX suite pjdfstest (crates.io) against a real mosaicfs mount.
 # Usage: tests/pjdfstest/run.sh [path/to/mosaicfs]   (needs root)
+# MOSAICFS_OPTS=a,b adds mount options (e.g. xattr_permissions=2).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=${1:-$here/../../target/release/mosaicfs}
@@ -12,7 +13,7 @@ chmod 755 "$t"   # other users in the suite must reach the mount
 mkdir -p "$t"/{lower,upper,work,mnt,second}
 echo "lower file" > "$t/lower/present-in-lower"
 mount -t tmpfs tmpfs "$t/second"   # a second file system, for the EXDEV cases
-"$bin" -f -o "lowerdir=$t/lower,upperdir=$t/upper,workdir=$t/work" "$t/mnt" 2>"$t/daemon.log" &
+"$bin" -f -o "lowerdir=$t/lower,upperdir=$t/upper,workdir=$t/work${MOSAICFS_OPTS:+,$MOSAICFS_OPTS}" "$t/mnt" 2>"$t/daemon.log" &
 daemon=$!
 cleanup() {
   umount "$t/mnt" 2>/dev/null || umount -l "$t/mnt" 2>/dev/null || true
