@@ -402,8 +402,15 @@ impl Overlay {
             self.forget_name(entry.found.ino, pnode.ino, name);
             return Ok(());
         }
-        let tmp = temp_name("remove");
         crate::creds::act_as_daemon();
+        if !needs_whiteout && !entry.attr.is_dir() {
+            // A non-directory goes in one atomic step. Only a directory, whose contents go one
+            // by one, is first moved out to the work dir (or a whiteout put in its place).
+            rustix::fs::unlinkat(udir, name, AtFlags::empty())?;
+            self.forget_name(entry.found.ino, pnode.ino, name);
+            return Ok(());
+        }
+        let tmp = temp_name("remove");
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
             sys::mknod_at(work, &tmp, libc::S_IFCHR, 0)?;
