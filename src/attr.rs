@@ -292,9 +292,10 @@ impl Overlay {
         parent: BorrowedFd<'_>,
     ) -> Result<()> {
         let real = stat_target(dir, name)?;
-        let shown_parent = self
-            .override_at(UPPER, parent, None)
-            .unwrap_or_else(|| OverrideStat::of(&sys::fstat(parent).unwrap_or_default()));
+        let shown_parent = match self.override_at(UPPER, parent, None) {
+            Some(v) => v,
+            None => OverrideStat::of(&sys::fstat(parent)?),
+        };
         let setgid = shown_parent.mode & libc::S_ISGID != 0;
         let mut v = OverrideStat::of(&real);
         v.uid = self.config.uid_map.to_outside(caller.uid);

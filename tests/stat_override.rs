@@ -126,6 +126,24 @@ fn xattr_permissions_2_keeps_owners_modes_and_privileged_xattrs_in_user_xattrs()
         .status()
         .unwrap();
     assert!(!denied.success());
+    // A setgid directory (as the merged view shows it) gives new objects its group.
+    let sgid = m.path("shared/sgid");
+    fs::create_dir(&sgid).unwrap();
+    run(Command::new("chgrp").arg("77").arg(&sgid));
+    fs::set_permissions(&sgid, fs::Permissions::from_mode(0o2777)).unwrap();
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "umask 022; echo x > {0}/f; mkdir {0}/d",
+            sgid.display()
+        ))
+        .uid(1234)
+        .gid(4321)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(owner(&sgid.join("f")), (1234, 77, 0o644));
+    assert_eq!(owner(&sgid.join("d")), (1234, 77, 0o2755));
 
     m.remount();
     assert_eq!(owner(&m.path("file")), (4000, 5000, 0o600));
