@@ -179,12 +179,19 @@ impl PartialFile {
 
     /// Writes blocks `first..end`, none of them present, as the merged view shows them: one
     /// read of the merged content and one write of the upper file for the whole run.
+    ///
+    /// A fill changes no content, so it keeps the file's atime and mtime: the user's write
+    /// set them (a deferred one with `touch`), and completion or a whole copy at open must not
+    /// make an untouched file look modified (make, rsync and containers/storage's naive diff
+    /// compare mtimes).
     pub fn fill_blocks(&mut self, first: u64, end: u64) -> Result<()> {
         let start = first * self.block;
         let stop = (end * self.block).min(self.size);
         if start < stop {
             let data = self.read(start, (stop - start) as usize)?;
+            let before = sys::fstat(self.upper.as_fd())?;
             sys::pwrite_full(self.upper.as_fd(), &data, start)?;
+            set_times(&self.upper, before.atime, before.mtime)?;
             self.disk_size = self.disk_size.max(stop);
         }
         self.blocks.insert(first, end);
@@ -255,6 +262,10 @@ impl PartialFile {
                 push_run(&mut runs, bstart, Cow::Owned(whole));
             }
             pos = seg_end;
+        }
+        if runs.is_empty() && new_size <= self.disk_size {
+            // Every byte went to pending blocks: the write still changes the file now.
+            touch(&self.upper)?;
         }
         for (at, bytes) in &runs {
             sys::pwrite_full(self.upper.as_fd(), bytes, *at)?;
@@ -429,4 +440,38 @@ fn push_run<'a>(runs: &mut Vec<(u64, Cow<'a, [u8]>)>, at: u64, bytes: Cow<'a, [u
         }
         _ => runs.push((at, bytes)),
     }
+}
+
+/// Sets the atime and mtime of `fd`.
+fn set_times(fd: &OwnedFd, atime: (i64, u32), mtime: (i64, u32)) -> Result<()> {
+    let ts = |(s, n): (i64, u32)| rustix::fs::Timespec {
+        tv_sec: s,
+        tv_nsec: n as _,
+    };
+    rustix::fs::futimens(
+        fd,
+        &rustix::fs::Timestamps {
+            last_access: ts(atime),
+            last_modification: ts(mtime),
+        },
+    )?;
+    Ok(())
+}
+
+/// Sets the mtime (and so the ctime) of `fd` to now, as a write does.
+fn touch(fd: &OwnedFd) -> Result<()> {
+    const NOW: i64 = libc::UTIME_NOW;
+    const OMIT: i64 = libc::UTIME_OMIT;
+    let ts = |n: i64| rustix::fs::Timespec {
+        tv_sec: 0,
+        tv_nsec: n as _,
+    };
+    rustix::fs::futimens(
+        fd,
+        &rustix::fs::Timestamps {
+            last_access: ts(OMIT),
+            last_modification: ts(NOW),
+        },
+    )?;
+    Ok(())
 }

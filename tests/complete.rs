@@ -338,3 +338,45 @@ fn kill_9_while_a_reopen_completes_the_file_keeps_every_synced_byte() {
         "every synced byte, the lower file everywhere else"
     );
 }
+
+/// Completion copies no content the user changed, so the file's mtime stays what the user's
+/// writes made it (it used to become the time of the completion: a file looked modified
+/// seconds after the container last touched it). A write that only reaches a pending block
+/// (copy-after-write) still sets the mtime at once.
+#[test]
+fn completion_keeps_the_mtime_and_a_deferred_write_sets_it() {
+    use std::os::unix::fs::MetadataExt;
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(4 << 20, 7));
+    write(m.lower(0).join("g"), pattern(4 << 20, 8));
+    m.extra = opts(&["complete_after=0.5"]);
+    m.mount();
+    let mtime = |p: &std::path::Path| {
+        let md = fs::metadata(p).unwrap();
+        (md.mtime(), md.mtime_nsec())
+    };
+    write_at(m.path("f"), 4096, &[1u8; 4096]);
+    let written = mtime(&m.path("f"));
+    let lower_g = mtime(&m.lower(0).join("g"));
+    std::thread::sleep(Duration::from_millis(20));
+    // One byte into a block of its own: copy-after-write keeps it pending.
+    let g = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("g"))
+        .unwrap();
+    g.write_all_at(b"x", 100_000).unwrap();
+    let after_deferred = mtime(&m.path("g"));
+    assert!(after_deferred > lower_g, "the write set g's mtime");
+    drop(g);
+    wait_complete(&m.upper.join("f"), Duration::from_secs(20));
+    wait_complete(&m.upper.join("g"), Duration::from_secs(20));
+    assert_eq!(mtime(&m.path("f")), written, "completion kept f's mtime");
+    assert_eq!(mtime(&m.upper.join("f")), written);
+    assert_eq!(
+        mtime(&m.path("g")),
+        after_deferred,
+        "the fill kept g's mtime"
+    );
+    m.remount();
+    assert_eq!(mtime(&m.path("f")), written);
+}
