@@ -75,6 +75,14 @@ pub fn main() -> i32 {
             return 0;
         }
         Ok(Command::Mount(o)) => o,
+        Ok(Command::Complete(t)) => {
+            init_log(false);
+            return crate::tools::complete(&t);
+        }
+        Ok(Command::Fsck(t)) => {
+            init_log(false);
+            return crate::tools::fsck(&t);
+        }
         Ok(Command::Remount(o)) => return remount(&o),
         Ok(Command::Status(mnt)) => {
             return match crate::control::status(&mnt) {
@@ -173,6 +181,7 @@ fn mount(opts: Options) -> Result<(), String> {
         opts.workdir.as_deref(),
         opts.read_only,
         opts.xattr_permissions,
+        crate::layers::WorkLock::Wait(crate::layers::MOUNT_LOCK_WAIT),
     )?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
     if overlay.layers.work.is_some() && !overlay.sparse.sparse {

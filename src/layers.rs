@@ -143,6 +143,8 @@ pub struct LayerStack {
     /// `workdir/mosaicfs-work`, on the upper file system: copy-up builds objects here and renames
     /// them into place, so that a crash never leaves a half-made object in the upper layer.
     pub work: Option<OwnedFd>,
+    /// Holds the work dir's lock while the stack lives (`WorkLock`).
+    _work_lock: Option<OwnedFd>,
     pub xattr: XattrNames,
     /// Whether whiteouts can be char devices 0/0 (mknod works on the upper layer).
     pub whiteout_chardev: bool,
@@ -220,6 +222,7 @@ impl LayerStack {
         work: Option<&Path>,
         read_only: bool,
         perms: XattrPermissions,
+        lock: WorkLock,
     ) -> std::result::Result<LayerStack, String> {
         let mut layers = Vec::new();
         let mut devs: Vec<u64> = Vec::new();
@@ -245,6 +248,7 @@ impl LayerStack {
         // (rootless Podman) gets EPERM and uses user.* like an unprivileged user (probed below).
         let mut trusted = rustix::process::geteuid().is_root();
         let mut work_fd = None;
+        let mut work_lock = None;
         let mut has_upper = false;
         let mut whiteout_chardev = false;
         if let (Some(upper), Some(work)) = (upper, work) {
@@ -273,7 +277,8 @@ impl LayerStack {
                 ));
             }
             if !read_only {
-                let wsub = prepare_work_dir(wfd.as_fd(), &work)?;
+                let (wsub, held) = prepare_work_dir(wfd.as_fd(), &work, lock)?;
+                work_lock = Some(held);
                 whiteout_chardev = probe_whiteout(wsub.as_fd());
                 let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
                 if trusted && probed.as_ref().is_err_and(|e| e.is(libc::EPERM)) {
@@ -324,6 +329,7 @@ impl LayerStack {
             layers,
             has_upper,
             work: work_fd,
+            _work_lock: work_lock,
             xattr: XattrNames::new(trusted),
             whiteout_chardev,
             dirs: Default::default(),
@@ -566,7 +572,78 @@ fn canonical(p: &Path, what: &str) -> std::result::Result<PathBuf, String> {
 }
 
 /// Creates `workdir/mosaicfs-work` and empties it: whatever is there is left from a crash.
-fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<OwnedFd, String> {
+/// What opening a writable stack does when another process holds the work dir's lock.
+///
+/// One upper layer, one user: the daemon of a mount and the offline tools (tools.rs) each take
+/// an exclusive `flock` on `WORKDIR/mosaicfs-work` for as long as they use the layers. Two
+/// daemons on one upper layer would each empty the work dir at start, removing objects the
+/// other is building, and a tool would complete or convert files under a live mount. A new
+/// mount waits (the daemon of the previous mount of the same layers may still be writing
+/// pending blocks back after a lazy unmount); a tool fails at once.
+#[derive(Debug, Clone, Copy)]
+pub enum WorkLock {
+    Wait(std::time::Duration),
+    Fail,
+}
+
+/// How long a mount waits for the previous user of its work dir to let go.
+pub const MOUNT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+pub fn lock_work_dir(
+    work: BorrowedFd<'_>,
+    path: &Path,
+    how: WorkLock,
+) -> std::result::Result<OwnedFd, String> {
+    use rustix::fs::FlockOperation;
+    let fd = sys::open_beneath(
+        work,
+        Path::new(WORK_SUBDIR),
+        OFlags::RDONLY | OFlags::DIRECTORY,
+        0,
+    )
+    .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    let deadline = match how {
+        WorkLock::Wait(d) => std::time::Instant::now() + d,
+        WorkLock::Fail => std::time::Instant::now(),
+    };
+    let mut said = false;
+    loop {
+        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(fd),
+            Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
+                if !said {
+                    log::info!(
+                        "workdir '{}' is still used by another mosaicfs process; waiting",
+                        path.display()
+                    );
+                    said = true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(format!(
+                    "workdir '{}' is in use by another mosaicfs process (a mount of the same \
+                     upper layer, or 'mosaicfs complete' or 'fsck' on it): unmount that mount \
+                     or let the command finish, then try again",
+                    path.display()
+                ));
+            }
+            Err(e) => {
+                return Err(format!(
+                    "workdir '{}': cannot lock {WORK_SUBDIR}: {}",
+                    path.display(),
+                    std::io::Error::from(e)
+                ));
+            }
+        }
+    }
+}
+
+fn prepare_work_dir(
+    work: BorrowedFd<'_>,
+    path: &Path,
+    lock: WorkLock,
+) -> std::result::Result<(OwnedFd, OwnedFd), String> {
     let name = OsStr::new(WORK_SUBDIR);
     match rustix::fs::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
         Ok(()) => {}
@@ -587,6 +664,7 @@ fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<Ow
             ));
         }
     }
+    let held = lock_work_dir(work, path, lock)?;
     let fd = sys::open_dir(work, Path::new(WORK_SUBDIR))
         .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
     let entries = sys::read_dir(work, Path::new(WORK_SUBDIR))
@@ -602,7 +680,7 @@ fn prepare_work_dir(work: BorrowedFd<'_>, path: &Path) -> std::result::Result<Ow
             )
         })?;
     }
-    Ok(fd)
+    Ok((fd, held))
 }
 
 /// Removes `name` in `dir` and, if it is a directory, everything below it.

@@ -26,3 +26,4 @@ pub mod seq;
 pub mod stat_override;
 pub mod stats;
 pub mod sys;
+pub mod tools;

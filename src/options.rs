@@ -185,6 +185,10 @@ pub enum Command {
     Remount(Box<Options>),
     /// Print the counters of a live mount.
     Status(PathBuf),
+    /// `mosaicfs complete`: make an unmounted upper layer one any overlay reads (tools.rs).
+    Complete(Box<ToolArgs>),
+    /// `mosaicfs fsck`: check (and repair) an unmounted upper layer (tools.rs).
+    Fsck(Box<ToolArgs>),
     Help,
     Version,
 }
@@ -193,6 +197,10 @@ pub const USAGE: &str = "\
 usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=WORK][,OPTIONS] MOUNTPOINT
        mosaicfs SOURCE MOUNTPOINT -o lowerdir=...   (mount.fuse form)
        mosaicfs status MOUNTPOINT                        (counters of a live mount)
+       mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]
+                         (offline: partial files made whole, redirects for kernel overlayfs)
+       mosaicfs fsck --lowerdir=L[:L...] --upperdir=U [--workdir=W] [--repair]
+                         (offline: check the layer's marks, redirects and work dir)
        mosaicfs --version | --help
 
   -f            stay in the foreground
@@ -200,6 +208,77 @@ usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=W
   -o OPTIONS    comma-separated mount options (see README: option table)
 
 Without upperdir the overlay is read-only.";
+
+/// What `complete` makes of a directory a rename gave a redirect (tools.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Redirects {
+    /// `trusted.overlay.redirect` / `user.overlay.redirect`, which kernel overlayfs follows.
+    Kernel,
+    /// The lower tree copied into the directory, made opaque: for overlays without
+    /// redirects (fuse-overlayfs).
+    Copy,
+}
+
+/// The arguments of the offline commands: the layers as mount options, and the command's own.
+#[derive(Debug)]
+pub struct ToolArgs {
+    pub opts: Options,
+    pub repair: bool,
+    pub redirects: Redirects,
+}
+
+fn parse_tool(command: &str, args: &[OsString]) -> Result<ToolArgs, String> {
+    let usage = match command {
+        "complete" => {
+            "usage: mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]"
+        }
+        _ => "usage: mosaicfs fsck --lowerdir=L[:L...] --upperdir=U [--workdir=W] [--repair]",
+    };
+    let mut t = ToolArgs {
+        opts: Options::default(),
+        repair: false,
+        redirects: Redirects::Kernel,
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let s = arg.to_string_lossy();
+        match s.as_ref() {
+            "--repair" if command == "fsck" => t.repair = true,
+            "--redirects=kernel" if command == "complete" => t.redirects = Redirects::Kernel,
+            "--redirects=copy" if command == "complete" => t.redirects = Redirects::Copy,
+            "-o" => {
+                let v = args
+                    .next()
+                    .ok_or(format!("-o needs an argument\n{usage}"))?;
+                for opt in split_options(&v.to_string_lossy()) {
+                    t.opts.apply(&opt)?;
+                }
+            }
+            // Any mount option as `--NAME=VALUE`, one value each (commas are not separators).
+            a if a.starts_with("--") && a.contains('=') && !a.starts_with("--redirects=") => {
+                t.opts.apply(&a[2..])?
+            }
+            a => return Err(format!("unknown argument '{a}'\n{usage}")),
+        }
+    }
+    if t.opts.lowerdirs.is_empty() {
+        return Err(format!(
+            "no lower layers given: pass --lowerdir=DIR[:DIR...] as the layer is mounted\n{usage}"
+        ));
+    }
+    if t.opts.upperdir.is_none() {
+        return Err(format!(
+            "no upper layer given: pass --upperdir=DIR\n{usage}"
+        ));
+    }
+    if t.opts.workdir.is_none() && (command == "complete" || t.repair) {
+        return Err(format!(
+            "--workdir=DIR is needed: the work dir the layer is mounted with (scratch space on \
+             the upper file system)\n{usage}"
+        ));
+    }
+    Ok(t)
+}
 
 /// Splits an option string at commas that are neither quoted nor escaped, keeping escapes in
 /// place for the value parser.
@@ -461,6 +540,16 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             Some([mnt]) => Ok(Command::Status(PathBuf::from(mnt))),
             _ => Err("usage: mosaicfs status MOUNTPOINT".into()),
         };
+    }
+    match args.first().and_then(|a| a.to_str()) {
+        Some("complete") => {
+            return Ok(Command::Complete(Box::new(parse_tool(
+                "complete",
+                &args[1..],
+            )?)));
+        }
+        Some("fsck") => return Ok(Command::Fsck(Box::new(parse_tool("fsck", &args[1..])?))),
+        _ => {}
     }
     let mut opts = Options::default();
     let mut positional: Vec<OsString> = Vec::new();

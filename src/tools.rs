@@ -1,0 +1,622 @@
+//! Commands on layers that no mount is using: `mosaicfs complete` and `mosaicfs fsck`.
+//!
+//! `complete` opens the layers as a mount does — the same `LayerStack` and `Overlay`, in this
+//! process, without FUSE — so it sees the tree a mount shows and changes it only through the
+//! mount's own code (copy-up, completion), with the same crash safety: every step leaves a
+//! layer that mounts, and running the command again finishes the job. `fsck` reads the upper
+//! directory itself, since its job is to find what a mount would trip over. Both take the work
+//! dir's lock (layers.rs, `WorkLock`), so neither runs under a live mount.
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustix::fs::OFlags;
+
+use crate::inode::{Ino, ROOT_INO};
+use crate::layers::{LayerStack, WORK_SUBDIR, WorkLock, XattrNames};
+use crate::namei::Redirect;
+use crate::options::{Redirects, ToolArgs};
+use crate::overlay::{Config, Overlay};
+use crate::partial::PartialMark;
+use crate::sys;
+
+/// Exit statuses, as fsck(8) has them.
+pub const CLEAN: i32 = 0;
+pub const REPAIRED: i32 = 1;
+pub const LEFT: i32 = 4;
+pub const FAILED: i32 = 8;
+
+/// Kernel overlayfs' names for what mosaicfs writes as `NS.mosaicfs.redirect`.
+fn kernel_redirect(names: &XattrNames) -> String {
+    format!("{}overlay.redirect", names.prefix)
+}
+
+// ---------------------------------------------------------------------------------------------
+// complete
+
+/// `mosaicfs complete`: every partial file of the upper layer made whole, every directory
+/// redirect made one kernel overlayfs follows (or its lower tree copied in, `--redirects=copy`),
+/// and mosaicfs' own xattrs removed, so that kernel overlayfs and fuse-overlayfs show the tree
+/// mosaicfs showed. Prints what it did; returns the exit status.
+pub fn complete(t: &ToolArgs) -> i32 {
+    let o = &t.opts;
+    let overlay = match LayerStack::open(
+        &o.lowerdirs,
+        o.upperdir.as_deref(),
+        o.workdir.as_deref(),
+        false,
+        o.xattr_permissions,
+        WorkLock::Fail,
+    )
+    .and_then(|layers| Overlay::new(layers, Config::from_options(o)))
+    {
+        Ok(ov) => ov,
+        Err(e) => {
+            eprintln!("mosaicfs complete: {e}");
+            return FAILED;
+        }
+    };
+    let mut run = Completion {
+        overlay: Arc::new(overlay),
+        redirects: t.redirects,
+        done: Default::default(),
+        left: Vec::new(),
+    };
+    if let Err(e) = run.visit(ROOT_INO, Path::new(""), false) {
+        eprintln!("mosaicfs complete: {e}");
+        return FAILED;
+    }
+    let d = &run.done;
+    println!(
+        "mosaicfs complete: {} partial files made whole, {} redirects {}, {} xattrs of mosaicfs removed",
+        d.files,
+        d.redirects,
+        match t.redirects {
+            Redirects::Kernel => "given to kernel overlayfs",
+            Redirects::Copy => "replaced by copies of their lower trees",
+        },
+        d.xattrs
+    );
+    for l in &run.left {
+        println!("left as is: {l}");
+    }
+    if run.left.is_empty() { CLEAN } else { LEFT }
+}
+
+#[derive(Default)]
+struct Done {
+    files: u64,
+    redirects: u64,
+    xattrs: u64,
+}
+
+struct Completion {
+    overlay: Arc<Overlay>,
+    redirects: Redirects,
+    done: Done,
+    /// What could not be converted, one line each.
+    left: Vec<String>,
+}
+
+impl Completion {
+    /// Converts directory `ino` (merged path `path`) and every upper object below it. With
+    /// `copy`, its lower entries are first copied up and it is then made opaque: a directory
+    /// below a redirect that is being replaced by a copy.
+    fn visit(&mut self, ino: Ino, path: &Path, copy: bool) -> Result<(), String> {
+        let ov = self.overlay.clone();
+        let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
+        let node = ov.node(ino).map_err(at)?;
+        let (dir, name) = ov.upper_entry(&node).map_err(at)?;
+        let names = &ov.layers.xattr;
+        let redirect = sys::get_xattr(dir.as_fd(), Some(&name), &names.redirect).map_err(at)?;
+        let copy = copy || (redirect.is_some() && self.redirects == Redirects::Copy);
+        if let (Some(target), Redirects::Kernel, false) = (&redirect, self.redirects, copy) {
+            // The kernel's key first: a crash in between leaves both, which read the same.
+            sys::set_xattr(dir.as_fd(), Some(&name), kernel_redirect(names), target, 0)
+                .map_err(at)?;
+            sys::remove_xattr(dir.as_fd(), Some(&name), &names.redirect).map_err(at)?;
+            self.done.redirects += 1;
+        }
+        let entries = ov.list_dir(ino).map_err(at)?;
+        for e in entries.iter().filter(|e| e.name != "." && e.name != "..") {
+            let child_path = path.join(&e.name);
+            let at = |err: crate::error::Error| format!("{}: {err}", shown(&child_path));
+            let (child, _) = ov.lookup(ino, &e.name).map_err(at)?;
+            if copy && !child.state().upper {
+                ov.copy_up(&child).map_err(at)?;
+            }
+            let (upper, kind) = {
+                let st = child.state();
+                (st.upper, st.kind)
+            };
+            if !upper {
+                continue;
+            }
+            match kind {
+                libc::S_IFDIR => self.visit(child.ino, &child_path, copy)?,
+                libc::S_IFREG => self.complete_file(&child, &child_path)?,
+                libc::S_IFCHR => self.check_device(&child, &child_path)?,
+                _ => {}
+            }
+            self.strip(&child, &child_path)?;
+        }
+        if copy {
+            // Every entry is in the upper layer now: hide the lower parts, then drop the
+            // redirect that pointed at them.
+            ov.layers.make_opaque(dir.as_fd(), &name).map_err(at)?;
+            for key in [names.redirect.clone(), kernel_redirect(names)] {
+                match sys::remove_xattr(dir.as_fd(), Some(&name), &key) {
+                    Err(e) if !e.is(libc::ENODATA) => return Err(at(e)),
+                    _ => {}
+                }
+            }
+            if redirect.is_some() {
+                self.done.redirects += 1;
+            }
+        }
+        if ino == ROOT_INO {
+            self.strip(&node, path)?;
+        }
+        Ok(())
+    }
+
+    fn complete_file(&mut self, node: &Arc<crate::inode::Node>, path: &Path) -> Result<(), String> {
+        let ov = self.overlay.clone();
+        let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
+        let f = match ov.open_file(node) {
+            Ok(f) => f,
+            Err(e) if e.is(libc::EIO) => {
+                self.left.push(format!(
+                    "{}: a partial file whose lower file is gone or changed, or whose mark is \
+                     damaged (see 'mosaicfs fsck'); kernel overlayfs would read zeros in its holes",
+                    shown(path)
+                ));
+                return Ok(());
+            }
+            Err(e) => return Err(at(e)),
+        };
+        if f.is_partial() {
+            ov.complete_file(&f).map_err(at)?;
+            if f.is_partial() {
+                return Err(format!("{}: still partial after completion", shown(path)));
+            }
+            self.done.files += 1;
+        }
+        // Completion keeps each file it registers open; this one is done.
+        drop(ov.completer.drain());
+        Ok(())
+    }
+
+    /// A char device 0/0 that is a real device (`mosaicfs.device`): other overlays read it
+    /// as a whiteout, and nothing else can stand for it.
+    fn check_device(&mut self, node: &crate::inode::Node, path: &Path) -> Result<(), String> {
+        let (dir, name) = self
+            .overlay
+            .upper_entry(node)
+            .map_err(|e| format!("{}: {e}", shown(path)))?;
+        let device = &self.overlay.layers.xattr.device;
+        if sys::get_xattr(dir.as_fd(), Some(&name), device)
+            .ok()
+            .flatten()
+            .is_some()
+        {
+            self.left.push(format!(
+                "{}: a char device 0/0, which kernel overlayfs and fuse-overlayfs take for a \
+                 whiteout (the file will not show there)",
+                shown(path)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Removes mosaicfs' own xattrs (origin, origins) from an upper object: other overlays
+    /// would show them. The mark and the redirect are gone already.
+    fn strip(&mut self, node: &crate::inode::Node, path: &Path) -> Result<(), String> {
+        let ov = self.overlay.clone();
+        let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
+        let (dir, name) = ov.upper_entry(node).map_err(at)?;
+        let names = &ov.layers.xattr;
+        for key in [&names.origin, &names.origins] {
+            match sys::remove_xattr(dir.as_fd(), Some(&name), key) {
+                Ok(()) => self.done.xattrs += 1,
+                // Symlinks and devices cannot carry user.* xattrs at all.
+                Err(e) if e.is(libc::ENODATA) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
+                Err(e) => return Err(at(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn shown(path: &Path) -> String {
+    if path.as_os_str().is_empty() {
+        "/".into()
+    } else {
+        format!("/{}", path.display())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fsck
+
+/// One thing wrong with the layer.
+struct Problem {
+    /// Where: a path in the upper layer, or in the work dir.
+    at: String,
+    what: String,
+    /// What the user can do (or what `--repair` does).
+    fix: String,
+    repair: Option<Repair>,
+}
+
+enum Repair {
+    /// Remove this xattr of the object at `rel` in the upper layer: mounts ignore it anyway.
+    DropXattr(PathBuf, String),
+    /// Remove this entry of the work dir's scratch space.
+    RemoveOrphan(OsString),
+}
+
+struct Check {
+    upper: OwnedFd,
+    lowers: LayerStack,
+    names: XattrNames,
+    /// The other namespace's names: marks there are another kind of mount's.
+    other: Option<XattrNames>,
+    problems: Vec<Problem>,
+    objects: u64,
+    partial_files: u64,
+}
+
+/// `mosaicfs fsck`: checks every partial-file mark (it parses, its lower file exists and is
+/// the one the mark was made from), every origin and redirect, and the work dir for objects
+/// left by a crash; with `--repair` removes what mounts ignore anyway and what a crash left.
+/// Prints one line per problem, with what to do; returns the exit status.
+pub fn fsck(t: &ToolArgs) -> i32 {
+    match run_fsck(t) {
+        Ok(status) => status,
+        Err(e) => {
+            eprintln!("mosaicfs fsck: {e}");
+            FAILED
+        }
+    }
+}
+
+fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
+    let o = &t.opts;
+    let upper_path = o.upperdir.as_deref().expect("checked by parse_tool");
+    let upper = rustix::fs::open(
+        upper_path,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| format!("upperdir '{}': {e}", upper_path.display()))?;
+    let lowers = LayerStack::open(
+        &o.lowerdirs,
+        None,
+        None,
+        true,
+        o.xattr_permissions,
+        WorkLock::Fail,
+    )?;
+    // The work dir's lock, held while checking and repairing (a live mount changes the layer).
+    let work = match &o.workdir {
+        Some(w) => open_work(w)?,
+        None => None,
+    };
+    let trusted = trusted_namespace();
+    let mut c = Check {
+        upper,
+        lowers,
+        names: XattrNames::new(trusted),
+        other: trusted.then(|| XattrNames::new(false)),
+        problems: Vec::new(),
+        objects: 0,
+        partial_files: 0,
+    };
+    c.walk(Path::new(""))?;
+    if let Some((w, _)) = &work {
+        c.orphans(w.as_fd())?;
+    }
+    let mut repaired = 0;
+    for p in &c.problems {
+        let mut line = format!("{}: {}; {}", p.at, p.what, p.fix);
+        if t.repair
+            && let Some(r) = &p.repair
+        {
+            match c.repair(r, work.as_ref().map(|(w, _)| w.as_fd())) {
+                Ok(()) => {
+                    repaired += 1;
+                    line += " (repaired)";
+                }
+                Err(e) => line += &format!(" (repair failed: {e})"),
+            }
+        }
+        println!("{line}");
+    }
+    let total = c.problems.len();
+    println!(
+        "mosaicfs fsck: {}: {} objects, {} partial files, {} problems{}",
+        upper_path.display(),
+        c.objects,
+        c.partial_files,
+        total,
+        if t.repair {
+            format!(", {repaired} repaired")
+        } else if c.problems.iter().any(|p| p.repair.is_some()) {
+            " (run with --repair to fix those that say so)".to_string()
+        } else {
+            String::new()
+        }
+    );
+    Ok(if total == 0 {
+        CLEAN
+    } else if repaired == total {
+        REPAIRED
+    } else {
+        LEFT
+    })
+}
+
+/// Whether mounts by this user keep their marks in `trusted.*`: root of the initial user
+/// namespace (root of another one gets EPERM from trusted.* and uses `user.*`).
+fn trusted_namespace() -> bool {
+    rustix::process::geteuid().is_root()
+        && std::fs::read_to_string("/proc/self/uid_map")
+            .is_ok_and(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
+}
+
+/// The work dir's scratch space and its lock; `None` when no mount has made it yet.
+fn open_work(work: &Path) -> Result<Option<(OwnedFd, OwnedFd)>, String> {
+    let root = rustix::fs::open(
+        work,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| format!("workdir '{}': {e}", work.display()))?;
+    if sys::stat_opt(root.as_fd(), OsStr::new(WORK_SUBDIR))
+        .map_err(|e| format!("workdir '{}': {e}", work.display()))?
+        .is_none()
+    {
+        return Ok(None);
+    }
+    let lock = crate::layers::lock_work_dir(root.as_fd(), work, WorkLock::Fail)?;
+    let sub = sys::open_dir(root.as_fd(), Path::new(WORK_SUBDIR))
+        .map_err(|e| format!("workdir '{}': {e}", work.display()))?;
+    Ok(Some((sub, lock)))
+}
+
+impl Check {
+    fn walk(&mut self, rel: &Path) -> Result<(), String> {
+        let at = |e: crate::error::Error| format!("upperdir, {}: {e}", shown(rel));
+        let dir = sys::open_dir(self.upper.as_fd(), rel).map_err(at)?;
+        for e in sys::read_dir(self.upper.as_fd(), rel).map_err(at)? {
+            let path = rel.join(&e.name);
+            self.objects += 1;
+            let kind = match e.kind {
+                0 => {
+                    sys::stat_at(dir.as_fd(), &e.name)
+                        .map_err(|err| format!("upperdir, {}: {err}", shown(&path)))?
+                        .mode
+                        & libc::S_IFMT
+                }
+                k => k,
+            };
+            self.check_object(dir.as_fd(), &e.name, &path, kind);
+            match kind {
+                libc::S_IFREG => self.check_mark(dir.as_fd(), &e.name, &path),
+                libc::S_IFDIR => {
+                    self.check_dir(dir.as_fd(), &e.name, &path);
+                    self.walk(&path)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn problem(&mut self, rel: &Path, what: String, fix: &str, repair: Option<Repair>) {
+        self.problems.push(Problem {
+            at: format!("upper {}", shown(rel)),
+            what,
+            fix: fix.to_string(),
+            repair,
+        });
+    }
+
+    fn check_object(&mut self, dir: BorrowedFd<'_>, name: &OsStr, rel: &Path, kind: u32) {
+        if let Ok(Some(v)) = sys::get_xattr(dir, Some(name), &self.names.origin)
+            && std::str::from_utf8(&v)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .is_none()
+        {
+            let key = self.names.origin.clone();
+            self.problem(
+                rel,
+                format!("{key} is not a number ({})", String::from_utf8_lossy(&v)),
+                "mounts ignore it (the object's inode number is its upper one); --repair removes it",
+                Some(Repair::DropXattr(rel.to_owned(), key)),
+            );
+        }
+        if kind != libc::S_IFREG
+            && let Ok(Some(_)) = sys::get_xattr(dir, Some(name), &self.names.partial)
+        {
+            let key = self.names.partial.clone();
+            self.problem(
+                rel,
+                format!("a partial-file mark on something that is not a regular file ({key})"),
+                "mounts ignore it; --repair removes it",
+                Some(Repair::DropXattr(rel.to_owned(), key)),
+            );
+        }
+    }
+
+    fn check_mark(&mut self, dir: BorrowedFd<'_>, name: &OsStr, rel: &Path) {
+        let raw = match sys::get_xattr(dir, Some(name), &self.names.partial) {
+            Ok(Some(raw)) => raw,
+            Ok(None) => {
+                if let Some(other) = &self.other
+                    && let Ok(Some(_)) = sys::get_xattr(dir, Some(name), &other.partial)
+                {
+                    let key = other.partial.clone();
+                    self.problem(
+                        rel,
+                        format!("a partial-file mark in {key}, which only a mount without trusted.* xattrs (rootless) reads; a mount by root reads the file's holes as zeros"),
+                        "mount and check this layer as the user (or in the user namespace) that wrote it",
+                        None,
+                    );
+                }
+                return;
+            }
+            Err(e) => {
+                self.problem(
+                    rel,
+                    format!("cannot read its xattrs: {e}"),
+                    "check the upper file system (its own fsck)",
+                    None,
+                );
+                return;
+            }
+        };
+        self.partial_files += 1;
+        let mark = match PartialMark::decode(&raw) {
+            Ok(m) => m,
+            Err(why) => {
+                self.problem(
+                    rel,
+                    format!("damaged partial-file mark ({why}): mounts refuse to open the file (EIO)"),
+                    "nothing here can tell which of its holes are lower data: restore the file from a backup of the layer, or delete it from the upper dir (the lower file then shows again)",
+                    None,
+                );
+                return;
+            }
+        };
+        let count = self.lowers.lower_count();
+        if mark.layer as usize > count {
+            self.problem(
+                rel,
+                format!(
+                    "its mark names lower layer {} but {count} are given",
+                    mark.layer
+                ),
+                "pass the lowerdir list the layer is mounted with",
+                None,
+            );
+            return;
+        }
+        let lower_root = self.lowers.root(mark.layer);
+        let where_ = format!(
+            "'{}/{}'",
+            self.lowers.layer(mark.layer).path.display(),
+            mark.path.display()
+        );
+        let lower = sys::open_beneath(lower_root, &mark.path, OFlags::PATH | OFlags::NOFOLLOW, 0)
+            .and_then(|fd| sys::fstat(fd.as_fd()));
+        match lower {
+            Ok(a) if mark.matches(&a) => {}
+            Ok(_) => self.problem(
+                rel,
+                format!("its lower file {where_} changed since the partial file was made (size or mtime differ): mounts refuse to open it (EIO)"),
+                "put back the lower layer the file was written over; its data cannot be merged with another",
+                None,
+            ),
+            Err(e) => self.problem(
+                rel,
+                format!("its lower file {where_} cannot be opened ({e}): mounts refuse to open it (EIO)"),
+                "put back the lower layer the file was written over, or pass the lowerdir list the layer is mounted with",
+                None,
+            ),
+        }
+    }
+
+    fn check_dir(&mut self, dir: BorrowedFd<'_>, name: &OsStr, rel: &Path) {
+        let kernel_user = "user.overlay.redirect".to_string();
+        let keys = [
+            self.names.redirect.clone(),
+            "trusted.overlay.redirect".into(),
+            kernel_user,
+        ];
+        for key in keys {
+            let Ok(Some(v)) = sys::get_xattr(dir, Some(name), &key) else {
+                continue;
+            };
+            let ours = key == self.names.redirect;
+            match Redirect::parse(&v) {
+                None => self.problem(
+                    rel,
+                    format!(
+                        "{key} '{}' is no redirect any overlay writes: mounts ignore it",
+                        String::from_utf8_lossy(&v)
+                    ),
+                    if ours {
+                        "--repair removes it"
+                    } else {
+                        "remove it by hand if no other overlay needs it"
+                    },
+                    ours.then(|| Repair::DropXattr(rel.to_owned(), key.clone())),
+                ),
+                Some(Redirect::Absolute(target)) => {
+                    let found = (1..=self.lowers.lower_count())
+                        .any(|l| sys::open_dir(self.lowers.root(l as u16), &target).is_ok());
+                    if !found {
+                        self.problem(
+                            rel,
+                            format!(
+                                "{key} points at '/{}', which no lower layer has: the directory shows only its upper entries",
+                                target.display()
+                            ),
+                            "pass the lowerdir list the layer is mounted with",
+                            None,
+                        );
+                    }
+                }
+                Some(Redirect::Sibling(_)) => {}
+            }
+            break; // the first one found is the one mounts follow
+        }
+        if let Ok(Some(v)) = sys::get_xattr(dir, Some(name), &self.names.origins)
+            && v != b"y"
+        {
+            let key = self.names.origins.clone();
+            self.problem(
+                rel,
+                format!("{key} is '{}', not 'y'", String::from_utf8_lossy(&v)),
+                "mounts take it as set; --repair removes it (moved copy-ups then list with their upper inode numbers)",
+                Some(Repair::DropXattr(rel.to_owned(), key)),
+            );
+        }
+    }
+
+    fn orphans(&mut self, work: BorrowedFd<'_>) -> Result<(), String> {
+        for e in sys::read_dir(work, Path::new("")).map_err(|e| format!("workdir: {e}"))? {
+            self.problems.push(Problem {
+                at: format!("work {WORK_SUBDIR}/{}", e.name.to_string_lossy()),
+                what: "left by an operation a crash interrupted (never visible in the merged view)"
+                    .into(),
+                fix: "the next mount removes it; so does --repair".into(),
+                repair: Some(Repair::RemoveOrphan(e.name)),
+            });
+        }
+        Ok(())
+    }
+
+    fn repair(&self, r: &Repair, work: Option<BorrowedFd<'_>>) -> crate::error::Result<()> {
+        match r {
+            Repair::DropXattr(rel, key) => {
+                let (parent, name) = match (rel.parent(), rel.file_name()) {
+                    (Some(p), Some(n)) => (p, n),
+                    _ => (Path::new(""), OsStr::from_bytes(b".")),
+                };
+                let dir = sys::open_dir(self.upper.as_fd(), parent)?;
+                sys::remove_xattr(dir.as_fd(), Some(name), key)
+            }
+            Repair::RemoveOrphan(name) => match work {
+                Some(w) => crate::layers::remove_tree(w, name),
+                None => Ok(()),
+            },
+        }
+    }
+}
