@@ -149,6 +149,17 @@ impl Completer {
         (!f.partial_progress().is_some_and(|p| p.unlinked)).then_some(f)
     }
 
+    /// Partial files queued, their blocks present and their blocks in all.
+    pub fn totals(&self) -> (u64, u64, u64) {
+        let files = self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        files
+            .iter()
+            .filter_map(|f| f.partial_progress())
+            .fold((0, 0, 0), |(n, p, t), g| {
+                (n + 1, p + g.present, t + g.total)
+            })
+    }
+
     pub fn queued(&self) -> usize {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).len()
     }

@@ -1,8 +1,10 @@
-//! The control socket of a live mount: `mosaicfs status MNT` reads its counters.
+//! The control socket of a live mount: `mosaicfs status MNT [--json|--prometheus]` reads its
+//! counters.
 //!
 //! One Unix socket per mount at `/run/mosaicfs/MAJ-MIN.sock`, named after the mount's device
-//! number so a client finds it from the mount point alone. A connection gets one plain-text
-//! report and is closed; the socket is served by one thread and never touches the hot path.
+//! number so a client finds it from the mount point alone. A client writes one line naming
+//! the format (`text`, `json` or `prometheus`; nothing means text) and gets one report; the
+//! socket is served by one thread and never touches the hot path.
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -79,6 +81,206 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     r
 }
 
+/// How a status report is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Text,
+    Json,
+    /// The Prometheus text exposition format (version 0.0.4).
+    Prometheus,
+}
+
+impl Format {
+    fn word(self) -> &'static str {
+        match self {
+            Format::Text => "text",
+            Format::Json => "json",
+            Format::Prometheus => "prometheus",
+        }
+    }
+}
+
+/// The figures every format reports beyond the text report's prose.
+struct Figures {
+    partial_files: u64,
+    blocks_present: u64,
+    blocks_total: u64,
+    bytes_not_copied: u64,
+    caw_pending: u64,
+    fds_open: u64,
+    fds_limit: u64,
+}
+
+fn figures(overlay: &Overlay) -> Figures {
+    let (partial_files, blocks_present, blocks_total) = overlay.completer.totals();
+    let fds_open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    let fds_limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    Figures {
+        partial_files,
+        blocks_present,
+        blocks_total,
+        bytes_not_copied: (blocks_total - blocks_present) * overlay.sparse.block,
+        caw_pending: overlay.caw.as_ref().map_or(0, |c| c.pending_bytes() as u64),
+        fds_open,
+        fds_limit,
+    }
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out += "\\\"",
+            '\\' => out += "\\\\",
+            c if (c as u32) < 0x20 => out += &format!("\\u{:04x}", c as u32),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The report as one JSON object.
+pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
+    let f = figures(overlay);
+    let lower: Vec<String> = (1..=overlay.layers.lower_count())
+        .map(|i| json_str(&overlay.layers.layer(i as u16).path.display().to_string()))
+        .collect();
+    let upper = if overlay.layers.has_upper {
+        json_str(&overlay.layers.layer(0).path.display().to_string())
+    } else {
+        "null".into()
+    };
+    let counters: Vec<String> = overlay
+        .stats
+        .counters()
+        .iter()
+        .map(|(k, v)| format!("{}: {v}", json_str(k)))
+        .collect();
+    let requests: Vec<String> = overlay
+        .stats
+        .requests
+        .figures()
+        .iter()
+        .map(|op| {
+            let hist: Vec<String> = op
+                .buckets
+                .iter()
+                .map(|(le, n)| match le {
+                    Some(le) => format!("[{le}, {n}]"),
+                    None => format!("[null, {n}]"),
+                })
+                .collect();
+            format!(
+                "{}: {{\"count\": {}, \"total_us\": {}, \"le_us_cumulative\": [{}]}}",
+                json_str(op.name),
+                op.count,
+                op.total_ns / 1000,
+                hist.join(", ")
+            )
+        })
+        .collect();
+    let errors: Vec<String> = crate::stats::errors()
+        .iter()
+        .map(|(e, n)| format!("{}: {n}", json_str(&crate::stats::errno_name(*e))))
+        .collect();
+    format!(
+        "{{\"mount\": {}, \"upper\": {upper}, \"lower\": [{}], \"block_size\": {}, \
+         \"passthrough\": {}, \"inodes\": {}, \"open_handles\": {}, \
+         \"partial_files\": {{\"queued\": {}, \"blocks_present\": {}, \"blocks_total\": {}, \
+         \"bytes_not_copied\": {}}}, \"copy_after_write_pending_bytes\": {}, \
+         \"descriptors\": {{\"open\": {}, \"limit\": {}}}, \"counters\": {{{}}}, \
+         \"requests\": {{{}}}, \"errors\": {{{}}}}}\n",
+        json_str(&mountpoint.display().to_string()),
+        lower.join(", "),
+        overlay.sparse.block,
+        json_str(&format!("{:?}", overlay.config.passthrough)),
+        overlay.inodes.len(),
+        overlay.handles.len(),
+        f.partial_files,
+        f.blocks_present,
+        f.blocks_total,
+        f.bytes_not_copied,
+        f.caw_pending,
+        f.fds_open,
+        f.fds_limit,
+        counters.join(", "),
+        requests.join(", "),
+        errors.join(", ")
+    )
+}
+
+/// The report in Prometheus' text exposition format.
+pub fn report_prometheus(overlay: &Overlay) -> String {
+    let f = figures(overlay);
+    let mut r = String::new();
+    let mut gauge = |name: &str, help: &str, v: u64| {
+        r += &format!(
+            "# HELP mosaicfs_{name} {help}\n# TYPE mosaicfs_{name} gauge\nmosaicfs_{name} {v}\n"
+        );
+    };
+    gauge(
+        "partial_files",
+        "Partial files open or waiting for completion.",
+        f.partial_files,
+    );
+    gauge(
+        "partial_blocks_present",
+        "Blocks of those partial files in the upper layer.",
+        f.blocks_present,
+    );
+    gauge(
+        "bytes_not_copied",
+        "Bytes of those partial files still read from lower layers: what block-level copy-up did not copy.",
+        f.bytes_not_copied,
+    );
+    gauge(
+        "copy_after_write_pending_bytes",
+        "Bytes of written blocks waiting to be filled.",
+        f.caw_pending,
+    );
+    gauge(
+        "descriptors_open",
+        "File descriptors the daemon holds.",
+        f.fds_open,
+    );
+    gauge(
+        "descriptors_limit",
+        "The daemon's RLIMIT_NOFILE.",
+        f.fds_limit,
+    );
+    for (k, v) in overlay.stats.counters() {
+        r += &format!("# TYPE mosaicfs_{k}_total counter\nmosaicfs_{k}_total {v}\n");
+    }
+    r += "# HELP mosaicfs_request_duration_seconds FUSE requests by opcode: time from dispatch to reply in the daemon.\n";
+    r += "# TYPE mosaicfs_request_duration_seconds histogram\n";
+    for op in overlay.stats.requests.figures() {
+        for (le, n) in &op.buckets {
+            let le = le.map_or("+Inf".to_string(), |us| format!("{:e}", us as f64 / 1e6));
+            r += &format!(
+                "mosaicfs_request_duration_seconds_bucket{{op=\"{}\",le=\"{le}\"}} {n}\n",
+                op.name
+            );
+        }
+        r += &format!(
+            "mosaicfs_request_duration_seconds_sum{{op=\"{0}\"}} {1}\nmosaicfs_request_duration_seconds_count{{op=\"{0}\"}} {2}\n",
+            op.name,
+            op.total_ns as f64 / 1e9,
+            op.count
+        );
+    }
+    r += "# HELP mosaicfs_errors_total Requests answered with an error, by errno.\n# TYPE mosaicfs_errors_total counter\n";
+    for (e, n) in crate::stats::errors() {
+        r += &format!(
+            "mosaicfs_errors_total{{errno=\"{}\"}} {n}\n",
+            crate::stats::errno_name(e)
+        );
+    }
+    r
+}
+
 /// Serves status requests for the mount on device `dev` until the daemon exits.
 pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
     let Some(dev) = mount_device(&mountpoint) else {
@@ -106,13 +308,21 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
         .spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { continue };
-                let _ = conn.write_all(report(&overlay, &mountpoint).as_bytes());
+                let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(500)));
+                let mut asked = Vec::new();
+                let _ = (&mut conn).take(64).read_to_end(&mut asked);
+                let out = match asked.trim_ascii() {
+                    b"json" => report_json(&overlay, &mountpoint),
+                    b"prometheus" => report_prometheus(&overlay),
+                    _ => report(&overlay, &mountpoint),
+                };
+                let _ = conn.write_all(out.as_bytes());
             }
         });
 }
 
-/// `mosaicfs status MNT`: the report of the mount at `mountpoint`.
-pub fn status(mountpoint: &Path) -> Result<String, String> {
+/// `mosaicfs status MNT`: the report of the mount at `mountpoint`, in `format`.
+pub fn status(mountpoint: &Path, format: Format) -> Result<String, String> {
     let dev = mount_device(mountpoint)
         .ok_or_else(|| format!("'{}' is not a mount point", mountpoint.display()))?;
     let path = socket_path(&dev);
@@ -123,6 +333,9 @@ pub fn status(mountpoint: &Path) -> Result<String, String> {
             path.display()
         )
     })?;
+    conn.write_all(format!("{}\n", format.word()).as_bytes())
+        .and_then(|()| conn.shutdown(std::net::Shutdown::Write))
+        .map_err(|e| e.to_string())?;
     let mut out = String::new();
     conn.read_to_string(&mut out).map_err(|e| e.to_string())?;
     Ok(out)

@@ -84,8 +84,8 @@ pub fn main() -> i32 {
             return crate::tools::fsck(&t);
         }
         Ok(Command::Remount(o)) => return remount(&o),
-        Ok(Command::Status(mnt)) => {
-            return match crate::control::status(&mnt) {
+        Ok(Command::Status(mnt, format)) => {
+            return match crate::control::status(&mnt, format) {
                 Ok(report) => {
                     print!("{report}");
                     0

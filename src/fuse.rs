@@ -28,6 +28,7 @@ pub struct MosaicFs {
 }
 
 fn errno(e: Error) -> Errno {
+    crate::stats::count_error(e.errno());
     if let Some(ctx) = e.context() {
         log::warn!("{ctx}: {}", std::io::Error::from_raw_os_error(e.errno()));
     }
@@ -274,6 +275,10 @@ impl Filesystem for MosaicFs {
 
     fn destroy(&mut self) {
         self.core.shutdown();
+    }
+
+    fn request_served(&self, opcode: u32, elapsed: Duration) {
+        self.core.stats.requests.record(opcode, elapsed);
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

@@ -184,7 +184,7 @@ pub enum Command {
     /// Change the flags of a live mount (read-only or read-write).
     Remount(Box<Options>),
     /// Print the counters of a live mount.
-    Status(PathBuf),
+    Status(PathBuf, crate::control::Format),
     /// `mosaicfs complete`: make an unmounted upper layer one any overlay reads (tools.rs).
     Complete(Box<ToolArgs>),
     /// `mosaicfs fsck`: check (and repair) an unmounted upper layer (tools.rs).
@@ -196,7 +196,7 @@ pub enum Command {
 pub const USAGE: &str = "\
 usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=WORK][,OPTIONS] MOUNTPOINT
        mosaicfs SOURCE MOUNTPOINT -o lowerdir=...   (mount.fuse form)
-       mosaicfs status MOUNTPOINT                        (counters of a live mount)
+       mosaicfs status MOUNTPOINT [--json|--prometheus]  (counters of a live mount)
        mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]
                          (offline: partial files made whole, redirects for kernel overlayfs)
        mosaicfs fsck --lowerdir=L[:L...] --upperdir=U [--workdir=W] [--repair]
@@ -537,8 +537,19 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
     let args: Vec<OsString> = args.into_iter().collect();
     if args.first().is_some_and(|a| a == "status") {
         return match args.get(1..) {
-            Some([mnt]) => Ok(Command::Status(PathBuf::from(mnt))),
-            _ => Err("usage: mosaicfs status MOUNTPOINT".into()),
+            Some([mnt]) => Ok(Command::Status(
+                PathBuf::from(mnt),
+                crate::control::Format::Text,
+            )),
+            Some([mnt, f]) | Some([f, mnt]) if f == "--json" || f == "--prometheus" => {
+                let format = if f == "--json" {
+                    crate::control::Format::Json
+                } else {
+                    crate::control::Format::Prometheus
+                };
+                Ok(Command::Status(PathBuf::from(mnt), format))
+            }
+            _ => Err("usage: mosaicfs status MOUNTPOINT [--json | --prometheus]".into()),
         };
     }
     match args.first().and_then(|a| a.to_str()) {

@@ -403,3 +403,55 @@ fn the_tools_refuse_layers_a_mount_is_using_and_bad_arguments() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `mosaicfs status --json` and `--prometheus`: requests by opcode with their times, errors by
+/// errno, partial files and the blocks block-level copy-up did not copy.
+#[test]
+fn status_reports_metrics_as_json_and_prometheus_text() {
+    let m = Mount::with(|l| {
+        write(l.join("big"), pattern(4 << 20, 5));
+        write(l.join("d/f"), b"f");
+    });
+    write_at(m.path("big"), 8192, b"x");
+    let _ = fs::metadata(m.path("d/f"));
+    assert_eq!(errno_of(fs::remove_dir(m.path("d"))), libc::ENOTEMPTY);
+    let mnt = m.mnt.display().to_string();
+    let out = tool(&["status", &mnt, "--json"]);
+    assert!(out.status.success());
+    let json = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        json.starts_with('{') && json.trim_end().ends_with('}'),
+        "{json}"
+    );
+    assert!(json.contains("\"LOOKUP\": {\"count\": "), "{json}");
+    assert!(json.contains("\"ENOTEMPTY\": 1"), "{json}");
+    assert!(
+        json.contains("\"blocks_present\": 1, \"blocks_total\": 1024"),
+        "{json}"
+    );
+    assert!(
+        json.contains(&format!("\"bytes_not_copied\": {}", 1023 * 4096)),
+        "{json}"
+    );
+    let out = tool(&["status", "--prometheus", &mnt]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("mosaicfs_errors_total{errno=\"ENOTEMPTY\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("mosaicfs_partial_files 1"), "{text}");
+    // Buckets are cumulative and end at the count.
+    let bucket = |l: &str| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap();
+    let lookups: Vec<u64> = text
+        .lines()
+        .filter(|l| l.starts_with("mosaicfs_request_duration_seconds_bucket{op=\"LOOKUP\""))
+        .map(bucket)
+        .collect();
+    assert!(lookups.windows(2).all(|w| w[0] <= w[1]), "{text}");
+    let count = text
+        .lines()
+        .find(|l| l.starts_with("mosaicfs_request_duration_seconds_count{op=\"LOOKUP\"}"))
+        .map(bucket)
+        .unwrap();
+    assert!(count >= 2 && lookups.last() == Some(&count), "{text}");
+}

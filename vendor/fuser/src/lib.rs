@@ -414,6 +414,10 @@ pub trait Filesystem: Send + Sync + 'static {
     /// Called on filesystem exit.
     fn destroy(&mut self) {}
 
+    /// Called after each request was dispatched (its method returned), with the FUSE opcode
+    /// and how long the dispatch took. mosaicfs patch to fuser 0.18, for request metrics.
+    fn request_served(&self, _opcode: u32, _elapsed: std::time::Duration) {}
+
     /// Look up a directory entry by name and get its attributes.
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         warn!("[Not Implemented] lookup(parent: {parent:#x?}, name {name:?})");

@@ -57,10 +57,14 @@ impl<'a> RequestWithSender<'a> {
     /// request and sends back the returned reply to the kernel
     pub(crate) fn dispatch<FS: Filesystem>(&self, se: &SessionEventLoop<FS>) {
         debug!("{} thread={}", self.request, se.thread_name);
+        let start = std::time::Instant::now();
         match self.dispatch_req(se) {
             Ok(Some(resp)) => self.reply::<ReplyRaw>().send_ll(&resp),
             Ok(None) => {}
             Err(errno) => self.reply::<ReplyRaw>().send_ll(&ResponseErrno(errno)),
+        }
+        if let Some(fs) = &se.filesystem.fs {
+            fs.request_served(self.request.header().opcode, start.elapsed());
         }
     }
 
