@@ -36,7 +36,7 @@ const OPAQUE_XATTRS: [&str; 3] = [
 ];
 const WHITEOUT_XATTRS: [&str; 2] = ["trusted.overlay.whiteout", "user.overlay.whiteout"];
 /// Redirects of directories renamed by kernel overlayfs (read after mosaicfs' own).
-const REDIRECT_XATTRS: [&str; 2] = ["trusted.overlay.redirect", "user.overlay.redirect"];
+pub const REDIRECT_XATTRS: [&str; 2] = ["trusted.overlay.redirect", "user.overlay.redirect"];
 
 pub struct Layer {
     pub root: OwnedFd,

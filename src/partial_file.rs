@@ -191,7 +191,12 @@ impl PartialFile {
             let data = self.read(start, (stop - start) as usize)?;
             let before = sys::fstat(self.upper.as_fd())?;
             sys::pwrite_full(self.upper.as_fd(), &data, start)?;
-            set_times(&self.upper, before.atime, before.mtime)?;
+            let (a, m) = (before.atime, before.mtime);
+            sys::futimens(
+                self.upper.as_fd(),
+                sys::Time::At(a.0, a.1),
+                sys::Time::At(m.0, m.1),
+            )?;
             self.disk_size = self.disk_size.max(stop);
         }
         self.blocks.insert(first, end);
@@ -265,7 +270,7 @@ impl PartialFile {
         }
         if runs.is_empty() && new_size <= self.disk_size {
             // Every byte went to pending blocks: the write still changes the file now.
-            touch(&self.upper)?;
+            sys::futimens(self.upper.as_fd(), sys::Time::Omit, sys::Time::Now)?;
         }
         for (at, bytes) in &runs {
             sys::pwrite_full(self.upper.as_fd(), bytes, *at)?;
@@ -440,38 +445,4 @@ fn push_run<'a>(runs: &mut Vec<(u64, Cow<'a, [u8]>)>, at: u64, bytes: Cow<'a, [u
         }
         _ => runs.push((at, bytes)),
     }
-}
-
-/// Sets the atime and mtime of `fd`.
-fn set_times(fd: &OwnedFd, atime: (i64, u32), mtime: (i64, u32)) -> Result<()> {
-    let ts = |(s, n): (i64, u32)| rustix::fs::Timespec {
-        tv_sec: s,
-        tv_nsec: n as _,
-    };
-    rustix::fs::futimens(
-        fd,
-        &rustix::fs::Timestamps {
-            last_access: ts(atime),
-            last_modification: ts(mtime),
-        },
-    )?;
-    Ok(())
-}
-
-/// Sets the mtime (and so the ctime) of `fd` to now, as a write does.
-fn touch(fd: &OwnedFd) -> Result<()> {
-    const NOW: i64 = libc::UTIME_NOW;
-    const OMIT: i64 = libc::UTIME_OMIT;
-    let ts = |n: i64| rustix::fs::Timespec {
-        tv_sec: 0,
-        tv_nsec: n as _,
-    };
-    rustix::fs::futimens(
-        fd,
-        &rustix::fs::Timestamps {
-            last_access: ts(OMIT),
-            last_modification: ts(NOW),
-        },
-    )?;
-    Ok(())
 }

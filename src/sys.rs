@@ -489,6 +489,15 @@ pub fn utimens_at(
     }?)
 }
 
+/// Sets the atime and mtime of the open file `fd`.
+pub fn futimens(fd: BorrowedFd<'_>, atime: Time, mtime: Time) -> Result<()> {
+    let ts = rustix::fs::Timestamps {
+        last_access: timespec(&atime),
+        last_modification: timespec(&mtime),
+    };
+    Ok(rustix::fs::futimens(fd, &ts)?)
+}
+
 pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OsString> {
     let target = rustix::fs::readlinkat(dir, name, Vec::new())?;
     Ok(OsString::from_vec(target.into_bytes()))

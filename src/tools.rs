@@ -427,20 +427,16 @@ impl Check {
     }
 
     fn check_object(&mut self, dir: BorrowedFd<'_>, name: &OsStr, rel: &Path, kind: u32) {
-        if let Ok(Some(v)) = sys::get_xattr(dir, Some(name), &self.names.origin)
-            && std::str::from_utf8(&v)
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-                .is_none()
-        {
-            let key = self.names.origin.clone();
-            self.problem(
-                rel,
-                format!("{key} is not a number ({})", String::from_utf8_lossy(&v)),
-                "mounts ignore it (the object's inode number is its upper one); --repair removes it",
-                Some(Repair::DropXattr(rel.to_owned(), key)),
-            );
-        }
+        let origin = self.names.origin.clone();
+        self.check_value(
+            dir,
+            name,
+            rel,
+            &origin,
+            |v| std::str::from_utf8(v).is_ok_and(|s| s.parse::<u64>().is_ok()),
+            "is not a number",
+            "mounts ignore it (the object's inode number is its upper one); --repair removes it",
+        );
         if kind != libc::S_IFREG
             && let Ok(Some(_)) = sys::get_xattr(dir, Some(name), &self.names.partial)
         {
@@ -533,12 +529,8 @@ impl Check {
     }
 
     fn check_dir(&mut self, dir: BorrowedFd<'_>, name: &OsStr, rel: &Path) {
-        let kernel_user = "user.overlay.redirect".to_string();
-        let keys = [
-            self.names.redirect.clone(),
-            "trusted.overlay.redirect".into(),
-            kernel_user,
-        ];
+        let keys = std::iter::once(self.names.redirect.clone())
+            .chain(crate::layers::REDIRECT_XATTRS.map(String::from));
         for key in keys {
             let Ok(Some(v)) = sys::get_xattr(dir, Some(name), &key) else {
                 continue;
@@ -577,15 +569,38 @@ impl Check {
             }
             break; // the first one found is the one mounts follow
         }
-        if let Ok(Some(v)) = sys::get_xattr(dir, Some(name), &self.names.origins)
-            && v != b"y"
+        let origins = self.names.origins.clone();
+        self.check_value(
+            dir,
+            name,
+            rel,
+            &origins,
+            |v| v == b"y",
+            "is not 'y'",
+            "mounts take it as set; --repair removes it (moved copy-ups then list with their upper inode numbers)",
+        );
+    }
+
+    /// A problem, repaired by removing the xattr, when `key` is there and `valid` refuses it.
+    #[allow(clippy::too_many_arguments)]
+    fn check_value(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        name: &OsStr,
+        rel: &Path,
+        key: &str,
+        valid: impl Fn(&[u8]) -> bool,
+        what: &str,
+        fix: &str,
+    ) {
+        if let Ok(Some(v)) = sys::get_xattr(dir, Some(name), key)
+            && !valid(&v)
         {
-            let key = self.names.origins.clone();
             self.problem(
                 rel,
-                format!("{key} is '{}', not 'y'", String::from_utf8_lossy(&v)),
-                "mounts take it as set; --repair removes it (moved copy-ups then list with their upper inode numbers)",
-                Some(Repair::DropXattr(rel.to_owned(), key)),
+                format!("{key} {what} ('{}')", String::from_utf8_lossy(&v)),
+                fix,
+                Some(Repair::DropXattr(rel.to_owned(), key.to_string())),
             );
         }
     }
