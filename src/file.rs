@@ -128,7 +128,8 @@ pub enum IoMode {
     /// Reads and writes go from the kernel to the layer file, never through the daemon.
     Passthrough,
     /// Through the daemon, with the page cache kept across opens (every change to the data goes
-    /// through the mount, so the cache is never stale).
+    /// through the mount, so the cache is never stale) unless the object has two kernel inodes
+    /// (`Opened::keep_cache`).
     Cached,
 }
 
@@ -292,6 +293,11 @@ pub struct Opened {
     /// Whether its close must reach the daemon (FLUSH): a handle that writes through the
     /// daemon may leave copy-after-write blocks pending.
     pub flushes: bool,
+    /// Whether the kernel may keep the inode's cached pages at this open. Not when the object
+    /// has two kernel inodes (a passthrough reader of the lower file made the writers' opens
+    /// move to a second one): writes through either leave the other's pages stale, and
+    /// dropping them at each open gives at least close-to-open consistency.
+    pub keep_cache: bool,
 }
 
 impl OpenFile {
@@ -779,6 +785,7 @@ impl Overlay {
         else {
             return Err(self.rebind(&node));
         };
+        let node_two_identities = node.has_two_identities();
         let fh = self.handles.insert(Handle {
             file,
             node,
@@ -788,7 +795,13 @@ impl Overlay {
             io: Mutex::new(io),
         });
         let flushes = writable && self.caw.is_some();
-        Ok(Opened { fh, io, flushes })
+        let keep_cache = !node_two_identities;
+        Ok(Opened {
+            fh,
+            io,
+            flushes,
+            keep_cache,
+        })
     }
 
     /// Makes the file complete before a writable open of it returns, where that is cheap or

@@ -132,7 +132,7 @@ fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
     }
 }
 
-fn fopen_flags(io: IoMode, flushes: bool) -> FopenFlags {
+fn fopen_flags(io: IoMode, flushes: bool, keep_cache: bool) -> FopenFlags {
     // FLUSH (sent on every close) only fills copy-after-write blocks, which only a handle
     // that writes through the daemon can leave; POSIX locks are the kernel's own here.
     let noflush = if flushes && io == IoMode::Cached {
@@ -141,8 +141,10 @@ fn fopen_flags(io: IoMode, flushes: bool) -> FopenFlags {
         FopenFlags::FOPEN_NOFLUSH
     };
     match io {
-        // All changes to the data go through this mount: cached pages never go stale.
-        IoMode::Cached => FopenFlags::FOPEN_KEEP_CACHE | noflush,
+        // All changes to the data go through this mount: cached pages never go stale, unless
+        // the object has a second kernel inode (`Opened::keep_cache`).
+        IoMode::Cached if keep_cache => FopenFlags::FOPEN_KEEP_CACHE | noflush,
+        IoMode::Cached => noflush,
         IoMode::Passthrough => noflush,
     }
 }
@@ -207,7 +209,7 @@ impl MosaicFs {
                     );
                 }
                 Err(io) => {
-                    let flags = fopen_flags(io, opened.flushes);
+                    let flags = fopen_flags(io, opened.flushes, opened.keep_cache);
                     return reply.created(&ttl, &attr, generation, fh, flags);
                 }
             }
@@ -218,7 +220,7 @@ impl MosaicFs {
             &attr,
             generation,
             fh,
-            fopen_flags(opened.io, opened.flushes),
+            fopen_flags(opened.io, opened.flushes, opened.keep_cache),
         )
     }
 
@@ -453,11 +455,16 @@ impl Filesystem for MosaicFs {
                         .expect("only BackingIds are stored");
                     return reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, id);
                 }
-                Err(io) => return reply.opened(fh, fopen_flags(io, opened.flushes)),
+                Err(io) => {
+                    return reply.opened(fh, fopen_flags(io, opened.flushes, opened.keep_cache));
+                }
             }
         }
         self.core.stats.opens_daemon.add(1);
-        reply.opened(fh, fopen_flags(opened.io, opened.flushes))
+        reply.opened(
+            fh,
+            fopen_flags(opened.io, opened.flushes, opened.keep_cache),
+        )
     }
 
     fn read(

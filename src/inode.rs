@@ -201,6 +201,12 @@ impl Node {
     pub fn is_alias(&self) -> bool {
         self.ino != self.st_ino
     }
+
+    /// Whether the object has had another kernel inode besides this one (`retire`): each has
+    /// a page cache of its own, and a write through one does not reach the other's.
+    pub fn has_two_identities(&self) -> bool {
+        self.is_alias() || self.current.load(Ordering::Relaxed) != SELF
+    }
 }
 
 impl NodeState {

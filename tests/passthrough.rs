@@ -278,3 +278,39 @@ fn concurrent_readers_and_writers_of_lower_files_all_succeed() {
     let log = m.unmount();
     assert!(served(&log, "rebinds") >= 1, "{log}");
 }
+
+/// A passthrough reader of a lower file makes a writer's open move the object to a second
+/// kernel inode (a rebind). The first inode still serves opens made through it (here a reopen
+/// of an O_PATH descriptor through /proc): its page cache must not outlive an open, or it shows
+/// data the writer has since overwritten through the second inode.
+#[test]
+fn an_open_of_the_first_kernel_inode_after_a_rebind_sees_the_latest_writes() {
+    use std::os::fd::AsRawFd;
+    let m = Mount::with(|l| write(l.join("f"), pattern(4 << 20, 3)));
+    let first = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(m.path("f"))
+        .unwrap();
+    let via_first = format!("/proc/self/fd/{}", first.as_raw_fd());
+    let lower_reader = fs::File::open(&via_first).unwrap();
+    let writer = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    drop(lower_reader);
+    writer.write_all_at(b"AAAA", 0).unwrap();
+    let read_first = || {
+        let mut buf = [0u8; 4];
+        fs::File::open(&via_first)
+            .unwrap()
+            .read_exact(&mut buf)
+            .unwrap();
+        buf
+    };
+    assert_eq!(&read_first(), b"AAAA");
+    writer.write_all_at(b"BBBB", 0).unwrap();
+    assert_eq!(&read_first(), b"BBBB", "a new open shows the second write");
+    drop(writer);
+    assert_eq!(&fs::read(m.path("f")).unwrap()[..4], b"BBBB");
+}
