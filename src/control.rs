@@ -1,5 +1,5 @@
 //! The control socket of a live mount: `mosaicfs status MNT [--json|--prometheus]` reads its
-//! counters.
+//! counters, and `mosaicfs export MNT` the layer (export.rs).
 //!
 //! One Unix socket per mount at `/run/mosaicfs/MAJ-MIN.sock`, named after the mount's device
 //! number so a client finds it from the mount point alone. A client writes one line naming
@@ -299,6 +299,12 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
             return;
         }
     };
+    // Root only: the socket hands out the layer's contents (export).
+    use std::os::unix::fs::PermissionsExt;
+    if let Err(e) = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)) {
+        log::info!("control socket {}: {e}; not served", path.display());
+        return;
+    }
     *overlay
         .control_socket
         .lock()
@@ -312,6 +318,15 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
                 let mut asked = Vec::new();
                 let _ = (&mut conn).take(64).read_to_end(&mut asked);
                 let out = match asked.trim_ascii() {
+                    b"export" => {
+                        // Long: its own thread, so status requests are still answered.
+                        let _ = conn.set_read_timeout(None);
+                        let ov = overlay.clone();
+                        let _ = std::thread::Builder::new()
+                            .name("mosaicfs-export".into())
+                            .spawn(move || crate::export::serve(&ov, conn));
+                        continue;
+                    }
                     b"json" => report_json(&overlay, &mountpoint),
                     b"prometheus" => report_prometheus(&overlay),
                     _ => report(&overlay, &mountpoint),
@@ -321,8 +336,8 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
         });
 }
 
-/// `mosaicfs status MNT`: the report of the mount at `mountpoint`, in `format`.
-pub fn status(mountpoint: &Path, format: Format) -> Result<String, String> {
+/// Connects to the daemon of the mount at `mountpoint` and asks for `what`.
+pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
     let dev = mount_device(mountpoint)
         .ok_or_else(|| format!("'{}' is not a mount point", mountpoint.display()))?;
     let path = socket_path(&dev);
@@ -333,9 +348,15 @@ pub fn status(mountpoint: &Path, format: Format) -> Result<String, String> {
             path.display()
         )
     })?;
-    conn.write_all(format!("{}\n", format.word()).as_bytes())
+    conn.write_all(format!("{what}\n").as_bytes())
         .and_then(|()| conn.shutdown(std::net::Shutdown::Write))
         .map_err(|e| e.to_string())?;
+    Ok(conn)
+}
+
+/// `mosaicfs status MNT`: the report of the mount at `mountpoint`, in `format`.
+pub fn status(mountpoint: &Path, format: Format) -> Result<String, String> {
+    let mut conn = connect(mountpoint, format.word())?;
     let mut out = String::new();
     conn.read_to_string(&mut out).map_err(|e| e.to_string())?;
     Ok(out)

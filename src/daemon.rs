@@ -83,6 +83,10 @@ pub fn main() -> i32 {
             init_log(false);
             return crate::tools::fsck(&t);
         }
+        Ok(Command::Export(a)) => {
+            init_log(false);
+            return crate::export::run(&a);
+        }
         Ok(Command::Remount(o)) => return remount(&o),
         Ok(Command::Status(mnt, format)) => {
             return match crate::control::status(&mnt, format) {

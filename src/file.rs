@@ -883,16 +883,26 @@ impl Overlay {
         size: u32,
         reply: impl FnOnce(Result<&[u8]>) -> R,
     ) -> R {
+        match self.handle(fh) {
+            Ok(h) => self.read_file(&h.file, off, size, reply),
+            Err(e) => reply(Err(e)),
+        }
+    }
+
+    /// `read` on an open file rather than a handle (in-process readers: export.rs).
+    pub fn read_file<R>(
+        &self,
+        file: &OpenFile,
+        off: u64,
+        size: u32,
+        reply: impl FnOnce(Result<&[u8]>) -> R,
+    ) -> R {
         thread_local! {
             static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        let h = match self.handle(fh) {
-            Ok(h) => h,
-            Err(e) => return reply(Err(e)),
-        };
         self.stats.reads.add(1);
         self.stats.read_bytes.add(size as u64);
-        let data = h.file.read_data();
+        let data = file.read_data();
         match &*data {
             FileData::Upper(fd) => BUF.with(|buf| {
                 let mut buf = buf.borrow_mut();
@@ -1073,9 +1083,13 @@ impl Overlay {
 
     /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's).
     pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> Result<i64> {
-        let h = self.handle(fh)?;
+        self.seek_file(&self.handle(fh)?.file, offset, whence)
+    }
+
+    /// `lseek` on an open file rather than a handle.
+    pub fn seek_file(&self, file: &OpenFile, offset: i64, whence: i32) -> Result<i64> {
         let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
-        let data = h.file.read_data();
+        let data = file.read_data();
         let pos = match (&*data, whence) {
             (FileData::Upper(fd), libc::SEEK_DATA) => {
                 sys::seek_data(fd.as_fd(), off)?.ok_or_else(|| errno(libc::ENXIO))?

@@ -251,49 +251,55 @@ impl LayerStack {
         let mut work_lock = None;
         let mut has_upper = false;
         let mut whiteout_chardev = false;
-        if let (Some(upper), Some(work)) = (upper, work) {
+        // Without a work dir an upper layer can only be read (`mosaicfs export` of unmounted
+        // dirs); a mount always has both (options.rs).
+        if let Some(upper) = upper.filter(|_| work.is_some() || read_only) {
             let upper = canonical(upper, "upperdir")?;
-            let work = canonical(work, "workdir")?;
             let (ufd, uattr) = open_layer_root(&upper, "upperdir")?;
-            let (wfd, wattr) = open_layer_root(&work, "workdir")?;
-            if uattr.dev != wattr.dev {
-                return Err(format!(
-                    "upperdir '{}' and workdir '{}' are on different file systems: put both on one",
-                    upper.display(),
-                    work.display()
-                ));
-            }
-            if work.starts_with(&upper) || upper.starts_with(&work) {
-                return Err(format!(
-                    "workdir '{}' and upperdir '{}' must not contain one another: use sibling directories",
-                    work.display(),
-                    upper.display()
-                ));
-            }
-            if let Some(fs) = unsupported_fs(ufd.as_fd()) {
-                return Err(format!(
-                    "upperdir '{}' is on {fs}, which cannot hold an upper layer",
-                    upper.display()
-                ));
-            }
-            if !read_only {
-                let (wsub, held) = prepare_work_dir(wfd.as_fd(), &work, lock)?;
-                work_lock = Some(held);
-                whiteout_chardev = probe_whiteout(wsub.as_fd());
-                let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
-                if trusted && probed.as_ref().is_err_and(|e| e.is(libc::EPERM)) {
-                    log::info!("trusted.* xattrs not permitted (user namespace?): using user.*");
-                    trusted = false;
-                    probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
+            if let Some(work) = work {
+                let work = canonical(work, "workdir")?;
+                let (wfd, wattr) = open_layer_root(&work, "workdir")?;
+                if uattr.dev != wattr.dev {
+                    return Err(format!(
+                        "upperdir '{}' and workdir '{}' are on different file systems: put both on one",
+                        upper.display(),
+                        work.display()
+                    ));
                 }
-                probed.map_err(|e| {
+                if work.starts_with(&upper) || upper.starts_with(&work) {
+                    return Err(format!(
+                        "workdir '{}' and upperdir '{}' must not contain one another: use sibling directories",
+                        work.display(),
+                        upper.display()
+                    ));
+                }
+                if let Some(fs) = unsupported_fs(ufd.as_fd()) {
+                    return Err(format!(
+                        "upperdir '{}' is on {fs}, which cannot hold an upper layer",
+                        upper.display()
+                    ));
+                }
+                if !read_only {
+                    let (wsub, held) = prepare_work_dir(wfd.as_fd(), &work, lock)?;
+                    work_lock = Some(held);
+                    whiteout_chardev = probe_whiteout(wsub.as_fd());
+                    let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
+                    if trusted && probed.as_ref().is_err_and(|e| e.is(libc::EPERM)) {
+                        log::info!(
+                            "trusted.* xattrs not permitted (user namespace?): using user.*"
+                        );
+                        trusted = false;
+                        probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
+                    }
+                    probed.map_err(|e| {
                     format!(
                         "upperdir '{}' does not support extended attributes ({e}), which mosaicfs needs \
                          to mark partial files: use ext4, xfs, btrfs or tmpfs",
                         upper.display()
                     )
                 })?;
-                work_fd = Some(wsub);
+                    work_fd = Some(wsub);
+                }
             }
             if let Some(key) = perms.key()
                 && !read_only

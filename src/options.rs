@@ -189,6 +189,8 @@ pub enum Command {
     Complete(Box<ToolArgs>),
     /// `mosaicfs fsck`: check (and repair) an unmounted upper layer (tools.rs).
     Fsck(Box<ToolArgs>),
+    /// `mosaicfs export`: the upper layer as an OCI layer tar (export.rs).
+    Export(Box<ExportArgs>),
     Help,
     Version,
 }
@@ -201,6 +203,8 @@ usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=W
                          (offline: partial files made whole, redirects for kernel overlayfs)
        mosaicfs fsck --lowerdir=L[:L...] --upperdir=U [--workdir=W] [--repair]
                          (offline: check the layer's marks, redirects and work dir)
+       mosaicfs export [-o FILE] [--gzip|--zstd] [-q] (MOUNTPOINT | --lowerdir=L[:L...] --upperdir=U [--workdir=W])
+                         (the upper layer as an OCI layer tar, live or offline)
        mosaicfs --version | --help
 
   -f            stay in the foreground
@@ -278,6 +282,107 @@ fn parse_tool(command: &str, args: &[OsString]) -> Result<ToolArgs, String> {
         ));
     }
     Ok(t)
+}
+
+/// Where `mosaicfs export` reads the layer.
+#[derive(Debug)]
+pub enum ExportFrom {
+    /// A live mount, through its daemon.
+    Mount(PathBuf),
+    /// Unmounted layers, as mount options (lowerdir, upperdir, optional workdir).
+    Dirs(Box<Options>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+#[derive(Debug)]
+pub struct ExportArgs {
+    pub from: ExportFrom,
+    /// The archive's file; standard output without it.
+    pub output: Option<PathBuf>,
+    pub compression: Compression,
+    /// No progress bar and no summary.
+    pub quiet: bool,
+}
+
+const EXPORT_USAGE: &str = "usage: mosaicfs export [-o FILE] [--gzip|--zstd] [-q] \
+     (MOUNTPOINT | --lowerdir=L[:L...] --upperdir=U [--workdir=W])";
+
+fn parse_export(args: &[OsString]) -> Result<ExportArgs, String> {
+    let mut opts = Options::default();
+    let mut mnt = None;
+    let mut output = None;
+    let mut compression = None;
+    let mut quiet = false;
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let s = arg.to_string_lossy();
+        let mut compress = |c| match compression.replace(c) {
+            Some(old) if old != c => Err(format!("choose one compression\n{EXPORT_USAGE}")),
+            _ => Ok(()),
+        };
+        match s.as_ref() {
+            "-o" | "--output" => {
+                let v = args
+                    .next()
+                    .ok_or(format!("{s} needs a file name\n{EXPORT_USAGE}"))?;
+                output = Some(PathBuf::from(v));
+            }
+            a if a.starts_with("--output=") => output = Some(PathBuf::from(&a[9..])),
+            "--gzip" | "-z" | "--compress=gzip" => compress(Compression::Gzip)?,
+            "--zstd" | "--compress=zstd" => compress(Compression::Zstd)?,
+            "--compress=none" => compress(Compression::None)?,
+            "-q" | "--quiet" => quiet = true,
+            a if a.starts_with("--") && a.contains('=') => opts.apply(&a[2..])?,
+            a if a.starts_with('-') => {
+                return Err(format!("unknown argument '{a}'\n{EXPORT_USAGE}"));
+            }
+            _ if mnt.is_none() => mnt = Some(PathBuf::from(arg)),
+            a => return Err(format!("unexpected argument '{a}'\n{EXPORT_USAGE}")),
+        }
+    }
+    let from = match (mnt, opts.lowerdirs.is_empty(), opts.upperdir.is_some()) {
+        (Some(m), true, false) => ExportFrom::Mount(m),
+        (None, false, true) => ExportFrom::Dirs(Box::new(opts)),
+        (Some(_), _, _) => {
+            return Err(format!(
+                "give a mount point or the layers' dirs, not both\n{EXPORT_USAGE}"
+            ));
+        }
+        (None, true, _) => {
+            return Err(format!(
+                "nothing to export: name a live mount, or the dirs of an unmounted layer with \
+                 --lowerdir=L --upperdir=U\n{EXPORT_USAGE}"
+            ));
+        }
+        (None, false, false) => {
+            return Err(format!(
+                "no upper layer given: pass --upperdir=DIR (the layer to export)\n{EXPORT_USAGE}"
+            ));
+        }
+    };
+    // Compression follows the file name when not given.
+    let by_name = output.as_ref().and_then(|p| {
+        let n = p.to_string_lossy();
+        if n.ends_with(".gz") || n.ends_with(".tgz") {
+            Some(Compression::Gzip)
+        } else if n.ends_with(".zst") || n.ends_with(".tzst") {
+            Some(Compression::Zstd)
+        } else {
+            None
+        }
+    });
+    Ok(ExportArgs {
+        from,
+        output,
+        compression: compression.or(by_name).unwrap_or(Compression::None),
+        quiet,
+    })
 }
 
 /// Splits an option string at commas that are neither quoted nor escaped, keeping escapes in
@@ -560,6 +665,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             )?)));
         }
         Some("fsck") => return Ok(Command::Fsck(Box::new(parse_tool("fsck", &args[1..])?))),
+        Some("export") => return Ok(Command::Export(Box::new(parse_export(&args[1..])?))),
         _ => {}
     }
     let mut opts = Options::default();

@@ -134,16 +134,9 @@ impl Overlay {
         let mut out = Vec::new();
         let mut hidden: HashSet<OsString> = HashSet::new();
         if let Some(dir) = &view.upper {
-            let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None, false)?.xwhiteouts;
-            for e in sys::read_dir(dir.as_fd(), std::path::Path::new(""))? {
-                if let Some(target) = whiteout_target(&e.name) {
-                    hidden.extend(target);
-                    continue;
-                }
-                let Some(kind) = self.entry_kind(dir.as_fd(), &e, xwhiteouts)? else {
-                    hidden.insert(e.name);
-                    continue;
-                };
+            let (objects, whiteouts) = self.upper_entries(dir.as_fd())?;
+            hidden.extend(whiteouts);
+            for (e, kind) in objects {
                 let origin = if view.origins {
                     self.origin_ino(dir.as_fd(), &e.name)?
                 } else {
@@ -194,6 +187,25 @@ impl Overlay {
         Ok(out)
     }
 
+    /// The entries of the upper directory `dir` itself: its objects with their types, and the
+    /// names its whiteouts (in any format) hide. The opaque marker file is in neither.
+    pub fn upper_entries(&self, dir: std::os::fd::BorrowedFd<'_>) -> Result<UpperEntries> {
+        let xwhiteouts = self.layers.dir_flags(dir, None, false)?.xwhiteouts;
+        let mut objects = Vec::new();
+        let mut whiteouts = Vec::new();
+        for e in sys::read_dir(dir, std::path::Path::new(""))? {
+            if let Some(target) = whiteout_target(&e.name) {
+                whiteouts.extend(target);
+                continue;
+            }
+            match self.entry_kind(dir, &e, xwhiteouts)? {
+                Some(kind) => objects.push((e, kind)),
+                None => whiteouts.push(e.name),
+            }
+        }
+        Ok((objects, whiteouts))
+    }
+
     /// The type of a listed entry, or `None` if it is a whiteout.
     /// Regular files are whiteouts only by xattr, which (as in kernel overlayfs) a listing
     /// honours only in a directory marked for them (`xwhiteouts`); lookup checks every one.
@@ -219,6 +231,9 @@ impl Overlay {
         }
     }
 }
+
+/// An upper directory's objects with their types (`S_IFMT`), and the names it whites out.
+pub type UpperEntries = (Vec<(sys::RawDirEntry, u32)>, Vec<OsString>);
 
 /// For a `.wh.NAME` entry, the name it hides (none for the opaque marker).
 fn whiteout_target(name: &OsStr) -> Option<Option<OsString>> {

@@ -62,6 +62,8 @@ echo "keep me" > "$t/rootfs/data/keep"
 echo "delete me" > "$t/rootfs/data/delete"
 echo "rename me" > "$t/rootfs/data/rename"
 head -c 4194304 /dev/urandom > "$t/rootfs/data/big"
+mkdir -p "$t/rootfs/data/tree/sub" "$t/rootfs/data/other"
+echo a > "$t/rootfs/data/tree/a"; echo c > "$t/rootfs/data/tree/sub/c"; echo x > "$t/rootfs/data/other/x"
 # Image files are old, as in real images: containers/storage's diff compares mtimes at one-second
 # granularity against tar-imported files (nanoseconds 0), so a change made within the second of
 # the import would go unseen on any storage driver.
@@ -98,6 +100,59 @@ written_bytes_are_zero() {
     | od -An -tx1 | grep -q '00 00 00'
 }
 check "the image file written in the container is whole in the committed image" written_bytes_are_zero
+
+# mosaicfs export (issue #14): the layer of a container as an OCI layer, compared with the
+# layer podman commit computes (containers/storage's naive diff through a fresh mount).
+EXPORT_CHANGES='
+    set -e
+    echo created > /data/new && ln /data/new /data/newlink && ln -s new /data/sym
+    echo "image line 2" >> /data/log
+    chown 1:1 /data/keep && chmod 640 /data/keep
+    rm /data/delete && mv /data/rename /data/renamed
+    mv /data/tree /data/moved && echo more > /data/moved/sub/d
+    rm -rf /data/other && mkdir /data/other && echo new > /data/other/n
+    dd if=/dev/zero of=/data/big bs=1 count=3 seek=1000000 conv=notrunc 2>/dev/null'
+check "a container for export makes every kind of change" \
+  podman run --name exp "${RUN[@]}" localhost/mosaic-test:base sh -c "$EXPORT_CHANGES"
+layer_of() { podman inspect "$1" --format "{{.GraphDriver.Data.$2}}"; }
+export_offline() {
+  # The mount podman used may still be ending (an unmount does not wait for the daemon).
+  for _ in $(seq 50); do
+    "$bin" export -q -o "$t/exp-ours.tar" --lowerdir="$(layer_of exp LowerDir)" \
+      --upperdir="$(layer_of exp UpperDir)" --workdir="$(layer_of exp WorkDir)" 2>"$t/export.err" && return 0
+    grep -q "in use" "$t/export.err" || break
+    sleep 0.2
+  done
+  cat "$t/export.err"; return 1
+}
+check "mosaicfs export of the stopped container's layer" export_offline
+image_layers() { # image, dir: the image's layer tars, oldest first, listed in dir/layers
+  rm -rf "$2" && mkdir -p "$2" && podman save -q --format docker-archive -o "$2/image.tar" "$1" &&
+    tar -xf "$2/image.tar" -C "$2" &&
+    python3 -c 'import json,sys; [print(l) for l in json.load(open(sys.argv[1]))[0]["Layers"]]' \
+      "$2/manifest.json" > "$2/layers"
+}
+export_matches_commit() {
+  podman commit -q exp localhost/mosaic-test:exp >/dev/null && image_layers localhost/mosaic-test:exp "$t/img" || return 1
+  python3 "$here/../export/layers.py" compare "$t/img/$(head -1 "$t/img/layers")" \
+    "$t/exp-ours.tar" "$t/img/$(tail -1 "$t/img/layers")"
+}
+check "the export gives the tree podman commit's layer gives" export_matches_commit
+export_covers_diff() {
+  podman diff exp > "$t/exp.diff" && python3 "$here/../export/layers.py" diff-covered "$t/exp-ours.tar" "$t/exp.diff"
+}
+check "every change podman diff lists is in the export" export_covers_diff
+export_live() {
+  podman run -d --name live "${RUN[@]}" localhost/mosaic-test:base sh -c "$EXPORT_CHANGES; touch /ready; sleep 600" >/dev/null || return 1
+  for _ in $(seq 100); do [ -e "$(layer_of live MergedDir)/ready" ] && break; sleep 0.1; done
+  local merged; merged=$(layer_of live MergedDir)
+  "$bin" export -q "$merged" --zstd -o "$t/live.tar.zst" && zstd -dqf "$t/live.tar.zst" -o "$t/live.tar" &&
+    python3 "$here/../export/layers.py" compare-dir "$merged" "$t/img/$(head -1 "$t/img/layers")" "$t/live.tar"
+  local r=$?
+  podman rm -f -t 0 live >/dev/null 2>&1
+  return $r
+}
+check "mosaicfs export of a running container's mount shows its merged view" export_live
 
 mkdir -p "$t/ctx"
 echo "copied into the image" > "$t/ctx/file"
