@@ -1,6 +1,7 @@
 # mosaicfs — build, install, demo and test. See README.md.
 PREFIX ?= /usr/local
 SBINDIR ?= /usr/sbin
+MANDIR ?= $(PREFIX)/share/man
 CARGO ?= cargo
 
 .PHONY: build install uninstall demo test unit-test integration-test pjdfstest bench clean
@@ -8,13 +9,15 @@ CARGO ?= cargo
 build:
 	$(CARGO) build --release
 
-# The binary, plus the helper mount(8) runs for `mount -t fuse.mosaicfs`.
+# The binary, the helper mount(8) runs for `mount -t fuse.mosaicfs`, and the man page.
 install: build
 	install -D -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
 	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
+	install -D -m 0644 docs/mosaicfs.1 $(DESTDIR)$(MANDIR)/man1/mosaicfs.1
 
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
+	rm -f $(DESTDIR)$(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs \
+		$(DESTDIR)$(MANDIR)/man1/mosaicfs.1
 
 demo: build
 	./demo.sh

@@ -463,3 +463,67 @@ fn an_unprivileged_user_mounts_through_fusermount3() {
         "created as the user"
     );
 }
+
+/// The man page covers every option of the README's table and every command of the usage
+/// text, and (where groff is installed) formats without a warning.
+#[test]
+fn the_man_page_covers_every_option_and_command() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let man = std::fs::read_to_string(root.join("docs/mosaicfs.1")).unwrap();
+    // Option names as roff shows them: hyphens escaped, fonts switched around values.
+    let text = man
+        .replace("\\-", "-")
+        .replace("\\fR", "")
+        .replace("\\fB", "")
+        .replace("\\c\n", "");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let table = readme
+        .split("### Options")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").nth(2))
+        .expect("the README's option table");
+    let mut missing = Vec::new();
+    for row in table.lines().filter(|l| l.starts_with("| `")) {
+        let first_column = row.split(" | ").next().unwrap();
+        for name in first_column.split('`').skip(1).step_by(2) {
+            let name = name.split(['=', ' ']).next().unwrap();
+            if !name.is_empty()
+                && !name.ends_with('-')
+                && !name.contains("*")
+                && !text.contains(name)
+            {
+                missing.push(name.to_string());
+            }
+        }
+    }
+    let (_, usage) = run(&["--help"]);
+    for line in usage.lines() {
+        if let Some(cmd) = line
+            .trim()
+            .strip_prefix("mosaicfs ")
+            .and_then(|l| l.split(' ').next())
+            && cmd.chars().all(|c| c.is_ascii_lowercase())
+            && !text.contains(&format!("mosaicfs {cmd}"))
+            && !text.contains(&format!(".B {cmd}"))
+        {
+            missing.push(format!("command {cmd}"));
+        }
+    }
+    assert!(missing.is_empty(), "not in docs/mosaicfs.1: {missing:?}");
+    if std::process::Command::new("groff")
+        .arg("-v")
+        .output()
+        .is_ok()
+    {
+        let out = std::process::Command::new("groff")
+            .args(["-man", "-ww", "-z"])
+            .arg(root.join("docs/mosaicfs.1"))
+            .output()
+            .unwrap();
+        assert!(
+            out.stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
