@@ -336,6 +336,48 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
         });
 }
 
+/// Serves the Prometheus text of the mount over HTTP (`metrics=ADDR`) until the daemon exits:
+/// `GET /metrics` (or `/`), one request per connection, one connection at a time — a scrape
+/// every few seconds needs no more, and a client that stalls is dropped after two seconds.
+pub fn serve_metrics(overlay: Arc<Overlay>, listener: std::net::TcpListener) {
+    let _ = std::thread::Builder::new()
+        .name("mosaicfs-metrics".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let limit = Some(std::time::Duration::from_secs(2));
+                let _ = conn.set_read_timeout(limit);
+                let _ = conn.set_write_timeout(limit);
+                let mut request = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = request.split(|&c| c == b'\n').next().unwrap_or_default();
+                let mut words = line.split(|&c| c == b' ');
+                let (method, path) = (words.next(), words.next());
+                let (status, body) = match (method, path) {
+                    (Some(b"GET"), Some(b"/metrics" | b"/")) => {
+                        ("200 OK", report_prometheus(&overlay))
+                    }
+                    (Some(b"GET"), _) => ("404 Not Found", "metrics are at /metrics\n".into()),
+                    _ => ("405 Method Not Allowed", "only GET\n".into()),
+                };
+                let _ = conn.write_all(
+                    format!(
+                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n\
+                         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .as_bytes(),
+                );
+            }
+        });
+}
+
 /// Connects to the daemon of the mount at `mountpoint` and asks for `what`.
 pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
     let dev = mount_device(mountpoint)

@@ -178,6 +178,15 @@ fn raise_nofile_limit() {
 
 fn mount(opts: Options) -> Result<(), String> {
     check_mountpoint(&opts)?;
+    // Bound before anything else: an address in use fails the mount, not a thread later.
+    let metrics = opts
+        .metrics
+        .map(|addr| {
+            std::net::TcpListener::bind(addr).map_err(|e| {
+                format!("metrics={addr}: cannot listen there ({e}): pick a free local port")
+            })
+        })
+        .transpose()?;
     raise_nofile_limit();
     let layers = LayerStack::open(
         &opts.lowerdirs,
@@ -211,7 +220,7 @@ fn mount(opts: Options) -> Result<(), String> {
             }
         }
     }
-    let result = serve(overlay, &opts, &mut notify);
+    let result = serve(overlay, &opts, &mut notify, metrics);
     if let (Err(e), Some(w)) = (&result, notify) {
         let mut f = std::fs::File::from(w);
         let _ = f.write_all(e.as_bytes());
@@ -268,6 +277,7 @@ fn serve(
     overlay: Arc<Overlay>,
     opts: &Options,
     notify: &mut Option<OwnedFd>,
+    metrics: Option<std::net::TcpListener>,
 ) -> Result<(), String> {
     overlay.start_completion();
     overlay.start_caw_workers();
@@ -283,6 +293,9 @@ fn serve(
     spawn_signal_handler(opts.mountpoint.clone());
     set_read_ahead(&opts.mountpoint, opts.read_ahead_kb);
     crate::control::serve(control.clone(), opts.mountpoint.clone());
+    if let Some(listener) = metrics {
+        crate::control::serve_metrics(control.clone(), listener);
+    }
     if let Some(w) = notify.take() {
         // Closing the pipe after the byte lets the waiting parent exit.
         let mut f = std::fs::File::from(w);

@@ -118,6 +118,8 @@ pub struct Options {
     pub caw_workers: usize,
     /// Readahead of the mount's FUSE bdi in KiB (`read_ahead_kb=`; 0 keeps the kernel's 128).
     pub read_ahead_kb: u32,
+    /// Where the daemon serves Prometheus metrics over HTTP (`metrics=ADDR:PORT`).
+    pub metrics: Option<std::net::SocketAddr>,
     /// When partial files are completed in the background.
     pub completion: crate::complete::CompletionPolicy,
     /// Copy up a regular file by cloning its extents (FICLONE) where the upper file system
@@ -164,6 +166,7 @@ impl Default for Options {
             completion: Default::default(),
             reflink: true,
             read_ahead_kb: 4096,
+            metrics: None,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
             remount: false,
@@ -538,6 +541,14 @@ impl Options {
                 self.caw_memory = Some(mib << 20);
             }
             "read_ahead_kb" => self.read_ahead_kb = parse_num(name, value)?,
+            "metrics" => {
+                let v = need(value)?;
+                self.metrics = Some(v.parse().map_err(|_| {
+                    format!(
+                        "option 'metrics' takes an address and port such as 127.0.0.1:9101, not '{v}'"
+                    )
+                })?);
+            }
             "caw_workers" => {
                 let n: usize = parse_num(name, value)?;
                 if n > 64 {

@@ -695,3 +695,59 @@ fn export_refuses_bad_arguments_and_a_layer_in_use_and_leaves_no_partial_archive
         0
     );
 }
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// `metrics=ADDR`: the daemon serves the Prometheus text over HTTP; an address it cannot
+/// listen on fails the mount with a line saying so.
+#[test]
+fn metrics_option_serves_prometheus_text_over_http() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(4 << 20, 6));
+    m.extra.push(format!("metrics={addr}"));
+    m.mount();
+    write_at(m.path("f"), 8192, b"L");
+    let page = http_get(&addr, "/metrics");
+    assert!(page.starts_with("HTTP/1.1 200 OK\r\n"), "{page}");
+    assert!(
+        page.contains("Content-Type: text/plain; version=0.0.4"),
+        "{page}"
+    );
+    assert!(
+        page.contains("mosaicfs_request_duration_seconds_count{op=\"WRITE\"}"),
+        "{page}"
+    );
+    assert!(page.contains("mosaicfs_partial_files 1"), "{page}");
+    assert!(http_get(&addr, "/nothing").starts_with("HTTP/1.1 404"));
+    // A second mount asking for the same address is refused, nothing mounted.
+    let mut other = Mount::new(1);
+    let opts = format!("{},metrics={addr}", other.options());
+    let out = tool(&["-o", &opts, other.mnt.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("metrics={addr}: cannot listen there")),
+        "{err}"
+    );
+    assert!(!is_mounted(&other.mnt));
+    let out = tool(&[
+        "-o",
+        &format!("{},metrics=localhost", other.options()),
+        other.mnt.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("takes an address and port"));
+    other.extra.clear();
+    m.unmount();
+}
