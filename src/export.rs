@@ -308,7 +308,8 @@ pub fn write<W: Write>(
                         size: 0,
                         sparse: None,
                     },
-                    mode: 0o644,
+                    // As containers/storage writes them.
+                    mode: 0,
                     uid: 0,
                     gid: 0,
                     mtime,
@@ -702,28 +703,34 @@ pub fn run(a: &ExportArgs) -> i32 {
     }
     let bar = progress_bar(a.quiet);
     let started = std::time::Instant::now();
-    // A file is written under a temporary name and renamed when complete: an interrupted
-    // export never leaves a truncated archive under the name asked for.
-    let temp = a.output.as_ref().map(|p| {
+    // A regular file is written under a temporary name and renamed when complete: an
+    // interrupted export never leaves a truncated archive under the name asked for. Anything
+    // else that exists (/dev/null, a FIFO, a tape) is written in place, never replaced.
+    let in_place = |p: &std::path::Path| std::fs::metadata(p).is_ok_and(|m| !m.is_file());
+    let temp = a.output.as_ref().filter(|p| !in_place(p)).map(|p| {
         let mut name = p.file_name().unwrap_or_default().to_os_string();
         name.push(format!(".mosaicfs-export-{}", std::process::id()));
         p.with_file_name(name)
     });
-    let dest: Box<dyn Write> = match &temp {
-        Some(t) => match std::fs::File::create(t) {
-            Ok(f) => Box::new(std::io::BufWriter::with_capacity(CHUNK as usize, f)),
-            Err(e) => {
-                eprintln!(
-                    "mosaicfs export: cannot create '{}': {e}",
-                    a.output
-                        .as_ref()
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_default()
-                );
-                return 1;
+    let dest: Box<dyn Write> = match (&temp, &a.output) {
+        (Some(path), _) | (None, Some(path)) => {
+            let file = if temp.is_some() {
+                std::fs::File::create(path)
+            } else {
+                std::fs::OpenOptions::new().write(true).open(path)
+            };
+            match file {
+                Ok(f) => Box::new(std::io::BufWriter::with_capacity(CHUNK as usize, f)),
+                Err(e) => {
+                    eprintln!(
+                        "mosaicfs export: cannot write '{}': {e}",
+                        a.output.as_deref().unwrap_or(path).display()
+                    );
+                    return 1;
+                }
             }
-        },
-        None => Box::new(std::io::BufWriter::with_capacity(
+        }
+        (None, None) => Box::new(std::io::BufWriter::with_capacity(
             CHUNK as usize,
             std::io::stdout().lock(),
         )),
