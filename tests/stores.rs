@@ -1,0 +1,406 @@
+//! Lower layers on the stores container images live in past one machine (issue #16): EROFS
+//! images (the kernel's), squashfs images through squashfuse and directories over sshfs (both
+//! FUSE, so passthrough stacks twice). On each, the overlay tests that make sense for a
+//! read-only lower layer: the merged view with whiteouts in every format the store can hold,
+//! block-level and metadata-only copy-up, hard links as the store reports them, unique and
+//! stable inode numbers, a renamed lower directory — before and after a remount.
+//!
+//! A store whose tools are not installed is skipped with one line saying which package to
+//! install (`.ci/run` installs them all).
+
+mod common;
+
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn wait_mounted(p: &Path, child: &mut Child) {
+    let start = Instant::now();
+    while !is_mounted(p) {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "the store's daemon exited ({status}) before {} was mounted",
+                p.display()
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{} not mounted",
+            p.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A lower layer on a store, mounted until dropped.
+struct Store {
+    path: PathBuf,
+    /// The store's FUSE daemon (and sshd), run in the foreground as children to wait for.
+    children: Vec<Child>,
+    /// Whether the store can hold xattrs (and so xattr whiteouts and opaque marks).
+    xattrs: bool,
+    /// Whether the store reports hard links (one inode number for both names).
+    hard_links: bool,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.path).status();
+        if is_mounted(&self.path) {
+            let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+        }
+        for c in self.children.iter_mut().rev() {
+            let start = Instant::now();
+            while c.try_wait().ok().flatten().is_none() && start.elapsed() < Duration::from_secs(5)
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn store_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("mosaicfs-store")
+        .tempdir_in("/var/tmp")
+        .unwrap()
+}
+
+/// The layer tree, with whiteouts of the kinds the store can hold hiding entries of the
+/// layer below (`bottom`).
+/// `ns`: the xattr namespace of the overlay marks the store holds (`trusted.`, `user.`), none
+/// if it holds no xattrs.
+fn build_layer(dir: &Path, ns: Option<&str>) {
+    write(dir.join("big"), pattern(8 << 20, 11));
+    write(dir.join("d/a"), pattern(300_000, 12));
+    write(dir.join("d/sub/b"), b"bee");
+    write(dir.join("h1"), b"linked");
+    fs::hard_link(dir.join("h1"), dir.join("h2")).unwrap();
+    std::os::unix::fs::symlink("d/a", dir.join("sym")).unwrap();
+    mknod_whiteout(dir, "wh_dev");
+    write(dir.join(".wh.wh_file"), b"");
+    write(dir.join("opq/new"), b"new");
+    if let Some(ns) = ns {
+        write(dir.join("wh_x"), b"");
+        // Kernel overlayfs checks that the xattr exists; its value is empty where it writes
+        // one. squashfuse 0.1.105 drops xattrs with empty values: its layer's has one byte.
+        let value: &[u8] = if ns == "user." { b"y" } else { b"" };
+        set_xattr(&dir.join("wh_x"), &format!("{ns}overlay.whiteout"), value);
+        set_xattr(dir, &format!("{ns}overlay.opaque"), b"x");
+        set_xattr(&dir.join("opq"), &format!("{ns}overlay.opaque"), b"y");
+        set_xattr(&dir.join("big"), "user.layer", b"store");
+    } else {
+        write(dir.join("opq/.wh..wh..opq"), b"");
+    }
+}
+
+fn build_bottom(dir: &Path) {
+    for n in ["wh_dev", "wh_file", "wh_x", "kept"] {
+        write(dir.join(n), n.as_bytes());
+    }
+    write(dir.join("opq/old"), b"old");
+}
+
+/// The merged view a mount over `build_layer` on `build_bottom` shows.
+fn expected_names(xattrs: bool) -> Vec<String> {
+    let mut v: Vec<String> = ["big", "d", "h1", "h2", "kept", "opq", "sym"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    if !xattrs {
+        // The store cannot hold the xattr whiteout: the bottom's file shows.
+        v.push("wh_x".into());
+    }
+    v.sort();
+    v
+}
+
+fn erofs() -> Option<Store> {
+    if !have("mkfs.erofs") {
+        println!("EROFS store skipped: install erofs-utils (mkfs.erofs)");
+        return None;
+    }
+    let dir = store_dir();
+    let (src, img, path) = (
+        dir.path().join("src"),
+        dir.path().join("img"),
+        dir.path().join("fs"),
+    );
+    fs::create_dir_all(&src).unwrap();
+    fs::create_dir_all(&path).unwrap();
+    build_layer(&src, Some("trusted."));
+    sh(&format!(
+        "mkfs.erofs {} {} >/dev/null && mount -t erofs -o loop,ro {} {}",
+        img.display(),
+        src.display(),
+        img.display(),
+        path.display()
+    ));
+    Some(Store {
+        path,
+        children: Vec::new(),
+        xattrs: true,
+        hard_links: true,
+        _dir: dir,
+    })
+}
+
+fn squashfuse() -> Option<Store> {
+    if !have("squashfuse") || !have("mksquashfs") {
+        println!("squashfuse store skipped: install squashfuse and squashfs-tools");
+        return None;
+    }
+    let dir = store_dir();
+    let (src, img, path) = (
+        dir.path().join("src"),
+        dir.path().join("img"),
+        dir.path().join("fs"),
+    );
+    fs::create_dir_all(&src).unwrap();
+    fs::create_dir_all(&path).unwrap();
+    // squashfuse 0.1.105 shows an image's trusted.* xattrs as security.* and cannot read
+    // them: its marks are the user.* ones (as rootless overlays write them).
+    build_layer(&src, Some("user."));
+    sh(&format!(
+        "mksquashfs {} {} -quiet -no-progress -xattrs >/dev/null",
+        src.display(),
+        img.display()
+    ));
+    let mut child = Command::new("squashfuse")
+        .arg("-f")
+        .arg(&img)
+        .arg(&path)
+        .spawn()
+        .unwrap();
+    wait_mounted(&path, &mut child);
+    Some(Store {
+        path,
+        children: vec![child],
+        xattrs: true,
+        // squashfuse gives each name its own inode number (nlink 2 on both).
+        hard_links: false,
+        _dir: dir,
+    })
+}
+
+fn sshfs() -> Option<Store> {
+    if !have("sshfs") || !Path::new("/usr/sbin/sshd").exists() {
+        println!("sshfs store skipped: install sshfs and openssh-server");
+        return None;
+    }
+    let dir = store_dir();
+    let d = dir.path();
+    let (src, path) = (d.join("src"), d.join("fs"));
+    fs::create_dir_all(&src).unwrap();
+    fs::create_dir_all(&path).unwrap();
+    // sshfs carries no xattrs (without xattr support on the server side of SFTP).
+    build_layer(&src, None);
+    sh(&format!(
+        "ssh-keygen -q -t ed25519 -N '' -f {0}/host && ssh-keygen -q -t ed25519 -N '' -f {0}/user \
+         && cp {0}/user.pub {0}/authorized && mkdir -p /run/sshd",
+        d.display()
+    ));
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    fs::write(
+        d.join("sshd_config"),
+        format!(
+            "ListenAddress 127.0.0.1\nPort {port}\nHostKey {0}/host\nAuthorizedKeysFile {0}/authorized\n\
+             PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\nPidFile none\n\
+             Subsystem sftp internal-sftp\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut sshd = Command::new("/usr/sbin/sshd")
+        .args(["-D", "-e", "-f"])
+        .arg(d.join("sshd_config"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(sshd.try_wait().unwrap().is_none(), "sshd exited");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "sshd does not listen"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut child = Command::new("sshfs")
+        .arg("-f")
+        .arg(format!("root@127.0.0.1:{}", src.display()))
+        .arg(&path)
+        .args([
+            "-o",
+            &format!(
+                "port={port},IdentityFile={}/user,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes,LogLevel=ERROR",
+                d.display()
+            ),
+        ])
+        .spawn()
+        .unwrap();
+    wait_mounted(&path, &mut child);
+    Some(Store {
+        path,
+        children: vec![sshd, child],
+        xattrs: false,
+        hard_links: false,
+        _dir: dir,
+    })
+}
+
+/// Inode number of every path of the merged view.
+fn inode_numbers(root: &Path) -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let m = fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                todo.push(p.clone());
+            }
+            out.insert(p.strip_prefix(root).unwrap().display().to_string(), m.ino());
+        }
+    }
+    out
+}
+
+fn check_store(store: Store, what: &str) {
+    let mut m = Mount::new(2);
+    m.lowers[0] = store.path.clone();
+    build_bottom(m.lower(1));
+    m.mount();
+    let xattrs = store.xattrs;
+    assert_eq!(names(&m.mnt), expected_names(xattrs), "{what}: merged view");
+    assert_eq!(
+        names(m.path("opq")),
+        vec!["new"],
+        "{what}: opaque directory"
+    );
+    assert_eq!(
+        fs::read(m.path("d/a")).unwrap(),
+        pattern(300_000, 12),
+        "{what}"
+    );
+    assert_eq!(fs::read_link(m.path("sym")).unwrap(), PathBuf::from("d/a"));
+    if xattrs {
+        assert_eq!(
+            get_xattr(&m.path("big"), "user.layer").as_deref(),
+            Some(&b"store"[..])
+        );
+    }
+
+    // Inode numbers: unique across the layers' devices, and the same after a remount.
+    let inos = inode_numbers(&m.mnt);
+    let mut seen: HashMap<u64, &String> = HashMap::new();
+    for (p, ino) in &inos {
+        if let Some(other) = seen.insert(*ino, p) {
+            let linked = [p.as_str(), other.as_str()];
+            assert!(
+                store.hard_links && linked.contains(&"h1") && linked.contains(&"h2"),
+                "{what}: {p} and {other} share inode number {ino}"
+            );
+        }
+    }
+    assert_eq!(
+        inos["h1"] == inos["h2"],
+        store.hard_links,
+        "{what}: hard links as the store reports them"
+    );
+
+    // Block-level copy-up: one byte written, one block in the upper layer.
+    write_at(m.path("big"), 4 << 20, b"!");
+    let mut want = pattern(8 << 20, 11);
+    want[4 << 20] = b'!';
+    assert_eq!(
+        fs::read(m.path("big")).unwrap(),
+        want,
+        "{what}: partial file"
+    );
+    assert!(
+        allocated(&m.upper.join("big")) <= 64 << 10,
+        "{what}: copied whole"
+    );
+    // Metadata-only copy-up: a chown copies no data.
+    std::os::unix::fs::chown(m.path("d/a"), Some(1000), Some(1000)).unwrap();
+    assert_eq!(fs::metadata(m.path("d/a")).unwrap().uid(), 1000);
+    // (At most the block ext4 gives xattrs that do not fit in the inode: the mark.)
+    assert!(
+        allocated(&m.upper.join("d/a")) <= 4096,
+        "{what}: chown copied data"
+    );
+    assert_eq!(fs::read(m.path("d/a")).unwrap(), pattern(300_000, 12));
+    // A write through one name of a hard link shows through the other.
+    write_at(m.path("h1"), 0, b"L");
+    if store.hard_links {
+        assert_eq!(fs::read(m.path("h2")).unwrap(), b"Linked", "{what}");
+    }
+    // A renamed lower directory.
+    fs::rename(m.path("d"), m.path("e")).unwrap();
+    assert_eq!(fs::read(m.path("e/sub/b")).unwrap(), b"bee");
+    assert!(!m.path("d").exists());
+
+    m.remount();
+    let after = inode_numbers(&m.mnt);
+    for p in ["big", "h1", "kept", "opq", "sym"] {
+        assert_eq!(
+            after[p], inos[p],
+            "{what}: inode number of {p} changed at remount"
+        );
+    }
+    assert_eq!(
+        after["e/sub/b"], inos["d/sub/b"],
+        "{what}: renamed directory's file"
+    );
+    assert_eq!(
+        fs::read(m.path("big")).unwrap(),
+        want,
+        "{what}: after remount"
+    );
+    assert_eq!(fs::read(m.path("e/a")).unwrap(), pattern(300_000, 12));
+    assert_eq!(fs::metadata(m.path("e/a")).unwrap().uid(), 1000);
+    assert!(!m.path("d").exists() && !m.path("wh_dev").exists() && !m.path("wh_file").exists());
+    m.unmount();
+    drop(store);
+}
+
+#[test]
+fn a_lower_layer_on_erofs() {
+    if let Some(s) = erofs() {
+        check_store(s, "erofs");
+    }
+}
+
+#[test]
+fn a_lower_layer_on_squashfuse() {
+    if let Some(s) = squashfuse() {
+        check_store(s, "squashfuse");
+    }
+}
+
+#[test]
+fn a_lower_layer_on_sshfs() {
+    if let Some(s) = sshfs() {
+        check_store(s, "sshfs");
+    }
+}
