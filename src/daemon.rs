@@ -239,6 +239,9 @@ fn wait_for_child(r: OwnedFd) -> Result<(), String> {
     }
 }
 
+/// The most FUSE worker threads a mount grows to (see `fuser_config`).
+const MAX_WORKERS: usize = 64;
+
 fn fuser_config(opts: &Options) -> fuser::Config {
     use fuser::MountOption as M;
     let mut mo = vec![
@@ -269,6 +272,11 @@ fn fuser_config(opts: &Options) -> fuser::Config {
         fuser::SessionACL::Owner
     };
     cfg.n_threads = Some(opts.threads);
+    // While every worker is stuck on one request (a lower layer on a network store that
+    // stopped answering), more workers serve the rest of the mount; `threaded=0` keeps one.
+    if opts.threads > 1 {
+        cfg.max_threads = Some(MAX_WORKERS.max(opts.threads));
+    }
     cfg.clone_fd = true;
     cfg
 }

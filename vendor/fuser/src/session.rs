@@ -269,56 +269,94 @@ impl<FS: Filesystem> Session<FS> {
 
         let mut filesystem = Arc::new(filesystem);
 
-        let mut channels = Vec::with_capacity(n_threads);
-
-        for _ in 0..n_threads_minus_one {
-            if config.clone_fd {
+        // mosaicfs patch: the pool of workers can grow (`Config::max_threads`). Each worker
+        // publishes when its current request started; a supervisor adds a worker while all
+        // of them have been on one request for `STUCK_AFTER`. Added workers stay until the
+        // session ends. Every worker's handle is in `pool.handles`, joined below.
+        let max_threads = config.max_threads.unwrap_or(n_threads).max(n_threads);
+        let pool = Arc::new(WorkerPool {
+            handles: std::sync::Mutex::new(Vec::with_capacity(max_threads)),
+            busy_since: std::sync::Mutex::new(Vec::with_capacity(max_threads)),
+            epoch: std::time::Instant::now(),
+            ended: std::sync::atomic::AtomicBool::new(false),
+        });
+        let clone_fd = config.clone_fd;
+        let new_channel = move |ch: &Channel| -> io::Result<Channel> {
+            if clone_fd {
                 #[cfg(target_os = "linux")]
                 {
-                    channels.push(ch.clone_fd()?);
-                    continue;
+                    return ch.clone_fd();
                 }
                 #[cfg(not(target_os = "linux"))]
                 {
                     return Err(io::Error::other("clone_fd is only supported on Linux"));
                 }
-            } else {
-                channels.push(ch.clone());
             }
+            Ok(ch.clone())
+        };
+        let template = if max_threads > n_threads {
+            Some(new_channel(&ch)?)
+        } else {
+            None
+        };
+        let mut channels = Vec::with_capacity(n_threads);
+        for _ in 0..n_threads_minus_one {
+            channels.push(new_channel(&ch)?);
         }
         channels.push(ch);
-
-        let mut threads = Vec::with_capacity(n_threads);
-
-        for (i, ch) in channels.into_iter().enumerate() {
-            let thread_name = format!("fuser-{i}");
-            let event_loop = SessionEventLoop {
-                thread_name: thread_name.clone(),
-                filesystem: filesystem.clone(),
-                ch,
-                allowed,
-                session_owner,
-            };
-            threads.push(
-                thread::Builder::new()
-                    .name(thread_name)
-                    .spawn(move || event_loop.event_loop())?,
-            );
+        for ch in channels {
+            pool.spawn(ch, &filesystem, allowed, session_owner)?;
+        }
+        if let Some(template) = template {
+            let pool = pool.clone();
+            let filesystem = filesystem.clone();
+            thread::Builder::new()
+                .name("fuser-pool".into())
+                .spawn(move || {
+                    while !pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
+                        thread::sleep(STUCK_AFTER / 4);
+                        if pool.workers() < max_threads && pool.all_stuck() {
+                            let spawned = new_channel(&template).and_then(|ch| {
+                                pool.spawn(ch, &filesystem, allowed, session_owner)
+                            });
+                            match spawned {
+                                Ok(true) => info!(
+                                    "every FUSE worker is busy with one request for {STUCK_AFTER:?}: \
+                                     {} workers now",
+                                    pool.workers()
+                                ),
+                                Ok(false) => {}
+                                Err(e) => warn!("cannot add a FUSE worker: {e}"),
+                            }
+                        }
+                    }
+                    // The supervisor holds the file system too: it must be gone before
+                    // `run` takes the file system back.
+                    drop(filesystem);
+                })?;
         }
 
         let mut reply: io::Result<()> = Ok(());
-        for thread in threads {
+        loop {
+            let next = pool.handles.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let Some(thread) = next else { break };
             let res = match thread.join() {
                 Ok(res) => res,
                 Err(_) => {
                     return Err(io::Error::other("event loop thread panicked"));
                 }
             };
+            // A worker ends only with the session: no more workers from here on.
+            pool.end();
             if let Err(e) = res {
                 if reply.is_ok() {
                     reply = Err(e);
                 }
             }
+        }
+        // Wait for the supervisor to let go of the file system.
+        while Arc::strong_count(&filesystem) > 1 {
+            thread::sleep(std::time::Duration::from_millis(5));
         }
 
         let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
@@ -511,6 +549,78 @@ impl SessionUnmounter {
     }
 }
 
+/// mosaicfs patch: how long every worker must have been on one request before the pool
+/// grows (`Config::max_threads`).
+pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// mosaicfs patch: the session's workers, for the supervisor that grows the pool.
+struct WorkerPool {
+    handles: std::sync::Mutex<Vec<JoinHandle<io::Result<()>>>>,
+    /// Per worker: when its current request was dispatched (ns since `epoch`, at least 1), or
+    /// 0 while it waits for one.
+    busy_since: std::sync::Mutex<Vec<Arc<std::sync::atomic::AtomicU64>>>,
+    epoch: std::time::Instant,
+    /// Set once a worker has ended: the session is over and no worker may be added.
+    ended: std::sync::atomic::AtomicBool,
+}
+
+impl WorkerPool {
+    fn workers(&self) -> usize {
+        self.busy_since.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    fn all_stuck(&self) -> bool {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        let stuck = STUCK_AFTER.as_nanos() as u64;
+        self.busy_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .all(|s| {
+                let t = s.load(std::sync::atomic::Ordering::Relaxed);
+                t != 0 && now.saturating_sub(t) >= stuck
+            })
+    }
+
+    fn end(&self) {
+        // Under the handles' lock, which `spawn` holds: no worker is added after this.
+        let _handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        self.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Starts a worker on `ch`, unless the session has ended (then `false`).
+    fn spawn<FS: Filesystem + Send + Sync + 'static>(
+        self: &Arc<Self>,
+        ch: Channel,
+        filesystem: &Arc<FilesystemHolder<FS>>,
+        allowed: SessionACL,
+        session_owner: Uid,
+    ) -> io::Result<bool> {
+        let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        if self.ended.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let busy = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut slots = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        let thread_name = format!("fuser-{}", slots.len());
+        let event_loop = SessionEventLoop {
+            thread_name: thread_name.clone(),
+            filesystem: filesystem.clone(),
+            ch,
+            allowed,
+            session_owner,
+            busy: Some((busy.clone(), self.epoch)),
+        };
+        handles.push(
+            thread::Builder::new()
+                .name(thread_name)
+                .spawn(move || event_loop.event_loop())?,
+        );
+        slots.push(busy);
+        Ok(true)
+    }
+}
+
 pub(crate) struct SessionEventLoop<FS: Filesystem> {
     /// Cache thread name for faster `debug!`.
     pub(crate) thread_name: String,
@@ -518,6 +628,8 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) filesystem: Arc<FilesystemHolder<FS>>,
     pub(crate) allowed: SessionACL,
     pub(crate) session_owner: Uid,
+    /// mosaicfs patch: where this worker says since when it is busy (`WorkerPool`).
+    pub(crate) busy: Option<(Arc<std::sync::atomic::AtomicU64>, std::time::Instant)>,
 }
 
 impl<FS: Filesystem> SessionEventLoop<FS> {
@@ -540,9 +652,16 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                             // mosaicfs patch: a panic in one request ends that request, not the
                             // worker thread: its unsent reply answers EIO as it unwinds, and
                             // the thread goes on serving (the file system logs the panic).
+                            if let Some((busy, epoch)) = &self.busy {
+                                let t = (epoch.elapsed().as_nanos() as u64).max(1);
+                                busy.store(t, std::sync::atomic::Ordering::Relaxed);
+                            }
                             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 req.dispatch(self)
                             }));
+                            if let Some((busy, _)) = &self.busy {
+                                busy.store(0, std::sync::atomic::Ordering::Relaxed);
+                            }
                         }
                     }
                     // Quit loop on illegal request

@@ -18,6 +18,10 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
+    /// mosaicfs patch: grow the worker pool up to this many threads while every worker has
+    /// been busy with one request for a while (`session::STUCK_AFTER`), so that requests
+    /// blocked in a slow backing store do not hold up all others. Unspecified: `n_threads`.
+    pub max_threads: Option<usize>,
 }
 
 /// Mount options accepted by the FUSE filesystem type
