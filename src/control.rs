@@ -305,10 +305,17 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
         log::info!("control socket {}: {e}; not served", path.display());
         return;
     }
+    // The socket file's inode: at exit the daemon removes the path only while it is still
+    // this socket. Device numbers of FUSE mounts are reused at once, so a new mount on the same
+    // number may have bound its own socket there by the time an old daemon exits.
+    let Ok(meta) = std::fs::metadata(&path) else {
+        return;
+    };
     *overlay
         .control_socket
         .lock()
-        .unwrap_or_else(|e| e.into_inner()) = Some(path);
+        .unwrap_or_else(|e| e.into_inner()) =
+        Some((path, std::os::unix::fs::MetadataExt::ino(&meta)));
     let _ = std::thread::Builder::new()
         .name("mosaicfs-control".into())
         .spawn(move || {

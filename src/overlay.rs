@@ -102,7 +102,8 @@ pub struct Overlay {
     /// Copy-after-write's shared state; `None` when it is off.
     pub caw: Option<Arc<crate::caw::CawShared>>,
     /// The control socket, removed at shutdown (control.rs).
-    pub control_socket: std::sync::Mutex<Option<PathBuf>>,
+    /// The control socket's path and inode (control.rs), removed at shutdown.
+    pub control_socket: std::sync::Mutex<Option<(PathBuf, u64)>>,
     /// Moves of upper directories (renames, removals), which change the upper paths of
     /// everything below them. Upper objects are reached by paths built from the inodes' links;
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
@@ -490,11 +491,12 @@ impl Overlay {
             }
         }
         log::info!("{}", self.stats.summary());
-        if let Some(p) = self
+        if let Some((p, ino)) = self
             .control_socket
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+            && std::fs::metadata(&p).is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino)
         {
             let _ = std::fs::remove_file(p);
         }

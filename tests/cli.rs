@@ -527,3 +527,32 @@ fn the_man_page_covers_every_option_and_command() {
         );
     }
 }
+
+/// A daemon removes its control socket at exit only while the path is still its socket: the
+/// device number of a FUSE mount is reused at once, and a new mount on it may have bound its
+/// own socket there before the old daemon exits (status then found no daemon).
+#[test]
+fn an_exiting_daemon_leaves_a_newer_mounts_control_socket_alone() {
+    let mut m = Mount::new(1);
+    m.mount();
+    let dev = Command::new("mountpoint")
+        .arg("-d")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let dev = String::from_utf8_lossy(&dev.stdout)
+        .trim()
+        .replace(':', "-");
+    let sock = std::path::PathBuf::from(format!("/run/mosaicfs/{dev}.sock"));
+    assert!(sock.exists(), "{}", sock.display());
+    // What a newer mount on the same device number does.
+    fs::remove_file(&sock).unwrap();
+    let newer = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    m.unmount();
+    assert!(
+        sock.exists(),
+        "the exiting daemon removed the newer mount's socket"
+    );
+    drop(newer);
+    fs::remove_file(&sock).unwrap();
+}

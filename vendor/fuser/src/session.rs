@@ -307,14 +307,18 @@ impl<FS: Filesystem> Session<FS> {
         for ch in channels {
             pool.spawn(ch, &filesystem, allowed, session_owner)?;
         }
+        let mut supervisor = None;
         if let Some(template) = template {
             let pool = pool.clone();
             let filesystem = filesystem.clone();
-            thread::Builder::new()
+            supervisor = Some(thread::Builder::new()
                 .name("fuser-pool".into())
                 .spawn(move || {
                     while !pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
-                        thread::sleep(STUCK_AFTER / 4);
+                        thread::park_timeout(STUCK_AFTER / 4);
+                        if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
+                        }
                         if pool.workers() < max_threads && pool.all_stuck() {
                             let spawned = new_channel(&template).and_then(|ch| {
                                 pool.spawn(ch, &filesystem, allowed, session_owner)
@@ -333,7 +337,7 @@ impl<FS: Filesystem> Session<FS> {
                     // The supervisor holds the file system too: it must be gone before
                     // `run` takes the file system back.
                     drop(filesystem);
-                })?;
+                })?);
         }
 
         let mut reply: io::Result<()> = Ok(());
@@ -354,9 +358,11 @@ impl<FS: Filesystem> Session<FS> {
                 }
             }
         }
-        // Wait for the supervisor to let go of the file system.
-        while Arc::strong_count(&filesystem) > 1 {
-            thread::sleep(std::time::Duration::from_millis(5));
+        // The supervisor lets go of the file system when it sees the session ended.
+        pool.end();
+        if let Some(supervisor) = supervisor {
+            supervisor.thread().unpark();
+            let _ = supervisor.join();
         }
 
         let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
