@@ -109,6 +109,7 @@ impl Overlay {
 
     pub fn readlink(&self, ino: Ino) -> Result<OsString> {
         let node = self.node(ino)?;
+        let _waiting = self.waiting_on(&node)?;
         self.settled(|| {
             let (dir, name) = self.top_entry(&node)?;
             sys::read_link_at(dir.as_fd(), name.as_deref().unwrap_or(OsStr::new(".")))
@@ -140,6 +141,7 @@ impl Overlay {
         let stored = self.stored_name(name).ok_or_else(|| errno(libc::ENODATA))?;
         let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
+        let _waiting = self.waiting_on(&node)?;
         self.settled(|| {
             let (dir, file) = self.top_entry(&node)?;
             sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
@@ -151,6 +153,7 @@ impl Overlay {
             return Ok(Vec::new());
         }
         let node = self.node(ino)?;
+        let _waiting = self.waiting_on(&node)?;
         let names = self.settled(|| {
             let (dir, file) = self.top_entry(&node)?;
             sys::list_xattr(dir.as_fd(), file.as_deref())

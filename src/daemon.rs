@@ -239,6 +239,53 @@ fn wait_for_child(r: OwnedFd) -> Result<(), String> {
     }
 }
 
+/// `lower_timeout=`: answers EIO for each request whose worker has waited on one lower layer
+/// for `limit` (lower_wait.rs), and keeps the layers' down flags current. The worker stays
+/// blocked until the store answers; its late reply finds no request and is dropped.
+fn spawn_lower_watchdog(
+    watch: fuser::RequestWatch,
+    limit: std::time::Duration,
+    overlay: Arc<Overlay>,
+) {
+    use std::time::Duration;
+    let tick = (limit / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
+    let _ = std::thread::Builder::new()
+        .name("mosaicfs-lower-watch".into())
+        .spawn(move || {
+            let mut answered: std::collections::HashSet<u64> = Default::default();
+            loop {
+                std::thread::sleep(tick);
+                let late = crate::lower_wait::overdue(limit);
+                let busy = watch.busy();
+                answered.retain(|u| busy.iter().any(|b| b.unique == *u));
+                for (tid, layer, waited) in late {
+                    let Some(req) = busy.iter().find(|b| b.thread == tid) else {
+                        continue; // a background thread (completion), not a request
+                    };
+                    if !answered.insert(req.unique) {
+                        continue;
+                    }
+                    let what = if layer == crate::lower_wait::DATA {
+                        "a lower file's data".to_string()
+                    } else {
+                        format!("lower layer '{}'", overlay.layers.layer(layer).path.display())
+                    };
+                    log::warn!(
+                        "a request has waited {:.1} s on {what}: answered EIO (lower_timeout={:.1}); \
+                         requests on that layer fail at once until it answers again",
+                        waited.as_secs_f64(),
+                        limit.as_secs_f64()
+                    );
+                    match watch.answer(req, fuser::Errno::EIO) {
+                        Ok(()) => overlay.stats.lower_timeouts.add(1),
+                        // Answered meanwhile by its worker.
+                        Err(e) => log::info!("the EIO answer was not taken: {e}"),
+                    }
+                }
+            }
+        });
+}
+
 /// The most FUSE worker threads a mount grows to (see `fuser_config`).
 const MAX_WORKERS: usize = 64;
 
@@ -299,6 +346,9 @@ fn serve(
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     spawn_signal_handler(opts.mountpoint.clone());
+    if let Some(limit) = opts.lower_timeout {
+        spawn_lower_watchdog(session.request_watch(), limit, control.clone());
+    }
     set_read_ahead(&opts.mountpoint, opts.read_ahead_kb);
     crate::control::serve(control.clone(), opts.mountpoint.clone());
     if let Some(listener) = metrics {

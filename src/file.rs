@@ -530,6 +530,7 @@ impl Overlay {
     /// Opens file `path` of lower layer `layer` for reading: a plain file, or a partial file
     /// left there by an earlier mount whose upper dir is now stacked as a lower one.
     pub fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
+        let _waiting = crate::lower_wait::enter(layer)?;
         let fd = sys::open_beneath(self.layers.root(layer), path, OFlags::RDONLY, 0)?;
         self.layer_source(fd, layer, path)
     }
@@ -913,12 +914,15 @@ impl Overlay {
             }),
             FileData::Lower(src) => BUF.with(|buf| {
                 let mut buf = buf.borrow_mut();
-                match src.pread_into(&mut buf, size as usize, off) {
+                let waiting = crate::lower_wait::enter(crate::lower_wait::DATA);
+                match waiting.and_then(|_w| src.pread_into(&mut buf, size as usize, off)) {
                     Ok(()) => reply(Ok(&buf)),
                     Err(e) => reply(Err(e)),
                 }
             }),
-            FileData::Partial(p) => match p.read(off, size as usize) {
+            FileData::Partial(p) => match crate::lower_wait::enter(crate::lower_wait::DATA)
+                .and_then(|_w| p.read(off, size as usize))
+            {
                 Ok(bytes) => reply(Ok(&bytes)),
                 Err(e) => reply(Err(e)),
             },

@@ -17,6 +17,7 @@ pub mod fuse;
 pub mod handles;
 pub mod inode;
 pub mod layers;
+pub mod lower_wait;
 pub mod namei;
 pub mod options;
 pub mod overlay;

@@ -241,6 +241,7 @@ impl Overlay {
             let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
                 continue;
             };
+            let _waiting = crate::lower_wait::enter(layer)?;
             let fd = match self.layers.dir(layer, parent) {
                 Ok(fd) => fd,
                 Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,

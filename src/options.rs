@@ -120,6 +120,9 @@ pub struct Options {
     pub read_ahead_kb: u32,
     /// Where the daemon serves Prometheus metrics over HTTP (`metrics=ADDR:PORT`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// How long a request may wait on a lower layer before it is answered EIO
+    /// (`lower_timeout=S`; lower_wait.rs). None: as long as the layer's store takes.
+    pub lower_timeout: Option<Duration>,
     /// When partial files are completed in the background.
     pub completion: crate::complete::CompletionPolicy,
     /// Copy up a regular file by cloning its extents (FICLONE) where the upper file system
@@ -167,6 +170,7 @@ impl Default for Options {
             reflink: true,
             read_ahead_kb: 4096,
             metrics: None,
+            lower_timeout: None,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
             remount: false,
@@ -541,6 +545,13 @@ impl Options {
                 self.caw_memory = Some(mib << 20);
             }
             "read_ahead_kb" => self.read_ahead_kb = parse_num(name, value)?,
+            "lower_timeout" => {
+                let secs: f64 = parse_num(name, value)?;
+                if !(0.0..=86400.0).contains(&secs) {
+                    return Err("option 'lower_timeout' takes seconds between 0 (no timeout) and one day".into());
+                }
+                self.lower_timeout = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
+            }
             "metrics" => {
                 let v = need(value)?;
                 self.metrics = Some(v.parse().map_err(|_| {

@@ -347,6 +347,19 @@ impl Overlay {
         }
     }
 
+    /// A wait on the lower layer `node` lives in, if it is not in the upper layer
+    /// (lower_wait.rs): for the syscalls on `top_entry`.
+    pub fn waiting_on(&self, node: &Node) -> Result<Option<crate::lower_wait::Waiting>> {
+        let top = {
+            let st = node.state();
+            if st.upper {
+                return Ok(None);
+            }
+            st.lower.as_ref().map(|l| l.top())
+        };
+        top.map(crate::lower_wait::enter).transpose()
+    }
+
     /// `stat` of the layer file behind `node`, not yet adjusted for the merged view.
     pub fn stat_layer(&self, node: &Node) -> Result<Attr> {
         if let Some(open) = node.state().open.upgrade()
@@ -354,6 +367,7 @@ impl Overlay {
         {
             return Ok(a);
         }
+        let _waiting = self.waiting_on(node)?;
         match self.top_entry(node)? {
             (dir, Some(name)) => sys::stat_at(dir.as_fd(), &name),
             (dir, None) => sys::fstat(dir.as_fd()),

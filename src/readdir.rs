@@ -154,6 +154,7 @@ impl Overlay {
         if let Some(lower) = &view.lower {
             for &layer in &lower.layers {
                 let path = lower.path_in(layer);
+                let _waiting = crate::lower_wait::enter(layer)?;
                 let entries = match sys::read_dir(self.layers.root(layer), path) {
                     Ok(e) => e,
                     Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,

@@ -60,6 +60,8 @@ pub struct Stats {
     /// fsync/fdatasync requests, and how many reached the disk (none with `volatile`).
     pub fsyncs: Counter,
     pub fsyncs_to_disk: Counter,
+    /// Requests answered EIO after waiting `lower_timeout` on a lower layer (lower_wait.rs).
+    pub lower_timeouts: Counter,
 }
 
 impl Stats {
@@ -79,6 +81,7 @@ impl Stats {
             ("blocks_filled", self.blocks_filled.get()),
             ("completions", self.completions.get()),
             ("completions_at_open", self.completions_at_open.get()),
+            ("lower_timeouts", self.lower_timeouts.get()),
             ("fsyncs", self.fsyncs.get()),
             ("fsyncs_to_disk", self.fsyncs_to_disk.get()),
         ]

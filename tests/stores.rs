@@ -278,7 +278,11 @@ struct Gluster {
     store: Option<Store>,
     volume: String,
     brick: PathBuf,
+    /// One glusterd per machine (it listens on port 24007): one volume at a time.
+    _one: std::sync::MutexGuard<'static, ()>,
 }
+
+static GLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Gluster {
     fn new() -> Option<Gluster> {
@@ -294,6 +298,7 @@ impl Gluster {
             println!("GlusterFS store skipped: this machine has no non-loopback address");
             return None;
         }
+        let one = GLUSTER.lock().unwrap_or_else(|e| e.into_inner());
         let dir = store_dir();
         let d = dir.path().to_path_buf();
         let (brick, path, state) = (d.join("brick"), d.join("fs"), d.join("glusterd"));
@@ -323,7 +328,13 @@ impl Gluster {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        let volume = format!("mosaicfs{}", std::process::id());
+        let volume = format!(
+            "mosaicfs{}",
+            d.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .replace(|c: char| !c.is_ascii_alphanumeric(), "")
+        );
         for cmd in [
             format!("volume create {volume} {host}:{} force", brick.display()),
             format!("volume start {volume}"),
@@ -355,6 +366,7 @@ impl Gluster {
             }),
             volume,
             brick,
+            _one: one,
         })
     }
 
@@ -602,4 +614,69 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     drop(kept);
     m.unmount();
     drop(g);
+}
+
+/// `lower_timeout=`: a request waiting on a stopped GlusterFS layer is answered EIO after the
+/// timeout; while one waits that long the layer counts as down and further requests on it fail
+/// at once (instead of taking more threads); the upper layer is served throughout; when the
+/// brick continues, the layer is served again without a remount.
+#[test]
+fn lower_timeout_answers_eio_for_a_stopped_layer_which_comes_back() {
+    let Some(g) = Gluster::new() else { return };
+    let store = g.store.as_ref().unwrap();
+    for i in 0..4 {
+        write(store.path.join(format!("f{i}")), format!("file {i}"));
+    }
+    let mut m = Mount::new(2);
+    m.lowers[0] = store.path.clone();
+    write(m.lower(1).join("below"), b"below");
+    m.extra.push("lower_timeout=2".into());
+    m.mount();
+    write(m.path("upper_file"), b"upper");
+    let _ = fs::metadata(m.path("f0")).unwrap();
+    let brick = g.brick_pid();
+    sh(&format!("kill -STOP {brick}"));
+    // The entry expires (timeout=1): the open revalidates it with a LOOKUP on the stopped layer.
+    std::thread::sleep(Duration::from_millis(1200));
+    let t = Instant::now();
+    let first = errno_of(fs::read(m.path("f0")));
+    let waited = t.elapsed();
+    let t = Instant::now();
+    let second = errno_of(fs::metadata(m.path("f1")));
+    let at_once = t.elapsed();
+    let upper = fs::read(m.path("upper_file"));
+    sh(&format!("kill -CONT {brick}"));
+    assert_eq!(first, libc::EIO);
+    if !(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(6)) {
+        panic!("answered after {waited:?}; daemon log:\n{}", m.unmount());
+    }
+    assert_eq!(second, libc::EIO);
+    assert!(
+        at_once < Duration::from_millis(500),
+        "a down layer took {at_once:?}"
+    );
+    assert_eq!(upper.unwrap(), b"upper");
+    // Served again once the store answers (the stuck lookup returns, the layer is up).
+    let start = Instant::now();
+    loop {
+        match fs::read(m.path("f2")) {
+            Ok(b) => {
+                assert_eq!(b, b"file 2");
+                break;
+            }
+            Err(e) => assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the layer did not come back: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = Command::new(BIN)
+        .args(["status", "--prometheus"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("mosaicfs_lower_timeouts_total 1\n"), "{text}");
+    m.unmount();
 }

@@ -139,6 +139,8 @@ pub struct Session<FS: Filesystem> {
     /// The field is set to `Some` when the init message is received.
     pub(crate) proto_version: Option<Version>,
     pub(crate) config: Config,
+    /// mosaicfs patch: the workers, made here so that `request_watch` works before `run`.
+    pool: Arc<WorkerPool>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -185,6 +187,7 @@ impl<FS: Filesystem> Session<FS> {
             allowed: options.acl,
             session_owner: geteuid(),
             proto_version: None,
+            pool: WorkerPool::new(),
             config: options.clone(),
         };
 
@@ -213,6 +216,7 @@ impl<FS: Filesystem> Session<FS> {
             allowed: acl,
             session_owner: geteuid(),
             proto_version: None,
+            pool: WorkerPool::new(),
             config,
         };
 
@@ -252,6 +256,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner,
             proto_version: _,
             config,
+            pool,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -274,12 +279,6 @@ impl<FS: Filesystem> Session<FS> {
         // of them have been on one request for `STUCK_AFTER`. Added workers stay until the
         // session ends. Every worker's handle is in `pool.handles`, joined below.
         let max_threads = config.max_threads.unwrap_or(n_threads).max(n_threads);
-        let pool = Arc::new(WorkerPool {
-            handles: std::sync::Mutex::new(Vec::with_capacity(max_threads)),
-            busy_since: std::sync::Mutex::new(Vec::with_capacity(max_threads)),
-            epoch: std::time::Instant::now(),
-            ended: std::sync::atomic::AtomicBool::new(false),
-        });
         let clone_fd = config.clone_fd;
         let new_channel = move |ch: &Channel| -> io::Result<Channel> {
             if clone_fd {
@@ -537,6 +536,69 @@ impl<FS: Filesystem> Session<FS> {
     pub fn notifier(&self) -> Notifier {
         Notifier::new(self.ch.sender())
     }
+
+    /// mosaicfs patch: what the workers are serving, and a way to answer a request early.
+    pub fn request_watch(&self) -> RequestWatch {
+        RequestWatch {
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+/// mosaicfs patch: a request a worker is serving.
+#[derive(Debug, Clone, Copy)]
+pub struct BusyRequest {
+    /// The worker's thread id (gettid).
+    pub thread: i32,
+    /// The request's unique id.
+    pub unique: u64,
+    /// How long the worker has been serving it.
+    pub elapsed: std::time::Duration,
+}
+
+/// mosaicfs patch: the requests the session's workers are serving, and a way to answer one
+/// before its worker does. The worker's own reply, when it comes, finds no request in the
+/// kernel (the write fails with ENOENT, which is logged) and is lost.
+#[derive(Debug, Clone)]
+pub struct RequestWatch {
+    pool: Arc<WorkerPool>,
+}
+
+impl RequestWatch {
+    /// The requests being served now.
+    pub fn busy(&self) -> Vec<BusyRequest> {
+        let now = self.pool.epoch.elapsed().as_nanos() as u64;
+        self.pool
+            .busy_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|w| {
+                let since = w.since.load(std::sync::atomic::Ordering::Acquire);
+                (since != 0).then(|| BusyRequest {
+                    thread: w.thread.load(std::sync::atomic::Ordering::Relaxed),
+                    unique: w.unique.load(std::sync::atomic::Ordering::Relaxed),
+                    elapsed: std::time::Duration::from_nanos(now.saturating_sub(since)),
+                })
+            })
+            .collect()
+    }
+
+    /// Answers `request` with `errno` now, on the channel its worker read it from (the
+    /// kernel looks a reply up among the requests of the device it is written to).
+    pub fn answer(&self, request: &BusyRequest, errno: Errno) -> io::Result<()> {
+        use crate::ll::reply::Response;
+        let sender = self
+            .pool
+            .busy_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|w| w.thread.load(std::sync::atomic::Ordering::Relaxed) == request.thread)
+            .map(|w| w.sender.clone())
+            .ok_or_else(|| io::Error::other("no such worker"))?;
+        ResponseErrno(errno).with_iovec(ll::RequestId(request.unique), |iov| sender.send(iov))
+    }
 }
 
 #[derive(Debug)]
@@ -559,18 +621,39 @@ impl SessionUnmounter {
 /// grows (`Config::max_threads`).
 pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// mosaicfs patch: the session's workers, for the supervisor that grows the pool.
+/// mosaicfs patch: the session's workers, for the supervisor that grows the pool and for
+/// `RequestWatch`.
+#[derive(Debug)]
 struct WorkerPool {
     handles: std::sync::Mutex<Vec<JoinHandle<io::Result<()>>>>,
-    /// Per worker: when its current request was dispatched (ns since `epoch`, at least 1), or
-    /// 0 while it waits for one.
-    busy_since: std::sync::Mutex<Vec<Arc<std::sync::atomic::AtomicU64>>>,
+    busy_since: std::sync::Mutex<Vec<Arc<WorkerState>>>,
     epoch: std::time::Instant,
     /// Set once a worker has ended: the session is over and no worker may be added.
     ended: std::sync::atomic::AtomicBool,
 }
 
+/// What one worker is doing.
+#[derive(Debug)]
+pub(crate) struct WorkerState {
+    /// The worker's channel: a reply must go to the device (clone) the request came from.
+    sender: ChannelSender,
+    /// When its current request was dispatched (ns since the pool's epoch, at least 1), or 0
+    /// while it waits for one. Stored last (Release) when a request starts.
+    since: std::sync::atomic::AtomicU64,
+    unique: std::sync::atomic::AtomicU64,
+    thread: std::sync::atomic::AtomicI32,
+}
+
 impl WorkerPool {
+    fn new() -> Arc<WorkerPool> {
+        Arc::new(WorkerPool {
+            handles: std::sync::Mutex::new(Vec::new()),
+            busy_since: std::sync::Mutex::new(Vec::new()),
+            epoch: std::time::Instant::now(),
+            ended: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
     fn workers(&self) -> usize {
         self.busy_since.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -583,7 +666,7 @@ impl WorkerPool {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .all(|s| {
-                let t = s.load(std::sync::atomic::Ordering::Relaxed);
+                let t = s.since.load(std::sync::atomic::Ordering::Relaxed);
                 t != 0 && now.saturating_sub(t) >= stuck
             })
     }
@@ -606,7 +689,12 @@ impl WorkerPool {
         if self.ended.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(false);
         }
-        let busy = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let busy = Arc::new(WorkerState {
+            sender: ch.sender(),
+            since: Default::default(),
+            unique: Default::default(),
+            thread: Default::default(),
+        });
         let mut slots = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
         let thread_name = format!("fuser-{}", slots.len());
         let event_loop = SessionEventLoop {
@@ -634,12 +722,15 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) filesystem: Arc<FilesystemHolder<FS>>,
     pub(crate) allowed: SessionACL,
     pub(crate) session_owner: Uid,
-    /// mosaicfs patch: where this worker says since when it is busy (`WorkerPool`).
-    pub(crate) busy: Option<(Arc<std::sync::atomic::AtomicU64>, std::time::Instant)>,
+    /// mosaicfs patch: where this worker says what it is busy with (`WorkerPool`).
+    pub(crate) busy: Option<(Arc<WorkerState>, std::time::Instant)>,
 }
 
 impl<FS: Filesystem> SessionEventLoop<FS> {
     fn event_loop(&self) -> io::Result<()> {
+        if let Some((busy, _)) = &self.busy {
+            busy.thread.store(nix::unistd::gettid().as_raw(), std::sync::atomic::Ordering::Relaxed);
+        }
         // Buffer for receiving requests from the kernel. Only one is allocated and
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut buf = FuseReadBuf::new();
@@ -660,13 +751,14 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                             // the thread goes on serving (the file system logs the panic).
                             if let Some((busy, epoch)) = &self.busy {
                                 let t = (epoch.elapsed().as_nanos() as u64).max(1);
-                                busy.store(t, std::sync::atomic::Ordering::Relaxed);
+                                busy.unique.store(req.request.unique().0, std::sync::atomic::Ordering::Relaxed);
+                                busy.since.store(t, std::sync::atomic::Ordering::Release);
                             }
                             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 req.dispatch(self)
                             }));
                             if let Some((busy, _)) = &self.busy {
-                                busy.store(0, std::sync::atomic::Ordering::Relaxed);
+                                busy.since.store(0, std::sync::atomic::Ordering::Release);
                             }
                         }
                     }
