@@ -228,6 +228,15 @@ impl MosaicFs {
         self.core.config.timeout
     }
 
+    /// The cache time for `node`: longer for an object only lower layers hold (`lower_cache=`).
+    fn ttl_of(&self, node: &crate::inode::Node) -> Duration {
+        if node.state().upper {
+            self.core.config.timeout
+        } else {
+            self.core.config.lower_cache
+        }
+    }
+
     fn entry(&self, reply: ReplyEntry, r: crate::error::Result<(Arc<crate::inode::Node>, Attr)>) {
         match r {
             Ok((node, attr)) => reply.entry(
@@ -289,7 +298,7 @@ impl Filesystem for MosaicFs {
         }
         match self.core.lookup(parent.0, name) {
             Ok((node, attr)) => reply.entry(
-                &self.ttl(),
+                &self.ttl_of(&node),
                 &entry_attr(&node, &attr),
                 Generation(node.generation()),
             ),
@@ -308,7 +317,13 @@ impl Filesystem for MosaicFs {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self.core.getattr(ino.0) {
-            Ok(a) => reply.attr(&self.ttl(), &fuse_attr(&a)),
+            Ok(a) => {
+                let ttl = match self.core.node(ino.0) {
+                    Ok(node) => self.ttl_of(&node),
+                    Err(_) => self.ttl(),
+                };
+                reply.attr(&ttl, &fuse_attr(&a))
+            }
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -579,7 +594,11 @@ impl Filesystem for MosaicFs {
                     INodeNo(e.ino),
                     next,
                     &e.name,
-                    &ttl,
+                    &if node.state().upper {
+                        ttl
+                    } else {
+                        self.core.config.lower_cache
+                    },
                     &entry_attr(node, attr),
                     Generation(node.generation()),
                 ),

@@ -123,6 +123,11 @@ pub struct Options {
     /// How long a request may wait on a lower layer before it is answered EIO
     /// (`lower_timeout=S`; lower_wait.rs). None: as long as the layer's store takes.
     pub lower_timeout: Option<Duration>,
+    /// How long the kernel may cache entries and attributes of objects that live only in lower
+    /// layers (`lower_cache=S`); None: 60 s, or `timeout=` when that was given.
+    pub lower_cache: Option<Duration>,
+    /// Whether `timeout=` (or `entry_timeout=`, `attr_timeout=`) was given.
+    pub timeout_given: bool,
     /// When partial files are completed in the background.
     pub completion: crate::complete::CompletionPolicy,
     /// Copy up a regular file by cloning its extents (FICLONE) where the upper file system
@@ -171,6 +176,8 @@ impl Default for Options {
             read_ahead_kb: 4096,
             metrics: None,
             lower_timeout: None,
+            lower_cache: None,
+            timeout_given: false,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
             remount: false,
@@ -521,6 +528,7 @@ impl Options {
                     return Err(format!("option '{name}' must be between 0 and one year"));
                 }
                 self.timeout = Duration::from_secs_f64(secs);
+                self.timeout_given = true;
             }
             "threaded" => {
                 if !parse_bool(name, value)? {
@@ -545,6 +553,13 @@ impl Options {
                 self.caw_memory = Some(mib << 20);
             }
             "read_ahead_kb" => self.read_ahead_kb = parse_num(name, value)?,
+            "lower_cache" => {
+                let secs: f64 = parse_num(name, value)?;
+                if !(0.0..=86400.0 * 365.0).contains(&secs) {
+                    return Err(format!("option '{name}' must be between 0 and one year"));
+                }
+                self.lower_cache = Some(Duration::from_secs_f64(secs));
+            }
             "lower_timeout" => {
                 let secs: f64 = parse_num(name, value)?;
                 if !(0.0..=86400.0).contains(&secs) {

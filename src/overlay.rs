@@ -54,6 +54,8 @@ pub struct Config {
     pub uid_map: IdMap,
     pub gid_map: IdMap,
     pub timeout: Duration,
+    /// The cache time of objects only lower layers hold (`lower_cache=`): layers do not change.
+    pub lower_cache: Duration,
     pub completion: crate::complete::CompletionPolicy,
     /// Bytes of pending blocks allowed for copy-after-write; `None`: copy-after-write off.
     pub caw_memory: Option<usize>,
@@ -79,6 +81,11 @@ impl Config {
             uid_map: o.uid_map.clone(),
             gid_map: o.gid_map.clone(),
             timeout: o.timeout,
+            lower_cache: o.lower_cache.unwrap_or(if o.timeout_given {
+                o.timeout
+            } else {
+                LOWER_CACHE
+            }),
             xattr_permissions: o.xattr_permissions,
             passthrough: o.passthrough,
             completion: o.completion,
@@ -88,6 +95,13 @@ impl Config {
         }
     }
 }
+
+/// How long the kernel caches entries and attributes of lower-only objects by default.
+/// Lower layers do not change under a mount (as for kernel overlayfs, which caches them for as
+/// long as it likes), and every change made through the mount reaches the kernel's caches
+/// anyway: a lookup served from the cache needs no daemon and no lower store — which matters
+/// when that store is slow or has stopped answering (issue #16).
+pub const LOWER_CACHE: Duration = Duration::from_secs(60);
 
 pub struct Overlay {
     pub layers: LayerStack,

@@ -542,8 +542,8 @@ fn a_lower_layer_on_sshfs() {
 }
 
 /// GlusterFS: the overlay tests, then a stopped brick with reads of its files in flight: the
-/// rest of the mount (files of the upper layer, of another lower layer, cached entries) is
-/// served as fast as before — the daemon adds workers while all of them are blocked — and
+/// rest of the mount (files of the upper layer, of another lower layer, entries of the stopped
+/// layer the kernel has cached — lower-only objects for `lower_cache=`) is served as fast as before — the daemon adds workers while all of them are blocked — and
 /// once the brick continues, the blocked reads finish with the right bytes, no remount.
 #[test]
 fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
@@ -566,12 +566,14 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     // directory the stopped layer is part of needs that layer, as creating a name there does.)
     let kept = fs::File::open(m.path("kept")).unwrap();
 
-    // Names the kernel knows: once their entries expire (timeout=1), each open revalidates
-    // its own with a LOOKUP that the daemon answers from the stopped layer — six requests
-    // blocked at once (six first lookups of one name would wait in the kernel for one).
+    // Names the kernel knows: each open sends its own OPEN, which the daemon serves by
+    // opening the file on the stopped layer — six requests blocked at once (six first lookups
+    // of names in one new directory would wait in the kernel for one).
     for i in 0..6 {
         let _ = fs::metadata(m.path(&format!("slow/f{i}"))).unwrap();
     }
+    // A lower-only object looked up before: cached by the kernel for lower_cache (60 s).
+    let big_ino = fs::metadata(m.path("big")).unwrap().ino();
     let brick = g.brick_pid();
     sh(&format!("kill -STOP {brick}"));
     std::thread::sleep(Duration::from_millis(1200));
@@ -592,6 +594,7 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     let mut buf = [0u8; 4];
     std::os::unix::fs::FileExt::read_exact_at(&kept, &mut buf, 0).unwrap();
     assert_eq!(&buf, b"kept");
+    assert_eq!(fs::metadata(m.path("big")).unwrap().ino(), big_ino);
     let served_in = t.elapsed();
     let blocked = readers.iter().all(|r| !r.is_finished());
     sh(&format!("kill -CONT {brick}"));
@@ -636,8 +639,8 @@ fn lower_timeout_answers_eio_for_a_stopped_layer_which_comes_back() {
     let _ = fs::metadata(m.path("f0")).unwrap();
     let brick = g.brick_pid();
     sh(&format!("kill -STOP {brick}"));
-    // The entry expires (timeout=1): the open revalidates it with a LOOKUP on the stopped layer.
-    std::thread::sleep(Duration::from_millis(1200));
+    // The open of a known name reaches the daemon, which opens the file on the stopped layer.
+    std::thread::sleep(Duration::from_millis(200));
     let t = Instant::now();
     let first = errno_of(fs::read(m.path("f0")));
     let waited = t.elapsed();

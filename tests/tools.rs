@@ -10,6 +10,7 @@ use std::hash::{Hash, Hasher};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
 
 use common::*;
 
@@ -756,4 +757,41 @@ fn metrics_option_serves_prometheus_text_over_http() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("takes an address and port"));
     other.extra.clear();
     m.unmount();
+}
+
+/// Requests of opcode `op` the mount has served (`status --json`).
+fn served_requests(m: &Mount, op: &str) -> u64 {
+    let out = tool(&["status", m.mnt.to_str().unwrap(), "--json"]);
+    let json = String::from_utf8_lossy(&out.stdout).into_owned();
+    json.split(&format!("\"{op}\": {{\"count\": "))
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// Entries and attributes of lower-only objects stay in the kernel's cache for `lower_cache=`
+/// (60 s by default), past `timeout=` (1 s): a second stat after the timeout looks nothing up.
+#[test]
+fn lower_only_objects_stay_cached_for_lower_cache() {
+    for (extra, cached) in [(None, true), (Some("lower_cache=0.5"), false)] {
+        let mut m = Mount::new(1);
+        write(m.lower(0).join("f"), b"lower");
+        if let Some(e) = extra {
+            m.extra.push(e.into());
+        }
+        m.mount();
+        let _ = fs::metadata(m.path("f")).unwrap();
+        // (The root, an upper directory, has its attributes fetched again after 1 s: LOOKUPs
+        // alone tell whether the kernel went back to the daemon for the name.)
+        let before = served_requests(&m, "LOOKUP");
+        std::thread::sleep(Duration::from_millis(1300));
+        let _ = fs::metadata(m.path("f")).unwrap();
+        let after = served_requests(&m, "LOOKUP");
+        assert_eq!(
+            after == before,
+            cached,
+            "{extra:?}: {before} then {after} requests"
+        );
+        m.unmount();
+    }
 }
