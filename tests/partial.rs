@@ -611,7 +611,16 @@ fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(&self.0).status();
+            // The mosaicfs daemon on top exits after its unmount returns, holding files of the
+            // host mount until then: EBUSY for a moment.
+            let start = std::time::Instant::now();
+            while is_mounted(&self.0) && start.elapsed() < std::time::Duration::from_secs(10) {
+                let _ = std::process::Command::new("umount")
+                    .arg(&self.0)
+                    .stderr(std::process::Stdio::null())
+                    .status();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
         }
     }
     let _host = Unmount(p.join("host"));

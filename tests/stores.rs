@@ -683,3 +683,128 @@ fn lower_timeout_answers_eio_for_a_stopped_layer_which_comes_back() {
     assert!(text.contains("mosaicfs_lower_timeouts_total 1\n"), "{text}");
     m.unmount();
 }
+
+/// Podman with an additional image store on a GlusterFS volume: an image imported into a store
+/// on the volume; a second storage root on this machine lists it (read-only) through
+/// `additionalimagestores` and runs a container from it on mosaicfs — its lower layer on the
+/// volume — that writes into an image file (block-level: one block in the upper layer); the
+/// container is committed and the committed image runs with the change.
+#[test]
+fn podman_runs_images_of_an_additional_store_on_glusterfs() {
+    if !have("podman") || !have("runc") || !have("busybox") {
+        println!("podman on GlusterFS skipped: install podman, runc and busybox-static");
+        return;
+    }
+    let Some(g) = Gluster::new() else { return };
+    let volume = g.store.as_ref().unwrap().path.clone();
+    let dir = store_dir();
+    let d = dir.path();
+    let rootfs = d.join("rootfs");
+    write(rootfs.join("data/f"), b"image data\n");
+    write(rootfs.join("data/big"), pattern(4 << 20, 21));
+    fs::create_dir_all(rootfs.join("bin")).unwrap();
+    sh(&format!(
+        "cp \"$(command -v busybox)\" {0}/bin/busybox && for c in sh cat echo dd od stat; do ln -s busybox {0}/bin/$c; done \
+         && tar -C {0} -cf {1}/rootfs.tar .",
+        rootfs.display(),
+        d.display()
+    ));
+    let conf = |name: &str, body: String| {
+        let p = d.join(name);
+        fs::write(&p, body).unwrap();
+        p
+    };
+    let overlay = format!("[storage.options.overlay]\nmount_program = \"{BIN}\"\n");
+    let store_conf = conf(
+        "store.conf",
+        format!(
+            "[storage]\ndriver = \"overlay\"\ngraphroot = \"{}/store\"\nrunroot = \"{}/run-store\"\n{overlay}",
+            volume.display(),
+            d.display()
+        ),
+    );
+    let node_conf = conf(
+        "node.conf",
+        format!(
+            "[storage]\ndriver = \"overlay\"\ngraphroot = \"{0}/root\"\nrunroot = \"{0}/run-node\"\n\
+             [storage.options]\nadditionalimagestores = [\"{1}/store\"]\n{overlay}",
+            d.display(),
+            volume.display()
+        ),
+    );
+    let podman = |conf: &Path, args: &str| {
+        let out = Command::new("sh")
+            .args([
+                "-c",
+                &format!(
+                    "podman --runtime runc --cgroup-manager cgroupfs --events-backend file {args}"
+                ),
+            ])
+            .env("CONTAINERS_STORAGE_CONF", conf)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "podman {args}: {text}");
+        text
+    };
+    let run = "--network none --ulimit nofile=20000:20000 --ulimit nproc=32768:32768";
+    podman(
+        &store_conf,
+        &format!("import {}/rootfs.tar localhost/shared:1", d.display()),
+    );
+    let images = podman(
+        &node_conf,
+        "images --format '{{.Repository}}:{{.Tag}} {{.ReadOnly}}'",
+    );
+    assert!(images.contains("localhost/shared:1 true"), "{images}");
+    let out = podman(
+        &node_conf,
+        &format!(
+            "run --name w {run} localhost/shared:1 sh -c 'echo more >> /data/f; \
+             dd if=/dev/zero of=/data/big bs=1 count=3 seek=1000000 conv=notrunc 2>/dev/null; cat /data/f'"
+        ),
+    );
+    assert!(out.contains("image data\nmore"), "{out}");
+    let lower = podman(
+        &node_conf,
+        "inspect w --format '{{.GraphDriver.Data.LowerDir}}'",
+    );
+    assert!(
+        lower
+            .trim()
+            .starts_with(&format!("{}/store/", volume.display())),
+        "{lower}"
+    );
+    let upper = podman(
+        &node_conf,
+        "inspect w --format '{{.GraphDriver.Data.UpperDir}}'",
+    );
+    let big = PathBuf::from(upper.trim()).join("data/big");
+    assert!(
+        allocated(&big) <= 64 << 10,
+        "the image file was copied whole"
+    );
+    podman(&node_conf, "commit -q w localhost/derived:1");
+    let out = podman(
+        &node_conf,
+        &format!(
+            "run --rm {run} localhost/derived:1 sh -c 'cat /data/f; \
+             dd if=/data/big bs=1 skip=1000000 count=3 2>/dev/null | od -An -tx1'"
+        ),
+    );
+    assert!(
+        out.contains("image data\nmore") && out.contains("00 00 00"),
+        "{out}"
+    );
+    for conf in [&node_conf, &store_conf] {
+        let _ = Command::new("sh")
+            .args(["-c", "podman rm -af; podman rmi -af"])
+            .env("CONTAINERS_STORAGE_CONF", conf)
+            .output();
+    }
+    drop(g);
+}
