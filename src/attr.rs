@@ -30,9 +30,12 @@ pub struct SetAttr {
 
 impl Overlay {
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
-        let node = self.node(ino)?;
-        let attr = self.settled(|| self.stat_layer(&node))?;
-        Ok(self.present(&node, attr))
+        self.getattr_of(&*self.node(ino)?)
+    }
+
+    pub fn getattr_of(&self, node: &Node) -> Result<Attr> {
+        let attr = self.settled(|| self.stat_layer(node))?;
+        Ok(self.present(node, attr))
     }
 
     /// Changes attributes for `caller`. A size change by an unprivileged caller clears set-id

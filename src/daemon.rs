@@ -248,6 +248,7 @@ fn spawn_lower_watchdog(
     overlay: Arc<Overlay>,
 ) {
     use std::time::Duration;
+    crate::lower_wait::watch();
     let tick = (limit / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
     let _ = std::thread::Builder::new()
         .name("mosaicfs-lower-watch".into())

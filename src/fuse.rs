@@ -316,14 +316,12 @@ impl Filesystem for MosaicFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.core.getattr(ino.0) {
-            Ok(a) => {
-                let ttl = match self.core.node(ino.0) {
-                    Ok(node) => self.ttl_of(&node),
-                    Err(_) => self.ttl(),
-                };
-                reply.attr(&ttl, &fuse_attr(&a))
-            }
+        match self
+            .core
+            .node(ino.0)
+            .and_then(|node| Ok((self.core.getattr_of(&node)?, self.ttl_of(&node))))
+        {
+            Ok((a, ttl)) => reply.attr(&ttl, &fuse_attr(&a)),
             Err(e) => reply.error(errno(e)),
         }
     }

@@ -3,7 +3,8 @@
 //! one of the upper layer.
 //!
 //! Code that is about to make syscalls on a lower layer holds a `Waiting` from `enter` for as
-//! long as they take. Each thread has one slot (layer, since) in a process-wide registry; a
+//! long as they take (only once `watch` was called: without `lower_timeout=` it is one load).
+//! Each thread has one slot (layer, since) in a process-wide registry; a
 //! `Waiting` sets it and puts the previous value back when dropped (calls nest). That costs two
 //! atomic stores and a thread-local access per lower access, nothing more, and no lock. The
 //! daemon's watchdog (daemon.rs) reads the slots: a request whose thread has waited on a layer
@@ -55,22 +56,37 @@ thread_local! {
     static SLOT: OnceCell<Arc<Slot>> = const { OnceCell::new() };
 }
 
-/// A thread's wait on a lower layer; ends when dropped.
-pub struct Waiting {
-    slot: Arc<Slot>,
-    prev: (u32, u64),
+/// Whether anything reads the slots (`watch`): without `lower_timeout=` nothing is marked.
+static WATCHED: AtomicBool = AtomicBool::new(false);
+
+/// Turns the marking on, for the watchdog of `lower_timeout=` (daemon.rs).
+pub fn watch() {
+    WATCHED.store(true, Ordering::Relaxed);
 }
+
+/// Whether lower accesses are marked.
+pub fn watched() -> bool {
+    WATCHED.load(Ordering::Relaxed)
+}
+
+/// A thread's wait on a lower layer; ends when dropped.
+pub struct Waiting(Option<(Arc<Slot>, (u32, u64))>);
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        self.slot.since.store(self.prev.1, Ordering::Relaxed);
-        self.slot.layer.store(self.prev.0, Ordering::Release);
+        if let Some((slot, prev)) = &self.0 {
+            slot.since.store(prev.1, Ordering::Relaxed);
+            slot.layer.store(prev.0, Ordering::Release);
+        }
     }
 }
 
 /// Marks this thread as waiting on lower layer `layer` until the result is dropped; EIO at
-/// once if the layer is down (see the module doc).
+/// once if the layer is down (see the module doc). Nothing at all unless `watch` was called.
 pub fn enter(layer: LayerId) -> Result<Waiting> {
+    if !watched() {
+        return Ok(Waiting(None));
+    }
     let r = registry();
     if r.any_down.load(Ordering::Relaxed)
         && r.down
@@ -103,7 +119,7 @@ pub fn enter(layer: LayerId) -> Result<Waiting> {
             .store(r.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
     slot.layer.store(layer as u32 + 1, Ordering::Release);
-    Ok(Waiting { slot, prev })
+    Ok(Waiting(Some((slot, prev))))
 }
 
 /// Threads (by thread id) that have waited on one lower layer for at least `limit`, with the
@@ -140,6 +156,7 @@ mod tests {
 
     #[test]
     fn waits_nest_and_a_layer_with_an_overdue_wait_is_down_until_it_ends() {
+        watch();
         let outer = enter(3).unwrap();
         let inner = enter(4).unwrap();
         std::thread::sleep(Duration::from_millis(30));

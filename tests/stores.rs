@@ -134,11 +134,9 @@ fn expected_names(xattrs: bool) -> Vec<String> {
     v
 }
 
-fn erofs() -> Option<Store> {
-    if !have("mkfs.erofs") {
-        println!("EROFS store skipped: install erofs-utils (mkfs.erofs)");
-        return None;
-    }
+/// For a store built as an image: its directory, the tree to build it from, the image file
+/// and the mount point.
+fn image_dirs() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     let dir = store_dir();
     let (src, img, path) = (
         dir.path().join("src"),
@@ -147,6 +145,15 @@ fn erofs() -> Option<Store> {
     );
     fs::create_dir_all(&src).unwrap();
     fs::create_dir_all(&path).unwrap();
+    (dir, src, img, path)
+}
+
+fn erofs() -> Option<Store> {
+    if !have("mkfs.erofs") {
+        println!("EROFS store skipped: install erofs-utils (mkfs.erofs)");
+        return None;
+    }
+    let (dir, src, img, path) = image_dirs();
     build_layer(&src, Some("trusted."));
     sh(&format!(
         "mkfs.erofs {} {} >/dev/null && mount -t erofs -o loop,ro {} {}",
@@ -169,14 +176,7 @@ fn squashfuse() -> Option<Store> {
         println!("squashfuse store skipped: install squashfuse and squashfs-tools");
         return None;
     }
-    let dir = store_dir();
-    let (src, img, path) = (
-        dir.path().join("src"),
-        dir.path().join("img"),
-        dir.path().join("fs"),
-    );
-    fs::create_dir_all(&src).unwrap();
-    fs::create_dir_all(&path).unwrap();
+    let (dir, src, img, path) = image_dirs();
     // squashfuse 0.1.105 shows an image's trusted.* xattrs as security.* and cannot read
     // them: its marks are the user.* ones (as rootless overlays write them).
     build_layer(&src, Some("user."));
