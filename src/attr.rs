@@ -114,8 +114,9 @@ impl Overlay {
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
         self.settled(|| {
-            let (dir, name) = self.top_entry(&node)?;
-            sys::read_link_at(dir.as_fd(), name.as_deref().unwrap_or(OsStr::new(".")))
+            self.at_top_entry(&node, |dir, name| {
+                sys::read_link_at(dir, name.unwrap_or(OsStr::new(".")))
+            })
         })
     }
 
@@ -145,10 +146,7 @@ impl Overlay {
         let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
-        self.settled(|| {
-            let (dir, file) = self.top_entry(&node)?;
-            sys::get_xattr_raw(dir.as_fd(), file.as_deref(), name)
-        })
+        self.settled(|| self.at_top_entry(&node, |dir, file| sys::get_xattr_raw(dir, file, name)))
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
@@ -157,10 +155,7 @@ impl Overlay {
         }
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
-        let names = self.settled(|| {
-            let (dir, file) = self.top_entry(&node)?;
-            sys::list_xattr(dir.as_fd(), file.as_deref())
-        })?;
+        let names = self.settled(|| self.at_top_entry(&node, sys::list_xattr))?;
         let mut out = Vec::new();
         let perms = self.config.xattr_permissions;
         for n in names {
@@ -251,8 +246,9 @@ impl Overlay {
             }
         };
         self.layers.layer(layer).stat_override?;
-        let (dir, name) = self.top_entry(node).ok()?;
-        self.override_at(layer, dir.as_fd(), name.as_deref())
+        self.at_top_entry(node, |dir, name| Ok(self.override_at(layer, dir, name)))
+            .ok()
+            .flatten()
     }
 
     /// Keeps owner and mode `v` of the upper object `name` in `dir` (of type `kind`) in the

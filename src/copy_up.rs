@@ -71,8 +71,7 @@ impl Overlay {
         };
         let pnode = self.node(parent)?;
         self.copy_up(&pnode)?;
-        let (ldir, lname) = self.parent_of(lower.top(), &lower.path)?;
-        let lattr = sys::stat_at(ldir.as_fd(), lname)?;
+        let (ldir, lname, lattr) = self.lower_entry(lower.top(), &lower.path)?;
         let work = self.layers.work()?;
         let tmp = temp_name("copyup");
         // Built in the work dir as the daemon; the copy is given its owner explicitly.

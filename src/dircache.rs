@@ -67,4 +67,12 @@ impl DirCache {
         }
         shard.insert((layer, rel.to_path_buf()), (fd, generation));
     }
+
+    /// Drops the descriptor of `rel` in `layer`: its directory is gone from under it (ESTALE).
+    pub fn forget(&self, layer: LayerId, rel: &Path) {
+        self.shards[shard_of(layer, rel)]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(layer, rel.to_path_buf()));
+    }
 }

@@ -218,7 +218,7 @@ fn plan_dir(plan: &mut Plan, ino: Ino, path: &[u8], whole: bool) -> Result<(), S
             return Ok(());
         };
         let (objects, whiteouts) = ov
-            .upper_entries(upper.as_fd())
+            .layer_entries(upper.as_fd())
             .map_err(|e| failed(path, e))?;
         let mut names: Vec<(OsString, bool)> =
             objects.into_iter().map(|(e, _)| (e.name, false)).collect();

@@ -531,7 +531,12 @@ impl Overlay {
     /// left there by an earlier mount whose upper dir is now stacked as a lower one.
     pub fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
         let _waiting = crate::lower_wait::enter(layer)?;
-        let fd = sys::open_beneath(self.layers.root(layer), path, OFlags::RDONLY, 0)?;
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(errno(libc::EINVAL));
+        };
+        let fd = self.in_lower_dir(layer, parent, |dir| {
+            sys::open_beneath(dir, Path::new(name), OFlags::RDONLY, 0)
+        })?;
         self.layer_source(fd, layer, path)
     }
 

@@ -395,6 +395,22 @@ impl LayerStack {
         self.cached_dir(layer, rel, 0)
     }
 
+    /// Opens the lower directory `rel` again, in place of a cached descriptor its store
+    /// reported stale. Not `O_PATH`: that would give the directory the kernel still has under
+    /// the name without asking the store. A real open asks it (FUSE OPENDIR); on ESTALE the
+    /// kernel walks the path once more and revalidates every entry (LOOKUP_REVAL).
+    pub fn reopen_dir(&self, layer: LayerId, rel: &Path) -> Result<Arc<OwnedFd>> {
+        self.dirs.forget(layer, rel);
+        let fd = Arc::new(sys::open_beneath(
+            self.root(layer),
+            rel,
+            OFlags::RDONLY | OFlags::DIRECTORY,
+            0,
+        )?);
+        self.dirs.insert(layer, rel, fd.clone(), 0);
+        Ok(fd)
+    }
+
     /// The upper directory `rel` as it was in generation `moves` of upper directory moves
     /// (`Overlay::upper_fd` gives a path and a generation that agree).
     pub fn upper_dir(&self, rel: &Path, moves: u64) -> Result<Arc<OwnedFd>> {

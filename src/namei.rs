@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::error::{Result, errno};
 use crate::inode::{Found, Ino, LowerRef, Node};
-use crate::layers::{LayerId, UPPER, is_reserved_name};
+use crate::layers::{DirFlags, LayerId, UPPER, is_reserved_name};
 use crate::overlay::{DirView, Overlay};
 use crate::sys::{self, Attr};
 
@@ -242,21 +242,29 @@ impl Overlay {
                 continue;
             };
             let _waiting = crate::lower_wait::enter(layer)?;
-            let fd = match self.layers.dir(layer, parent) {
-                Ok(fd) => fd,
+            let found = self.in_lower_dir(layer, parent, |fd| {
+                let Some(attr) = sys::stat_opt(fd, name)? else {
+                    return Ok(match self.layers.has_wh_file(fd, name)? {
+                        true => InLayer::Hidden,
+                        false => InLayer::Nothing,
+                    });
+                };
+                if self.layers.is_whiteout(fd, name, &attr)? {
+                    return Ok(InLayer::Hidden);
+                }
+                let flags = match attr.is_dir() {
+                    true => self.layers.dir_flags(fd, Some(name), true)?,
+                    false => DirFlags::default(),
+                };
+                Ok(InLayer::Object(attr, flags))
+            });
+            let (attr, flags) = match found {
+                Ok(InLayer::Object(attr, flags)) => (attr, flags),
+                Ok(InLayer::Hidden) => break,
+                Ok(InLayer::Nothing) => continue,
                 Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
                 Err(e) => return Err(e),
             };
-            let fd = fd.as_fd();
-            let Some(attr) = sys::stat_opt(fd, name)? else {
-                if self.layers.has_wh_file(fd, name)? {
-                    break;
-                }
-                continue;
-            };
-            if self.layers.is_whiteout(fd, name, &attr)? {
-                break;
-            }
             match &mut result {
                 None => {
                     let lower = LowerRef::new(path.clone(), layer);
@@ -272,7 +280,6 @@ impl Overlay {
                     lower.push(layer, &path);
                 }
             }
-            let flags = self.layers.dir_flags(fd, Some(name), true)?;
             if flags.opaque {
                 break;
             }
@@ -364,6 +371,15 @@ impl Redirect {
             _ => None,
         }
     }
+}
+
+/// What one layer holds under a name (`merge_lower`).
+enum InLayer {
+    Nothing,
+    /// A whiteout, or a `.wh.` file: hides the name in the layers below.
+    Hidden,
+    /// An object, with the overlay marks it has if it is a directory.
+    Object(Attr, DirFlags),
 }
 
 #[cfg(test)]

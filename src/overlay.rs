@@ -5,7 +5,7 @@
 //! xattrs), `copy_up.rs`, `file.rs` (data and partial files). This file holds what they share.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -317,17 +317,60 @@ impl Overlay {
         }
     }
 
-    /// Opens the parent directory of `rel` in the lower layer `layer` and returns it with the
-    /// final name.
-    pub fn parent_of<'a>(
+    /// Runs `op` on the directory `rel` of the lower layer `layer`. A shared store (GlusterFS,
+    /// NFS) answers ESTALE on a descriptor of a directory that another client has replaced
+    /// since it was opened — and the layer's descriptors are cached (dircache.rs): the cached
+    /// one is dropped, the directory opened again by its path and `op` run once more. ESTALE
+    /// twice (the layer's root itself was replaced, say) is answered EIO with the path in the
+    /// log: no local file system answers ESTALE, and this one will not heal by retrying.
+    pub fn in_lower_dir<T>(
+        &self,
+        layer: LayerId,
+        rel: &Path,
+        mut op: impl FnMut(BorrowedFd<'_>) -> Result<T>,
+    ) -> Result<T> {
+        match self.layers.dir(layer, rel).and_then(|fd| op(fd.as_fd())) {
+            Err(e) if e.is(libc::ESTALE) => {
+                self.stats.stale_retries.add(1);
+                self.layers
+                    .reopen_dir(layer, rel)
+                    .and_then(|fd| op(fd.as_fd()))
+                    .map_err(|e| self.stale(layer, rel, e))
+            }
+            r => r,
+        }
+    }
+
+    /// `e` as the mount answers it when it came from `rel` in the lower layer `layer` after
+    /// the retry (`in_lower_dir`): ESTALE becomes EIO, with the path for the log.
+    pub fn stale(&self, layer: LayerId, rel: &Path, e: Error) -> Error {
+        if !e.is(libc::ESTALE) {
+            return e;
+        }
+        Error::with_context(
+            libc::EIO,
+            format!(
+                "lower layer {layer} '{}': '{}' is stale on its store (ESTALE, also after \
+                 opening it again): the layer was replaced or removed under the mount; remount \
+                 to see the layer as it is now",
+                self.layers.layer(layer).path.display(),
+                rel.display()
+            ),
+        )
+    }
+
+    /// The object `rel` of the lower layer `layer`: its parent directory, its name there and
+    /// its `stat`.
+    pub fn lower_entry<'a>(
         &self,
         layer: LayerId,
         rel: &'a Path,
-    ) -> Result<(Arc<OwnedFd>, &'a OsStr)> {
-        match (rel.parent(), rel.file_name()) {
-            (Some(parent), Some(name)) => Ok((self.layers.dir(layer, parent)?, name)),
-            _ => Err(errno(libc::EINVAL)),
-        }
+    ) -> Result<(Arc<OwnedFd>, &'a OsStr, Attr)> {
+        let (Some(parent), Some(name)) = (rel.parent(), rel.file_name()) else {
+            return Err(errno(libc::EINVAL));
+        };
+        let attr = self.in_lower_dir(layer, parent, |dir| sys::stat_at(dir, name))?;
+        Ok((self.layers.dir(layer, parent)?, name, attr))
     }
 
     /// The layer directory holding the file the merged object `node` shows now (upper if it
@@ -343,26 +386,32 @@ impl Overlay {
         Ok((dir, (node.ino != ROOT_INO).then_some(name)))
     }
 
-    pub fn top_entry(&self, node: &Node) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
+    /// Runs `op` on the layer object `node` shows now (upper if it has an upper part), as a
+    /// directory and a name in it — no name for a layer's root or an unnamed upper file.
+    pub fn at_top_entry<T>(
+        &self,
+        node: &Node,
+        mut op: impl FnMut(BorrowedFd<'_>, Option<&OsStr>) -> Result<T>,
+    ) -> Result<T> {
         let (upper, lower) = {
             let st = node.state();
             (st.upper, st.lower.clone())
         };
         if upper {
-            return self.upper_target(node);
+            let (dir, name) = self.upper_target(node)?;
+            return op(dir.as_fd(), name.as_deref());
         }
         let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
         match (lower.path.parent(), lower.path.file_name()) {
-            (Some(parent), Some(name)) => Ok((
-                self.layers.dir(lower.top(), parent)?,
-                Some(name.to_os_string()),
-            )),
-            _ => Ok((self.layers.dir(lower.top(), Path::new(""))?, None)),
+            (Some(parent), Some(name)) => {
+                self.in_lower_dir(lower.top(), parent, |dir| op(dir, Some(name)))
+            }
+            _ => self.in_lower_dir(lower.top(), Path::new(""), |dir| op(dir, None)),
         }
     }
 
     /// A wait on the lower layer `node` lives in, if it is not in the upper layer
-    /// (lower_wait.rs): for the syscalls on `top_entry`.
+    /// (lower_wait.rs): for the syscalls of `at_top_entry`.
     pub fn waiting_on(&self, node: &Node) -> Result<Option<crate::lower_wait::Waiting>> {
         if !crate::lower_wait::watched() {
             return Ok(None);
@@ -385,10 +434,10 @@ impl Overlay {
             return Ok(a);
         }
         let _waiting = self.waiting_on(node)?;
-        match self.top_entry(node)? {
-            (dir, Some(name)) => sys::stat_at(dir.as_fd(), &name),
-            (dir, None) => sys::fstat(dir.as_fd()),
-        }
+        self.at_top_entry(node, |dir, name| match name {
+            Some(name) => sys::stat_at(dir, name),
+            None => sys::fstat(dir),
+        })
     }
 
     /// Subdirectories in the merged view of directory `node`, counted once per change.

@@ -134,7 +134,7 @@ impl Overlay {
         let mut out = Vec::new();
         let mut hidden: HashSet<OsString> = HashSet::new();
         if let Some(dir) = &view.upper {
-            let (objects, whiteouts) = self.upper_entries(dir.as_fd())?;
+            let (objects, whiteouts) = self.layer_entries(dir.as_fd())?;
             hidden.extend(whiteouts);
             for (e, kind) in objects {
                 let origin = if view.origins {
@@ -155,32 +155,20 @@ impl Overlay {
             for &layer in &lower.layers {
                 let path = lower.path_in(layer);
                 let _waiting = crate::lower_wait::enter(layer)?;
-                let entries = match sys::read_dir(self.layers.root(layer), path) {
-                    Ok(e) => e,
-                    Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
-                    Err(e) => return Err(e),
-                };
-                let dir = self.layers.dir(layer, path)?;
-                let xwhiteouts = self.layers.dir_flags(dir.as_fd(), None, false)?.xwhiteouts;
-                let mut whiteouts = Vec::new();
-                for e in entries {
-                    if let Some(target) = whiteout_target(&e.name) {
-                        whiteouts.extend(target);
-                        continue;
-                    }
-                    if hidden.contains(&e.name) {
-                        continue;
-                    }
-                    let Some(kind) = self.entry_kind(dir.as_fd(), &e, xwhiteouts)? else {
-                        whiteouts.push(e.name);
-                        continue;
+                let (objects, whiteouts) =
+                    match self.in_lower_dir(layer, path, |dir| self.layer_entries(dir)) {
+                        Ok(listed) => listed,
+                        Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
+                        Err(e) => return Err(e),
                     };
-                    hidden.insert(e.name.clone());
-                    out.push(DirEntry {
-                        ino: self.map_ino(layer, e.ino),
-                        name: e.name,
-                        kind,
-                    });
+                for (e, kind) in objects {
+                    if hidden.insert(e.name.clone()) {
+                        out.push(DirEntry {
+                            ino: self.map_ino(layer, e.ino),
+                            name: e.name,
+                            kind,
+                        });
+                    }
                 }
                 hidden.extend(whiteouts);
             }
@@ -188,9 +176,9 @@ impl Overlay {
         Ok(out)
     }
 
-    /// The entries of the upper directory `dir` itself: its objects with their types, and the
+    /// The entries of the layer directory `dir` itself: its objects with their types, and the
     /// names its whiteouts (in any format) hide. The opaque marker file is in neither.
-    pub fn upper_entries(&self, dir: std::os::fd::BorrowedFd<'_>) -> Result<UpperEntries> {
+    pub fn layer_entries(&self, dir: std::os::fd::BorrowedFd<'_>) -> Result<LayerEntries> {
         let xwhiteouts = self.layers.dir_flags(dir, None, false)?.xwhiteouts;
         let mut objects = Vec::new();
         let mut whiteouts = Vec::new();
@@ -233,8 +221,8 @@ impl Overlay {
     }
 }
 
-/// An upper directory's objects with their types (`S_IFMT`), and the names it whites out.
-pub type UpperEntries = (Vec<(sys::RawDirEntry, u32)>, Vec<OsString>);
+/// A layer directory's objects with their types (`S_IFMT`), and the names it whites out.
+pub type LayerEntries = (Vec<(sys::RawDirEntry, u32)>, Vec<OsString>);
 
 /// For a `.wh.NAME` entry, the name it hides (none for the opaque marker).
 fn whiteout_target(name: &OsStr) -> Option<Option<OsString>> {

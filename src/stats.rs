@@ -62,6 +62,8 @@ pub struct Stats {
     pub fsyncs_to_disk: Counter,
     /// Requests answered EIO after waiting `lower_timeout` on a lower layer (lower_wait.rs).
     pub lower_timeouts: Counter,
+    /// Lower directories opened again after their store answered ESTALE (`in_lower_dir`).
+    pub stale_retries: Counter,
 }
 
 impl Stats {
@@ -82,6 +84,7 @@ impl Stats {
             ("completions", self.completions.get()),
             ("completions_at_open", self.completions_at_open.get()),
             ("lower_timeouts", self.lower_timeouts.get()),
+            ("stale_retries", self.stale_retries.get()),
             ("fsyncs", self.fsyncs.get()),
             ("fsyncs_to_disk", self.fsyncs_to_disk.get()),
         ]

@@ -278,6 +278,9 @@ struct Gluster {
     store: Option<Store>,
     volume: String,
     brick: PathBuf,
+    host: String,
+    /// Mounts of other clients of the volume (`other_client`).
+    others: Vec<PathBuf>,
     /// One glusterd per machine (it listens on port 24007): one volume at a time.
     _one: std::sync::MutexGuard<'static, ()>,
 }
@@ -366,8 +369,33 @@ impl Gluster {
             }),
             volume,
             brick,
+            host,
+            others: Vec::new(),
             _one: one,
         })
+    }
+
+    /// Mounts the volume once more, as another client (another node of a cluster) would.
+    fn other_client(&mut self) -> PathBuf {
+        let store = self.store.as_mut().unwrap();
+        let path = store
+            ._dir
+            .path()
+            .join(format!("other{}", self.others.len()));
+        fs::create_dir(&path).unwrap();
+        let mut client = Command::new("glusterfs")
+            .args([
+                "-N",
+                &format!("--volfile-server={}", self.host),
+                &format!("--volfile-id={}", self.volume),
+            ])
+            .arg(&path)
+            .spawn()
+            .unwrap();
+        wait_mounted(&path, &mut client);
+        store.children.push(client);
+        self.others.push(path.clone());
+        path
     }
 
     /// The brick's server process, to stop (SIGSTOP) and continue.
@@ -387,7 +415,9 @@ impl Drop for Gluster {
         let Some(store) = self.store.take() else {
             return;
         };
-        let _ = Command::new("umount").arg(&store.path).status();
+        for p in self.others.iter().chain([&store.path]) {
+            let _ = Command::new("umount").arg(p).status();
+        }
         let _ = Command::new("sh")
             .args([
                 "-c",
@@ -684,6 +714,65 @@ fn lower_timeout_answers_eio_for_a_stopped_layer_which_comes_back() {
     m.unmount();
 }
 
+/// A directory of a lower layer replaced on the shared store by another client (a layer
+/// unpacked again, say): the store answers ESTALE for the descriptor the daemon keeps of the
+/// old directory, which the daemon drops and opens again — the mount shows the new directory
+/// at once, no error. When the layer's root itself is replaced, which no reopen mends, the
+/// mount answers EIO and the log names the layer and the path.
+#[test]
+fn a_lower_directory_replaced_by_another_client_of_glusterfs_is_opened_again() {
+    let Some(mut g) = Gluster::new() else { return };
+    let other = g.other_client().join("layer");
+    let layer = g.store.as_ref().unwrap().path.join("layer");
+    write(layer.join("d/f"), b"old\n");
+    write(layer.join("d/sub/g"), b"g");
+    let mut m = Mount::new(1);
+    m.lowers[0] = layer.clone();
+    m.mount();
+    // The daemon opens (and keeps) the lower directories d and d/sub.
+    assert_eq!(fs::read(m.path("d/f")).unwrap(), b"old\n");
+    assert_eq!(names(m.path("d")), ["f", "sub"]);
+    assert_eq!(fs::read(m.path("d/sub/g")).unwrap(), b"g");
+
+    fs::remove_dir_all(other.join("d")).unwrap();
+    write(other.join("d/f"), b"new\n");
+    write(other.join("d/h"), b"h");
+    write(other.join("d/sub/g"), b"G");
+    assert_eq!(names(m.path("d")), ["f", "h", "sub"]);
+    assert_eq!(fs::read(m.path("d/h")).unwrap(), b"h");
+    assert_eq!(fs::read(m.path("d/f")).unwrap(), b"new\n");
+    assert_eq!(fs::read(m.path("d/sub/g")).unwrap(), b"G");
+    assert!(
+        fs::symlink_metadata(m.path("d/none"))
+            .is_err_and(|e| e.raw_os_error() == Some(libc::ENOENT))
+    );
+    let status = Command::new(BIN)
+        .args(["status", "--prometheus"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    let retries: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("mosaicfs_stale_retries_total "))
+        .expect("stale_retries counter")
+        .parse()
+        .unwrap();
+    assert!(
+        retries > 0,
+        "no ESTALE was met: the test tests nothing\n{text}"
+    );
+
+    fs::remove_dir_all(&other).unwrap();
+    write(other.join("z"), b"z");
+    assert_eq!(errno_of(fs::symlink_metadata(m.path("z"))), libc::EIO);
+    let log = m.unmount();
+    assert!(
+        log.contains(&format!("'{}': '' is stale on its store", layer.display())),
+        "{log}"
+    );
+}
+
 /// Podman with an additional image store on a GlusterFS volume: an image imported into a store
 /// on the volume; a second storage root on this machine lists it (read-only) through
 /// `additionalimagestores` and runs a container from it on mosaicfs — its lower layer on the
@@ -727,7 +816,8 @@ fn podman_runs_images_of_an_additional_store_on_glusterfs() {
         "node.conf",
         format!(
             "[storage]\ndriver = \"overlay\"\ngraphroot = \"{0}/root\"\nrunroot = \"{0}/run-node\"\n\
-             [storage.options]\nadditionalimagestores = [\"{1}/store\"]\n{overlay}",
+             [storage.options]\nadditionalimagestores = [\"{1}/store\"]\n{overlay}\
+             mountopt = \"lower_timeout=30\"\n",
             d.display(),
             volume.display()
         ),
@@ -788,6 +878,17 @@ fn podman_runs_images_of_an_additional_store_on_glusterfs() {
         allocated(&big) <= 64 << 10,
         "the image file was copied whole"
     );
+    // The README's storage.conf: `mountopt` reaches the mount program.
+    let merged = podman(&node_conf, "mount w");
+    let daemons = sh("pgrep -af mosaicfs");
+    assert!(
+        daemons
+            .lines()
+            .any(|l| l.contains(merged.trim()) && l.contains("lower_timeout=30")),
+        "{}: {daemons}",
+        merged.trim()
+    );
+    podman(&node_conf, "umount w");
     podman(&node_conf, "commit -q w localhost/derived:1");
     let out = podman(
         &node_conf,
