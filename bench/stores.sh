@@ -26,10 +26,14 @@ host=$(hostname -I | awk '{print $1}')
 volume=mfsbench
 vol=$root/vol
 setups=(mosaicfs fuse-overlayfs overlay)
+# MOSAICFS_MOUNTOPT=a,b: options for mosaicfs (storage.conf mountopt); SETUPS="mosaicfs": fewer.
+read -r -a setups <<< "${SETUPS:-${setups[*]}}"
 
 client_pid=
 mount_client() {
-  glusterfs -N --volfile-server="$host" --volfile-id=$volume "$vol" & client_pid=$!
+  # Its output to a file: a child holding the terminal's pipe would hold up `$(...)`.
+  glusterfs -N --volfile-server="$host" --volfile-id=$volume "$vol" >> "$root/client.log" 2>&1 &
+  client_pid=$!
   for _ in $(seq 200); do mountpoint -q "$vol" && return; sleep 0.05; done
   echo "the GlusterFS client did not mount $vol" >&2; exit 1
 }
@@ -44,10 +48,12 @@ cleanup() {
   mountpoint -q "$vol" && umount_client
   gluster --mode=script volume stop $volume force >/dev/null 2>&1
   gluster --mode=script volume delete $volume >/dev/null 2>&1
+  pkill -f "brick-name $root/brick " 2>/dev/null
   [ -n "$glusterd_pid" ] && kill "$glusterd_pid" && wait "$glusterd_pid" 2>/dev/null
   rm -rf "$root"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 rm -rf "$root"; mkdir -p "$root"/{brick,glusterd,rootfs/bin,rootfs/data} "$vol"
 glusterd -N --log-file="$root/glusterd.log" \
@@ -78,7 +84,8 @@ conf() { # setup -> storage.conf of the node's root for it
     echo "additionalimagestores = [\"$vol/store\"]"
     echo '[storage.options.overlay]'
     case $setup in
-      mosaicfs) echo "mount_program = \"$bin\"" ;;
+      mosaicfs) echo "mount_program = \"$bin\""
+        [ -n "${MOSAICFS_MOUNTOPT:-}" ] && echo "mountopt = \"$MOSAICFS_MOUNTOPT\"" ;;
       fuse-overlayfs) echo 'mount_program = "/usr/bin/fuse-overlayfs"' ;;
     esac
   } > "$f"
@@ -93,7 +100,10 @@ podman_for() { # setup, then podman args
   esac
   CONTAINERS_STORAGE_CONF=$c podman --runtime runc --cgroup-manager cgroupfs --events-backend file "$@"
 }
-printf '[storage]\ndriver = "overlay"\ngraphroot = "%s"\nrunroot = "%s"\n' "$vol/store" "$root/store-run" > "$root/store.conf"
+# The machine that pulls images into the store: containers/storage's own overlay driver does not
+# work on a FUSE file system, so it uses a mount program too.
+printf '[storage]\ndriver = "overlay"\ngraphroot = "%s"\nrunroot = "%s"\n[storage.options.overlay]\nmount_program = "%s"\n' \
+  "$vol/store" "$root/store-run" "$bin" > "$root/store.conf"
 podman_for store import -q "$root/rootfs.tar" localhost/shared:1 >/dev/null
 for s in "${setups[@]}"; do conf "$s" >/dev/null; done
 
@@ -106,10 +116,15 @@ cold() { sync; echo 3 > /proc/sys/vm/drop_caches; umount_client; mount_client; }
 declare -A run_cold run_warm read_cold read_warm
 for s in "${setups[@]}"; do
   podman_for $s run "${RUN[@]}" localhost/shared:1 true   # the node's first use
-  run_cold[$s]=$(for _ in $(seq $runs); do
-    cold; t=$(now); podman_for $s run "${RUN[@]}" localhost/shared:1 true >&2; ms_since $t; done | median)
-  run_warm[$s]=$(for _ in $(seq $runs); do
-    t=$(now); podman_for $s run "${RUN[@]}" localhost/shared:1 true >&2; ms_since $t; done | median)
+  cold_times=() warm_times=()
+  for _ in $(seq $runs); do
+    cold; t=$(now); podman_for $s run "${RUN[@]}" localhost/shared:1 true; cold_times+=("$(ms_since $t)")
+  done
+  for _ in $(seq $runs); do
+    t=$(now); podman_for $s run "${RUN[@]}" localhost/shared:1 true; warm_times+=("$(ms_since $t)")
+  done
+  run_cold[$s]=$(printf '%s\n' "${cold_times[@]}" | median)
+  run_warm[$s]=$(printf '%s\n' "${warm_times[@]}" | median)
   podman_for $s create -q --name reader localhost/shared:1 true >/dev/null
   cold_times=() warm_times=()
   for _ in $(seq $runs); do
@@ -124,10 +139,11 @@ for s in "${setups[@]}"; do
   podman_for $s rm -f reader >/dev/null
 done
 
-ratio() { python3 -c "a,b=float('$1'),float('$2'); print(f'{b/a:.2f}x' if a > 0 else '-')"; }
+ratio() { python3 -c "import sys; a,b=sys.argv[1:]; print(f'{float(b)/float(a):.2f}x' if '-' not in (a,b) and float(a) > 0 else '-')" "$1" "$2"; }
 row() { # label, array name
   local -n a=$2
-  echo "| $1 | ${a[mosaicfs]} | ${a[fuse-overlayfs]} | ${a[overlay]} | $(ratio ${a[mosaicfs]} ${a[fuse-overlayfs]}) | $(ratio ${a[mosaicfs]} ${a[overlay]}) |"
+  local m=${a[mosaicfs]:--} f=${a[fuse-overlayfs]:--} o=${a[overlay]:--}
+  echo "| $1 | $m | $f | $o | $(ratio $m $f) | $(ratio $m $o) |"
 }
 echo
 echo "Image on a GlusterFS additional image store, $(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), glusterfs $(glusterfs --version | awk 'NR==1 {print $2}'), podman $(podman --version | awk '{print $3}'), median of $runs runs"

@@ -50,6 +50,24 @@ pub struct Layer {
     /// The xattr holding owners and modes of this layer's objects, when they are kept in one
     /// (stat_override.rs): the key its root carries, or for the upper layer `xattr_permissions=`.
     pub stat_override: Option<&'static str>,
+    /// The layer sits on a FUSE or network file system (`on_store`).
+    pub on_store: bool,
+}
+
+/// Whether the file system of `fd` is a FUSE or network one: the client of a shared store
+/// (GlusterFS, sshfs, squashfuse, NFS, SMB, CephFS, 9p, Lustre). Such clients decide
+/// themselves what their page cache keeps — glusterfs' FUSE client drops it at every open —
+/// so passing reads through to them loses the cache between opens (file.rs `open`).
+fn on_store(fd: BorrowedFd<'_>) -> bool {
+    const FUSE: i64 = 0x6573_5546;
+    const NFS: i64 = 0x6969;
+    const SMB2: i64 = 0xfe53_4d42;
+    const CIFS: i64 = 0xff53_4d42;
+    const CEPH: i64 = 0x00c3_6400;
+    const V9FS: i64 = 0x0102_1997;
+    const LUSTRE: i64 = 0x0bd0_0bd0;
+    rustix::fs::fstatfs(fd)
+        .is_ok_and(|s| matches!(s.f_type, FUSE | NFS | SMB2 | CIFS | CEPH | V9FS | LUSTRE))
 }
 
 /// Marks on a layer directory.
@@ -236,6 +254,7 @@ impl LayerStack {
             } as u64;
             let stat_override = override_key_of(fd.as_fd());
             layers.push(Layer {
+                on_store: on_store(fd.as_fd()),
                 stat_override,
                 root: fd,
                 idmapped: on_idmapped_mount(&path),

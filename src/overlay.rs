@@ -426,6 +426,15 @@ impl Overlay {
         top.map(crate::lower_wait::enter).transpose()
     }
 
+    /// The lower layer `node` shows, if it has no upper part.
+    pub fn lower_only_layer(&self, node: &Node) -> Option<&crate::layers::Layer> {
+        let st = node.state();
+        match (&st.lower, st.upper) {
+            (Some(l), false) => Some(self.layers.layer(l.top())),
+            _ => None,
+        }
+    }
+
     /// `stat` of the layer file behind `node`, not yet adjusted for the merged view.
     pub fn stat_layer(&self, node: &Node) -> Result<Attr> {
         if let Some(open) = node.state().open.upgrade()
@@ -502,14 +511,7 @@ impl Overlay {
             v.apply(&mut a);
         }
         // Owners of an idmapped lower layer are already in the mount's id space.
-        let idmapped = {
-            let st = node.state();
-            !st.upper
-                && st
-                    .lower
-                    .as_ref()
-                    .is_some_and(|l| self.layers.layer(l.top()).idmapped)
-        };
+        let idmapped = self.lower_only_layer(node).is_some_and(|l| l.idmapped);
         let (uid, gid) = if idmapped {
             (a.uid, a.gid)
         } else {

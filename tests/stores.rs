@@ -435,6 +435,21 @@ impl Drop for Gluster {
     }
 }
 
+/// A counter of `mosaicfs status` (its Prometheus name without prefix and `_total`).
+fn counter(m: &Mount, name: &str) -> u64 {
+    let out = Command::new(BIN)
+        .args(["status", "--prometheus"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("mosaicfs_{name}_total ")))
+        .unwrap_or_else(|| panic!("no counter {name} in {text}"))
+        .parse()
+        .unwrap()
+}
+
 /// Inode number of every path of the merged view.
 fn inode_numbers(root: &Path) -> HashMap<String, u64> {
     let mut out = HashMap::new();
@@ -470,6 +485,29 @@ fn check_store(store: &Store, what: &str) {
         "{what}"
     );
     assert_eq!(fs::read_link(m.path("sym")).unwrap(), PathBuf::from("d/a"));
+    // Lower files of a store's client (FUSE) are read through the daemon, and its page cache
+    // is kept across opens: the second read sends no READ. Others pass through.
+    let on_store = sh(&format!("stat -f -c %T {}", store.path.display()))
+        .trim()
+        .starts_with("fuse");
+    let reads = counter(&m, "reads");
+    for _ in 0..2 {
+        assert_eq!(fs::read(m.path("d/sub/b")).unwrap(), b"bee");
+    }
+    let (reads, passthrough) = (
+        counter(&m, "reads") - reads,
+        counter(&m, "opens_passthrough"),
+    );
+    if on_store {
+        assert_eq!(
+            (reads, passthrough),
+            (1, 0),
+            "{what}: reads, passthrough opens"
+        );
+    } else {
+        assert_eq!(reads, 0, "{what}: reads through the daemon");
+        assert!(passthrough > 0, "{what}: no passthrough open");
+    }
     if xattrs {
         assert_eq!(
             get_xattr(&m.path("big"), "user.layer").as_deref(),
@@ -704,13 +742,7 @@ fn lower_timeout_answers_eio_for_a_stopped_layer_which_comes_back() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let status = Command::new(BIN)
-        .args(["status", "--prometheus"])
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&status.stdout);
-    assert!(text.contains("mosaicfs_lower_timeouts_total 1\n"), "{text}");
+    assert_eq!(counter(&m, "lower_timeouts"), 1);
     m.unmount();
 }
 
@@ -746,21 +778,9 @@ fn a_lower_directory_replaced_by_another_client_of_glusterfs_is_opened_again() {
         fs::symlink_metadata(m.path("d/none"))
             .is_err_and(|e| e.raw_os_error() == Some(libc::ENOENT))
     );
-    let status = Command::new(BIN)
-        .args(["status", "--prometheus"])
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&status.stdout);
-    let retries: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("mosaicfs_stale_retries_total "))
-        .expect("stale_retries counter")
-        .parse()
-        .unwrap();
     assert!(
-        retries > 0,
-        "no ESTALE was met: the test tests nothing\n{text}"
+        counter(&m, "stale_retries") > 0,
+        "no ESTALE was met: the test tests nothing"
     );
 
     fs::remove_dir_all(&other).unwrap();
