@@ -343,7 +343,7 @@ impl Overlay {
 
     /// `e` as the mount answers it when it came from `rel` in the lower layer `layer` after
     /// the retry (`in_lower_dir`): ESTALE becomes EIO, with the path for the log.
-    pub fn stale(&self, layer: LayerId, rel: &Path, e: Error) -> Error {
+    fn stale(&self, layer: LayerId, rel: &Path, e: Error) -> Error {
         if !e.is(libc::ESTALE) {
             return e;
         }
