@@ -799,7 +799,6 @@ fn a_lower_directory_replaced_by_another_client_of_glusterfs_is_opened_again() {
 /// volume — that writes into an image file (block-level: one block in the upper layer); the
 /// container is committed and the committed image runs with the change.
 #[test]
-#[ignore = "known bug, open: the committed image misses bytes written into a partial image file about half the time (on the code of 04bee3f too); run with --ignored"]
 fn podman_runs_images_of_an_additional_store_on_glusterfs() {
     if !have("podman") || !have("runc") || !have("busybox") {
         println!("podman on GlusterFS skipped: install podman, runc and busybox-static");
@@ -813,9 +812,12 @@ fn podman_runs_images_of_an_additional_store_on_glusterfs() {
     write(rootfs.join("data/f"), b"image data\n");
     write(rootfs.join("data/big"), pattern(4 << 20, 21));
     fs::create_dir_all(rootfs.join("bin")).unwrap();
+    // Image files are old, as in real images: containers/storage's diff takes an mtime with
+    // nanoseconds 0 (a tar's) as truncated and compares seconds only, so a write within the
+    // second of the import would go unseen by `podman commit` on any storage driver.
     sh(&format!(
         "cp \"$(command -v busybox)\" {0}/bin/busybox && for c in sh cat echo dd od stat; do ln -s busybox {0}/bin/$c; done \
-         && tar -C {0} -cf {1}/rootfs.tar .",
+         && find {0} -exec touch -h -d '2024-01-01 00:00:00' {{}} + && tar -C {0} -cf {1}/rootfs.tar .",
         rootfs.display(),
         d.display()
     ));
