@@ -25,6 +25,12 @@ use crate::sys::{self, Attr};
 
 pub enum FileData {
     Lower(Source),
+    /// A lower file on a shared store's client (`Layer::on_store`) not opened yet: opened at
+    /// the first request that needs its data (`Overlay::opened_data`). Its reads go through the
+    /// daemon with the page cache kept, so a file read before is opened and read again from
+    /// the cache with no call to the store: an open and a close there cost a network round
+    /// trip each (bench/stores.sh), more than the read they would serve.
+    Unopened(LayerId, std::path::PathBuf),
     Partial(PartialFile),
     Upper(OwnedFd),
 }
@@ -34,6 +40,7 @@ impl FileData {
         use std::os::fd::AsRawFd;
         match self {
             FileData::Lower(s) => s.highest_fd(),
+            FileData::Unopened(..) => -1,
             FileData::Partial(p) => p.upper.as_raw_fd().max(p.lower.highest_fd()),
             FileData::Upper(fd) => fd.as_raw_fd(),
         }
@@ -84,7 +91,7 @@ impl FdReserve {
     pub fn check(&self, data: &FileData, writer: bool) -> Result<()> {
         let line = match data {
             FileData::Partial(_) => self.partial_line,
-            FileData::Lower(_) if writer => self.partial_line,
+            FileData::Lower(_) | FileData::Unopened(..) if writer => self.partial_line,
             _ => self.line,
         };
         if data.highest_fd() < line {
@@ -300,6 +307,24 @@ pub struct Opened {
     pub keep_cache: bool,
 }
 
+/// A file's data for reading (`Overlay::opened_data`).
+enum DataRef<'a> {
+    Held(RwLockReadGuard<'a, FileData>),
+    /// Opened for one request, not kept.
+    Transient(FileData),
+}
+
+impl std::ops::Deref for DataRef<'_> {
+    type Target = FileData;
+
+    fn deref(&self) -> &FileData {
+        match self {
+            DataRef::Held(guard) => guard,
+            DataRef::Transient(data) => data,
+        }
+    }
+}
+
 impl OpenFile {
     fn read_data(&self) -> RwLockReadGuard<'_, FileData> {
         self.data.read().unwrap_or_else(|e| e.into_inner())
@@ -312,7 +337,7 @@ impl OpenFile {
     /// `stat` of the upper file, when this file has one.
     pub fn fstat(&self) -> Result<Option<Attr>> {
         match &*self.read_data() {
-            FileData::Lower(_) => Ok(None),
+            FileData::Lower(_) | FileData::Unopened(..) => Ok(None),
             FileData::Partial(p) => Ok(Some(sys::fstat(p.upper.as_fd())?)),
             FileData::Upper(fd) => Ok(Some(sys::fstat(fd.as_fd())?)),
         }
@@ -326,8 +351,12 @@ impl OpenFile {
         }
     }
 
+    /// Whether this is a lower file (opened or not), not copied up.
     pub fn is_lower(&self) -> bool {
-        matches!(&*self.read_data(), FileData::Lower(_))
+        matches!(
+            &*self.read_data(),
+            FileData::Lower(_) | FileData::Unopened(..)
+        )
     }
 
     /// Whether a write by an unprivileged caller would have to clear set-id bits or file
@@ -363,6 +392,8 @@ impl OpenFile {
         match &*self.read_data() {
             FileData::Upper(_) => None,
             FileData::Lower(src) => Some(src.size().unwrap_or(u64::MAX)),
+            // Not known without a call to the store; only asked of files copied up.
+            FileData::Unopened(..) => Some(u64::MAX),
             FileData::Partial(p) => {
                 let blocks = p.fill_limit().div_ceil(p.block);
                 Some(blocks.saturating_sub(p.blocks.block_count()) * p.block)
@@ -479,6 +510,9 @@ impl Overlay {
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
+            if self.layers.layer(lower.top()).on_store {
+                return Ok(FileData::Unopened(lower.top(), lower.path));
+            }
             return Ok(FileData::Lower(
                 self.open_lower_source(lower.top(), &lower.path)?,
             ));
@@ -527,10 +561,35 @@ impl Overlay {
         }
     }
 
+    /// The data of `file`, its lower file opened if that was deferred (`FileData::Unopened`).
+    /// The store is called without the file's lock held; of two threads opening at once, one
+    /// keeps its descriptor. Past the descriptor reserve's line the lower file is not kept
+    /// open: it serves the one caller and closes (a lookup's transient descriptor, in effect),
+    /// so that a read never fails for want of descriptors held by other files.
+    fn opened_data<'a>(&self, file: &'a OpenFile) -> Result<DataRef<'a>> {
+        loop {
+            let data = file.read_data();
+            let FileData::Unopened(layer, path) = &*data else {
+                return Ok(DataRef::Held(data));
+            };
+            let (layer, path) = (*layer, path.clone());
+            drop(data);
+            let src = FileData::Lower(self.open_lower_source(layer, &path)?);
+            if self.fd_reserve.check(&src, false).is_err() {
+                return Ok(DataRef::Transient(src));
+            }
+            let mut data = file.write_data();
+            if matches!(&*data, FileData::Unopened(..)) {
+                *data = src;
+            }
+        }
+    }
+
     /// Opens file `path` of lower layer `layer` for reading: a plain file, or a partial file
     /// left there by an earlier mount whose upper dir is now stacked as a lower one.
     pub fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
         let _waiting = crate::lower_wait::enter(layer)?;
+        self.stats.lower_opens.add(1);
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             return Err(errno(libc::EINVAL));
         };
@@ -652,7 +711,7 @@ impl Overlay {
         match &*file.read_data() {
             FileData::Upper(fd) => fd.try_clone().ok(),
             FileData::Partial(p) => p.upper.try_clone().ok(),
-            FileData::Lower(_) => None,
+            FileData::Lower(_) | FileData::Unopened(..) => None,
         }
     }
 
@@ -723,7 +782,7 @@ impl Overlay {
             return Ok(());
         };
         let mut data = f.write_data();
-        if matches!(&*data, FileData::Lower(_)) {
+        if matches!(&*data, FileData::Lower(_) | FileData::Unopened(..)) {
             *data = self.open_data(node)?;
             if matches!(&*data, FileData::Partial(_)) {
                 drop(data);
@@ -921,7 +980,10 @@ impl Overlay {
         }
         self.stats.reads.add(1);
         self.stats.read_bytes.add(size as u64);
-        let data = file.read_data();
+        let data = match self.opened_data(file) {
+            Ok(data) => data,
+            Err(e) => return reply(Err(e)),
+        };
         match &*data {
             FileData::Upper(fd) => BUF.with(|buf| {
                 let mut buf = buf.borrow_mut();
@@ -944,6 +1006,7 @@ impl Overlay {
                 Ok(bytes) => reply(Ok(&bytes)),
                 Err(e) => reply(Err(e)),
             },
+            FileData::Unopened(..) => unreachable!("opened_data opens it"),
         }
     }
 
@@ -993,7 +1056,7 @@ impl Overlay {
                 }
                 return Ok(data.len() as u32);
             }
-            FileData::Lower(_) => {
+            FileData::Lower(_) | FileData::Unopened(..) => {
                 return Err(Error::with_context(
                     libc::EIO,
                     "write to a file not copied up",
@@ -1007,7 +1070,7 @@ impl Overlay {
     /// being written or truncated by an unprivileged caller, as the VFS does for local files.
     pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
-        let lower_has_setid = match &*file.read_data() {
+        let lower_has_setid = match &*self.opened_data(file)? {
             FileData::Lower(src) => {
                 Some(sys::fstat(src.fd())?.mode & (libc::S_ISUID | libc::S_ISGID) != 0)
             }
@@ -1021,7 +1084,7 @@ impl Overlay {
         let fd = match &*file.read_data() {
             FileData::Upper(fd) => fd.try_clone()?,
             FileData::Partial(p) => p.upper.try_clone()?,
-            FileData::Lower(_) => return Err(errno(libc::EIO)),
+            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
         };
         let privs = self.privs_of();
         let before = privs.mode(fd.as_fd())?;
@@ -1076,7 +1139,7 @@ impl Overlay {
                     *data = FileData::Upper(upper);
                 }
             }
-            FileData::Lower(_) => return Err(errno(libc::EIO)),
+            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
         }
         drop(data);
         Ok(file)
@@ -1091,7 +1154,7 @@ impl Overlay {
         match &mut *data {
             FileData::Upper(fd) => rustix::fs::fallocate(&*fd, mode, off, len)?,
             FileData::Partial(p) => p.fallocate(off, len, mode, &self.layers.xattr)?,
-            FileData::Lower(_) => return Err(errno(libc::EIO)),
+            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
         }
         Ok(())
     }
@@ -1111,7 +1174,7 @@ impl Overlay {
     /// `lseek` on an open file rather than a handle.
     pub fn seek_file(&self, file: &OpenFile, offset: i64, whence: i32) -> Result<i64> {
         let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
-        let data = file.read_data();
+        let data = self.opened_data(file)?;
         let pos = match (&*data, whence) {
             (FileData::Upper(fd), libc::SEEK_DATA) => {
                 sys::seek_data(fd.as_fd(), off)?.ok_or_else(|| errno(libc::ENXIO))?
@@ -1150,7 +1213,7 @@ impl Overlay {
                 p.flush_pending()?;
                 &p.upper
             }
-            FileData::Lower(_) => return Ok(()),
+            FileData::Lower(_) | FileData::Unopened(..) => return Ok(()),
         };
         if datasync {
             rustix::fs::fdatasync(fd)?;

@@ -64,6 +64,9 @@ pub struct Stats {
     pub lower_timeouts: Counter,
     /// Lower directories opened again after their store answered ESTALE (`in_lower_dir`).
     pub stale_retries: Counter,
+    /// Lower files opened for their data (an open of a file on a store's client waits for its
+    /// first read: `FileData::Unopened`).
+    pub lower_opens: Counter,
 }
 
 impl Stats {
@@ -85,6 +88,7 @@ impl Stats {
             ("completions_at_open", self.completions_at_open.get()),
             ("lower_timeouts", self.lower_timeouts.get()),
             ("stale_retries", self.stale_retries.get()),
+            ("lower_opens", self.lower_opens.get()),
             ("fsyncs", self.fsyncs.get()),
             ("fsyncs_to_disk", self.fsyncs_to_disk.get()),
         ]
@@ -92,7 +96,7 @@ impl Stats {
 
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={} at-open={}; fsyncs={} to-disk={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={} lower-opens={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={} at-open={}; fsyncs={} to-disk={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
@@ -100,6 +104,7 @@ impl Stats {
             self.opens_passthrough.get(),
             self.opens_daemon.get(),
             self.rebinds.get(),
+            self.lower_opens.get(),
             self.copy_ups.get(),
             self.reflinks.get(),
             self.blocks_deferred.get(),

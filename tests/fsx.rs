@@ -46,6 +46,8 @@ fn offset(rng: &mut StdRng, limit: usize) -> usize {
 
 struct Run {
     m: Mount,
+    /// The read-only FUSE mount the lower layer is read through, if any (dropped after `m`).
+    _store: Option<FuseStore>,
     /// Partial files the daemon completed, summed over remounts.
     completions: u64,
     /// Blocks whose fill copy-after-write deferred, summed over remounts.
@@ -54,6 +56,8 @@ struct Run {
     reflinks: u64,
     /// Files made complete when opened for writing, summed over remounts.
     at_open: u64,
+    /// Lower files opened for their data, summed over remounts.
+    lower_opens: u64,
     model: Model,
     /// Permission bits of each file in the model.
     modes: BTreeMap<String, u32>,
@@ -110,6 +114,7 @@ impl Run {
         self.deferred += served(&log, "blocks-deferred");
         self.reflinks += served(&log, "reflinks");
         self.at_open += served(&log, "at-open");
+        self.lower_opens += served(&log, "lower-opens");
         self.m.mount();
     }
 
@@ -297,8 +302,57 @@ fn run_seed(seed: u64, ops: usize, options: &[&str]) -> (u64, u64) {
     (run.completions, run.deferred)
 }
 
+/// A read-only mosaicfs mount of a directory: a lower layer on a FUSE file system, as a
+/// store's client (squashfuse, glusterfs) gives it.
+struct FuseStore {
+    path: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl FuseStore {
+    fn new(dir: &std::path::Path, at: std::path::PathBuf) -> FuseStore {
+        fs::create_dir_all(&at).unwrap();
+        let mut child = std::process::Command::new(BIN)
+            .arg("-f")
+            .arg("-o")
+            .arg(format!("lowerdir={}", dir.display()))
+            .arg(&at)
+            .spawn()
+            .unwrap();
+        for _ in 0..500 {
+            if is_mounted(&at) {
+                return FuseStore { path: at, child };
+            }
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the store mount failed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("{} not mounted", at.display());
+    }
+}
+
+impl Drop for FuseStore {
+    fn drop(&mut self) {
+        sh(&format!("umount {}", self.path.display()));
+        let _ = self.child.wait();
+    }
+}
+
 /// `run_seed` with the layers in a new directory below `base`; returns the finished run.
 fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) -> Run {
+    run_seed_with(base, seed, ops, options, false)
+}
+
+/// `run_seed_in`, with the lower layer read through a FUSE mount of it if `on_store`.
+fn run_seed_with(
+    base: &std::path::Path,
+    seed: u64,
+    ops: usize,
+    options: &[&str],
+    on_store: bool,
+) -> Run {
     let model = initial_lower(seed);
     let mut m = Mount::new_in(base, 1);
     m.extra = options.iter().map(|o| o.to_string()).collect();
@@ -307,14 +361,21 @@ fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) 
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(m.lower(0).join(name), fs::Permissions::from_mode(0o644)).unwrap();
     }
+    let store = on_store.then(|| {
+        let store = FuseStore::new(m.lower(0), m.dir.path().join("store"));
+        m.lowers[0] = store.path.clone();
+        store
+    });
     m.mount();
     let modes = model.keys().map(|k| (k.clone(), 0o644)).collect();
     let mut run = Run {
         m,
+        _store: store,
         completions: 0,
         deferred: 0,
         reflinks: 0,
         at_open: 0,
+        lower_opens: 0,
         model,
         modes,
         rng: StdRng::seed_from_u64(seed),
@@ -413,6 +474,17 @@ fn fsx_with_owners_and_modes_in_xattrs_matches_the_model() {
     let seed = fsx_seed().unwrap_or(11);
     eprintln!("fsx (xattr_permissions=2): seed {seed}, {ops} operations");
     run_seed(seed, ops, &["xattr_permissions=2"]);
+}
+
+/// The same with the lower layer on a FUSE file system, as on a shared store's client: its
+/// files are read through the daemon and opened at their first read (`FileData::Unopened`).
+#[test]
+fn fsx_with_the_lower_layer_on_a_store_matches_the_model() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(2);
+    eprintln!("fsx (lower layer on a FUSE store): seed {seed}, {ops} operations");
+    let run = run_seed_with(std::path::Path::new("/tmp"), seed, ops, &[], true);
+    assert!(run.lower_opens > 0, "no lower file was opened");
 }
 
 /// The same with lower and upper on one XFS: copy-up clones the lower file (reflink), and the

@@ -12,6 +12,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::fs;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -486,24 +487,30 @@ fn check_store(store: &Store, what: &str) {
     );
     assert_eq!(fs::read_link(m.path("sym")).unwrap(), PathBuf::from("d/a"));
     // Lower files of a store's client (FUSE) are read through the daemon, and its page cache
-    // is kept across opens: the second read sends no READ. Others pass through.
+    // is kept across opens: the second read sends no READ, and the file is opened in the
+    // store only for the first (opens wait for a read). Others pass through.
     let on_store = sh(&format!("stat -f -c %T {}", store.path.display()))
         .trim()
         .starts_with("fuse");
-    let reads = counter(&m, "reads");
+    let (reads, lower_opens) = (counter(&m, "reads"), counter(&m, "lower_opens"));
     for _ in 0..2 {
         assert_eq!(fs::read(m.path("d/sub/b")).unwrap(), b"bee");
     }
-    let (reads, passthrough) = (
+    let (reads, passthrough, lower_opens) = (
         counter(&m, "reads") - reads,
         counter(&m, "opens_passthrough"),
+        counter(&m, "lower_opens") - lower_opens,
     );
     if on_store {
         assert_eq!(
-            (reads, passthrough),
-            (1, 0),
-            "{what}: reads, passthrough opens"
+            (reads, passthrough, lower_opens),
+            (1, 0, 1),
+            "{what}: reads, passthrough opens, opens in the store"
         );
+        // An open not read yet still answers what needs the data: SEEK_HOLE at the end.
+        let f = fs::File::open(m.path("d/a")).unwrap();
+        let end = unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_HOLE) };
+        assert_eq!(end, 300_000, "{what}: SEEK_HOLE of a file opened, not read");
     } else {
         assert_eq!(reads, 0, "{what}: reads through the daemon");
         assert!(passthrough > 0, "{what}: no passthrough open");
