@@ -38,13 +38,23 @@ pub struct DirHandle {
 pub type DirHandleTable = HandleMap<DirHandle>;
 
 impl Overlay {
-    pub fn opendir(&self, ino: Ino) -> Result<u64> {
+    /// OPENDIR: a handle, and whether the kernel may keep the directory's listing across
+    /// opens (FOPEN_CACHE_DIR with FOPEN_KEEP_CACHE). It may for a directory only lower layers
+    /// hold: layers do not change under a mount, and every change through the mount (create,
+    /// unlink, rename, link in it) makes the kernel drop its cached listing at the next open
+    /// (`fuse_dir_changed`); the change copies the directory up, so that open gets no cache
+    /// flags. A second listing — a shell's glob, a language runtime scanning its library
+    /// directories — then costs no READDIRPLUS, whose lookup per entry reaches a store's
+    /// client once its own short caches expired (bench/stores.sh).
+    pub fn opendir(&self, ino: Ino) -> Result<(u64, bool)> {
         let node = self.node(ino)?;
         self.dir_view(&node)?;
-        Ok(self.dirs.insert(DirHandle {
+        let cacheable = !node.state().upper;
+        let fh = self.dirs.insert(DirHandle {
             ino,
             entries: Mutex::new(None),
-        }))
+        });
+        Ok((fh, cacheable))
     }
 
     pub fn releasedir(&self, fh: u64) {

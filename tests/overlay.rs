@@ -80,6 +80,39 @@ fn merged_directories_list_each_name_once() {
     assert_eq!(fs::read_to_string(m.path("d/c")).unwrap(), "3");
 }
 
+/// The listing of a directory only lower layers hold is kept by the kernel across opens (no
+/// second READDIR), and every change through the mount shows in the next listing.
+#[test]
+fn lower_directory_listings_are_kept_and_changes_show_at_once() {
+    let mut m = Mount::with(|l| {
+        for i in 0..50 {
+            write(l.join(format!("d/f{i:02}")), "x");
+        }
+        write(l.join("e/x"), "x");
+    });
+    let listings = |m: &Mount| requests(m, "READDIR") + requests(m, "READDIRPLUS");
+    assert_eq!(names(m.path("d")).len(), 50);
+    assert_eq!(names(m.path("e")), ["x"]);
+    let before = listings(&m);
+    assert_eq!(names(m.path("d")).len(), 50);
+    assert_eq!(listings(&m), before, "a second listing reached the daemon");
+    fs::remove_file(m.path("d/f00")).unwrap();
+    write(m.path("d/new"), "n");
+    fs::rename(m.path("e/x"), m.path("d/moved")).unwrap();
+    fs::create_dir(m.path("d/sub")).unwrap();
+    let d = names(m.path("d"));
+    assert_eq!(d.len(), 52, "{d:?}");
+    assert!(!d.contains(&"f00".to_string()), "{d:?}");
+    for n in ["new", "moved", "sub"] {
+        assert!(d.contains(&n.to_string()), "{n} missing: {d:?}");
+    }
+    assert!(names(m.path("e")).is_empty(), "renamed away, still listed");
+    fs::remove_dir(m.path("d/sub")).unwrap();
+    assert_eq!(names(m.path("d")).len(), 51);
+    m.remount();
+    assert_eq!(names(m.path("d")).len(), 51);
+}
+
 #[test]
 fn seekdir_and_telldir_offsets_are_stable() {
     let m = Mount::with(|l| {

@@ -641,9 +641,9 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     // directory the stopped layer is part of needs that layer, as creating a name there does.)
     let kept = fs::File::open(m.path("kept")).unwrap();
 
-    // Names the kernel knows: each open sends its own OPEN, which the daemon serves by
-    // opening the file on the stopped layer — six requests blocked at once (six first lookups
-    // of names in one new directory would wait in the kernel for one).
+    // Names the kernel knows: each read sends its own OPEN and READ, which the daemon serves
+    // by opening and reading the file on the stopped layer — six requests blocked at once (six
+    // first lookups of names in one new directory would wait in the kernel for one).
     for i in 0..6 {
         let _ = fs::metadata(m.path(&format!("slow/f{i}"))).unwrap();
     }
@@ -767,6 +767,9 @@ fn a_lower_directory_replaced_by_another_client_of_glusterfs_is_opened_again() {
     write(layer.join("d/sub/g"), b"g");
     let mut m = Mount::new(1);
     m.lowers[0] = layer.clone();
+    // The kernel keeps entries, attributes and listings of lower-only directories for
+    // `lower_cache`: a layer changed on its store shows once they expire.
+    m.extra = opts(&["lower_cache=0.5"]);
     m.mount();
     // The daemon opens (and keeps) the lower directories d and d/sub.
     assert_eq!(fs::read(m.path("d/f")).unwrap(), b"old\n");
@@ -777,6 +780,9 @@ fn a_lower_directory_replaced_by_another_client_of_glusterfs_is_opened_again() {
     write(other.join("d/f"), b"new\n");
     write(other.join("d/h"), b"h");
     write(other.join("d/sub/g"), b"G");
+    // (GlusterFS' client caches attributes for 1 s itself: the daemon may get the old
+    // directory's mtime until then.)
+    std::thread::sleep(Duration::from_millis(1600));
     assert_eq!(names(m.path("d")), ["f", "h", "sub"]);
     assert_eq!(fs::read(m.path("d/h")).unwrap(), b"h");
     assert_eq!(fs::read(m.path("d/f")).unwrap(), b"new\n");

@@ -399,6 +399,21 @@ pub fn served(log: &str, what: &str) -> u64 {
         .unwrap()
 }
 
+/// How many requests of FUSE opcode `op` (the kernel's name, e.g. "READDIRPLUS") the daemon
+/// of `m` has answered.
+pub fn requests(m: &Mount, op: &str) -> u64 {
+    let out = Command::new(BIN)
+        .args(["status", "--prometheus"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let key = format!("mosaicfs_request_duration_seconds_count{{op=\"{op}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
 /// Mount options for `Mount::extra`.
 pub fn opts(list: &[&str]) -> Vec<String> {
     list.iter().map(|o| o.to_string()).collect()
