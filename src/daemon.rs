@@ -239,24 +239,53 @@ fn wait_for_child(r: OwnedFd) -> Result<(), String> {
     }
 }
 
-/// `lower_timeout=`: answers EIO for each request whose worker has waited on one lower layer
-/// for `limit` (lower_wait.rs), and keeps the layers' down flags current. The worker stays
-/// blocked until the store answers; its late reply finds no request and is dropped.
+/// Keeps the lower layers' down flags current (lower_wait.rs): a layer is down while one
+/// request has waited on it for `lower_timeout=` — each such request is answered EIO; the
+/// worker stays blocked until the store answers, and its late reply finds no request and is
+/// dropped — or while so many workers are stuck on it that only a reserve of the pool is left.
 fn spawn_lower_watchdog(
     watch: fuser::RequestWatch,
-    limit: std::time::Duration,
+    limits: crate::lower_wait::Limits,
     overlay: Arc<Overlay>,
 ) {
     use std::time::Duration;
-    crate::lower_wait::watch();
-    let tick = (limit / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
+    crate::lower_wait::watch(limits);
+    // Quick enough to flag a suspect layer (`STUCK`) before the doubling pool fills with it.
+    let tick = limits
+        .timeout
+        .map_or(Duration::from_millis(50), |t| t / 4)
+        .clamp(Duration::from_millis(10), Duration::from_millis(50));
     let _ = std::thread::Builder::new()
         .name("mosaicfs-lower-watch".into())
         .spawn(move || {
             let mut answered: std::collections::HashSet<u64> = Default::default();
+            let mut saturated: Vec<crate::layers::LayerId> = Vec::new();
             loop {
                 std::thread::sleep(tick);
-                let late = crate::lower_wait::overdue(limit);
+                let found = crate::lower_wait::overdue(limits);
+                for &layer in &found.saturated {
+                    if !saturated.contains(&layer) {
+                        log::warn!(
+                            "{} requests wait on lower layer '{}', one for over {:.2} s: further \
+                             requests on it fail with EIO at once until it answers again, so \
+                             that the rest of the mount keeps worker threads (lower_timeout= \
+                             bounds each wait)",
+                            limits.saturated,
+                            overlay.layers.layer(layer).path.display(),
+                            limits.stuck.as_secs_f64()
+                        );
+                    }
+                }
+                for &layer in &saturated {
+                    if !found.saturated.contains(&layer) {
+                        log::info!(
+                            "lower layer '{}' answers again",
+                            overlay.layers.layer(layer).path.display()
+                        );
+                    }
+                }
+                saturated = found.saturated;
+                let late = found.late;
                 let busy = watch.busy();
                 answered.retain(|u| busy.iter().any(|b| b.unique == *u));
                 for (tid, layer, waited) in late {
@@ -275,7 +304,7 @@ fn spawn_lower_watchdog(
                         "a request has waited {:.1} s on {what}: answered EIO (lower_timeout={:.1}); \
                          requests on that layer fail at once until it answers again",
                         waited.as_secs_f64(),
-                        limit.as_secs_f64()
+                        limits.timeout.unwrap_or_default().as_secs_f64()
                     );
                     match watch.answer(req, fuser::Errno::EIO) {
                         Ok(()) => overlay.stats.lower_timeouts.add(1),
@@ -347,8 +376,20 @@ fn serve(
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     spawn_signal_handler(opts.mountpoint.clone());
-    if let Some(limit) = opts.lower_timeout {
-        spawn_lower_watchdog(session.request_watch(), limit, control.clone());
+    // A layer on a store's client is watched even without a timeout: one that stops answering
+    // must not take every worker (lower_wait.rs).
+    let on_store = control
+        .layers
+        .lower_ids()
+        .any(|l| control.layers.layer(l).on_store);
+    if opts.lower_timeout.is_some() || on_store && opts.threads > 1 {
+        let workers = MAX_WORKERS.max(opts.threads);
+        let limits = crate::lower_wait::Limits {
+            timeout: opts.lower_timeout,
+            stuck: crate::lower_wait::STUCK,
+            saturated: workers - (workers / 4).max(2),
+        };
+        spawn_lower_watchdog(session.request_watch(), limits, control.clone());
     }
     set_read_ahead(&opts.mountpoint, opts.read_ahead_kb);
     crate::control::serve(control.clone(), opts.mountpoint.clone());

@@ -3,17 +3,26 @@
 //! one of the upper layer.
 //!
 //! Code that is about to make syscalls on a lower layer holds a `Waiting` from `enter` for as
-//! long as they take (only once `watch` was called: without `lower_timeout=` it is one load).
+//! long as they take (only once `watch` was called: otherwise it is one load).
 //! Each thread has one slot (layer, since) in a process-wide registry; a
-//! `Waiting` sets it and puts the previous value back when dropped (calls nest). That costs two
-//! atomic stores and a thread-local access per lower access, nothing more, and no lock. The
-//! daemon's watchdog (daemon.rs) reads the slots: a request whose thread has waited on a layer
-//! for longer than the timeout is answered EIO, and the layer counts as down — further entries
-//! fail with EIO at once, instead of piling more threads into it — until no thread has waited on
-//! it that long any more (its store answers again).
+//! `Waiting` sets it and puts the previous value back when dropped (calls nest), and counts
+//! itself in the layer's number of waiters. That costs two atomic stores, an atomic add and a
+//! thread-local access per lower access, and no lock. The daemon's watchdog (daemon.rs) reads
+//! the slots: a request whose thread has waited on a layer for longer than the timeout is
+//! answered EIO, and the layer counts as down — further entries fail with EIO at once, instead
+//! of piling more threads into it — until no thread has waited on it that long any more (its
+//! store answers again).
+//!
+//! Without `lower_timeout=` a layer on a store's client is watched too, for one thing: a store
+//! that stopped answering must not take every worker thread of the mount while its client
+//! waits (42 s for GlusterFS). A layer on which some thread has waited for `STUCK` is suspect;
+//! a suspect layer takes at most `Limits::saturated` waiting threads (the worker pool less a
+//! reserve), and entries past that fail with EIO at once, so the rest of the mount keeps the
+//! reserve. The cap is checked at entry, against the live count: the pool grows by a worker
+//! every 50 ms while all are stuck, faster than any periodic look could stop it.
 
 use std::cell::OnceCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,7 +31,7 @@ use crate::layers::LayerId;
 
 /// The slot value for "not waiting on a lower layer".
 const NONE: u32 = 0;
-/// Layers past this many are tracked as one (`DATA`), without a down flag of their own.
+/// Layers past this many are tracked as one (`DATA`), without flags of their own.
 const TRACKED: usize = 512;
 /// A lower file's data read through the daemon: the layer is not known where it is read.
 pub const DATA: LayerId = LayerId::MAX;
@@ -34,12 +43,25 @@ struct Slot {
     since: AtomicU64,
 }
 
+/// Per tracked layer.
+#[derive(Default)]
+struct LayerState {
+    /// A wait on it passed the timeout: entries fail at once.
+    down: AtomicBool,
+    /// A wait on it passed `Limits::stuck`: entries past `saturated` waiters fail at once.
+    suspect: AtomicBool,
+    /// Threads waiting on it now.
+    waiters: AtomicUsize,
+}
+
 struct Registry {
     epoch: Instant,
     slots: Mutex<Vec<(i32, Arc<Slot>)>>,
-    down: Vec<AtomicBool>,
-    /// Whether any layer is down: one load on the fast path.
-    any_down: AtomicBool,
+    layers: Vec<LayerState>,
+    /// Whether any layer is down or suspect: one load on the fast path.
+    any_flag: AtomicBool,
+    /// `Limits::saturated` of the watchdog.
+    saturated: AtomicUsize,
 }
 
 fn registry() -> &'static Registry {
@@ -47,8 +69,9 @@ fn registry() -> &'static Registry {
     R.get_or_init(|| Registry {
         epoch: Instant::now(),
         slots: Mutex::new(Vec::new()),
-        down: (0..TRACKED).map(|_| AtomicBool::new(false)).collect(),
-        any_down: AtomicBool::new(false),
+        layers: (0..TRACKED).map(|_| LayerState::default()).collect(),
+        any_flag: AtomicBool::new(false),
+        saturated: AtomicUsize::new(usize::MAX),
     })
 }
 
@@ -56,11 +79,14 @@ thread_local! {
     static SLOT: OnceCell<Arc<Slot>> = const { OnceCell::new() };
 }
 
-/// Whether anything reads the slots (`watch`): without `lower_timeout=` nothing is marked.
+/// Whether anything reads the slots (`watch`): otherwise nothing is marked.
 static WATCHED: AtomicBool = AtomicBool::new(false);
 
-/// Turns the marking on, for the watchdog of `lower_timeout=` (daemon.rs).
-pub fn watch() {
+/// Turns the marking on, for the watchdog (daemon.rs), with its limits.
+pub fn watch(limits: Limits) {
+    registry()
+        .saturated
+        .store(limits.saturated, Ordering::Relaxed);
     WATCHED.store(true, Ordering::Relaxed);
 }
 
@@ -70,30 +96,44 @@ pub fn watched() -> bool {
 }
 
 /// A thread's wait on a lower layer; ends when dropped.
-pub struct Waiting(Option<(Arc<Slot>, (u32, u64))>);
+pub struct Waiting(Option<Entered>);
+
+struct Entered {
+    slot: Arc<Slot>,
+    prev: (u32, u64),
+    layer: LayerId,
+}
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        if let Some((slot, prev)) = &self.0 {
-            slot.since.store(prev.1, Ordering::Relaxed);
-            slot.layer.store(prev.0, Ordering::Release);
+        if let Some(e) = &self.0 {
+            e.slot.since.store(e.prev.1, Ordering::Relaxed);
+            e.slot.layer.store(e.prev.0, Ordering::Release);
+            if let Some(l) = registry().layers.get(e.layer as usize) {
+                l.waiters.fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 }
 
 /// Marks this thread as waiting on lower layer `layer` until the result is dropped; EIO at
-/// once if the layer is down (see the module doc). Nothing at all unless `watch` was called.
+/// once if the layer is down, or suspect and full (see the module doc). Nothing at all unless
+/// `watch` was called.
 pub fn enter(layer: LayerId) -> Result<Waiting> {
     if !watched() {
         return Ok(Waiting(None));
     }
     let r = registry();
-    if r.any_down.load(Ordering::Relaxed)
-        && r.down
-            .get(layer as usize)
-            .is_some_and(|d| d.load(Ordering::Relaxed))
-    {
-        return Err(errno(libc::EIO));
+    let state = r.layers.get(layer as usize);
+    if let Some(l) = state {
+        let n = l.waiters.fetch_add(1, Ordering::Relaxed);
+        if r.any_flag.load(Ordering::Relaxed)
+            && (l.down.load(Ordering::Relaxed)
+                || l.suspect.load(Ordering::Relaxed) && n >= r.saturated.load(Ordering::Relaxed))
+        {
+            l.waiters.fetch_sub(1, Ordering::Relaxed);
+            return Err(errno(libc::EIO));
+        }
     }
     let slot = SLOT.with(|s| {
         s.get_or_init(|| {
@@ -119,34 +159,74 @@ pub fn enter(layer: LayerId) -> Result<Waiting> {
             .store(r.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
     slot.layer.store(layer as u32 + 1, Ordering::Release);
-    Ok(Waiting(Some((slot, prev))))
+    Ok(Waiting(Some(Entered { slot, prev, layer })))
 }
 
-/// Threads (by thread id) that have waited on one lower layer for at least `limit`, with the
-/// layer; and the down flags brought up to date with them.
-pub fn overdue(limit: Duration) -> Vec<(i32, LayerId, Duration)> {
+/// A wait this long makes its layer suspect (`Limits::stuck`): the time after which the
+/// worker pool counts a worker as stuck and grows (vendored fuser `STUCK_AFTER`, 200 ms), and
+/// a little more. Only a layer holding nearly the whole pool is refused anything, so a slow
+/// store that answers loses nothing to it.
+pub const STUCK: Duration = Duration::from_millis(250);
+
+/// When a layer counts as down or suspect.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// `lower_timeout=`: a wait this long ends in EIO, and its layer is down meanwhile.
+    pub timeout: Option<Duration>,
+    /// A layer with a wait this long (`STUCK`) is suspect ...
+    pub stuck: Duration,
+    /// ... and takes no more than this many waiting threads: the worker pool's size less a
+    /// reserve for requests that do not need it.
+    pub saturated: usize,
+}
+
+/// What `overdue` found.
+#[derive(Debug, Default)]
+pub struct Overdue {
+    /// Threads (by thread id) that have waited on one layer for the timeout, with the layer.
+    pub late: Vec<(i32, LayerId, Duration)>,
+    /// Suspect layers that hold `saturated` waiting threads.
+    pub saturated: Vec<LayerId>,
+}
+
+/// The waits past `limits`, with the layers' flags brought up to date with them.
+pub fn overdue(limits: Limits) -> Overdue {
     let r = registry();
     let now = r.epoch.elapsed().as_nanos() as u64;
-    let mut out = Vec::new();
+    let mut out = Overdue::default();
     let mut down = vec![false; TRACKED];
+    let mut suspect = vec![false; TRACKED];
     for (tid, slot) in r.slots.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let layer = slot.layer.load(Ordering::Acquire);
         if layer == NONE {
             continue;
         }
+        let layer = (layer - 1) as LayerId;
+        let i = layer as usize;
         let waited = Duration::from_nanos(now.saturating_sub(slot.since.load(Ordering::Relaxed)));
-        if waited >= limit {
-            let layer = (layer - 1) as LayerId;
-            if let Some(d) = down.get_mut(layer as usize) {
+        if waited >= limits.stuck
+            && let Some(s) = suspect.get_mut(i)
+        {
+            *s = true;
+        }
+        if limits.timeout.is_some_and(|t| waited >= t) {
+            if let Some(d) = down.get_mut(i) {
                 *d = true;
             }
-            out.push((*tid, layer, waited));
+            out.late.push((*tid, layer, waited));
         }
     }
-    for (flag, d) in r.down.iter().zip(&down) {
-        flag.store(*d, Ordering::Relaxed);
+    for (i, l) in r.layers.iter().enumerate() {
+        l.down.store(down[i], Ordering::Relaxed);
+        l.suspect.store(suspect[i], Ordering::Relaxed);
+        if suspect[i] && l.waiters.load(Ordering::Relaxed) >= limits.saturated {
+            out.saturated.push(i as LayerId);
+        }
     }
-    r.any_down.store(down.contains(&true), Ordering::Relaxed);
+    r.any_flag.store(
+        down.contains(&true) || suspect.contains(&true),
+        Ordering::Relaxed,
+    );
     out
 }
 
@@ -156,12 +236,21 @@ mod tests {
 
     #[test]
     fn waits_nest_and_a_layer_with_an_overdue_wait_is_down_until_it_ends() {
-        watch();
+        watch(Limits {
+            timeout: None,
+            stuck: STUCK,
+            saturated: 2,
+        });
         let outer = enter(3).unwrap();
         let inner = enter(4).unwrap();
         std::thread::sleep(Duration::from_millis(30));
         let me = rustix::thread::gettid().as_raw_nonzero().get();
-        let late = overdue(Duration::from_millis(20));
+        let limits = Limits {
+            timeout: Some(Duration::from_millis(20)),
+            stuck: STUCK,
+            saturated: usize::MAX,
+        };
+        let late = overdue(limits).late;
         assert!(late.iter().any(|&(t, l, _)| t == me && l == 4), "{late:?}");
         assert!(
             enter(4).is_err(),
@@ -169,14 +258,43 @@ mod tests {
         );
         assert!(enter(5).is_ok());
         drop(inner);
-        let late = overdue(Duration::from_millis(20));
+        let late = overdue(limits).late;
         assert!(late.iter().any(|&(t, l, _)| t == me && l == 3), "{late:?}");
         assert!(enter(4).is_ok(), "the layer is up again");
         drop(outer);
-        assert!(
-            !overdue(Duration::from_millis(20))
-                .iter()
-                .any(|&(t, ..)| t == me)
-        );
+        assert!(!overdue(limits).late.iter().any(|&(t, ..)| t == me));
+
+        // Without a timeout: two threads stuck on layer 6 fill it (limit 2), one does not.
+        let no_timeout = Limits {
+            timeout: None,
+            stuck: Duration::from_millis(20),
+            saturated: 2,
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = Arc::new(Mutex::new(rx));
+        let stuck_thread = || {
+            let rx = rx.clone();
+            std::thread::spawn(move || {
+                let _w = enter(6).unwrap();
+                let _ = rx.lock().unwrap().recv();
+            })
+        };
+        let one = stuck_thread();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(overdue(no_timeout).saturated.is_empty());
+        assert!(enter(6).is_ok(), "one stuck thread leaves the layer up");
+        let two = stuck_thread();
+        std::thread::sleep(Duration::from_millis(30));
+        let found = overdue(no_timeout);
+        assert_eq!(found.saturated, [6]);
+        assert!(found.late.is_empty(), "no timeout, nothing late");
+        assert!(enter(6).is_err(), "a saturated layer takes no more");
+        assert!(enter(7).is_ok());
+        tx.send(()).unwrap();
+        tx.send(()).unwrap();
+        one.join().unwrap();
+        two.join().unwrap();
+        assert!(overdue(no_timeout).saturated.is_empty());
+        assert!(enter(6).is_ok(), "the layer is up again");
     }
 }

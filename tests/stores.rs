@@ -694,6 +694,75 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     drop(g);
 }
 
+/// A stopped GlusterFS layer and more requests on it than the mount has worker threads, no
+/// `lower_timeout=`: once a request has waited on the layer for a second, the layer takes no
+/// more waiting threads than the pool less a reserve — requests past that fail with EIO at
+/// once — so the rest of the mount is served throughout; when the brick continues, the stuck
+/// requests finish and the layer is served again.
+#[test]
+fn a_stopped_layer_never_takes_every_worker_thread() {
+    let Some(g) = Gluster::new() else { return };
+    let store = g.store.as_ref().unwrap();
+    const N: usize = 100;
+    for i in 0..N {
+        write(store.path.join(format!("many/f{i:03}")), b"x");
+    }
+    let mut m = Mount::new(1);
+    m.lowers[0] = store.path.clone();
+    m.mount();
+    write(m.path("upper_file"), b"upper");
+    // The directory is known to the kernel, its names are not: each stat is a LOOKUP, and
+    // lookups of different names in one directory run in parallel.
+    assert!(m.path("many").is_dir());
+    let brick = g.brick_pid();
+    sh(&format!("kill -STOP {brick}"));
+    std::thread::sleep(Duration::from_millis(1200)); // GlusterFS' own caches expire
+    let lookups: Vec<_> = (0..N)
+        .map(|i| {
+            let p = m.path(&format!("many/f{i:03}"));
+            std::thread::spawn(move || {
+                fs::symlink_metadata(p).map_or_else(|e| e.raw_os_error().unwrap_or(-1), |_| 0)
+            })
+        })
+        .collect();
+    // The pool doubles every 200 ms while all workers are stuck, to 64: without the cap the
+    // layer would take them all, and nothing would be served until GlusterFS gives up (42 s).
+    std::thread::sleep(Duration::from_secs(3));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let upper = m.path("upper_file");
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let _ = tx.send((fs::read(upper).ok(), t.elapsed()));
+    });
+    let served = rx.recv_timeout(Duration::from_secs(3));
+    let refused = lookups.iter().filter(|l| l.is_finished()).count();
+    sh(&format!("kill -CONT {brick}"));
+    let (data, took) = served.expect("the upper layer was not served: every worker is stuck");
+    assert_eq!(data.as_deref(), Some(&b"upper"[..]));
+    assert!(took < Duration::from_secs(2), "upper file took {took:?}");
+    assert!(refused > 0 && refused < N, "{refused} lookups ended early");
+    let results: Vec<i32> = lookups.into_iter().map(|l| l.join().unwrap()).collect();
+    assert!(
+        results.iter().all(|&e| e == 0 || e == libc::EIO),
+        "{results:?}"
+    );
+    // Served again once the store answers, no remount.
+    let start = Instant::now();
+    while fs::symlink_metadata(m.path("many/f099")).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the layer did not come back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = m.unmount();
+    assert!(
+        log.contains("further requests on it fail with EIO at once"),
+        "{log}"
+    );
+    drop(g);
+}
+
 /// `lower_timeout=`: a request waiting on a stopped GlusterFS layer is answered EIO after the
 /// timeout; while one waits that long the layer counts as down and further requests on it fail
 /// at once (instead of taking more threads); the upper layer is served throughout; when the

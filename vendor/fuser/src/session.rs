@@ -318,18 +318,31 @@ impl<FS: Filesystem> Session<FS> {
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
                         }
-                        if pool.workers() < max_threads && pool.all_stuck() {
-                            let spawned = new_channel(&template).and_then(|ch| {
-                                pool.spawn(ch, &filesystem, allowed, session_owner)
-                            });
-                            match spawned {
-                                Ok(true) => info!(
+                        let workers = pool.workers();
+                        if workers < max_threads && pool.all_stuck() {
+                            // The pool doubles: requests that queue behind the stuck ones
+                            // (the kernel hands them out in order) wait for free workers, and
+                            // one more worker per look would take seconds to reach them.
+                            let mut added = 0;
+                            for _ in 0..workers.min(max_threads - workers) {
+                                let spawned = new_channel(&template).and_then(|ch| {
+                                    pool.spawn(ch, &filesystem, allowed, session_owner)
+                                });
+                                match spawned {
+                                    Ok(true) => added += 1,
+                                    Ok(false) => break,
+                                    Err(e) => {
+                                        warn!("cannot add a FUSE worker: {e}");
+                                        break;
+                                    }
+                                }
+                            }
+                            if added > 0 {
+                                info!(
                                     "every FUSE worker is busy with one request for {STUCK_AFTER:?}: \
                                      {} workers now",
                                     pool.workers()
-                                ),
-                                Ok(false) => {}
-                                Err(e) => warn!("cannot add a FUSE worker: {e}"),
+                                );
                             }
                         }
                     }
