@@ -111,6 +111,9 @@ pub struct NodeState {
     /// mount removed while it stayed in the lower layer. The lower file's `st_nlink` still
     /// counts them; the merged view must not.
     pub lower_names_gone: u64,
+    /// For an object only a lower layer on a store's client holds (`Layer::on_store`): its
+    /// layer `stat` and when it was taken (`Overlay::stat_layer`).
+    pub store_attr: Option<(crate::sys::Attr, std::time::Instant)>,
 }
 
 impl NodeState {
@@ -223,6 +226,7 @@ impl NodeState {
             subdirs: None,
             subdirs_gen: 0,
             lower_names_gone: 0,
+            store_attr: None,
         }
     }
 }

@@ -84,6 +84,7 @@ impl Overlay {
             if rejoin {
                 self.join_other_links(&node);
             }
+            self.keep_store_attr(&node, entry.attr);
             let attr = self.present(&node, entry.attr);
             return Ok((node, attr));
         }

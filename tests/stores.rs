@@ -649,6 +649,9 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     }
     // A lower-only object looked up before: cached by the kernel for lower_cache (60 s).
     let big_ino = fs::metadata(m.path("big")).unwrap().ino();
+    // A file read before: opened and stat'ed (its READs made the kernel ask for its
+    // attributes again) without the store.
+    assert_eq!(fs::read(m.path("slow/f6")).unwrap(), pattern(1 << 20, 106));
     let brick = g.brick_pid();
     sh(&format!("kill -STOP {brick}"));
     std::thread::sleep(Duration::from_millis(1200));
@@ -670,6 +673,9 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     std::os::unix::fs::FileExt::read_exact_at(&kept, &mut buf, 0).unwrap();
     assert_eq!(&buf, b"kept");
     assert_eq!(fs::metadata(m.path("big")).unwrap().ino(), big_ino);
+    let f6 = fs::File::open(m.path("slow/f6")).unwrap();
+    assert_eq!(f6.metadata().unwrap().len(), 1 << 20);
+    drop(f6);
     let served_in = t.elapsed();
     let blocked = readers.iter().all(|r| !r.is_finished());
     sh(&format!("kill -CONT {brick}"));
