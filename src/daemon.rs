@@ -250,19 +250,23 @@ fn spawn_lower_watchdog(
 ) {
     use std::time::Duration;
     crate::lower_wait::watch(limits);
-    // Quick enough to flag a suspect layer (`STUCK`) before the doubling pool fills with it.
-    let tick = limits
+    // While threads wait on a layer, quick enough to flag it suspect (`STUCK`) before the
+    // doubling pool fills with it; an idle mount wakes four times a second.
+    let busy_tick = limits
         .timeout
         .map_or(Duration::from_millis(50), |t| t / 4)
         .clamp(Duration::from_millis(10), Duration::from_millis(50));
+    let idle_tick = Duration::from_millis(250).min(limits.timeout.map_or(Duration::MAX, |t| t / 4));
     let _ = std::thread::Builder::new()
         .name("mosaicfs-lower-watch".into())
         .spawn(move || {
             let mut answered: std::collections::HashSet<u64> = Default::default();
             let mut saturated: Vec<crate::layers::LayerId> = Vec::new();
+            let mut tick = idle_tick;
             loop {
                 std::thread::sleep(tick);
                 let found = crate::lower_wait::overdue(limits);
+                tick = if found.waiting > 0 { busy_tick } else { idle_tick };
                 for &layer in &found.saturated {
                     if !saturated.contains(&layer) {
                         log::warn!(

@@ -187,6 +187,8 @@ pub struct Overdue {
     pub late: Vec<(i32, LayerId, Duration)>,
     /// Suspect layers that hold `saturated` waiting threads.
     pub saturated: Vec<LayerId>,
+    /// Threads inside a lower access now.
+    pub waiting: usize,
 }
 
 /// The waits past `limits`, with the layers' flags brought up to date with them.
@@ -201,6 +203,7 @@ pub fn overdue(limits: Limits) -> Overdue {
         if layer == NONE {
             continue;
         }
+        out.waiting += 1;
         let layer = (layer - 1) as LayerId;
         let i = layer as usize;
         let waited = Duration::from_nanos(now.saturating_sub(slot.since.load(Ordering::Relaxed)));
