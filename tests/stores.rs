@@ -436,21 +436,6 @@ impl Drop for Gluster {
     }
 }
 
-/// A counter of `mosaicfs status` (its Prometheus name without prefix and `_total`).
-fn counter(m: &Mount, name: &str) -> u64 {
-    let out = Command::new(BIN)
-        .args(["status", "--prometheus"])
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("mosaicfs_{name}_total ")))
-        .unwrap_or_else(|| panic!("no counter {name} in {text}"))
-        .parse()
-        .unwrap()
-}
-
 /// Inode number of every path of the merged view.
 fn inode_numbers(root: &Path) -> HashMap<String, u64> {
     let mut out = HashMap::new();

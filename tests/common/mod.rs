@@ -399,19 +399,36 @@ pub fn served(log: &str, what: &str) -> u64 {
         .unwrap()
 }
 
-/// How many requests of FUSE opcode `op` (the kernel's name, e.g. "READDIRPLUS") the daemon
-/// of `m` has answered.
-pub fn requests(m: &Mount, op: &str) -> u64 {
+/// The value of metric line `key` (its name and labels) in `mosaicfs status --prometheus` of
+/// `m`, if the report has it.
+fn metric(m: &Mount, key: &str) -> Option<u64> {
     let out = Command::new(BIN)
         .args(["status", "--prometheus"])
         .arg(&m.mnt)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let key = format!("mosaicfs_request_duration_seconds_count{{op=\"{op}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key))
-        .map_or(0, |n| n.parse().unwrap())
+    text.lines().find_map(|l| {
+        l.strip_prefix(key)?
+            .strip_prefix(' ')
+            .map(|n| n.parse().unwrap())
+    })
+}
+
+/// A counter of `mosaicfs status` (its Prometheus name without prefix and `_total`).
+pub fn counter(m: &Mount, name: &str) -> u64 {
+    metric(m, &format!("mosaicfs_{name}_total"))
+        .unwrap_or_else(|| panic!("no counter {name} in mosaicfs status"))
+}
+
+/// How many requests of FUSE opcode `op` (the kernel's name, e.g. "READDIRPLUS") the daemon
+/// of `m` has answered.
+pub fn requests(m: &Mount, op: &str) -> u64 {
+    metric(
+        m,
+        &format!("mosaicfs_request_duration_seconds_count{{op=\"{op}\"}}"),
+    )
+    .unwrap_or(0)
 }
 
 /// Mount options for `Mount::extra`.
