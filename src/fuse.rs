@@ -591,7 +591,6 @@ impl Filesystem for MosaicFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let ttl = self.ttl();
         let r = self
             .core
             .readdirplus(ino.0, fh.0, offset, |e, next, found| match found {
@@ -599,11 +598,7 @@ impl Filesystem for MosaicFs {
                     INodeNo(e.ino),
                     next,
                     &e.name,
-                    &if node.state().upper {
-                        ttl
-                    } else {
-                        self.core.config.lower_cache
-                    },
+                    &self.ttl_of(node),
                     &entry_attr(node, attr),
                     Generation(node.generation()),
                 ),

@@ -437,12 +437,16 @@ impl Overlay {
 
     /// `stat` of the layer file behind `node`, not yet adjusted for the merged view.
     pub fn stat_layer(&self, node: &Node) -> Result<Attr> {
-        if let Some(open) = node.state().open.upgrade()
+        let (open, kept) = {
+            let st = node.state();
+            (st.open.upgrade(), self.store_attr(&st))
+        };
+        if let Some(open) = open
             && let Some(a) = open.fstat()?
         {
             return Ok(a);
         }
-        if let Some(a) = self.store_attr(node) {
+        if let Some(a) = kept {
             return Ok(a);
         }
         let _waiting = self.waiting_on(node)?;
@@ -459,8 +463,7 @@ impl Overlay {
     /// cache time says — a READ marks the file's atime stale, so the next `fstat` after a file
     /// was read sends a GETATTR, which would otherwise cost a call to the store per file
     /// (bench/stores.sh: 80 µs each on GlusterFS).
-    fn store_attr(&self, node: &Node) -> Option<Attr> {
-        let st = node.state();
+    fn store_attr(&self, st: &crate::inode::NodeState) -> Option<Attr> {
         match st.store_attr {
             Some((attr, at)) if !st.upper && at.elapsed() < self.config.lower_cache => Some(attr),
             _ => None,
@@ -469,8 +472,13 @@ impl Overlay {
 
     /// Keeps `attr`, just taken of `node`'s layer object, for `store_attr`.
     pub fn keep_store_attr(&self, node: &Node, attr: Attr) {
-        if self.lower_only_layer(node).is_some_and(|l| l.on_store) {
-            node.state().store_attr = Some((attr, std::time::Instant::now()));
+        let mut st = node.state();
+        let on_store = match (&st.lower, st.upper) {
+            (Some(l), false) => self.layers.layer(l.top()).on_store,
+            _ => false,
+        };
+        if on_store {
+            st.store_attr = Some((attr, std::time::Instant::now()));
         }
     }
 
