@@ -152,8 +152,13 @@ impl Overlay {
             devs.len() as u64
         };
         let sparse = match layers.work.as_ref() {
-            Some(w) => partial::probe_sparse(w.as_fd())
-                .map_err(|e| format!("cannot probe the upper file system: {e}"))?,
+            Some(w) => partial::probe_sparse(w.as_fd()).map_err(|e| {
+                format!(
+                    "cannot probe the upper file system for sparse files (a file \
+                         probe-sparse in the work dir): {e}; check that the work dir is on the \
+                         upper dir's file system and that it is writable and not full"
+                )
+            })?,
             None => SparseSupport {
                 block: 4096,
                 sparse: true,

@@ -282,10 +282,11 @@ pub struct SparseSupport {
 /// reads back as data. A file system that allocates at a coarser grain gets a larger block size;
 /// one that does not report holes at all is reported as not sparse.
 pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
-    let fd = probe_file(work, "probe-sparse")?;
+    let probe = ProbeFile::create(work, "probe-sparse")?;
+    let fd = &probe.fd;
     let grain = sys::fstat(fd.as_fd())?.blksize.max(4096) as u64;
     let size = 64 * 1024 * 1024u64;
-    rustix::fs::ftruncate(&fd, size)?;
+    rustix::fs::ftruncate(fd, size)?;
     let mut block = grain;
     while block <= 2 * 1024 * 1024 {
         let at = size / 2;
@@ -311,8 +312,8 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
                 sparse: true,
             });
         }
-        rustix::fs::ftruncate(&fd, 0)?;
-        rustix::fs::ftruncate(&fd, size)?;
+        rustix::fs::ftruncate(fd, 0)?;
+        rustix::fs::ftruncate(fd, size)?;
         block *= 2;
     }
     Err(Error::with_context(
@@ -321,31 +322,47 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
     ))
 }
 
-/// An empty file in the work directory, already unlinked: gone with its descriptor.
-fn probe_file(work: BorrowedFd<'_>, name: &str) -> Result<rustix::fd::OwnedFd> {
-    use rustix::fs::{Mode, OFlags};
-    let name = std::ffi::OsStr::new(name);
-    let fd = rustix::fs::openat(
-        work,
-        name,
-        OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
-        Mode::from_raw_mode(0o600),
-    )?;
-    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
-    Ok(fd)
+/// An empty file in the work directory, unlinked when dropped. It keeps its name while it is
+/// probed: some FUSE upper file systems (fuse-overlayfs) serve attribute requests of an open
+/// file by path and answer ENOENT once it is unlinked. A probe left by a crash is truncated and
+/// reused by the next mount's.
+struct ProbeFile<'a> {
+    fd: rustix::fd::OwnedFd,
+    work: BorrowedFd<'a>,
+    name: &'static std::ffi::OsStr,
+}
+
+impl<'a> ProbeFile<'a> {
+    fn create(work: BorrowedFd<'a>, name: &'static str) -> Result<Self> {
+        use rustix::fs::{Mode, OFlags};
+        let name = std::ffi::OsStr::new(name);
+        let fd = rustix::fs::openat(
+            work,
+            name,
+            OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        Ok(ProbeFile { fd, work, name })
+    }
+}
+
+impl Drop for ProbeFile<'_> {
+    fn drop(&mut self) {
+        let _ = rustix::fs::unlinkat(self.work, self.name, rustix::fs::AtFlags::empty());
+    }
 }
 
 /// Whether the upper file system clones extents (FICLONE): XFS with reflink, btrfs. Whether a
 /// given lower layer's files can be cloned into it is found at the first copy-up.
 pub fn probe_reflink(work: BorrowedFd<'_>) -> bool {
     let (Ok(src), Ok(dst)) = (
-        probe_file(work, "probe-reflink-src"),
-        probe_file(work, "probe-reflink-dst"),
+        ProbeFile::create(work, "probe-reflink-src"),
+        ProbeFile::create(work, "probe-reflink-dst"),
     ) else {
         return false;
     };
-    sys::pwrite_full(src.as_fd(), &[0x5a; 4096], 0).is_ok()
-        && rustix::fs::ioctl_ficlone(&dst, &src).is_ok()
+    sys::pwrite_full(src.fd.as_fd(), &[0x5a; 4096], 0).is_ok()
+        && rustix::fs::ioctl_ficlone(&dst.fd, &src.fd).is_ok()
 }
 
 /// Fuzzing (proptest, a few hundred cases per run of the suite; `PROPTEST_CASES=100000 cargo
