@@ -29,6 +29,10 @@ test: install
 	tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
 	tests/podman/run.sh target/release/mosaicfs
+	# Once more over FUSE's io_uring transport (issue #15; docs/URING.md).
+	tests/with-uring.sh $(CARGO) test --release -- --test-threads=2
+	tests/with-uring.sh env MOSAICFS_OPTS=uring=on tests/pjdfstest/run.sh target/release/mosaicfs
+	tests/with-uring.sh tests/podman/run.sh target/release/mosaicfs
 
 bench: build
 	bench/run.sh

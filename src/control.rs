@@ -41,6 +41,10 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     }
     r += &format!("lower: {}\n", layers.join(":"));
     r += &format!(
+        "transport: {}\n",
+        overlay.transport.get().copied().unwrap_or("/dev/fuse")
+    );
+    r += &format!(
         "block size: {} (sparse files: {})\npassthrough: {:?}\n",
         overlay.sparse.block,
         if overlay.sparse.sparse {
@@ -187,7 +191,7 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
         .map(|(e, n)| format!("{}: {n}", json_str(&crate::stats::errno_name(*e))))
         .collect();
     format!(
-        "{{\"mount\": {}, \"upper\": {upper}, \"lower\": [{}], \"block_size\": {}, \
+        "{{\"mount\": {}, \"upper\": {upper}, \"lower\": [{}], \"transport\": {}, \"block_size\": {}, \
          \"passthrough\": {}, \"inodes\": {}, \"open_handles\": {}, \
          \"partial_files\": {{\"queued\": {}, \"blocks_present\": {}, \"blocks_total\": {}, \
          \"bytes_not_copied\": {}}}, \"copy_after_write_pending_bytes\": {}, \
@@ -195,6 +199,7 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
          \"requests\": {{{}}}, \"errors\": {{{}}}}}\n",
         json_str(&mountpoint.display().to_string()),
         lower.join(", "),
+        json_str(overlay.transport.get().copied().unwrap_or("/dev/fuse")),
         overlay.sparse.block,
         json_str(&format!("{:?}", overlay.config.passthrough)),
         overlay.inodes.len(),

@@ -197,6 +197,7 @@ fn mount(opts: Options) -> Result<(), String> {
         crate::layers::WorkLock::Wait(crate::layers::MOUNT_LOCK_WAIT),
     )?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
+    use_uring(&opts, &overlay)?;
     if overlay.layers.work.is_some() && !overlay.sparse.sparse {
         eprintln!(
             "mosaicfs: warning: the upper file system does not report holes in sparse files; \
@@ -226,6 +227,57 @@ fn mount(opts: Options) -> Result<(), String> {
         let _ = f.write_all(e.as_bytes());
     }
     result
+}
+
+/// Whether the session asks the kernel for io_uring (`uring=`): `on` fails the mount when the
+/// kernel cannot give it, `auto` takes it when it can.
+///
+/// Two guarantees of lower_wait.rs need the /dev/fuse worker pool, so `auto` keeps /dev/fuse
+/// for them and `on` refuses them: `lower_timeout=` answers a request before its worker,
+/// which io_uring cannot (the reply goes through the worker's ring entry); and a layer on a
+/// store's client that stops answering must not take every worker — over io_uring a request
+/// waits for an entry of its CPU's queue, and requests queued behind stuck entries move only
+/// when one of those entries answers (entries added later take new requests, not queued ones).
+fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
+    let kernel = fuser::uring_enabled();
+    let on_store = overlay
+        .layers
+        .lower_ids()
+        .find(|&l| overlay.layers.layer(l).on_store);
+    match opts.uring {
+        options::Uring::Off => Ok(false),
+        options::Uring::Auto => {
+            Ok(kernel == Some(true) && opts.lower_timeout.is_none() && on_store.is_none())
+        }
+        options::Uring::On if opts.lower_timeout.is_some() => Err(
+            "uring=on cannot serve lower_timeout= (a request over io_uring is answered only by \
+             its worker): use uring=auto, which keeps /dev/fuse then, or drop lower_timeout"
+                .into(),
+        ),
+        options::Uring::On if on_store.is_some() => Err(format!(
+            "uring=on: lower layer '{}' is on a network or FUSE store, and a store that stops \
+             answering would hold up every request queued behind it over io_uring; use \
+             uring=auto, which keeps /dev/fuse then",
+            overlay
+                .layers
+                .layer(on_store.unwrap_or_default())
+                .path
+                .display()
+        )),
+        options::Uring::On => match kernel {
+            Some(true) => Ok(true),
+            Some(false) => Err(format!(
+                "uring=on: FUSE over io_uring is off in this kernel; turn it on as root with \
+                 'echo Y > {}', or mount with uring=auto",
+                fuser::URING_ENABLE_PARAMETER
+            )),
+            None => Err(
+                "uring=on: this kernel has no FUSE over io_uring (Linux 6.14+ with \
+                 CONFIG_FUSE_IO_URING); mount with uring=auto or uring=off"
+                    .into(),
+            ),
+        },
+    }
 }
 
 fn wait_for_child(r: OwnedFd) -> Result<(), String> {
@@ -323,7 +375,7 @@ fn spawn_lower_watchdog(
 /// The most FUSE worker threads a mount grows to (see `fuser_config`).
 const MAX_WORKERS: usize = 64;
 
-fn fuser_config(opts: &Options) -> fuser::Config {
+fn fuser_config(opts: &Options, overlay: &Overlay) -> fuser::Config {
     use fuser::MountOption as M;
     let mut mo = vec![
         M::FSName(opts.fsname.clone()),
@@ -359,6 +411,7 @@ fn fuser_config(opts: &Options) -> fuser::Config {
         cfg.max_threads = Some(MAX_WORKERS.max(opts.threads));
     }
     cfg.clone_fd = true;
+    cfg.uring = use_uring(opts, overlay).unwrap_or(false);
     cfg
 }
 
@@ -377,8 +430,16 @@ fn serve(
         max_write: opts.max_write,
         panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
     };
-    let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts))
+    let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
+    if opts.uring == options::Uring::On && session.transport() != "io_uring" {
+        return Err(format!(
+            "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",
+            opts.mountpoint.display(),
+            fuser::URING_ENABLE_PARAMETER
+        ));
+    }
+    let _ = control.transport.set(session.transport());
     spawn_signal_handler(opts.mountpoint.clone());
     // A layer on a store's client is watched even without a timeout: one that stops answering
     // must not take every worker (lower_wait.rs).

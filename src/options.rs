@@ -134,6 +134,8 @@ pub struct Options {
     /// can take them from the lower one: a complete upper file in O(1), opened for writing
     /// with passthrough. `reflink=0` keeps partial files everywhere.
     pub reflink: bool,
+    /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
+    pub uring: Uring,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
     pub remount: bool,
     pub warnings: Vec<String>,
@@ -180,8 +182,32 @@ impl Default for Options {
             timeout_given: false,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
+            uring: Uring::from_env(),
             remount: false,
             warnings: Vec::new(),
+        }
+    }
+}
+
+/// The FUSE transport asked for with `uring=`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uring {
+    /// /dev/fuse only (the default).
+    Off,
+    /// io_uring when the kernel has it on, /dev/fuse otherwise.
+    Auto,
+    /// io_uring, or no mount.
+    On,
+}
+
+impl Uring {
+    /// The default: `MOSAICFS_URING=on|auto|off` in the environment (so that every mount of a
+    /// container engine, or of a test run, can be switched at once), else `off`.
+    fn from_env() -> Uring {
+        match std::env::var("MOSAICFS_URING").ok().as_deref() {
+            Some("on") | Some("1") => Uring::On,
+            Some("auto") => Uring::Auto,
+            _ => Uring::Off,
         }
     }
 }
@@ -597,6 +623,14 @@ impl Options {
                     return Err("option 'complete_ratio' takes a percentage from 0 (never) to 100".into());
                 }
                 self.completion.ratio = pct / 100.0;
+            }
+            "uring" => {
+                self.uring = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
+                    None | Some("on") | Some("1") => Uring::On,
+                    Some("auto") => Uring::Auto,
+                    Some("off") | Some("0") => Uring::Off,
+                    Some(v) => return Err(format!("option 'uring' takes on, auto or off, not '{v}'")),
+                };
             }
             "passthrough" => {
                 use crate::file::PassthroughPolicy as P;

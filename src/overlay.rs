@@ -129,6 +129,9 @@ pub struct Overlay {
     /// (copy_up.rs). Turned off for a layer at the first clone the kernel refuses (EXDEV).
     pub reflink: Vec<std::sync::atomic::AtomicBool>,
     shut_down: std::sync::atomic::AtomicBool,
+    /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
+    /// is up (`uring=`).
+    pub transport: std::sync::OnceLock<&'static str>,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -214,6 +217,7 @@ impl Overlay {
             fd_reserve: crate::file::FdReserve::from_rlimit(),
             reflink,
             shut_down: Default::default(),
+            transport: Default::default(),
             layers,
         })
     }

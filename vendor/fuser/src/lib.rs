@@ -104,6 +104,9 @@ mod request;
 mod request_param;
 mod session;
 mod time;
+mod uring;
+pub use crate::uring::kernel_enabled as uring_enabled;
+pub use crate::uring::ENABLE_PARAMETER as URING_ENABLE_PARAMETER;
 
 /// We generally support async reads
 #[cfg(not(target_os = "macos"))]

@@ -34,13 +34,19 @@ use crate::session::SessionEventLoop;
 pub(crate) struct RequestWithSender<'a> {
     /// Channel sender for sending the reply
     ch: ChannelSender,
+    /// mosaicfs patch: where the reply goes when the request came over io_uring.
+    ring: Option<std::sync::Arc<crate::uring::ReplySlot>>,
     /// Parsed request
     pub(crate) request: ll::AnyRequest<'a>,
 }
 
 impl<'a> RequestWithSender<'a> {
     /// Create a new request from the given data
-    pub(crate) fn new(ch: ChannelSender, data: &'a [u8]) -> Option<RequestWithSender<'a>> {
+    pub(crate) fn new(
+        ch: ChannelSender,
+        ring: Option<std::sync::Arc<crate::uring::ReplySlot>>,
+        data: &'a [u8],
+    ) -> Option<RequestWithSender<'a>> {
         let request = match ll::AnyRequest::try_from(data) {
             Ok(request) => request,
             Err(err) => {
@@ -49,7 +55,7 @@ impl<'a> RequestWithSender<'a> {
             }
         };
 
-        Some(Self { ch, request })
+        Some(Self { ch, ring, request })
     }
 
     /// Dispatch request to the given filesystem.
@@ -308,7 +314,7 @@ impl<'a> RequestWithSender<'a> {
                     x.offset(),
                     ReplyDirectory::new(
                         self.request.unique(),
-                        ReplySender::Channel(self.ch.clone()),
+                        self.sender(),
                         x.size() as usize,
                     ),
                 );
@@ -493,7 +499,7 @@ impl<'a> RequestWithSender<'a> {
                     x.offset(),
                     ReplyDirectoryPlus::new(
                         self.request.unique(),
-                        ReplySender::Channel(self.ch.clone()),
+                        self.sender(),
                         x.size() as usize,
                     ),
                 );
@@ -566,7 +572,14 @@ impl<'a> RequestWithSender<'a> {
     /// Create a reply object for this request that can be passed to the filesystem
     /// implementation and makes sure that a request is replied exactly once
     pub(crate) fn reply<T: Reply>(&self) -> T {
-        Reply::new(self.request.unique(), ReplySender::Channel(self.ch.clone()))
+        Reply::new(self.request.unique(), self.sender())
+    }
+
+    fn sender(&self) -> ReplySender {
+        match &self.ring {
+            Some(slot) => ReplySender::Ring(slot.clone(), self.ch.clone()),
+            None => ReplySender::Channel(self.ch.clone()),
+        }
     }
 
     /// Returns a Request reference for this request

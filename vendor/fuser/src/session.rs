@@ -141,6 +141,9 @@ pub struct Session<FS: Filesystem> {
     pub(crate) config: Config,
     /// mosaicfs patch: the workers, made here so that `request_watch` works before `run`.
     pool: Arc<WorkerPool>,
+    /// mosaicfs patch: the payload buffer size of an io_uring entry, when INIT agreed on
+    /// io_uring.
+    uring_payload: Option<usize>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -189,6 +192,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             pool: WorkerPool::new(),
             config: options.clone(),
+            uring_payload: None,
         };
 
         session.handshake()?;
@@ -218,6 +222,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             pool: WorkerPool::new(),
             config,
+            uring_payload: None,
         };
 
         session.handshake()?;
@@ -257,6 +262,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: _,
             config,
             pool,
+            uring_payload,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -293,18 +299,50 @@ impl<FS: Filesystem> Session<FS> {
             }
             Ok(ch.clone())
         };
+        // mosaicfs patch: over io_uring, each worker owns one entry of one queue (queues are
+        // per CPU and every queue needs an entry); one /dev/fuse reader stays for FORGET and
+        // INTERRUPT, which the kernel does not send through the rings.
+        let ring_queues = uring_payload.map(|_| crate::uring::queue_count());
+        let n_threads = ring_queues.map_or(n_threads, |q| n_threads.max(q));
+        // Each queue may have to grow to the whole pool alone (every caller on one CPU).
+        let max_threads = ring_queues.map_or(max_threads, |q| max_threads * q).max(n_threads);
+        let worker = {
+            let ch = ch.clone();
+            move |template: &Channel, qid: Option<u16>| -> io::Result<WorkerKind> {
+                match (qid, uring_payload) {
+                    (Some(qid), Some(payload)) => Ok(WorkerKind::Ring {
+                        ch: ch.clone(),
+                        qid,
+                        payload,
+                    }),
+                    _ => new_channel(template).map(WorkerKind::Dev),
+                }
+            }
+        };
         let template = if max_threads > n_threads {
             Some(new_channel(&ch)?)
         } else {
             None
         };
-        let mut channels = Vec::with_capacity(n_threads);
-        for _ in 0..n_threads_minus_one {
-            channels.push(new_channel(&ch)?);
-        }
-        channels.push(ch);
-        for ch in channels {
-            pool.spawn(ch, &filesystem, allowed, session_owner)?;
+        // The groups of workers that grow on their own: a request waits for a worker of the
+        // queue of its caller's CPU, so each queue must keep free entries.
+        let groups: Vec<Option<u16>> =
+            ring_queues.map_or(vec![None], |q| (0..q as u16).map(Some).collect());
+        if ring_queues.is_some() {
+            for i in 0..n_threads {
+                let qid = groups[i % groups.len()];
+                pool.spawn(worker(&ch, qid)?, &filesystem, allowed, session_owner)?;
+            }
+            pool.spawn(WorkerKind::Reader(ch), &filesystem, allowed, session_owner)?;
+        } else {
+            let mut channels = Vec::with_capacity(n_threads);
+            for _ in 0..n_threads_minus_one {
+                channels.push(new_channel(&ch)?);
+            }
+            channels.push(ch);
+            for ch in channels {
+                pool.spawn(WorkerKind::Dev(ch), &filesystem, allowed, session_owner)?;
+            }
         }
         let mut supervisor = None;
         if let Some(template) = template {
@@ -321,15 +359,19 @@ impl<FS: Filesystem> Session<FS> {
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
                         }
-                        let workers = pool.workers();
-                        if workers < max_threads && pool.all_stuck() {
-                            // The pool doubles: requests that queue behind the stuck ones
+                        for &group in &groups {
+                            let workers = pool.workers();
+                            let in_group = pool.workers_in(group);
+                            if workers >= max_threads || !pool.all_stuck(group) {
+                                continue;
+                            }
+                            // The group doubles: requests that queue behind the stuck ones
                             // (the kernel hands them out in order) wait for free workers, and
                             // one more worker per look would take seconds to reach them.
                             let mut added = 0;
-                            for _ in 0..workers.min(max_threads - workers) {
-                                let spawned = new_channel(&template).and_then(|ch| {
-                                    pool.spawn(ch, &filesystem, allowed, session_owner)
+                            for _ in 0..in_group.min(max_threads - workers) {
+                                let spawned = worker(&template, group).and_then(|w| {
+                                    pool.spawn(w, &filesystem, allowed, session_owner)
                                 });
                                 match spawned {
                                     Ok(true) => added += 1,
@@ -342,8 +384,9 @@ impl<FS: Filesystem> Session<FS> {
                             }
                             if added > 0 {
                                 info!(
-                                    "every FUSE worker is busy with one request for {STUCK_AFTER:?}: \
-                                     {} workers now",
+                                    "every FUSE worker{} is busy with one request for \
+                                     {STUCK_AFTER:?}: {} workers now",
+                                    group.map_or(String::new(), |q| format!(" of io_uring queue {q}")),
                                     pool.workers()
                                 );
                             }
@@ -488,6 +531,19 @@ impl<FS: Filesystem> Session<FS> {
                 return Err(error);
             }
 
+            // mosaicfs patch: io_uring when asked for and offered (the kernel offers it while
+            // `fuse.enable_uring` is on). Each entry's payload buffer holds the largest
+            // request or reply (the kernel's `max_payload_sz`).
+            if self.config.uring && init.capabilities().contains(InitFlags::FUSE_OVER_IO_URING) {
+                let _ = config.add_capabilities(InitFlags::FUSE_OVER_IO_URING);
+                let pages = config.max_pages() as usize * page_size::get();
+                self.uring_payload = Some(
+                    (config.max_write as usize)
+                        .max(pages)
+                        .max(crate::consts::FUSE_MIN_READ_BUFFER),
+                );
+            }
+
             // Remember the ABI version supported by kernel and mark the session initialized.
             self.proto_version = Some(v);
 
@@ -553,6 +609,15 @@ impl<FS: Filesystem> Session<FS> {
         Notifier::new(self.ch.sender())
     }
 
+    /// mosaicfs patch: how requests reach the daemon: `"io_uring"` or `"/dev/fuse"`.
+    pub fn transport(&self) -> &'static str {
+        if self.uring_payload.is_some() {
+            "io_uring"
+        } else {
+            "/dev/fuse"
+        }
+    }
+
     /// mosaicfs patch: what the workers are serving, and a way to answer a request early.
     pub fn request_watch(&self) -> RequestWatch {
         RequestWatch {
@@ -611,8 +676,14 @@ impl RequestWatch {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .find(|w| w.thread.load(std::sync::atomic::Ordering::Relaxed) == request.thread)
-            .map(|w| w.sender.clone())
-            .ok_or_else(|| io::Error::other("no such worker"))?;
+            .map(|w| (!w.ring).then(|| w.sender.clone()))
+            .ok_or_else(|| io::Error::other("no such worker"))?
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a request served over io_uring cannot be answered before its worker",
+                )
+            })?;
         ResponseErrno(errno).with_iovec(ll::RequestId(request.unique), |iov| sender.send(iov))
     }
 }
@@ -653,6 +724,10 @@ struct WorkerPool {
 pub(crate) struct WorkerState {
     /// The worker's channel: a reply must go to the device (clone) the request came from.
     sender: ChannelSender,
+    /// The worker serves an io_uring entry: its requests cannot be answered early.
+    ring: bool,
+    /// The io_uring queue of its entry.
+    qid: Option<u16>,
     /// When its current request was dispatched (ns since the pool's epoch, at least 1), or 0
     /// while it waits for one. Stored last (Release) when a request starts.
     since: std::sync::atomic::AtomicU64,
@@ -682,13 +757,25 @@ impl WorkerPool {
             .any(|s| s.since.load(std::sync::atomic::Ordering::Relaxed) != 0)
     }
 
-    fn all_stuck(&self) -> bool {
+    /// The workers of one io_uring queue (`None`: of /dev/fuse).
+    fn workers_in(&self, qid: Option<u16>) -> usize {
+        self.busy_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|s| s.qid == qid)
+            .count()
+    }
+
+    /// Whether every worker of the group has been on one request for `STUCK_AFTER`.
+    fn all_stuck(&self, qid: Option<u16>) -> bool {
         let now = self.epoch.elapsed().as_nanos() as u64;
         let stuck = STUCK_AFTER.as_nanos() as u64;
         self.busy_since
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
+            .filter(|s| s.qid == qid)
             .all(|s| {
                 let t = s.since.load(std::sync::atomic::Ordering::Relaxed);
                 t != 0 && now.saturating_sub(t) >= stuck
@@ -701,10 +788,10 @@ impl WorkerPool {
         self.ended.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Starts a worker on `ch`, unless the session has ended (then `false`).
+    /// Starts a worker, unless the session has ended (then `false`).
     fn spawn<FS: Filesystem + Send + Sync + 'static>(
         self: &Arc<Self>,
-        ch: Channel,
+        kind: WorkerKind,
         filesystem: &Arc<FilesystemHolder<FS>>,
         allowed: SessionACL,
         session_owner: Uid,
@@ -713,30 +800,55 @@ impl WorkerPool {
         if self.ended.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(false);
         }
+        let (ch, ring, tracked) = match kind {
+            WorkerKind::Dev(ch) => (ch, None, true),
+            WorkerKind::Ring { ch, qid, payload } => (ch, Some((qid, payload)), true),
+            WorkerKind::Reader(ch) => (ch, None, false),
+        };
         let busy = Arc::new(WorkerState {
             sender: ch.sender(),
+            ring: ring.is_some(),
+            qid: ring.map(|(q, _)| q),
             since: Default::default(),
             unique: Default::default(),
             thread: Default::default(),
         });
         let mut slots = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
-        let thread_name = format!("fuser-{}", slots.len());
+        let thread_name = match (ring, tracked) {
+            (Some((qid, _)), _) => format!("fuser-ring{qid}-{}", slots.len()),
+            (None, true) => format!("fuser-{}", slots.len()),
+            (None, false) => "fuser-dev".to_string(),
+        };
         let event_loop = SessionEventLoop {
             thread_name: thread_name.clone(),
             filesystem: filesystem.clone(),
             ch,
             allowed,
             session_owner,
-            busy: Some((busy.clone(), self.epoch)),
+            busy: tracked.then(|| (busy.clone(), self.epoch)),
+            ring,
         };
         handles.push(
             thread::Builder::new()
                 .name(thread_name)
-                .spawn(move || event_loop.event_loop())?,
+                .spawn(move || event_loop.run())?,
         );
-        slots.push(busy);
+        if tracked {
+            slots.push(busy);
+        }
         Ok(true)
     }
+}
+
+/// mosaicfs patch: what a worker serves.
+enum WorkerKind {
+    /// Requests read from /dev/fuse (or a clone of it).
+    Dev(Channel),
+    /// One io_uring entry of queue `qid`.
+    Ring { ch: Channel, qid: u16, payload: usize },
+    /// What io_uring does not carry (FORGET, INTERRUPT), read from /dev/fuse; not counted
+    /// as a worker of the pool.
+    Reader(Channel),
 }
 
 pub(crate) struct SessionEventLoop<FS: Filesystem> {
@@ -748,13 +860,80 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) session_owner: Uid,
     /// mosaicfs patch: where this worker says what it is busy with (`WorkerPool`).
     pub(crate) busy: Option<(Arc<WorkerState>, std::time::Instant)>,
+    /// mosaicfs patch: the io_uring queue this worker serves an entry of, and the entry's
+    /// payload size; `None`: it reads /dev/fuse.
+    pub(crate) ring: Option<(u16, usize)>,
 }
 
 impl<FS: Filesystem> SessionEventLoop<FS> {
-    fn event_loop(&self) -> io::Result<()> {
+    fn run(&self) -> io::Result<()> {
         if let Some((busy, _)) = &self.busy {
             busy.thread.store(nix::unistd::gettid().as_raw(), std::sync::atomic::Ordering::Relaxed);
         }
+        match self.ring {
+            Some((qid, payload)) => self.ring_loop(qid, payload),
+            None => self.event_loop(),
+        }
+    }
+
+    /// Dispatches one request, under the busy mark and `catch_unwind` (see `event_loop`).
+    fn serve(&self, req: &RequestWithSender<'_>) {
+        if let Some((busy, epoch)) = &self.busy {
+            let t = (epoch.elapsed().as_nanos() as u64).max(1);
+            busy.unique.store(req.request.unique().0, std::sync::atomic::Ordering::Relaxed);
+            busy.since.store(t, std::sync::atomic::Ordering::Release);
+        }
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| req.dispatch(self)));
+        if let Some((busy, _)) = &self.busy {
+            busy.since.store(0, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// mosaicfs patch: serves one io_uring entry of queue `qid` (uring.rs).
+    fn ring_loop(&self, qid: u16, payload: usize) -> io::Result<()> {
+        use crate::uring::{Fetched, ReplySlot, RingEntry};
+        let mut entry = RingEntry::new(self.ch.as_fd(), qid, payload)?;
+        let slot = Arc::new(ReplySlot::default());
+        let mut commit = None;
+        loop {
+            match entry.fetch(commit.take()) {
+                Ok(Fetched::Request) => {}
+                Ok(Fetched::Ended) => return Ok(()),
+                // Before INIT's reply is processed: not yet.
+                Err(e) if commit.is_none() && e.raw_os_error() == Some(libc::EAGAIN) => {
+                    thread::sleep(std::time::Duration::from_millis(1));
+                    continue;
+                }
+                Err(e) if commit.is_none() => {
+                    // The kernel refused the entry and went back to /dev/fuse for the
+                    // whole connection: serve that instead.
+                    warn!("io_uring queue {} refused an entry ({e}): serving /dev/fuse", entry.qid());
+                    drop(entry);
+                    return self.event_loop();
+                }
+                Err(e) => return Err(e),
+            }
+            let Some(req) = RequestWithSender::new(self.ch.sender(), Some(slot.clone()), entry.request())
+            else {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "Invalid request"));
+            };
+            let unique = req.request.unique().0;
+            let destroy = matches!(req.request.operation(), Ok(Operation::Destroy(_)));
+            if destroy {
+                req.reply::<ReplyEmpty>().ok();
+            } else {
+                self.serve(&req);
+            }
+            drop(req);
+            slot.take(|reply| entry.set_reply(reply));
+            if destroy {
+                return entry.commit_only(unique);
+            }
+            commit = Some(unique);
+        }
+    }
+
+    fn event_loop(&self) -> io::Result<()> {
         // Buffer for receiving requests from the kernel. Only one is allocated and
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut buf = FuseReadBuf::new();
@@ -763,7 +942,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             match self.ch.receive_retrying(buf) {
-                Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
+                Ok(size) => match RequestWithSender::new(self.ch.sender(), None, &buf[..size]) {
                     // Dispatch request
                     Some(req) => {
                         if let Ok(Operation::Destroy(_)) = req.request.operation() {
@@ -773,17 +952,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                             // mosaicfs patch: a panic in one request ends that request, not the
                             // worker thread: its unsent reply answers EIO as it unwinds, and
                             // the thread goes on serving (the file system logs the panic).
-                            if let Some((busy, epoch)) = &self.busy {
-                                let t = (epoch.elapsed().as_nanos() as u64).max(1);
-                                busy.unique.store(req.request.unique().0, std::sync::atomic::Ordering::Relaxed);
-                                busy.since.store(t, std::sync::atomic::Ordering::Release);
-                            }
-                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                req.dispatch(self)
-                            }));
-                            if let Some((busy, _)) = &self.busy {
-                                busy.since.store(0, std::sync::atomic::Ordering::Release);
-                            }
+                            self.serve(&req);
                         }
                     }
                     // Quit loop on illegal request

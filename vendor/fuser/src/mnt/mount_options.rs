@@ -22,6 +22,9 @@ pub struct Config {
     /// been busy with one request for a while (`session::STUCK_AFTER`), so that requests
     /// blocked in a slow backing store do not hold up all others. Unspecified: `n_threads`.
     pub max_threads: Option<usize>,
+    /// mosaicfs patch: carry requests over io_uring when the kernel offers it at INIT
+    /// (`Session::transport` says what was agreed).
+    pub uring: bool,
 }
 
 /// Mount options accepted by the FUSE filesystem type

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""FUSE over io_uring against /dev/fuse (issue #15): the same mosaicfs mount options, the same
+data, the two transports alternating in one run; median of the runs, ratio /dev/fuse time over
+io_uring time (above 1: io_uring is faster).
+
+All with entry and attribute timeouts 0 (every stat is a request). Workloads: a null round trip (getxattr of a name that is not there, answered at once), stat
+with attribute and entry timeouts 0 (LOOKUP + GETATTR per call), open+close of a lower file
+(read-only: OPEN with passthrough, FLUSH, RELEASE), the metadata mix of iobench with 1, 2 and 4
+processes, write-many (open, 410-byte write, close per 4 KiB block of a lower file), and 4 KiB
+random reads of a partial file (every read goes through the daemon).
+
+Usage: bench/uring.py [--quick]   (root; turns fuse.enable_uring on and restores it)
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = os.path.join(HERE, "..", "target", "release", "mosaicfs")
+PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
+def sh(cmd):
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True).stdout
+
+
+def field(out, name):
+    return float(out.split(name + "=")[1].split()[0])
+
+
+class Mount:
+    def __init__(self, root, transport, extra):
+        self.root = root
+        self.mnt = os.path.join(root, "mnt")
+        self.opts = f"lowerdir={root}/lower,upperdir={root}/upper-{transport},workdir={root}/work-{transport}," \
+                    f"uring={'on' if transport == 'io_uring' else 'off'},complete_after=0,copy_whole=0,timeout=0{extra}"
+        for d in ["mnt", f"upper-{transport}", f"work-{transport}"]:
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([BIN, "-f", "-o", self.opts, self.mnt], stderr=subprocess.PIPE)
+        for _ in range(500):
+            if os.path.ismount(self.mnt):
+                return self
+            if self.proc.poll() is not None:
+                sys.exit("mosaicfs did not mount: " + self.proc.stderr.read().decode())
+            time.sleep(0.01)
+        sys.exit("mount did not come up")
+
+    def __exit__(self, *exc):
+        subprocess.run(["umount", self.mnt], check=True)
+        self.proc.wait()
+
+    def path(self, *p):
+        return os.path.join(self.mnt, *p)
+
+
+def metamix(m, iobench, procs, n):
+    dirs = []
+    for i in range(procs):
+        d = m.path(f"meta-{procs}-{i}")
+        os.makedirs(d, exist_ok=True)
+        dirs.append(d)
+    start = time.perf_counter()
+    ps = [subprocess.Popen([iobench, "metamix", d, str(n)], stdout=subprocess.PIPE, text=True) for d in dirs]
+    ops = 0
+    for p in ps:
+        out, _ = p.communicate()
+        ops += field(out, "ops")
+    total = time.perf_counter() - start
+    for d in dirs:
+        os.rmdir(d)
+    return ops / total
+
+
+def run_once(m, iobench, q):
+    r = {}
+    n = 5000 if q else 20000
+    r["null round trip, getxattr ENODATA (µs)"] = field(sh(f"{iobench} nullrt {m.path('small')} {n}"), "avg_us")
+    t = time.perf_counter()
+    for _ in range(n // 4):
+        os.stat(m.path("small"))
+    r["stat, timeouts 0: LOOKUP + GETATTR (µs)"] = (time.perf_counter() - t) / (n // 4) * 1e6
+    r["open + close of a lower file (µs)"] = field(sh(f"{iobench} openclose {m.path('ro')} {n // 2} RDONLY"), "avg_us")
+    for procs in (1, 2, 4):
+        r[f"metadata mix, {procs} process{'es' if procs > 1 else ''} (ops/s)"] = metamix(m, iobench, procs, 300 if q else 1000)
+    r["write-many over 16 MiB: open, 410 B write, close per 4 KiB (µs/op)"] = field(
+        sh(f"{iobench} writemany {m.path('wmany')} 4096 410"), "avg_us")
+    # A partial file: one block written, read at random through the daemon.
+    with open(m.path("part"), "r+b") as f:
+        f.write(b"x" * 4096)
+    r["4 KiB random read of a partial file (µs)"] = field(sh(f"{iobench} randread {m.path('part')} 4096 50"), "avg_us")
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int, default=0)
+    a = ap.parse_args()
+    runs = a.runs or (3 if a.quick else 5)
+    if not os.path.exists(PARAM):
+        sys.exit("this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING)")
+    before = open(PARAM).read().strip()
+    root = tempfile.mkdtemp(prefix="mosaicfs-uring-bench-", dir="/var/tmp")
+    iobench = os.path.join(root, "iobench")
+    sh(f"cc -O2 -o {iobench} {HERE}/iobench.c")
+    lower = os.path.join(root, "lower")
+    os.makedirs(lower)
+    for name, size in [("small", 100), ("ro", 4096), ("wmany", 16 << 20), ("part", 16 << 20)]:
+        with open(os.path.join(lower, name), "wb") as f:
+            f.write(os.urandom(size))
+    results = {"/dev/fuse": [], "io_uring": []}
+    try:
+        with open(PARAM, "w") as f:
+            f.write("Y")
+        for i in range(runs):
+            for transport in (["/dev/fuse", "io_uring"] if i % 2 == 0 else ["io_uring", "/dev/fuse"]):
+                key = "io_uring" if transport == "io_uring" else "dev"
+                sh(f"rm -rf {root}/upper-{key} {root}/work-{key}")
+                with Mount(root, key, "") as m:
+                    results[transport].append(run_once(m, iobench, a.quick))
+    finally:
+        with open(PARAM, "w") as f:
+            f.write(before)
+        sh(f"rm -rf {root}")
+    rows = list(results["/dev/fuse"][0].keys())
+    print(f"FUSE transport, median of {runs} runs, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
+          f"kernel {os.uname().release}\n")
+    print("| workload | /dev/fuse | io_uring | io_uring speed-up |")
+    print("|---|---|---|---|")
+    for row in rows:
+        dev = statistics.median(r[row] for r in results["/dev/fuse"])
+        ur = statistics.median(r[row] for r in results["io_uring"])
+        speedup = ur / dev if "ops/s" in row else dev / ur
+        print(f"| {row} | {dev:,.1f} | {ur:,.1f} | {speedup:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
