@@ -24,6 +24,7 @@
 //! entry of its queue, and the others go on. The pool grows by adding entries (workers).
 
 use std::io;
+use std::os::fd::AsFd;
 use std::os::fd::AsRawFd;
 use std::os::fd::BorrowedFd;
 use std::os::fd::FromRawFd;
@@ -209,10 +210,10 @@ impl Ring {
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let sq_len = p.sq_off.array as usize + p.sq_entries as usize * 4;
         let cq_len = p.cq_off.cqes as usize + p.cq_entries as usize * 16;
-        let sq = Map::new(fd.as_fd_borrowed(), sq_len, IORING_OFF_SQ_RING)?;
-        let cq = Map::new(fd.as_fd_borrowed(), cq_len, IORING_OFF_CQ_RING)?;
+        let sq = Map::new(fd.as_fd(), sq_len, IORING_OFF_SQ_RING)?;
+        let cq = Map::new(fd.as_fd(), cq_len, IORING_OFF_CQ_RING)?;
         let sqes = Map::new(
-            fd.as_fd_borrowed(),
+            fd.as_fd(),
             p.sq_entries as usize * SQE_SIZE,
             IORING_OFF_SQES,
         )?;
@@ -315,16 +316,6 @@ impl Ring {
                 }
             }
         }
-    }
-}
-
-trait AsFdBorrowed {
-    fn as_fd_borrowed(&self) -> BorrowedFd<'_>;
-}
-
-impl AsFdBorrowed for OwnedFd {
-    fn as_fd_borrowed(&self) -> BorrowedFd<'_> {
-        std::os::fd::AsFd::as_fd(self)
     }
 }
 
