@@ -192,9 +192,9 @@ impl Default for Options {
 /// The FUSE transport asked for with `uring=`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Uring {
-    /// /dev/fuse only (the default).
+    /// /dev/fuse only.
     Off,
-    /// io_uring when the kernel has it on, /dev/fuse otherwise.
+    /// io_uring when the kernel has it on, /dev/fuse otherwise (the default).
     Auto,
     /// io_uring, or no mount.
     On,
@@ -202,12 +202,14 @@ pub enum Uring {
 
 impl Uring {
     /// The default: `MOSAICFS_URING=on|auto|off` in the environment (so that every mount of a
-    /// container engine, or of a test run, can be switched at once), else `off`.
+    /// container engine, or of a test run, can be switched at once), else `auto`: the kernel's
+    /// parameter, which only root can set, is the switch (io_uring was faster on every row of
+    /// bench/uring.py, README).
     fn from_env() -> Uring {
         match std::env::var("MOSAICFS_URING").ok().as_deref() {
             Some("on") | Some("1") => Uring::On,
-            Some("auto") => Uring::Auto,
-            _ => Uring::Off,
+            Some("off") | Some("0") => Uring::Off,
+            _ => Uring::Auto,
         }
     }
 }

@@ -892,6 +892,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     /// mosaicfs patch: serves one io_uring entry of queue `qid` (uring.rs).
     fn ring_loop(&self, qid: u16, payload: usize) -> io::Result<()> {
         use crate::uring::{Fetched, ReplySlot, RingEntry};
+        crate::uring::pin_to_queue_cpu(qid);
         let mut entry = RingEntry::new(self.ch.as_fd(), qid, payload)?;
         let slot = Arc::new(ReplySlot::default());
         let mut commit = None;

@@ -82,6 +82,8 @@ struct ReqHeader {
 
 // io_uring ABI (include/uapi/linux/io_uring.h).
 const IORING_SETUP_SQE128: u32 = 1 << 10;
+const IORING_SETUP_SINGLE_ISSUER: u32 = 1 << 12;
+const IORING_SETUP_DEFER_TASKRUN: u32 = 1 << 13;
 const IORING_ENTER_GETEVENTS: u32 = 1;
 const IORING_OP_URING_CMD: u8 = 46;
 const IORING_OFF_SQ_RING: libc::off_t = 0;
@@ -198,7 +200,10 @@ struct Cqe {
 impl Ring {
     fn new() -> io::Result<Ring> {
         let mut p = Params {
-            flags: IORING_SETUP_SQE128,
+            // One thread submits to and waits on the ring, and it takes a request only while
+            // it waits: the kernel's task work for it (a request arriving) may wait until then
+            // instead of interrupting the thread.
+            flags: IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
             ..Default::default()
         };
         // SAFETY: io_uring_setup with a valid parameter block.
@@ -316,6 +321,22 @@ impl Ring {
                 }
             }
         }
+    }
+}
+
+/// Keeps the calling thread on CPU `qid`: the kernel queues a request on the queue of the CPU
+/// its caller runs on, so the entry's thread answers it there, without waking another CPU.
+/// Best effort: a CPU that is offline or outside the cpuset leaves the thread where it was.
+pub(crate) fn pin_to_queue_cpu(qid: u16) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays inside it for
+    // qid < CPU_SETSIZE, checked.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if (qid as usize) >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
+            return;
+        }
+        libc::CPU_SET(qid as usize, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
