@@ -2,9 +2,10 @@
 # The benchmark suite: the same workloads on mosaicfs, kernel overlayfs and fuse-overlayfs in
 # one run, printed as a table of ratios (see suite.py for the workloads).
 #
-# Usage: bench/run.sh [--sustained] [--quick] [--also passthrough=all] [--fs ext4|xfs|btrfs|here]
+# Usage: bench/run.sh [--sustained] [--quick] [--also passthrough=all] [--fs ext4|xfs|btrfs|here] [--uring]
 #   (quick: under 3 minutes; --fs: what the layers sit on, default a fresh ext4; --sustained:
-#   the rows of sustained.py, I/O after the first write, issue #11). Needs root.
+#   the rows of sustained.py, I/O after the first write, issue #11; --uring: with the kernel's
+#   FUSE over io_uring on, which mosaicfs then uses). Needs root.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 for tool in fio fuse-overlayfs cc mkfs.xfs mkfs.btrfs; do

@@ -227,7 +227,35 @@ def arguments(root):
     ap.add_argument("--root", default=root)
     ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
     ap.add_argument("--also", action="append", default=[], help="extra mosaicfs options to run as another column")
+    ap.add_argument("--uring", action="store_true",
+                    help="switch the kernel's FUSE over io_uring on for the run (and back): mosaicfs' default "
+                         "uring=auto then uses it; add --also uring=off for a /dev/fuse column")
     return ap
+
+
+class KernelUring:
+    """With `on`, FUSE over io_uring switched on in the kernel for the block's duration, then put
+    back as it was (fuse-overlayfs' libfuse does not use it; kernel overlayfs is not FUSE)."""
+
+    PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+    def __init__(self, on):
+        self.on = on
+        self.before = None
+
+    def __enter__(self):
+        if self.on:
+            if not os.path.exists(self.PARAM):
+                sys.exit("--uring: this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING)")
+            self.before = open(self.PARAM).read().strip()
+            with open(self.PARAM, "w") as f:
+                f.write("Y")
+        return self
+
+    def __exit__(self, *exc):
+        if self.before is not None:
+            with open(self.PARAM, "w") as f:
+                f.write(self.before)
 
 
 def main():
@@ -236,11 +264,12 @@ def main():
                     help="ext4, xfs (reflink=1), btrfs: the layers sit on a fresh file system of that kind "
                          "(loop device) made under --root; here: directly in --root")
     a = ap.parse_args()
-    if a.fs != "here":
-        with FreshFs(a.root, a.fs) as root:
-            run_suite(a, root)
-    else:
-        run_suite(a, a.root)
+    with KernelUring(a.uring):
+        if a.fs != "here":
+            with FreshFs(a.root, a.fs) as root:
+                run_suite(a, root)
+        else:
+            run_suite(a, a.root)
 
 
 MKFS = {"ext4": "mkfs.ext4 -q -F", "xfs": "mkfs.xfs -q -f -m reflink=1", "btrfs": "mkfs.btrfs -q -f"}
@@ -286,6 +315,7 @@ def run_suite(a, root):
         print(f"# {kind}: {time.time() - t0:.0f} s", file=sys.stderr)
     cols = [k for k, _ in kinds]
     where = f"layers on a fresh {a.fs} (loop)" if a.fs != "here" else f"layers in {a.root}"
+    where += ", kernel FUSE over io_uring on" if a.uring else ""
     print(f"\nBenchmark suite{' (quick)' if a.quick else ''}, {time.strftime('%Y-%m-%d', time.gmtime())}, "
           f"{os.cpu_count()} cores, {os.uname().release}, files of {s.size >> 20} MiB, {where}\n")
     head = "| workload | " + " | ".join(cols) + " | mosaicfs / overlayfs | mosaicfs / fuse-overlayfs |"

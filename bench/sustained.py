@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from suite import FILESYSTEMS, FreshFs, Mount, arguments, drop_caches, fio, sh, write_random  # noqa: E402
+from suite import FILESYSTEMS, FreshFs, KernelUring, Mount, arguments, drop_caches, fio, sh, write_random  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 1 << 20
@@ -182,7 +182,7 @@ def main():
     ap = arguments("/var/tmp/mosaicfs-bench-sustained")
     ap.add_argument("--fs", choices=["ext4", "xfs", "btrfs"], default="ext4")
     a = ap.parse_args()
-    with FreshFs(a.root, a.fs) as root:
+    with KernelUring(a.uring), FreshFs(a.root, a.fs) as root:
         s = Setup(root, a.quick)
         s.prepare()
         results = {}
@@ -202,7 +202,7 @@ def report(a, s, kinds, results):
     cols = [k for k, _ in kinds]
     print(f"\nSustained I/O after copy-up{' (quick)' if s.quick else ''}, "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, {os.uname().release}, "
-          f"layers on a fresh {a.fs} (loop)\n")
+          f"layers on a fresh {a.fs} (loop){', kernel FUSE over io_uring on' if a.uring else ''}\n")
     print("| workload | " + " | ".join(cols) + " | mosaicfs / overlayfs | mosaicfs / fuse-overlayfs |")
     print("|" + "---|" * (len(cols) + 3))
     fmt = lambda v: f"{v:.3g}" if v < 1000 else f"{v:,.0f}"
