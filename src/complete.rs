@@ -25,6 +25,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::file::{OpenFile, Progress};
+use crate::options::CompletionPolicy;
 use crate::overlay::Overlay;
 
 /// At most this many partial files wait for completion at once (each holds two descriptors);
@@ -34,31 +35,6 @@ const MAX_QUEUED: usize = 512;
 const CHUNK_BLOCKS: u64 = 256;
 /// How long a file must go without writes before the share-of-blocks trigger completes it.
 const SETTLE: Duration = Duration::from_millis(250);
-
-/// Default `copy_whole=`: below this a whole copy at open costs about what the first write to
-/// a partial file costs, and every later read and write of the file skips the daemon
-/// (docs/PERFORMANCE.md, "Whole copies of small files").
-pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
-
-/// Default `complete_on_reopen=`: a file reopened for writing after it was written is in
-/// sustained use; completing it then costs what kernel overlayfs pays at the first open, up to
-/// this size (docs/PERFORMANCE.md, "Completion follows use").
-pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
-
-#[derive(Debug, Clone, Copy)]
-pub struct CompletionPolicy {
-    /// Complete a partial file idle this long; `None`: never for idleness.
-    pub after_idle: Option<Duration>,
-    /// Complete a partial file once this share (0..=1) of its blocks is present; 0: never.
-    pub ratio: f64,
-    /// A file with at most this many bytes to copy is made complete when it is opened for
-    /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
-    pub at_open_below: u64,
-    /// A partial file that has been written (it holds blocks of its own) and is opened for
-    /// writing again is completed before that open returns when at most this many bytes are
-    /// left to copy, else in the background at once; 0: neither (`complete_on_reopen=`).
-    pub on_reopen_below: u64,
-}
 
 impl CompletionPolicy {
     /// Why a partial file with progress `p` is to be completed now, if it is.
@@ -108,17 +84,6 @@ impl CompletionPolicy {
             return "nothing: completion is off (complete_after=0, complete_ratio=0, complete_on_reopen=0)".into();
         }
         w.join(", or ")
-    }
-}
-
-impl Default for CompletionPolicy {
-    fn default() -> Self {
-        CompletionPolicy {
-            after_idle: Some(Duration::from_secs(10)),
-            ratio: 0.5,
-            at_open_below: DEFAULT_COPY_WHOLE,
-            on_reopen_below: DEFAULT_COMPLETE_ON_REOPEN,
-        }
     }
 }
 

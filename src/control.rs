@@ -11,6 +11,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::options::Format;
 use crate::overlay::Overlay;
 
 const DIR: &str = "/run/mosaicfs";
@@ -83,15 +84,6 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     r += &overlay.stats.summary();
     r.push('\n');
     r
-}
-
-/// How a status report is written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Text,
-    Json,
-    /// The Prometheus text exposition format (version 0.0.4).
-    Prometheus,
 }
 
 impl Format {

@@ -18,6 +18,7 @@ use crate::error::{Error, Result, errno};
 use crate::handles::HandleMap;
 use crate::inode::{Ino, Node};
 use crate::layers::{LayerId, UPPER};
+use crate::options::PassthroughPolicy;
 use crate::overlay::Overlay;
 use crate::partial::{BlockMap, PartialMark};
 use crate::partial_file::{PartialFile, Source};
@@ -138,16 +139,6 @@ pub enum IoMode {
     /// through the mount, so the cache is never stale) unless the object has two kernel inodes
     /// (`Opened::keep_cache`).
     Cached,
-}
-
-/// Which files pass through (mount option `passthrough=`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PassthroughPolicy {
-    Off,
-    /// Complete upper files.
-    Upper,
-    /// Complete upper files and read-only opens of lower files (the default).
-    All,
 }
 
 /// The I/O binding of one kernel inode (one node id, see `IoMode`). Its lock may be held while

@@ -264,7 +264,7 @@ impl Filesystem for MosaicFs {
         if self.core.config.acl {
             wanted |= InitFlags::FUSE_POSIX_ACL;
         }
-        if self.core.config.passthrough != crate::file::PassthroughPolicy::Off {
+        if self.core.config.passthrough != crate::options::PassthroughPolicy::Off {
             if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {
                 wanted |= InitFlags::FUSE_PASSTHROUGH;
                 let _ = config.set_max_stack_depth(self.core.layers.stack_depth());

@@ -112,7 +112,7 @@ pub struct Options {
     pub max_write: Option<u32>,
     /// FUSE passthrough: `upper` for complete upper files, `all` (default) also for read-only
     /// opens of lower files, `off`.
-    pub passthrough: crate::file::PassthroughPolicy,
+    pub passthrough: PassthroughPolicy,
     /// Copy-after-write memory bound in bytes; `None` turns it off.
     pub caw_memory: Option<usize>,
     pub caw_workers: usize,
@@ -129,7 +129,7 @@ pub struct Options {
     /// Whether `timeout=` (or `entry_timeout=`, `attr_timeout=`) was given.
     pub timeout_given: bool,
     /// When partial files are completed in the background.
-    pub completion: crate::complete::CompletionPolicy,
+    pub completion: CompletionPolicy,
     /// Copy up a regular file by cloning its extents (FICLONE) where the upper file system
     /// can take them from the lower one: a complete upper file in O(1), opened for writing
     /// with passthrough. `reflink=0` keeps partial files everywhere.
@@ -172,7 +172,7 @@ impl Default for Options {
             timeout: Duration::from_secs(1),
             threads: default_threads(),
             max_write: None,
-            passthrough: crate::file::PassthroughPolicy::All,
+            passthrough: PassthroughPolicy::All,
             completion: Default::default(),
             reflink: true,
             read_ahead_kb: 4096,
@@ -187,6 +187,61 @@ impl Default for Options {
             warnings: Vec::new(),
         }
     }
+}
+
+/// Which files pass through (mount option `passthrough=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassthroughPolicy {
+    Off,
+    /// Complete upper files.
+    Upper,
+    /// Complete upper files and read-only opens of lower files (the default).
+    All,
+}
+
+/// Default `copy_whole=`: below this a whole copy at open costs about what the first write to
+/// a partial file costs, and every later read and write of the file skips the daemon
+/// (docs/PERFORMANCE.md, "Whole copies of small files").
+pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
+
+/// Default `complete_on_reopen=`: a file reopened for writing after it was written is in
+/// sustained use; completing it then costs what kernel overlayfs pays at the first open, up to
+/// this size (docs/PERFORMANCE.md, "Completion follows use").
+pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
+
+#[derive(Debug, Clone, Copy)]
+pub struct CompletionPolicy {
+    /// Complete a partial file idle this long; `None`: never for idleness.
+    pub after_idle: Option<Duration>,
+    /// Complete a partial file once this share (0..=1) of its blocks is present; 0: never.
+    pub ratio: f64,
+    /// A file with at most this many bytes to copy is made complete when it is opened for
+    /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
+    pub at_open_below: u64,
+    /// A partial file that has been written (it holds blocks of its own) and is opened for
+    /// writing again is completed before that open returns when at most this many bytes are
+    /// left to copy, else in the background at once; 0: neither (`complete_on_reopen=`).
+    pub on_reopen_below: u64,
+}
+
+impl Default for CompletionPolicy {
+    fn default() -> Self {
+        CompletionPolicy {
+            after_idle: Some(Duration::from_secs(10)),
+            ratio: 0.5,
+            at_open_below: DEFAULT_COPY_WHOLE,
+            on_reopen_below: DEFAULT_COMPLETE_ON_REOPEN,
+        }
+    }
+}
+
+/// How a status report is written (`mosaicfs status --json`, `--prometheus`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Text,
+    Json,
+    /// The Prometheus text exposition format (version 0.0.4).
+    Prometheus,
 }
 
 /// The FUSE transport asked for with `uring=`.
@@ -226,7 +281,7 @@ pub enum Command {
     /// Change the flags of a live mount (read-only or read-write).
     Remount(Box<Options>),
     /// Print the counters of a live mount.
-    Status(PathBuf, crate::control::Format),
+    Status(PathBuf, Format),
     /// `mosaicfs complete`: make an unmounted upper layer one any overlay reads (tools.rs).
     Complete(Box<ToolArgs>),
     /// `mosaicfs fsck`: check (and repair) an unmounted upper layer (tools.rs).
@@ -635,7 +690,7 @@ impl Options {
                 };
             }
             "passthrough" => {
-                use crate::file::PassthroughPolicy as P;
+                use self::PassthroughPolicy as P;
                 self.passthrough = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
                     None | Some("upper") | Some("1") | Some("on") => P::Upper,
                     Some("all") => P::All,
@@ -715,15 +770,12 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
     let args: Vec<OsString> = args.into_iter().collect();
     if args.first().is_some_and(|a| a == "status") {
         return match args.get(1..) {
-            Some([mnt]) => Ok(Command::Status(
-                PathBuf::from(mnt),
-                crate::control::Format::Text,
-            )),
+            Some([mnt]) => Ok(Command::Status(PathBuf::from(mnt), Format::Text)),
             Some([mnt, f]) | Some([f, mnt]) if f == "--json" || f == "--prometheus" => {
                 let format = if f == "--json" {
-                    crate::control::Format::Json
+                    Format::Json
                 } else {
-                    crate::control::Format::Prometheus
+                    Format::Prometheus
                 };
                 Ok(Command::Status(PathBuf::from(mnt), format))
             }

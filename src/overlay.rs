@@ -56,13 +56,13 @@ pub struct Config {
     pub timeout: Duration,
     /// The cache time of objects only lower layers hold (`lower_cache=`): layers do not change.
     pub lower_cache: Duration,
-    pub completion: crate::complete::CompletionPolicy,
+    pub completion: crate::options::CompletionPolicy,
     /// Bytes of pending blocks allowed for copy-after-write; `None`: copy-after-write off.
     pub caw_memory: Option<usize>,
     /// Threads that fill pending blocks (0: only when something needs them).
     pub caw_workers: usize,
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
-    pub passthrough: crate::file::PassthroughPolicy,
+    pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
     /// `xattr_permissions=`: how xattr names of the merged view are stored (stat_override.rs).
     pub xattr_permissions: crate::stat_override::XattrPermissions,
