@@ -328,15 +328,10 @@ impl Ring {
 /// its caller runs on, so the entry's thread answers it there, without waking another CPU.
 /// Best effort: a CPU that is offline or outside the cpuset leaves the thread where it was.
 pub(crate) fn pin_to_queue_cpu(qid: u16) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays inside it for
-    // qid < CPU_SETSIZE, checked.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if (qid as usize) >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
-            return;
-        }
-        libc::CPU_SET(qid as usize, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    use nix::sched::{CpuSet, sched_setaffinity};
+    let mut set = CpuSet::new();
+    if set.set(qid as usize).is_ok() {
+        let _ = sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
     }
 }
 
