@@ -182,7 +182,7 @@ impl Default for Options {
             timeout_given: false,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
-            uring: Uring::from_env(),
+            uring: Uring::Auto,
             remount: false,
             warnings: Vec::new(),
         }
@@ -256,15 +256,25 @@ pub enum Uring {
 }
 
 impl Uring {
+    /// The value of `uring=` or of `MOSAICFS_URING` (no value: `on`).
+    fn parse(value: Option<&str>) -> Result<Uring, String> {
+        match value.map(|v| v.to_ascii_lowercase()).as_deref() {
+            None | Some("on") | Some("1") => Ok(Uring::On),
+            Some("auto") => Ok(Uring::Auto),
+            Some("off") | Some("0") => Ok(Uring::Off),
+            Some(v) => Err(format!("takes on, auto or off, not '{v}'")),
+        }
+    }
+
     /// The default: `MOSAICFS_URING=on|auto|off` in the environment (so that every mount of a
     /// container engine, or of a test run, can be switched at once), else `auto`: the kernel's
     /// parameter, which only root can set, is the switch (io_uring was faster on every row of
     /// bench/uring.py, README).
-    fn from_env() -> Uring {
-        match std::env::var("MOSAICFS_URING").ok().as_deref() {
-            Some("on") | Some("1") => Uring::On,
-            Some("off") | Some("0") => Uring::Off,
-            _ => Uring::Auto,
+    fn from_env() -> Result<Uring, String> {
+        match std::env::var("MOSAICFS_URING") {
+            Ok(v) if !v.is_empty() => Uring::parse(Some(&v))
+                .map_err(|e| format!("MOSAICFS_URING {e}: set it to one of those or unset it")),
+            _ => Ok(Uring::Auto),
         }
     }
 }
@@ -682,12 +692,7 @@ impl Options {
                 self.completion.ratio = pct / 100.0;
             }
             "uring" => {
-                self.uring = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
-                    None | Some("on") | Some("1") => Uring::On,
-                    Some("auto") => Uring::Auto,
-                    Some("off") | Some("0") => Uring::Off,
-                    Some(v) => return Err(format!("option 'uring' takes on, auto or off, not '{v}'")),
-                };
+                self.uring = Uring::parse(value).map_err(|e| format!("option 'uring' {e}"))?;
             }
             "passthrough" => {
                 use self::PassthroughPolicy as P;
@@ -793,7 +798,10 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
         Some("export") => return Ok(Command::Export(Box::new(parse_export(&args[1..])?))),
         _ => {}
     }
-    let mut opts = Options::default();
+    let mut opts = Options {
+        uring: Uring::from_env()?,
+        ..Options::default()
+    };
     let mut positional: Vec<OsString> = Vec::new();
     let mut option_strings: Vec<String> = Vec::new();
     let mut args = args.into_iter();

@@ -107,6 +107,24 @@ fn bad_input_is_one_clear_line_and_mounts_nothing() {
         assert!(err.trim().lines().count() <= 2, "short message: {err}");
         assert!(!is_mounted(std::path::Path::new(&format!("{p}/m"))));
     }
+    // A malformed default in the environment is an error too, not a silent `auto`.
+    let out = Command::new(BIN)
+        .env("MOSAICFS_URING", "yes please")
+        .args([
+            "-f",
+            "-o",
+            &format!("lowerdir={p}/l,upperdir={p}/u/u,workdir={p}/u/w"),
+        ])
+        .arg(format!("{p}/m"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("MOSAICFS_URING takes on, auto or off, not 'yes please'"),
+        "{err}"
+    );
+    assert!(!is_mounted(std::path::Path::new(&format!("{p}/m"))));
 }
 
 #[test]
