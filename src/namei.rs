@@ -239,13 +239,18 @@ impl Overlay {
         let mut i = 0;
         while let Some((layer, path)) = candidates.get(i).cloned() {
             i += 1;
+            // Nothing lies below the last candidate (a redirect found there adds candidates,
+            // and `dir_flags` follows one whatever it is told): what would hide the layers
+            // below it, a `.wh.NAME` file or a `.wh..wh..opq` file, changes nothing there and
+            // is not looked for. Most lookups of a name that does not exist end here.
+            let below = i < candidates.len();
             let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
                 continue;
             };
             let _waiting = crate::lower_wait::enter(layer)?;
             let found = self.in_lower_dir(layer, parent, |fd| {
                 let Some(attr) = sys::stat_opt(fd, name)? else {
-                    return Ok(match self.layers.has_wh_file(fd, name)? {
+                    return Ok(match below && self.layers.has_wh_file(fd, name)? {
                         true => InLayer::Hidden,
                         false => InLayer::Nothing,
                     });
@@ -254,7 +259,7 @@ impl Overlay {
                     return Ok(InLayer::Hidden);
                 }
                 let flags = match attr.is_dir() {
-                    true => self.layers.dir_flags(fd, Some(name), true)?,
+                    true => self.layers.dir_flags(fd, Some(name), below)?,
                     false => DirFlags::default(),
                 };
                 Ok(InLayer::Object(attr, flags))
