@@ -45,6 +45,25 @@ fn whiteouts_of_every_format_hide_lower_names_and_never_show() {
 }
 
 #[test]
+fn whiteout_files_in_the_bottom_layer_hide_nothing_and_never_show() {
+    // Nothing lies below the bottom layer: its `.wh.NAME` and `.wh..wh..opq` files are not
+    // looked for at lookups there (namei.rs `merge_lower`), but they must stay out of view.
+    let mut m = Mount::new(2);
+    write(m.lower(1).join("kept"), "k");
+    write(m.lower(1).join(".wh.kept"), "");
+    write(m.lower(1).join(".wh.gone"), "");
+    write(m.lower(1).join("d/inside"), "i");
+    write(m.lower(1).join("d/.wh..wh..opq"), "");
+    m.mount();
+    assert_eq!(names(&m.mnt), ["d", "kept"]);
+    assert_eq!(fs::read_to_string(m.path("kept")).unwrap(), "k");
+    assert_eq!(names(m.path("d")), ["inside"]);
+    for n in ["gone", ".wh.kept", ".wh.gone", "d/.wh..wh..opq"] {
+        assert_eq!(errno_of(fs::metadata(m.path(n))), libc::ENOENT, "{n}");
+    }
+}
+
+#[test]
 fn opaque_directories_of_every_format_hide_lower_contents() {
     let mut m = Mount::new(2);
     for d in ["t", "u", "f", "w"] {
