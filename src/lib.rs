@@ -18,6 +18,7 @@ pub mod handles;
 pub mod inode;
 pub mod layers;
 pub mod lower_wait;
+pub mod memory_upper;
 pub mod namei;
 pub mod options;
 pub mod overlay;

@@ -1,0 +1,236 @@
+//! The filestore: one host file holding the data blocks of every file of a memory upper layer
+//! (issue #13; gVisor's rootfs overlay keeps its tmpfs data the same way).
+//!
+//! Blocks are `BLOCK` bytes, handed out lowest first so the file stays compact; a freed block
+//! is punched out (FALLOC_FL_PUNCH_HOLE), so the filestore's `st_blocks` is the layer's live
+//! data and `du` of the upper directory counts what the layer really uses.
+//!
+//! Crash safety rests on one rule, kept together with the tree (mod.rs): **a block the last
+//! durable tree image refers to is never written or reused until the next image is durable.**
+//! Files mark such extents `frozen`; a write to a frozen block goes to a fresh block (shadow
+//! paging), and freeing one only defers it (`free_later`). `release_deferred` frees those after
+//! the next image is on disk. So after a crash the last image and the filestore always agree,
+//! whatever the daemon was writing.
+//!
+//! `state` is the only lock here; it is taken for the allocation or release of blocks, never
+//! around I/O, and always last (docs/ROBUSTNESS.md, "Lock order").
+
+use std::collections::BTreeSet;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Mutex;
+
+use rustix::fs::FallocateFlags;
+
+use crate::error::{Result, errno};
+
+/// Bytes per block of the filestore, and the grain a memory upper file is written in: a
+/// block is there (SEEK_DATA) or a hole, as in a sparse file on a 4 KiB file system.
+pub const BLOCK: u64 = 4096;
+
+pub struct Filestore {
+    fd: OwnedFd,
+    /// The most blocks the layer may hold (`size=`); `None`: as many as the disk takes.
+    limit: Option<u64>,
+    state: Mutex<Allocation>,
+}
+
+struct Allocation {
+    /// Free blocks below `end`, lowest first.
+    free: BTreeSet<u64>,
+    /// Blocks below this have been handed out at some time; the file is this long.
+    end: u64,
+    /// Blocks in use: mapped by a file, or freed but still in the durable image.
+    live: u64,
+    /// Blocks freed while the durable image still refers to them.
+    deferred: Vec<u64>,
+}
+
+impl Filestore {
+    /// A filestore over `fd`, whose blocks `used` (sorted, no duplicates) hold live data; every
+    /// other block below the highest used one is free, and is punched out now in case it holds
+    /// data written after the last image (that write was lost with the daemon).
+    pub fn open(fd: OwnedFd, used: &[u64], limit: Option<u64>) -> Result<Filestore> {
+        let end = used.last().map_or(0, |b| b + 1);
+        let mut free = BTreeSet::new();
+        let mut next = 0;
+        for &b in used {
+            free.extend(next..b);
+            next = b + 1;
+        }
+        let store = Filestore {
+            fd,
+            limit,
+            state: Mutex::new(Allocation {
+                free,
+                end,
+                live: used.len() as u64,
+                deferred: Vec::new(),
+            }),
+        };
+        rustix::fs::ftruncate(&store.fd, end * BLOCK)?;
+        let free: Vec<u64> = store.state.lock().unwrap().free.iter().copied().collect();
+        store.punch(&free)?;
+        Ok(store)
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Blocks in use (mapped, or kept for the durable image).
+    pub fn live_blocks(&self) -> u64 {
+        self.state.lock().unwrap().live
+    }
+
+    /// `n` blocks for new data, as runs `(first, count)` lowest first. ENOSPC past the limit,
+    /// with nothing allocated.
+    pub fn alloc(&self, n: u64) -> Result<Vec<(u64, u64)>> {
+        let mut s = self.state.lock().unwrap();
+        if self.limit.is_some_and(|l| s.live + n > l) {
+            return Err(errno(libc::ENOSPC));
+        }
+        s.live += n;
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut left = n;
+        while left > 0 {
+            let b = match s.free.pop_first() {
+                Some(b) => b,
+                None => {
+                    // Past the end: the rest in one run.
+                    let first = s.end;
+                    s.end += left;
+                    push_run(&mut runs, first, left);
+                    break;
+                }
+            };
+            push_run(&mut runs, b, 1);
+            left -= 1;
+        }
+        Ok(runs)
+    }
+
+    /// Frees blocks no file maps and no durable image refers to: their space goes back to the
+    /// host at once.
+    pub fn free(&self, blocks: &[u64]) -> Result<()> {
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut s = self.state.lock().unwrap();
+            s.live -= blocks.len() as u64;
+            s.free.extend(blocks.iter().copied());
+        }
+        self.punch(blocks)
+    }
+
+    /// Frees blocks the durable image still refers to once the next image is durable.
+    pub fn free_later(&self, blocks: &[u64]) {
+        self.state
+            .lock()
+            .unwrap()
+            .deferred
+            .extend_from_slice(blocks);
+    }
+
+    /// The blocks freed while the image being written was the durable one's successor-to-be:
+    /// taken when a new image is collected, so that blocks freed after it wait for the one after.
+    pub fn take_deferred(&self) -> Vec<u64> {
+        std::mem::take(&mut self.state.lock().unwrap().deferred)
+    }
+
+    /// Gives back blocks taken with `take_deferred` when the image could not be written: they
+    /// wait for the next one.
+    pub fn restore_deferred(&self, blocks: Vec<u64>) {
+        self.state.lock().unwrap().deferred.extend(blocks);
+    }
+
+    /// Punches `blocks` (any order) out of the file, one call per run of neighbours.
+    fn punch(&self, blocks: &[u64]) -> Result<()> {
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        let mut runs = Vec::new();
+        for b in sorted {
+            push_run(&mut runs, b, 1);
+        }
+        for (first, count) in runs {
+            let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+            match rustix::fs::fallocate(&self.fd, mode, first * BLOCK, count * BLOCK) {
+                Ok(()) => {}
+                // A file system without hole punching keeps the space; the data is still free.
+                Err(e) if e == rustix::io::Errno::OPNOTSUPP => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every block written so far durable (before an image that refers to them is).
+    pub fn sync(&self) -> Result<()> {
+        Ok(rustix::fs::fdatasync(&self.fd)?)
+    }
+}
+
+/// Appends block `b` (or a run starting at it) to `runs`, joining it to the last run if it
+/// follows on.
+fn push_run(runs: &mut Vec<(u64, u64)>, first: u64, count: u64) {
+    match runs.last_mut() {
+        Some((f, c)) if *f + *c == first => *c += count,
+        _ => runs.push((first, count)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(used: &[u64], limit: Option<u64>) -> Filestore {
+        let fd =
+            rustix::fs::memfd_create("filestore-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        Filestore::open(fd, used, limit).unwrap()
+    }
+
+    #[test]
+    fn blocks_are_handed_out_lowest_first_in_runs() {
+        let s = store(&[0, 3], None);
+        assert_eq!(s.alloc(4).unwrap(), vec![(1, 2), (4, 2)]);
+        assert_eq!(s.live_blocks(), 6);
+        s.free(&[2, 1]).unwrap();
+        assert_eq!(s.alloc(3).unwrap(), vec![(1, 2), (6, 1)]);
+    }
+
+    #[test]
+    fn the_limit_refuses_an_allocation_whole() {
+        let s = store(&[], Some(4));
+        s.alloc(3).unwrap();
+        assert!(s.alloc(2).unwrap_err().is(libc::ENOSPC));
+        assert_eq!(s.live_blocks(), 3, "a refused allocation takes nothing");
+        s.alloc(1).unwrap();
+    }
+
+    #[test]
+    fn deferred_blocks_stay_live_until_released() {
+        let s = store(&[0, 1, 2], Some(3));
+        s.free_later(&[1]);
+        assert!(
+            s.alloc(1).unwrap_err().is(libc::ENOSPC),
+            "block 1 is still the image's"
+        );
+        let d = s.take_deferred();
+        s.free(&d).unwrap();
+        assert_eq!(s.alloc(1).unwrap(), vec![(1, 1)]);
+    }
+
+    #[test]
+    fn freed_blocks_are_punched_out() {
+        let s = store(&[], None);
+        let runs = s.alloc(8).unwrap();
+        assert_eq!(runs, vec![(0, 8)]);
+        crate::sys::pwrite_full(s.fd(), &vec![7u8; 8 * BLOCK as usize], 0).unwrap();
+        s.free(&[2, 3, 4]).unwrap();
+        assert_eq!(crate::sys::seek_hole(s.fd(), 0).unwrap(), 2 * BLOCK);
+        assert_eq!(
+            crate::sys::seek_data(s.fd(), 2 * BLOCK).unwrap(),
+            Some(5 * BLOCK)
+        );
+    }
+}

@@ -1,0 +1,459 @@
+//! The tree image: every node of a memory upper layer, written whole by `MemoryUpper::sync`
+//! and read at mount. Format (version 1) in docs/FORMAT.md, "Memory upper: the tree image".
+//!
+//! Written to `IMAGE_NAME.new`, fsynced, renamed over `IMAGE_NAME`, and the directory fsynced:
+//! at any moment the directory holds one whole image, the old or the new. The decoder trusts
+//! nothing: a checksum covers the image, and the tree it describes must be one tree (every
+//! node reached once from the root, link counts that match, no filestore block used twice).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::OsString;
+use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::sync::atomic::Ordering;
+
+use rustix::fs::{Mode, OFlags};
+
+use super::filestore::BLOCK;
+use super::{Body, Ino, MemoryUpper, ROOT};
+use crate::error::Result;
+use crate::sys;
+
+/// The image's name in the upper directory.
+pub const IMAGE_NAME: &str = ".mosaicfs-tree";
+const IMAGE_NEW: &str = ".mosaicfs-tree.new";
+const MAGIC: &[u8; 8] = b"MOSAICTR";
+const VERSION: u32 = 1;
+const HEADER: usize = 8 + 4 + 4 + 8 + 8 + 8 + 4;
+
+const KIND_DIR: u8 = 1;
+const KIND_FILE: u8 = 2;
+const KIND_SYMLINK: u8 = 3;
+const KIND_SPECIAL: u8 = 4;
+
+/// Why a layer could not be loaded.
+#[derive(Debug)]
+pub enum ImageError {
+    /// The image is damaged or not one mosaicfs writes.
+    Damaged(String),
+    /// Reading the image or the filestore failed.
+    Io(crate::error::Error),
+}
+
+impl ImageError {
+    pub fn io(e: impl Into<crate::error::Error>) -> ImageError {
+        ImageError::Io(e.into())
+    }
+}
+
+impl fmt::Display for ImageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ImageError::Damaged(why) => write!(f, "the tree image {IMAGE_NAME} is damaged: {why}"),
+            ImageError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+fn damaged<T>(why: impl Into<String>) -> std::result::Result<T, ImageError> {
+    Err(ImageError::Damaged(why.into()))
+}
+
+pub(super) struct ImageNode {
+    pub ino: Ino,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u64,
+    pub rdev: u64,
+    pub atime: (i64, u32),
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
+    pub xattrs: BTreeMap<OsString, Vec<u8>>,
+    pub body: ImageBody,
+}
+
+pub(super) enum ImageBody {
+    Dir {
+        parent: Ino,
+        entries: BTreeMap<OsString, Ino>,
+    },
+    File {
+        size: u64,
+        extents: BTreeMap<u64, u64>,
+    },
+    Symlink(OsString),
+    Special,
+}
+
+pub(super) struct Tree {
+    pub nodes: Vec<ImageNode>,
+    pub next_ino: Ino,
+    /// Filestore blocks the tree uses, sorted.
+    pub used_blocks: Vec<u64>,
+}
+
+/// The image of `up`. The caller holds every quiesce shard: nothing changes meanwhile. Every
+/// extent written out is frozen from now on.
+pub(super) fn encode(up: &MemoryUpper) -> Vec<u8> {
+    let mut nodes: Vec<_> = up
+        .nodes
+        .shards
+        .iter()
+        .flat_map(|s| s.read().unwrap().values().cloned().collect::<Vec<_>>())
+        .collect();
+    nodes.sort_by_key(|n| n.ino);
+    let mut body = Vec::new();
+    for n in &nodes {
+        let m = n.meta.lock().unwrap().clone();
+        put_u64(&mut body, n.ino);
+        body.push(match &n.body {
+            Body::Dir(..) => KIND_DIR,
+            Body::File(_) => KIND_FILE,
+            Body::Symlink(_) => KIND_SYMLINK,
+            Body::Special => KIND_SPECIAL,
+        });
+        for v in [m.mode, m.uid, m.gid] {
+            put_u32(&mut body, v);
+        }
+        put_u64(&mut body, m.nlink);
+        put_u64(&mut body, m.rdev);
+        for (s, ns) in [m.atime, m.mtime, m.ctime] {
+            put_u64(&mut body, s as u64);
+            put_u32(&mut body, ns);
+        }
+        put_u32(&mut body, m.xattrs.len() as u32);
+        for (k, v) in &m.xattrs {
+            put_bytes(&mut body, k.as_bytes());
+            put_bytes(&mut body, v);
+        }
+        match &n.body {
+            Body::Dir(d, parent) => {
+                let d = d.read().unwrap();
+                put_u64(&mut body, parent.load(Ordering::Relaxed));
+                put_u32(&mut body, d.entries.len() as u32);
+                for (name, &ino) in &d.entries {
+                    put_bytes(&mut body, name.as_bytes());
+                    put_u64(&mut body, ino);
+                }
+            }
+            Body::File(f) => {
+                let mut f = f.write().unwrap();
+                put_u64(&mut body, f.size());
+                // Runs of neighbouring blocks mapped to neighbouring filestore blocks.
+                let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+                for (k, b) in f.freeze() {
+                    match runs.last_mut() {
+                        Some((k0, b0, n)) if *k0 + *n == k && *b0 + *n == b => *n += 1,
+                        _ => runs.push((k, b, 1)),
+                    }
+                }
+                put_u32(&mut body, runs.len() as u32);
+                for (k, b, n) in runs {
+                    put_u64(&mut body, k);
+                    put_u64(&mut body, b);
+                    put_u64(&mut body, n);
+                }
+            }
+            Body::Symlink(t) => put_bytes(&mut body, t.as_bytes()),
+            Body::Special => {}
+        }
+    }
+    let mut out = Vec::with_capacity(HEADER + body.len());
+    out.extend_from_slice(MAGIC);
+    put_u32(&mut out, VERSION);
+    put_u32(&mut out, BLOCK as u32);
+    put_u64(&mut out, nodes.len() as u64);
+    put_u64(&mut out, up.next_ino.load(Ordering::Relaxed));
+    put_u64(&mut out, body.len() as u64);
+    put_u32(&mut out, crc(&body));
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Writes `bytes` as the image in `dir`, durably and atomically.
+pub(super) fn write(dir: &OwnedFd, bytes: &[u8]) -> Result<()> {
+    let flags =
+        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC | OFlags::NOFOLLOW;
+    let fd = rustix::fs::openat(dir, IMAGE_NEW, flags, Mode::from_raw_mode(0o600))?;
+    sys::pwrite_full(fd.as_fd(), bytes, 0)?;
+    rustix::fs::fsync(&fd)?;
+    rustix::fs::renameat(dir, IMAGE_NEW, dir, IMAGE_NAME)?;
+    rustix::fs::fsync(dir)?;
+    Ok(())
+}
+
+/// The image in `dir`, or `None` if there is none.
+pub(super) fn read(dir: &OwnedFd) -> Result<Option<Vec<u8>>> {
+    let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
+    let fd = match rustix::fs::openat(dir, IMAGE_NAME, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let len = rustix::fs::fstat(&fd)?.st_size as usize;
+    let mut buf = vec![0u8; len];
+    let got = sys::pread_full(fd.as_fd(), &mut buf, 0)?;
+    buf.truncate(got);
+    Ok(Some(buf))
+}
+
+/// Decodes and checks an image whose filestore is `store_len` bytes long.
+pub(super) fn decode(bytes: &[u8], store_len: u64) -> std::result::Result<Tree, ImageError> {
+    if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+        return damaged("it does not start with mosaicfs' header");
+    }
+    let mut h = Reader {
+        b: &bytes[8..HEADER],
+    };
+    let version = h.u32()?;
+    if version != VERSION {
+        return damaged(format!(
+            "version {version}, and this mosaicfs reads version {VERSION} (use the mosaicfs that wrote it)"
+        ));
+    }
+    let block = h.u32()?;
+    if u64::from(block) != BLOCK {
+        return damaged(format!("block size {block}, not {BLOCK}"));
+    }
+    let count = h.u64()?;
+    let next_ino = h.u64()?;
+    let body_len = h.u64()?;
+    let sum = h.u32()?;
+    let body = &bytes[HEADER..];
+    if body.len() as u64 != body_len {
+        return damaged(format!(
+            "{} bytes of a {body_len}-byte body (a torn write?)",
+            body.len()
+        ));
+    }
+    if crc(body) != sum {
+        return damaged("its checksum does not match");
+    }
+    let mut r = Reader { b: body };
+    let mut nodes = Vec::new();
+    for _ in 0..count {
+        nodes.push(read_node(&mut r)?);
+    }
+    if !r.b.is_empty() {
+        return damaged("bytes after the last node");
+    }
+    let used_blocks = check_tree(&nodes, next_ino, store_len)?;
+    Ok(Tree {
+        nodes,
+        next_ino,
+        used_blocks,
+    })
+}
+
+fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
+    let ino = r.u64()?;
+    let kind = r.u8()?;
+    let (mode, uid, gid) = (r.u32()?, r.u32()?, r.u32()?);
+    let (nlink, rdev) = (r.u64()?, r.u64()?);
+    let mut times = [(0i64, 0u32); 3];
+    for t in &mut times {
+        *t = (r.u64()? as i64, r.u32()?);
+    }
+    let mut xattrs = BTreeMap::new();
+    for _ in 0..r.u32()? {
+        let k = OsString::from_vec(r.bytes()?.to_vec());
+        xattrs.insert(k, r.bytes()?.to_vec());
+    }
+    let want_type = match kind {
+        KIND_DIR => libc::S_IFDIR,
+        KIND_FILE => libc::S_IFREG,
+        KIND_SYMLINK => libc::S_IFLNK,
+        KIND_SPECIAL => mode & libc::S_IFMT,
+        _ => return damaged(format!("node {ino} has unknown kind {kind}")),
+    };
+    let special = [libc::S_IFCHR, libc::S_IFBLK, libc::S_IFIFO, libc::S_IFSOCK];
+    if mode & libc::S_IFMT != want_type || (kind == KIND_SPECIAL && !special.contains(&want_type)) {
+        return damaged(format!("node {ino}: mode {mode:o} does not fit its kind"));
+    }
+    let body = match kind {
+        KIND_DIR => {
+            let parent = r.u64()?;
+            let mut entries = BTreeMap::new();
+            for _ in 0..r.u32()? {
+                let name = OsString::from_vec(r.bytes()?.to_vec());
+                if super::check_name(&name).is_err() {
+                    return damaged(format!("directory {ino} holds the name {name:?}"));
+                }
+                if entries.insert(name, r.u64()?).is_some() {
+                    return damaged(format!("directory {ino} holds a name twice"));
+                }
+            }
+            ImageBody::Dir { parent, entries }
+        }
+        KIND_FILE => {
+            let size = r.u64()?;
+            let mut extents = BTreeMap::new();
+            for _ in 0..r.u32()? {
+                let (k, b, n) = (r.u64()?, r.u64()?, r.u64()?);
+                if n == 0
+                    || n > u64::MAX / BLOCK
+                    || k.checked_add(n).is_none_or(|e| e > size.div_ceil(BLOCK))
+                {
+                    return damaged(format!("file {ino} maps blocks past its end"));
+                }
+                for i in 0..n {
+                    if extents.insert(k + i, b + i).is_some() {
+                        return damaged(format!("file {ino} maps a block twice"));
+                    }
+                }
+            }
+            ImageBody::File { size, extents }
+        }
+        KIND_SYMLINK => ImageBody::Symlink(OsString::from_vec(r.bytes()?.to_vec())),
+        _ => ImageBody::Special,
+    };
+    let [atime, mtime, ctime] = times;
+    Ok(ImageNode {
+        ino,
+        mode,
+        uid,
+        gid,
+        nlink,
+        rdev,
+        atime,
+        mtime,
+        ctime,
+        xattrs,
+        body,
+    })
+}
+
+/// The nodes form one tree from `ROOT`, with link counts that match their names, and no
+/// filestore block is used twice or lies past the filestore's end. Returns the used blocks.
+fn check_tree(
+    nodes: &[ImageNode],
+    next_ino: Ino,
+    store_len: u64,
+) -> std::result::Result<Vec<u64>, ImageError> {
+    let by_ino: HashMap<Ino, &ImageNode> = nodes.iter().map(|n| (n.ino, n)).collect();
+    if by_ino.len() != nodes.len() {
+        return damaged("two nodes have one number");
+    }
+    match by_ino.get(&ROOT) {
+        Some(n) if matches!(n.body, ImageBody::Dir { .. }) => {}
+        _ => return damaged("it has no root directory"),
+    }
+    let mut names: HashMap<Ino, u64> = HashMap::new();
+    let mut subdirs: HashMap<Ino, u64> = HashMap::new();
+    for n in nodes {
+        if n.ino >= next_ino || n.ino < ROOT {
+            return damaged(format!("node {} is numbered outside 1..{next_ino}", n.ino));
+        }
+        if let ImageBody::Dir { entries, .. } = &n.body {
+            for (name, ino) in entries {
+                let Some(child) = by_ino.get(ino) else {
+                    return damaged(format!("{name:?} in directory {} names no node", n.ino));
+                };
+                *names.entry(*ino).or_default() += 1;
+                if let ImageBody::Dir { parent, .. } = child.body {
+                    if parent != n.ino {
+                        return damaged(format!("directory {ino}'s parent is not {}", n.ino));
+                    }
+                    *subdirs.entry(n.ino).or_default() += 1;
+                }
+            }
+        }
+    }
+    for n in nodes {
+        let refs = names.get(&n.ino).copied().unwrap_or(0);
+        let (want_refs, want_nlink) = match n.body {
+            ImageBody::Dir { .. } => (
+                u64::from(n.ino != ROOT),
+                2 + subdirs.get(&n.ino).copied().unwrap_or(0),
+            ),
+            _ => (refs.max(1), refs),
+        };
+        if refs != want_refs || n.nlink != want_nlink {
+            return damaged(format!(
+                "node {} has {} names and link count {}",
+                n.ino, refs, n.nlink
+            ));
+        }
+    }
+    // Every node reachable from the root (no loop of directories hanging off nothing).
+    let mut seen = HashSet::from([ROOT]);
+    let mut todo = vec![ROOT];
+    while let Some(ino) = todo.pop() {
+        if let ImageBody::Dir { entries, .. } = &by_ino[&ino].body {
+            for child in entries.values() {
+                if seen.insert(*child) {
+                    todo.push(*child);
+                }
+            }
+        }
+    }
+    if seen.len() != nodes.len() {
+        return damaged("some nodes cannot be reached from the root");
+    }
+    let mut used = Vec::new();
+    for n in nodes {
+        if let ImageBody::File { extents, .. } = &n.body {
+            used.extend(extents.values().copied());
+        }
+    }
+    used.sort_unstable();
+    if used.windows(2).any(|w| w[0] == w[1]) {
+        return damaged("two files share a filestore block");
+    }
+    if used.last().is_some_and(|&b| (b + 1) * BLOCK > store_len) {
+        return damaged(format!(
+            "it refers to data past the filestore's end ({store_len} bytes): the filestore is not the one this image was written with"
+        ));
+    }
+    Ok(used)
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], ImageError> {
+        if self.b.len() < n {
+            return damaged("it ends in the middle of a node");
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> std::result::Result<u8, ImageError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> std::result::Result<u32, ImageError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> std::result::Result<u64, ImageError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    /// A length (u32) and that many bytes.
+    fn bytes(&mut self) -> std::result::Result<&'a [u8], ImageError> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+}
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_u32(out, b.len() as u32);
+    out.extend_from_slice(b);
+}
+
+fn crc(b: &[u8]) -> u32 {
+    let mut c = flate2::Crc::new();
+    c.update(b);
+    c.sum()
+}

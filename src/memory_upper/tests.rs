@@ -1,0 +1,731 @@
+//! The memory upper against the behaviour of a local file system: where it can, a test does the
+//! same on a real directory and compares (the errno, the bytes, the holes), and every
+//! durability test "crashes" by dropping the store without a sync and loading the image again.
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+
+use rand::{Rng, SeedableRng};
+use rustix::fs::{Mode, OFlags};
+
+use super::*;
+
+fn reg(mode: u32) -> NewNode<'static> {
+    NewNode {
+        mode: libc::S_IFREG | mode,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        target: None,
+    }
+}
+
+fn dir_node() -> NewNode<'static> {
+    NewNode {
+        mode: libc::S_IFDIR | 0o755,
+        ..reg(0)
+    }
+}
+
+fn n(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+fn errno_of<T: std::fmt::Debug>(r: Result<T>) -> i32 {
+    r.unwrap_err().errno()
+}
+
+struct Place {
+    _tmp: tempfile::TempDir,
+    dir: std::path::PathBuf,
+}
+
+impl Place {
+    fn new() -> Place {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_owned();
+        Place { _tmp: tmp, dir }
+    }
+    fn dir_fd(&self) -> OwnedFd {
+        rustix::fs::open(&self.dir, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).unwrap()
+    }
+    fn store_fd(&self) -> OwnedFd {
+        rustix::fs::open(
+            self.dir.join(".mosaicfs-filestore"),
+            OFlags::RDWR | OFlags::CREATE,
+            Mode::from_raw_mode(0o600),
+        )
+        .unwrap()
+    }
+    fn open(&self, limit: Option<u64>) -> std::result::Result<MemoryUpper, ImageError> {
+        MemoryUpper::open(self.dir_fd(), self.store_fd(), limit)
+    }
+    fn store_blocks(&self) -> u64 {
+        std::fs::metadata(self.dir.join(".mosaicfs-filestore"))
+            .map(|m| std::os::unix::fs::MetadataExt::blocks(&m))
+            .unwrap()
+    }
+}
+
+fn volatile(limit: Option<u64>) -> MemoryUpper {
+    let fd = rustix::fs::memfd_create("test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    MemoryUpper::new_volatile(fd, limit).unwrap()
+}
+
+fn read_all(up: &MemoryUpper, ino: Ino) -> Vec<u8> {
+    let node = up.node(ino).unwrap();
+    let mut buf = vec![0u8; up.stat(ino).unwrap().size as usize];
+    assert_eq!(up.read(&node, &mut buf, 0).unwrap(), buf.len());
+    buf
+}
+
+#[test]
+fn names_give_the_errors_of_a_local_file_system() {
+    let up = volatile(None);
+    let d = up.make(ROOT, n("d"), &dir_node()).unwrap();
+    let f = up.make(d, n("f"), &reg(0o644)).unwrap();
+    assert_eq!(errno_of(up.make(d, n("f"), &reg(0o644))), libc::EEXIST);
+    assert_eq!(errno_of(up.make(f, n("x"), &reg(0o644))), libc::ENOTDIR);
+    assert_eq!(
+        errno_of(up.make(d, n(&"x".repeat(256)), &reg(0o644))),
+        libc::ENAMETOOLONG
+    );
+    assert_eq!(errno_of(up.rmdir(ROOT, n("d"))), libc::ENOTEMPTY);
+    assert_eq!(errno_of(up.unlink(ROOT, n("d"))), libc::EISDIR);
+    assert_eq!(errno_of(up.rmdir(d, n("f"))), libc::ENOTDIR);
+    assert_eq!(errno_of(up.unlink(d, n("nope"))), libc::ENOENT);
+    assert_eq!(up.stat(ROOT).unwrap().nlink, 3, "root: ., .. and d's ..");
+    up.unlink(d, n("f")).unwrap();
+    up.rmdir(ROOT, n("d")).unwrap();
+    assert_eq!(up.stat(ROOT).unwrap().nlink, 2);
+    assert_eq!(errno_of(up.stat(d)), libc::ENOENT);
+    assert_eq!(up.node_count(), 1);
+}
+
+#[test]
+fn a_removed_directory_takes_no_new_names() {
+    let up = volatile(None);
+    let d = up.make(ROOT, n("d"), &dir_node()).unwrap();
+    let held = up.node(d).unwrap();
+    up.rmdir(ROOT, n("d")).unwrap();
+    assert!(held.dir().unwrap().read().unwrap().dead);
+    assert_eq!(errno_of(up.make(d, n("f"), &reg(0o644))), libc::ENOENT);
+}
+
+#[test]
+fn rename_follows_renameat2() {
+    let up = volatile(None);
+    let a = up.make(ROOT, n("a"), &dir_node()).unwrap();
+    let b = up.make(a, n("b"), &dir_node()).unwrap();
+    let f = up.make(ROOT, n("f"), &reg(0o644)).unwrap();
+    let g = up.make(ROOT, n("g"), &reg(0o644)).unwrap();
+    let no = RenameFlags::default();
+    let noreplace = RenameFlags {
+        noreplace: true,
+        ..no
+    };
+    let exchange = RenameFlags {
+        exchange: true,
+        ..no
+    };
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("a"), b, n("a2"), no)),
+        libc::EINVAL,
+        "below itself"
+    );
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("a"), a, n("x"), no)),
+        libc::EINVAL,
+        "into itself"
+    );
+    assert_eq!(
+        errno_of(up.rename(a, n("b"), ROOT, n("a"), no)),
+        libc::ENOTEMPTY,
+        "over its parent"
+    );
+    assert_eq!(
+        errno_of(up.rename(a, n("b"), ROOT, n("a"), exchange)),
+        libc::EINVAL
+    );
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("f"), ROOT, n("a"), no)),
+        libc::EISDIR
+    );
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("a"), ROOT, n("f"), no)),
+        libc::ENOTDIR
+    );
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("f"), ROOT, n("g"), noreplace)),
+        libc::EEXIST
+    );
+    let e = up.make(ROOT, n("e"), &dir_node()).unwrap();
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("e"), ROOT, n("a"), no)),
+        libc::ENOTEMPTY
+    );
+    // A directory over an empty one: the victim goes, link counts follow.
+    up.rename(a, n("b"), ROOT, n("e"), no).unwrap();
+    assert_eq!(up.lookup(ROOT, n("e")).unwrap(), Some(b));
+    assert_eq!(errno_of(up.stat(e)), libc::ENOENT);
+    assert_eq!(up.stat(a).unwrap().nlink, 2);
+    assert_eq!(
+        up.stat(ROOT).unwrap().nlink,
+        4,
+        "a and e (now b) below root"
+    );
+    assert_eq!(
+        up.node(b)
+            .unwrap()
+            .parent()
+            .unwrap()
+            .load(Ordering::Relaxed),
+        ROOT
+    );
+    // A file over a file: the old one's last name goes.
+    up.rename(ROOT, n("f"), ROOT, n("g"), no).unwrap();
+    assert_eq!(up.lookup(ROOT, n("g")).unwrap(), Some(f));
+    assert_eq!(errno_of(up.stat(g)), libc::ENOENT);
+    // Exchange a file and a directory between two directories.
+    up.rename(ROOT, n("g"), a, n("g"), no).unwrap();
+    up.rename(a, n("g"), ROOT, n("e"), exchange).unwrap();
+    assert_eq!(up.lookup(a, n("g")).unwrap(), Some(b));
+    assert_eq!(up.lookup(ROOT, n("e")).unwrap(), Some(f));
+    assert_eq!(
+        (up.stat(a).unwrap().nlink, up.stat(ROOT).unwrap().nlink),
+        (3, 3)
+    );
+    assert_eq!(
+        up.node(b)
+            .unwrap()
+            .parent()
+            .unwrap()
+            .load(Ordering::Relaxed),
+        a
+    );
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("e"), ROOT, n("zz"), exchange)),
+        libc::ENOENT
+    );
+    // Two names of one file: rename is a no-op and both stay.
+    up.link(&up.node(f).unwrap(), ROOT, n("f2")).unwrap();
+    up.rename(ROOT, n("e"), ROOT, n("f2"), no).unwrap();
+    assert_eq!(up.lookup(ROOT, n("e")).unwrap(), Some(f));
+    assert_eq!(up.stat(f).unwrap().nlink, 2);
+}
+
+#[test]
+fn a_setgid_directory_passes_its_group_and_the_bit_on() {
+    let up = volatile(None);
+    let d = up
+        .make(
+            ROOT,
+            n("d"),
+            &NewNode {
+                mode: libc::S_IFDIR | 0o2775,
+                gid: 50,
+                ..dir_node()
+            },
+        )
+        .unwrap();
+    let f = up
+        .make(
+            d,
+            n("f"),
+            &NewNode {
+                gid: 7,
+                ..reg(0o644)
+            },
+        )
+        .unwrap();
+    let s = up
+        .make(
+            d,
+            n("s"),
+            &NewNode {
+                gid: 7,
+                ..dir_node()
+            },
+        )
+        .unwrap();
+    assert_eq!(up.stat(f).unwrap().gid, 50);
+    assert_eq!(up.stat(f).unwrap().mode & libc::S_ISGID, 0);
+    assert_eq!(up.stat(s).unwrap().gid, 50);
+    assert_ne!(up.stat(s).unwrap().mode & libc::S_ISGID, 0);
+}
+
+#[test]
+fn xattrs_and_attributes() {
+    let up = volatile(None);
+    let f = up
+        .node(up.make(ROOT, n("f"), &reg(0o4755)).unwrap())
+        .unwrap();
+    assert_eq!(errno_of(up.remove_xattr(&f, n("user.a"))), libc::ENODATA);
+    assert_eq!(
+        errno_of(up.set_xattr(&f, n("user.a"), b"1", libc::XATTR_REPLACE)),
+        libc::ENODATA
+    );
+    up.set_xattr(&f, n("user.a"), b"1", libc::XATTR_CREATE)
+        .unwrap();
+    assert_eq!(
+        errno_of(up.set_xattr(&f, n("user.a"), b"2", libc::XATTR_CREATE)),
+        libc::EEXIST
+    );
+    assert_eq!(up.get_xattr(&f, n("user.a")), Some(b"1".to_vec()));
+    assert_eq!(
+        errno_of(up.set_xattr(&f, n("user.b"), &vec![0; 65537], 0)),
+        libc::E2BIG
+    );
+    assert_eq!(up.list_xattr(&f), vec![n("user.a").to_owned()]);
+    up.set_owner(&f, Some(5), None);
+    assert_eq!(
+        up.stat(f.ino()).unwrap().mode,
+        libc::S_IFREG | 0o0755,
+        "chown clears set-uid"
+    );
+    up.set_mode(&f, 0o640);
+    up.set_times(&f, Time::At(10, 5), Time::Omit);
+    let a = up.stat(f.ino()).unwrap();
+    assert_eq!(
+        (a.mode, a.uid, a.atime),
+        (libc::S_IFREG | 0o640, 5, (10, 5))
+    );
+    let l = up
+        .make(
+            ROOT,
+            n("l"),
+            &NewNode {
+                mode: libc::S_IFLNK | 0o777,
+                target: Some(n("f")),
+                ..reg(0)
+            },
+        )
+        .unwrap();
+    assert_eq!(up.read_link(l).unwrap(), "f");
+    assert_eq!(up.stat(l).unwrap().size, 1);
+    assert_eq!(errno_of(up.read_link(f.ino())), libc::EINVAL);
+}
+
+/// Random writes, truncates, hole punches and allocations on a memory upper file and a real
+/// file side by side: the same bytes, and the same holes (4 KiB grain, as on ext4 or tmpfs).
+#[test]
+fn file_data_matches_a_real_sparse_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for round in 0..4 {
+        let up = volatile(None);
+        let node = up
+            .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+            .unwrap();
+        let path = tmp.path().join(format!("real{round}"));
+        let real = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let span = 64 * BLOCK;
+        for step in 0..400 {
+            let off = rng.gen_range(0..span);
+            let len = rng.gen_range(1..3 * BLOCK);
+            let op = rng.gen_range(0..10);
+            match if round < 2 && op == 2 { 9 } else { op } {
+                0 => {
+                    let size = rng.gen_range(0..span);
+                    up.truncate(&node, size).unwrap();
+                    real.set_len(size).unwrap();
+                }
+                1 => {
+                    up.punch_hole(&node, off, len).unwrap();
+                    let mode = rustix::fs::FallocateFlags::PUNCH_HOLE
+                        | rustix::fs::FallocateFlags::KEEP_SIZE;
+                    rustix::fs::fallocate(&real, mode, off, len).unwrap();
+                }
+                2 => {
+                    let keep = rng.gen_bool(0.5);
+                    up.allocate(&node, off, len, keep).unwrap();
+                    let mode = if keep {
+                        rustix::fs::FallocateFlags::KEEP_SIZE
+                    } else {
+                        rustix::fs::FallocateFlags::empty()
+                    };
+                    rustix::fs::fallocate(&real, mode, off, len).unwrap();
+                }
+                _ => {
+                    let data: Vec<u8> = (0..len).map(|_| rng.r#gen()).collect();
+                    up.write(&node, &data, off).unwrap();
+                    real.write_all_at(&data, off).unwrap();
+                }
+            }
+            let size = real.metadata().unwrap().len();
+            assert_eq!(
+                up.stat(node.ino()).unwrap().size,
+                size,
+                "round {round} step {step}"
+            );
+            let mut want = vec![0u8; size as usize];
+            real.read_exact_at(&mut want, 0).unwrap();
+            assert!(
+                read_all(&up, node.ino()) == want,
+                "round {round} step {step}: bytes differ"
+            );
+            // Where data lies, in the rounds without allocation (file systems disagree on
+            // whether an allocated, unwritten block is data: ext4 says no, tmpfs yes).
+            if round < 2 {
+                for k in 0..size.div_ceil(BLOCK) {
+                    let pos = k * BLOCK;
+                    let real_data = crate::sys::seek_data(real.as_fd(), pos).unwrap() == Some(pos);
+                    let mem_data = up.seek_data(&node, pos).unwrap() == Some(pos);
+                    assert_eq!(
+                        mem_data, real_data,
+                        "round {round} step {step}: block {k} is data"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn seek_data_and_hole_at_the_edges() {
+    let up = volatile(None);
+    let node = up
+        .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+        .unwrap();
+    up.write(&node, b"x", 2 * BLOCK + 5).unwrap();
+    up.truncate(&node, 5 * BLOCK).unwrap();
+    assert_eq!(up.seek_data(&node, 0).unwrap(), Some(2 * BLOCK));
+    assert_eq!(
+        up.seek_data(&node, 2 * BLOCK + 9).unwrap(),
+        Some(2 * BLOCK + 9)
+    );
+    assert_eq!(up.seek_data(&node, 3 * BLOCK).unwrap(), None);
+    assert_eq!(up.seek_hole(&node, 2 * BLOCK).unwrap(), 3 * BLOCK);
+    assert_eq!(up.seek_hole(&node, 4 * BLOCK + 1).unwrap(), 4 * BLOCK + 1);
+    assert_eq!(errno_of(up.seek_hole(&node, 5 * BLOCK)), libc::ENXIO);
+    assert_eq!(up.stat(node.ino()).unwrap().blocks, BLOCK / 512);
+}
+
+#[test]
+fn the_size_limit_refuses_a_write_whole_and_keeps_what_was_written() {
+    let up = volatile(Some(4));
+    let node = up
+        .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+        .unwrap();
+    up.write(&node, &[1; 3 * BLOCK as usize], 0).unwrap();
+    assert_eq!(
+        errno_of(up.write(&node, &[2; 2 * BLOCK as usize], 3 * BLOCK)),
+        libc::ENOSPC
+    );
+    assert_eq!(read_all(&up, node.ino()), vec![1; 3 * BLOCK as usize]);
+    assert_eq!(up.live_blocks(), 3);
+    // In place needs no space.
+    up.write(&node, &[3; 10], 0).unwrap();
+    up.unlink(ROOT, n("f")).unwrap();
+    drop(node);
+    assert_eq!(
+        up.live_blocks(),
+        0,
+        "the last handle gone, the blocks are free"
+    );
+}
+
+#[test]
+fn an_unlinked_file_lives_until_its_last_handle_goes() {
+    let up = volatile(None);
+    let node = up
+        .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+        .unwrap();
+    up.write(&node, b"still here", 0).unwrap();
+    up.unlink(ROOT, n("f")).unwrap();
+    let mut buf = [0u8; 10];
+    up.read(&node, &mut buf, 0).unwrap();
+    assert_eq!(&buf, b"still here");
+    assert_eq!(up.live_blocks(), 1);
+    assert_eq!(errno_of(up.link(&node, ROOT, n("back"))), libc::ENOENT);
+    let tmp = up.make_unnamed(ROOT, &reg(0o600)).unwrap();
+    up.write(&tmp, b"t", 0).unwrap();
+    up.link(&tmp, ROOT, n("named")).unwrap();
+    assert_eq!(up.lookup(ROOT, n("named")).unwrap(), Some(tmp.ino()));
+    assert_eq!(up.stat(tmp.ino()).unwrap().nlink, 1);
+}
+
+/// Builds a small tree with data and returns a description of it to compare after a reload.
+fn describe(up: &MemoryUpper) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![(ROOT, String::new())];
+    while let Some((dir, path)) = todo.pop() {
+        for (name, ino, kind) in up.read_dir(dir).unwrap() {
+            let p = format!("{path}/{}", name.to_string_lossy());
+            let a = up.stat(ino).unwrap();
+            let node = up.node(ino).unwrap();
+            let x = up.list_xattr(&node);
+            let mut line = format!(
+                "{p} ino={ino} mode={:o} nlink={} uid={} size={} xattrs={x:?} mtime={:?}",
+                a.mode, a.nlink, a.uid, a.size, a.mtime
+            );
+            match kind {
+                libc::S_IFDIR => todo.push((ino, p)),
+                libc::S_IFREG => {
+                    let h = crc32(&read_all(up, ino));
+                    line += &format!(" data={h:08x} blocks={}", a.blocks);
+                }
+                libc::S_IFLNK => line += &format!(" -> {:?}", up.read_link(ino).unwrap()),
+                _ => line += &format!(" rdev={}", a.rdev),
+            }
+            out.push(line);
+        }
+    }
+    out.sort();
+    out
+}
+
+fn crc32(b: &[u8]) -> u32 {
+    let mut c = flate2::Crc::new();
+    c.update(b);
+    c.sum()
+}
+
+fn random_change(up: &MemoryUpper, rng: &mut rand::rngs::StdRng) {
+    let names = ["a", "b", "c", "d"];
+    let dirs: Vec<Ino> = std::iter::once(ROOT)
+        .chain(
+            up.read_dir(ROOT)
+                .unwrap()
+                .into_iter()
+                .filter(|e| e.2 == libc::S_IFDIR)
+                .map(|e| e.1),
+        )
+        .collect();
+    let dir = dirs[rng.gen_range(0..dirs.len())];
+    let name = n(names[rng.gen_range(0..names.len())]);
+    let _ = match rng.gen_range(0..12) {
+        0 => up.make(dir, name, &dir_node()).map(drop),
+        1 => up
+            .make(
+                dir,
+                name,
+                &NewNode {
+                    mode: libc::S_IFCHR,
+                    ..reg(0)
+                },
+            )
+            .map(drop),
+        2 => up.unlink(dir, name),
+        3 => up.rmdir(dir, name),
+        4 => {
+            let d2 = dirs[rng.gen_range(0..dirs.len())];
+            let n2 = n(names[rng.gen_range(0..names.len())]);
+            up.rename(dir, name, d2, n2, RenameFlags::default())
+        }
+        5 => up.lookup(dir, name).and_then(|i| {
+            let node = up.node(i.ok_or_else(|| errno(libc::ENOENT))?)?;
+            up.set_xattr(&node, n("trusted.overlay.opaque"), b"y", 0)
+        }),
+        6 => up.lookup(dir, name).and_then(|i| {
+            let node = up.node(i.ok_or_else(|| errno(libc::ENOENT))?)?;
+            up.link(&node, ROOT, n(&format!("l{}", rng.gen_range(0..3))))
+        }),
+        _ => {
+            let ino = match up.lookup(dir, name) {
+                Ok(Some(i)) => i,
+                _ => up.make(dir, name, &reg(0o644)).unwrap_or(ROOT),
+            };
+            let Ok(node) = up.node(ino) else { return };
+            let off = rng.gen_range(0..40 * BLOCK);
+            let data: Vec<u8> = (0..rng.gen_range(1..2 * BLOCK))
+                .map(|_| rng.r#gen())
+                .collect();
+            if rng.gen_bool(0.2) {
+                up.truncate(&node, off)
+            } else {
+                up.write(&node, &data, off)
+            }
+        }
+    };
+}
+
+/// The crash contract: after any run of changes, a reload shows the tree exactly as it was at
+/// the last sync — never a block written after it, never a name changed after it.
+#[test]
+fn a_crash_loses_only_what_came_after_the_last_sync() {
+    let place = Place::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let mut last = describe(&place.open(None).unwrap());
+    assert!(last.is_empty());
+    for round in 0..25 {
+        let up = place.open(None).unwrap();
+        assert_eq!(
+            describe(&up),
+            last,
+            "round {round}: the reload differs from the last sync"
+        );
+        for _ in 0..rng.gen_range(0..60) {
+            random_change(&up, &mut rng);
+        }
+        if rng.gen_bool(0.6) {
+            up.sync().unwrap();
+            last = describe(&up);
+            // Changes after the sync, lost with the "crash" below.
+            for _ in 0..rng.gen_range(0..30) {
+                random_change(&up, &mut rng);
+            }
+        }
+        drop(up); // the daemon dies: no sync
+    }
+}
+
+#[test]
+fn freed_data_leaves_the_filestore_once_no_image_needs_it() {
+    let place = Place::new();
+    let up = place.open(None).unwrap();
+    let f = up
+        .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+        .unwrap();
+    up.write(&f, &vec![9u8; 256 * BLOCK as usize], 0).unwrap();
+    up.sync().unwrap();
+    let full = place.store_blocks();
+    assert!(full >= 256 * 8, "{full} sectors");
+    up.unlink(ROOT, n("f")).unwrap();
+    drop(f);
+    assert_eq!(
+        place.store_blocks(),
+        full,
+        "the durable image still has the data"
+    );
+    up.sync().unwrap();
+    assert!(
+        place.store_blocks() < 16,
+        "{} sectors left",
+        place.store_blocks()
+    );
+}
+
+#[test]
+fn an_overwrite_after_a_sync_keeps_the_synced_bytes_for_a_crash() {
+    let place = Place::new();
+    let up = place.open(None).unwrap();
+    let ino = up.make(ROOT, n("f"), &reg(0o644)).unwrap();
+    let f = up.node(ino).unwrap();
+    up.write(&f, &vec![1u8; 3 * BLOCK as usize], 0).unwrap();
+    up.sync().unwrap();
+    up.write(&f, &[2u8; 100], BLOCK + 7).unwrap();
+    up.write(&f, &vec![3u8; BLOCK as usize], 0).unwrap();
+    up.truncate(&f, 10).unwrap();
+    let mut two = vec![1u8; 10];
+    up.read(&f, &mut two, 0).unwrap();
+    assert_eq!(two, vec![3u8; 10]);
+    drop((f, up));
+    let up = place.open(None).unwrap();
+    assert_eq!(read_all(&up, ino), vec![1u8; 3 * BLOCK as usize]);
+}
+
+#[test]
+fn a_damaged_image_is_refused_with_a_reason() {
+    let place = Place::new();
+    let up = place.open(None).unwrap();
+    let f = up
+        .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+        .unwrap();
+    up.write(&f, b"data", 0).unwrap();
+    up.sync().unwrap();
+    drop((f, up));
+    let image = place.dir.join(IMAGE_NAME);
+    let good = std::fs::read(&image).unwrap();
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (good[..good.len() - 3].to_vec(), "torn write"),
+        (
+            {
+                let mut b = good.clone();
+                let i = b.len() - 20;
+                b[i] ^= 1;
+                b
+            },
+            "checksum",
+        ),
+        (
+            {
+                let mut b = good.clone();
+                b[8] = 9;
+                b
+            },
+            "version 9",
+        ),
+        (b"not an image".to_vec(), "header"),
+    ];
+    for (bytes, why) in cases {
+        std::fs::write(&image, &bytes).unwrap();
+        match place.open(None) {
+            Err(ImageError::Damaged(msg)) => assert!(msg.contains(why), "{msg:?} lacks {why:?}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a damaged image ({why}) was accepted"),
+        }
+    }
+    // The image of another filestore: its data lies past this one's end.
+    std::fs::write(&image, &good).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(place.dir.join(".mosaicfs-filestore"))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    match place.open(None) {
+        Err(ImageError::Damaged(msg)) => assert!(msg.contains("filestore"), "{msg}"),
+        other => panic!("accepted: {:?}", other.err()),
+    }
+}
+
+/// Changes on many threads while images are written: every image is one consistent tree
+/// (it loads), and the last one holds exactly what the threads left.
+#[test]
+fn images_written_under_concurrent_changes_load() {
+    let place = Place::new();
+    let up = Arc::new(place.open(None).unwrap());
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let up = up.clone();
+            s.spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(t);
+                for _ in 0..400 {
+                    random_change(&up, &mut rng);
+                }
+            });
+        }
+        let up = up.clone();
+        s.spawn(move || {
+            for _ in 0..20 {
+                up.sync().unwrap();
+            }
+        });
+    });
+    up.sync().unwrap();
+    let want = describe(&up);
+    drop(up);
+    assert_eq!(describe(&place.open(None).unwrap()), want);
+}
+
+#[test]
+fn cross_directory_renames_on_many_threads_keep_one_tree() {
+    let up = Arc::new(volatile(None));
+    for d in ["a", "b", "c", "d"] {
+        up.make(ROOT, n(d), &dir_node()).unwrap();
+    }
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let up = up.clone();
+            s.spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(100 + t);
+                for _ in 0..2000 {
+                    random_change(&up, &mut rng);
+                }
+            });
+        }
+    });
+    // One tree: every directory's parent holds it, and link counts add up (the image check).
+    let bytes = image::encode(&up);
+    let store_len = rustix::fs::fstat(up.store.fd()).unwrap().st_size as u64;
+    image::decode(&bytes, store_len).unwrap();
+}
