@@ -169,7 +169,7 @@ impl Default for Options {
             squash_gid: None,
             uid_map: IdMap::default(),
             gid_map: IdMap::default(),
-            timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(60),
             threads: default_threads(),
             max_write: None,
             passthrough: PassthroughPolicy::All,
