@@ -77,6 +77,11 @@ impl Filestore {
         self.fd.as_fd()
     }
 
+    /// The most blocks the layer may hold, if `size=` set one.
+    pub fn limit(&self) -> Option<u64> {
+        self.limit
+    }
+
     /// Blocks in use (mapped, or kept for the durable image).
     pub fn live_blocks(&self) -> u64 {
         self.state.lock().unwrap().live

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use rustix::fs::{Mode, OFlags};
 
 use super::filestore::BLOCK;
-use super::{Body, Ino, MemoryUpper, ROOT};
+use super::{Body, Ino, MemoryUpper, ROOT, WORK, is_root};
 use crate::error::Result;
 use crate::sys;
 
@@ -325,7 +325,7 @@ fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
     })
 }
 
-/// The nodes form one tree from `ROOT`, with link counts that match their names, and no
+/// The nodes form two trees, from `ROOT` and from `WORK`, with link counts that match their names, and no
 /// filestore block is used twice or lies past the filestore's end. Returns the used blocks.
 fn check_tree(
     nodes: &[ImageNode],
@@ -336,9 +336,11 @@ fn check_tree(
     if by_ino.len() != nodes.len() {
         return damaged("two nodes have one number");
     }
-    match by_ino.get(&ROOT) {
-        Some(n) if matches!(n.body, ImageBody::Dir { .. }) => {}
-        _ => return damaged("it has no root directory"),
+    for root in [ROOT, WORK] {
+        match by_ino.get(&root) {
+            Some(n) if matches!(n.body, ImageBody::Dir { .. }) => {}
+            _ => return damaged(format!("it has no root directory {root}")),
+        }
     }
     let mut names: HashMap<Ino, u64> = HashMap::new();
     let mut subdirs: HashMap<Ino, u64> = HashMap::new();
@@ -365,7 +367,7 @@ fn check_tree(
         let refs = names.get(&n.ino).copied().unwrap_or(0);
         let (want_refs, want_nlink) = match n.body {
             ImageBody::Dir { .. } => (
-                u64::from(n.ino != ROOT),
+                u64::from(!is_root(n.ino)),
                 2 + subdirs.get(&n.ino).copied().unwrap_or(0),
             ),
             _ => (refs.max(1), refs),
@@ -377,9 +379,9 @@ fn check_tree(
             ));
         }
     }
-    // Every node reachable from the root (no loop of directories hanging off nothing).
-    let mut seen = HashSet::from([ROOT]);
-    let mut todo = vec![ROOT];
+    // Every node reachable from a root (no loop of directories hanging off nothing).
+    let mut seen = HashSet::from([ROOT, WORK]);
+    let mut todo = vec![ROOT, WORK];
     while let Some(ino) = todo.pop() {
         if let ImageBody::Dir { entries, .. } = &by_ino[&ino].body {
             for child in entries.values() {
@@ -390,7 +392,7 @@ fn check_tree(
         }
     }
     if seen.len() != nodes.len() {
-        return damaged("some nodes cannot be reached from the root");
+        return damaged("some nodes cannot be reached from the roots");
     }
     let mut used = Vec::new();
     for n in nodes {

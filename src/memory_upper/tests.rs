@@ -11,6 +11,7 @@ use rand::{Rng, SeedableRng};
 use rustix::fs::{Mode, OFlags};
 
 use super::*;
+use crate::sys::Time;
 
 fn reg(mode: u32) -> NewNode<'static> {
     NewNode {
@@ -101,7 +102,7 @@ fn names_give_the_errors_of_a_local_file_system() {
     up.rmdir(ROOT, n("d")).unwrap();
     assert_eq!(up.stat(ROOT).unwrap().nlink, 2);
     assert_eq!(errno_of(up.stat(d)), libc::ENOENT);
-    assert_eq!(up.node_count(), 1);
+    assert_eq!(up.node_count(), 2, "the two roots");
 }
 
 #[test]
@@ -456,7 +457,7 @@ fn an_unlinked_file_lives_until_its_last_handle_goes() {
 /// Builds a small tree with data and returns a description of it to compare after a reload.
 fn describe(up: &MemoryUpper) -> Vec<String> {
     let mut out = Vec::new();
-    let mut todo = vec![(ROOT, String::new())];
+    let mut todo = vec![(ROOT, String::new()), (WORK, "work:".to_string())];
     while let Some((dir, path)) = todo.pop() {
         for (name, ino, kind) in up.read_dir(dir).unwrap() {
             let p = format!("{path}/{}", name.to_string_lossy());
@@ -491,7 +492,8 @@ fn crc32(b: &[u8]) -> u32 {
 
 fn random_change(up: &MemoryUpper, rng: &mut rand::rngs::StdRng) {
     let names = ["a", "b", "c", "d"];
-    let dirs: Vec<Ino> = std::iter::once(ROOT)
+    let dirs: Vec<Ino> = [ROOT, WORK]
+        .into_iter()
         .chain(
             up.read_dir(ROOT)
                 .unwrap()
@@ -728,4 +730,68 @@ fn cross_directory_renames_on_many_threads_keep_one_tree() {
     let bytes = image::encode(&up);
     let store_len = rustix::fs::fstat(up.store.fd()).unwrap().st_size as u64;
     image::decode(&bytes, store_len).unwrap();
+}
+
+#[test]
+fn the_work_root_is_a_second_tree_and_renames_reach_the_layer() {
+    let place = Place::new();
+    let up = place.open(None).unwrap();
+    let f = up
+        .node(up.make(WORK, n("#tmp"), &reg(0o600)).unwrap())
+        .unwrap();
+    up.write(&f, b"built in the work dir", 0).unwrap();
+    assert_eq!(
+        up.read_dir(ROOT).unwrap(),
+        vec![],
+        "the layer does not see the work dir"
+    );
+    up.rename(WORK, n("#tmp"), ROOT, n("f"), RenameFlags::default())
+        .unwrap();
+    let d = up.make(WORK, n("#d"), &dir_node()).unwrap();
+    up.rename(WORK, n("#d"), ROOT, n("d"), RenameFlags::default())
+        .unwrap();
+    assert_eq!(
+        up.node(d)
+            .unwrap()
+            .parent()
+            .unwrap()
+            .load(Ordering::Relaxed),
+        ROOT
+    );
+    assert_eq!(
+        (up.stat(ROOT).unwrap().nlink, up.stat(WORK).unwrap().nlink),
+        (3, 2)
+    );
+    up.make(WORK, n("left"), &reg(0o600)).unwrap();
+    up.sync().unwrap();
+    drop((f, up));
+    let up = place.open(None).unwrap();
+    assert_eq!(
+        read_all(&up, up.lookup(ROOT, n("f")).unwrap().unwrap()),
+        b"built in the work dir"
+    );
+    assert!(up.lookup(WORK, n("left")).unwrap().is_some());
+}
+
+#[test]
+fn statfs_counts_the_limit_or_the_host() {
+    let up = volatile(Some(100));
+    let f = up
+        .node(up.make(ROOT, n("f"), &reg(0o644)).unwrap())
+        .unwrap();
+    up.write(&f, &[1; 10 * BLOCK as usize], 0).unwrap();
+    assert_eq!(
+        up.usage().unwrap(),
+        Usage {
+            blocks: 100,
+            free: 90,
+            files: 3
+        }
+    );
+    let place = Place::new();
+    let up = place.open(None).unwrap();
+    let host = rustix::fs::statvfs(&place.dir).unwrap();
+    let u = up.usage().unwrap();
+    assert_eq!(u.blocks, host.f_blocks * host.f_frsize / BLOCK);
+    assert!(u.free > 0 && u.free <= u.blocks);
 }

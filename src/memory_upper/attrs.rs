@@ -1,0 +1,90 @@
+//! Attributes and xattrs of memory upper nodes: chown, chmod, utimens and the xattr calls, with
+//! the limits and flags of the kernel's xattr interface.
+
+use std::ffi::{OsStr, OsString};
+
+use super::{MemoryUpper, Node, XATTR_NAME_MAX, XATTR_SIZE_MAX, now};
+use crate::error::{Result, errno};
+use crate::sys::Time;
+
+impl MemoryUpper {
+    /// chown; `None` leaves that id. Clears set-user-ID and (for group-executable files)
+    /// set-group-ID bits of a non-directory, as a local file system does.
+    pub fn set_owner(&self, node: &Node, uid: Option<u32>, gid: Option<u32>) {
+        let _q = self.quiesce.read();
+        let mut m = node.meta.lock().unwrap();
+        if let Some(u) = uid {
+            m.uid = u;
+        }
+        if let Some(g) = gid {
+            m.gid = g;
+        }
+        if m.mode & libc::S_IFMT != libc::S_IFDIR && m.mode & libc::S_IFMT != libc::S_IFLNK {
+            m.mode &= !libc::S_ISUID;
+            if m.mode & libc::S_IXGRP != 0 {
+                m.mode &= !libc::S_ISGID;
+            }
+        }
+        m.ctime = now();
+    }
+
+    /// chmod: the permission bits of `mode`; the type stays.
+    pub fn set_mode(&self, node: &Node, mode: u32) {
+        let _q = self.quiesce.read();
+        let mut m = node.meta.lock().unwrap();
+        m.mode = (m.mode & libc::S_IFMT) | (mode & 0o7777);
+        m.ctime = now();
+    }
+
+    pub fn set_times(&self, node: &Node, atime: Time, mtime: Time) {
+        let _q = self.quiesce.read();
+        let t = now();
+        let mut m = node.meta.lock().unwrap();
+        let pick = |time: Time, old: (i64, u32)| match time {
+            Time::Now => t,
+            Time::Omit => old,
+            Time::At(s, n) => (s, n),
+        };
+        m.atime = pick(atime, m.atime);
+        m.mtime = pick(mtime, m.mtime);
+        m.ctime = t;
+    }
+
+    pub fn get_xattr(&self, node: &Node, name: &OsStr) -> Option<Vec<u8>> {
+        node.meta.lock().unwrap().xattrs.get(name).cloned()
+    }
+
+    pub fn list_xattr(&self, node: &Node) -> Vec<OsString> {
+        node.meta.lock().unwrap().xattrs.keys().cloned().collect()
+    }
+
+    /// setxattr with XATTR_CREATE / XATTR_REPLACE in `flags`.
+    pub fn set_xattr(&self, node: &Node, name: &OsStr, value: &[u8], flags: i32) -> Result<()> {
+        if name.is_empty() || name.len() > XATTR_NAME_MAX {
+            return Err(errno(libc::ERANGE));
+        }
+        if value.len() > XATTR_SIZE_MAX {
+            return Err(errno(libc::E2BIG));
+        }
+        let _q = self.quiesce.read();
+        let mut m = node.meta.lock().unwrap();
+        let present = m.xattrs.contains_key(name);
+        if flags & libc::XATTR_CREATE != 0 && present {
+            return Err(errno(libc::EEXIST));
+        }
+        if flags & libc::XATTR_REPLACE != 0 && !present {
+            return Err(errno(libc::ENODATA));
+        }
+        m.xattrs.insert(name.to_owned(), value.to_vec());
+        m.ctime = now();
+        Ok(())
+    }
+
+    pub fn remove_xattr(&self, node: &Node, name: &OsStr) -> Result<()> {
+        let _q = self.quiesce.read();
+        let mut m = node.meta.lock().unwrap();
+        m.xattrs.remove(name).ok_or_else(|| errno(libc::ENODATA))?;
+        m.ctime = now();
+        Ok(())
+    }
+}
