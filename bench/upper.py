@@ -17,7 +17,7 @@ tmpfs upper, fuse-overlayfs. For mosaicfs the run also prints the daemon's CPU t
 workload: a memory upper saves the upper layer's syscalls inside it and nothing else
 (docs/PERFORMANCE.md, "What a memory upper can win").
 
-Usage: bench/upper.py [--quick] [--also OPTS] (root, needs fuse-overlayfs, git, gcc, make)
+Usage: bench/upper.py [--quick] [--also OPTS] [--uring] (root; needs fuse-overlayfs, git, gcc, make)
 """
 
 import json
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from suite import FreshFs, arguments, drop_caches, make_tree_tar, sh
+from suite import FreshFs, KernelUring, arguments, drop_caches, make_tree_tar, sh
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FSSTRESS = os.path.join(HERE, "..", "target", "release", "mosaicfs-fsstress")
@@ -220,7 +220,7 @@ def run_workloads(m, s, results, daemon):
 def main():
     ap = arguments("/var/tmp/mosaicfs-bench-upper")
     a = ap.parse_args()
-    with FreshFs(a.root, "ext4") as root:
+    with KernelUring(a.uring), FreshFs(a.root, "ext4") as root:
         s = Setup(root, a.quick)
         s.prepare()
         results, daemon = {}, {}
@@ -238,7 +238,7 @@ def report(a, kinds, results, daemon):
     cols = [k for k, _ in kinds]
     print(f"\nUpper-layer workloads (issue #13){' (quick)' if a.quick else ''}, "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, {os.uname().release}, "
-          "layers on a fresh ext4 (loop)\n")
+          f"layers on a fresh ext4 (loop){', kernel FUSE over io_uring on' if a.uring else ''}\n")
     print("| workload | " + " | ".join(cols) + " | overlayfs / mosaicfs | fuse-overlayfs / mosaicfs |")
     print("|" + "---|" * (len(cols) + 3))
     for w in results["mosaicfs"]:
