@@ -120,6 +120,30 @@ impl Overlay {
         })
     }
 
+    /// The inode flags `lsattr` shows (FS_IOC_GETFLAGS) of the regular file or directory
+    /// `ino`, read from the layer the object lives in, as kernel overlayfs reads them from the
+    /// real inode. Other kinds have none (ENOTTY, as the kernel answers for them).
+    pub fn inode_flags(&self, ino: Ino) -> Result<u32> {
+        let node = self.node(ino)?;
+        if !matches!(node.kind(), libc::S_IFREG | libc::S_IFDIR) {
+            return Err(errno(libc::ENOTTY));
+        }
+        let _waiting = self.waiting_on(&node)?;
+        self.settled(|| {
+            self.at_top_entry(&node, |dir, name| {
+                use rustix::fs::{Mode, OFlags};
+                let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW | OFlags::NOCTTY;
+                let fd = rustix::fs::openat(
+                    dir,
+                    name.unwrap_or(OsStr::new(".")),
+                    flags | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )?;
+                Ok(rustix::fs::ioctl_getflags(&fd)?.bits())
+            })
+        })
+    }
+
     fn check_xattr_name(&self, name: &OsStr) -> Result<()> {
         if !self.config.xattrs {
             return Err(errno(libc::EOPNOTSUPP));

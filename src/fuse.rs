@@ -8,9 +8,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyIoctl, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    WriteFlags,
 };
 
 use crate::attr::SetAttr;
@@ -690,6 +691,36 @@ impl Filesystem for MosaicFs {
             Ok(v) if v.len() <= size as usize => reply.data(&v),
             Ok(_) => reply.error(Errno::ERANGE),
             Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    /// `lsattr` (FS_IOC_GETFLAGS) reads the flags of the object's layer; `chattr` is refused as
+    /// fuse-overlayfs refuses it (flags such as immutable or append-only on an upper file would
+    /// stop the daemon's own writes to it: copy-after-write fills, completion).
+    fn ioctl(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        const FS_IOC_GETFLAGS: u32 = 0x8008_6601;
+        const FS_IOC_SETFLAGS: u32 = 0x4008_6602;
+        const FS_IOC32_GETFLAGS: u32 = 0x8004_6601;
+        const FS_IOC32_SETFLAGS: u32 = 0x4004_6602;
+        match cmd {
+            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS if out_size >= 4 => {
+                match self.core.inode_flags(ino.0) {
+                    Ok(flags) => reply.ioctl(0, &flags.to_ne_bytes()),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
+            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS => reply.error(Errno::EOPNOTSUPP),
+            _ => reply.error(Errno::ENOTTY),
         }
     }
 

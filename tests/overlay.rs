@@ -1401,3 +1401,29 @@ fn trees_deeper_than_path_max_work_in_every_layer() {
     let below = deep_dir(m.lower(0), DEPTH, false);
     assert!(fs::read(at(&below, "file")).unwrap() == old);
 }
+
+/// `lsattr` works as on fuse-overlayfs and kernel overlayfs: FS_IOC_GETFLAGS answers the flags
+/// of the file or directory in the layer it lives in; `chattr` is refused, as fuse-overlayfs
+/// refuses it (before, lsattr failed with ENOTTY).
+#[test]
+fn lsattr_reads_the_flags_of_the_layer_and_chattr_is_refused() {
+    use rustix::fs::{IFlags, ioctl_getflags, ioctl_setflags};
+    let m = Mount::with(|l| {
+        fs::create_dir(l.join("d")).unwrap();
+        write(l.join("d/f"), "lower");
+        let f = fs::File::open(l.join("d/f")).unwrap();
+        let flags = ioctl_getflags(&f).unwrap();
+        ioctl_setflags(&f, flags | IFlags::NODUMP).unwrap();
+    });
+    let flags = |p: &Path| ioctl_getflags(fs::File::open(p).unwrap()).unwrap();
+    assert!(flags(&m.path("d/f")).contains(IFlags::NODUMP), "the lower file's flag");
+    assert_eq!(flags(&m.path("d/f")), flags(&m.lower(0).join("d/f")));
+    assert_eq!(flags(&m.path("d")), flags(&m.lower(0).join("d")));
+    write(m.path("new"), "upper");
+    assert_eq!(flags(&m.path("new")), flags(&m.upper.join("new")));
+    let f = fs::File::open(m.path("new")).unwrap();
+    let e = ioctl_setflags(&f, flags(&m.path("new")) | IFlags::APPEND).unwrap_err();
+    // (chattr(1) sees EOPNOTSUPP; the VFS turns it into ENOTTY on some ioctl paths.)
+    assert!([rustix::io::Errno::OPNOTSUPP, rustix::io::Errno::NOTTY].contains(&e), "{e}");
+    assert!(!flags(&m.upper.join("new")).contains(IFlags::APPEND));
+}
