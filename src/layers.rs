@@ -270,6 +270,9 @@ impl LayerStack {
         let mut work_lock = None;
         let mut has_upper = false;
         let mut whiteout_chardev = false;
+        if let Some(upper) = upper.filter(|_| !read_only) {
+            check_no_lower_inside(lowers, upper, work)?;
+        }
         // Without a work dir an upper layer can only be read (`mosaicfs export` of unmounted
         // dirs); a mount always has both (options.rs).
         if let Some(upper) = upper.filter(|_| work.is_some() || read_only) {
@@ -589,6 +592,35 @@ fn on_idmapped_mount(path: &Path) -> bool {
         }
     }
     best.is_some_and(|(_, idmapped)| idmapped)
+}
+
+/// Refuses a lower layer that is the upper or work dir or lies inside one: it would change
+/// under the mount with every copy-up (kernel overlayfs refuses it too: "overlapping lowerdir
+/// path"). An upper dir inside a lower layer is allowed, as the kernel allows it (`lowerdir=/`).
+fn check_no_lower_inside(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: Option<&Path>,
+) -> std::result::Result<(), String> {
+    let mut writable = vec![("upperdir", canonical(upper, "upperdir")?)];
+    if let Some(work) = work {
+        writable.push(("workdir", canonical(work, "workdir")?));
+    }
+    for (i, lower) in lowers.iter().enumerate() {
+        let what = format!("lowerdir #{}", i + 1);
+        let path = canonical(lower, &what)?;
+        for (name, dir) in &writable {
+            if path.starts_with(dir) {
+                return Err(format!(
+                    "{what} '{}' is inside {name} '{}' (or is it): the layer would change under \
+                     the mount with every copy-up; use separate directories",
+                    path.display(),
+                    dir.display()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 pub fn wh_name(name: &OsStr) -> OsString {

@@ -77,6 +77,24 @@ fn bad_input_is_one_clear_line_and_mounts_nothing() {
             ],
             "must not contain",
         ),
+        // A lower layer that is, or lies inside, the upper or work dir (kernel overlayfs:
+        // "overlapping lowerdir path").
+        (
+            vec![
+                "-o".into(),
+                format!("lowerdir={p}/u,upperdir={p}/u,workdir={p}/w"),
+                format!("{p}/m"),
+            ],
+            "is inside upperdir",
+        ),
+        (
+            vec![
+                "-o".into(),
+                format!("lowerdir={p}/l:{p}/w/x,upperdir={p}/u,workdir={p}/w"),
+                format!("{p}/m"),
+            ],
+            "lowerdir #2",
+        ),
         (
             vec![
                 "-o".into(),
@@ -99,6 +117,7 @@ fn bad_input_is_one_clear_line_and_mounts_nothing() {
         ),
     ];
     fs::create_dir_all(format!("{p}/u/w")).unwrap();
+    fs::create_dir_all(format!("{p}/w/x")).unwrap();
     for (args, want) in cases {
         let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
         let (code, err) = run(&args);

@@ -1416,7 +1416,10 @@ fn lsattr_reads_the_flags_of_the_layer_and_chattr_is_refused() {
         ioctl_setflags(&f, flags | IFlags::NODUMP).unwrap();
     });
     let flags = |p: &Path| ioctl_getflags(fs::File::open(p).unwrap()).unwrap();
-    assert!(flags(&m.path("d/f")).contains(IFlags::NODUMP), "the lower file's flag");
+    assert!(
+        flags(&m.path("d/f")).contains(IFlags::NODUMP),
+        "the lower file's flag"
+    );
     assert_eq!(flags(&m.path("d/f")), flags(&m.lower(0).join("d/f")));
     assert_eq!(flags(&m.path("d")), flags(&m.lower(0).join("d")));
     write(m.path("new"), "upper");
@@ -1424,6 +1427,9 @@ fn lsattr_reads_the_flags_of_the_layer_and_chattr_is_refused() {
     let f = fs::File::open(m.path("new")).unwrap();
     let e = ioctl_setflags(&f, flags(&m.path("new")) | IFlags::APPEND).unwrap_err();
     // (chattr(1) sees EOPNOTSUPP; the VFS turns it into ENOTTY on some ioctl paths.)
-    assert!([rustix::io::Errno::OPNOTSUPP, rustix::io::Errno::NOTTY].contains(&e), "{e}");
+    assert!(
+        [rustix::io::Errno::OPNOTSUPP, rustix::io::Errno::NOTTY].contains(&e),
+        "{e}"
+    );
     assert!(!flags(&m.upper.join("new")).contains(IFlags::APPEND));
 }
