@@ -133,7 +133,7 @@ impl Overlay {
             self.at_top_entry(&node, |dir, name| {
                 use rustix::fs::{Mode, OFlags};
                 let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW | OFlags::NOCTTY;
-                let fd = rustix::fs::openat(
+                let fd = crate::sys::openat(
                     dir,
                     name.unwrap_or(OsStr::new(".")),
                     flags | OFlags::CLOEXEC,

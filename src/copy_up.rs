@@ -116,7 +116,7 @@ impl Overlay {
     ) -> Result<()> {
         match lattr.file_type() {
             libc::S_IFREG => {
-                let fd = rustix::fs::openat(
+                let fd = crate::sys::openat(
                     work,
                     tmp,
                     OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
@@ -126,7 +126,7 @@ impl Overlay {
                     if self.clone_lower(fd.as_fd(), lower.top(), &lower.path)? {
                         // A complete copy sharing the lower file's extents: no mark.
                     } else if self.sparse.sparse {
-                        rustix::fs::ftruncate(&fd, lattr.size)?;
+                        crate::sys::ftruncate(&fd, lattr.size)?;
                         let block = self.sparse.block;
                         let mark =
                             PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
@@ -135,7 +135,7 @@ impl Overlay {
                             // The mark names the lower path, and a path deep enough does not
                             // fit in one xattr (ext4 holds about 4 KiB): copy the whole file.
                             Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => {
-                                rustix::fs::ftruncate(&fd, 0)?;
+                                crate::sys::ftruncate(&fd, 0)?;
                                 let src = self.open_lower_source(lower.top(), &lower.path)?;
                                 copy_all(&src, fd.as_fd(), lattr.size)?;
                             }
@@ -149,10 +149,10 @@ impl Overlay {
                     }
                 }
             }
-            libc::S_IFDIR => rustix::fs::mkdirat(work, tmp, Mode::from_raw_mode(0o700))?,
+            libc::S_IFDIR => crate::sys::mkdirat(work, tmp, Mode::from_raw_mode(0o700))?,
             libc::S_IFLNK => {
                 let target = sys::read_link_at(ldir, lname)?;
-                rustix::fs::symlinkat(target.as_os_str(), work, tmp)?;
+                crate::sys::symlinkat(target.as_os_str(), work, tmp)?;
             }
             kind => {
                 sys::mknod_at(work, tmp, kind | 0o600, lattr.rdev)?;
@@ -227,7 +227,7 @@ impl Overlay {
         let Source::File(src) = self.open_lower_source(layer, path)? else {
             return Ok(false);
         };
-        match rustix::fs::ioctl_ficlone(dst, &src) {
+        match crate::sys::ioctl_ficlone(dst, &src) {
             Ok(()) => {
                 self.stats.reflinks.add(1);
                 Ok(true)

@@ -178,6 +178,7 @@ fn raise_nofile_limit() {
 
 fn mount(opts: Options) -> Result<(), String> {
     check_mountpoint(&opts)?;
+    crate::fault::init()?;
     // Bound before anything else: an address in use fails the mount, not a thread later.
     let metrics = opts
         .metrics

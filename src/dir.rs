@@ -93,7 +93,7 @@ impl Overlay {
                 UpperSlot::WhFile => {
                     self.mark_opaque_if_dir(target_dir, &target)?;
                     sys::rename_at(target_dir, &target, udir, name, RenameFlags::NOREPLACE)?;
-                    rustix::fs::unlinkat(udir, wh_name(name).as_os_str(), AtFlags::empty())?;
+                    crate::sys::unlinkat(udir, wh_name(name).as_os_str(), AtFlags::empty())?;
                     Ok(())
                 }
                 // free_name refused a name that holds an object.
@@ -185,7 +185,7 @@ impl Overlay {
     ) -> Result<(Arc<Node>, Attr)> {
         let _recount = SubdirsChange(self, [parent, parent]);
         self.create_object(parent, name, caller, |dir, n| {
-            Ok(rustix::fs::mkdirat(
+            Ok(crate::sys::mkdirat(
                 dir,
                 n,
                 Mode::from_raw_mode(mode & 0o7777),
@@ -229,7 +229,7 @@ impl Overlay {
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr)> {
         self.create_object(parent, name, caller, |dir, n| {
-            Ok(rustix::fs::symlinkat(target, dir, n)?)
+            Ok(crate::sys::symlinkat(target, dir, n)?)
         })
     }
 
@@ -287,7 +287,7 @@ impl Overlay {
         let udir = self.upper_dir(&pnode)?;
         let pattr = sys::fstat(udir.as_fd())?;
         crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
-        let fd = rustix::fs::openat(
+        let fd = crate::sys::openat(
             &udir,
             ".",
             OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
@@ -303,13 +303,13 @@ impl Overlay {
                 self.config.gid_map.to_outside(caller.gid)
             };
             let before = sys::fstat(fd.as_fd())?;
-            rustix::fs::fchown(
+            crate::sys::fchown(
                 &fd,
                 Some(rustix::fs::Uid::from_raw(uid)),
                 Some(rustix::fs::Gid::from_raw(gid)),
             )?;
             if before.mode & 0o6000 != 0 {
-                rustix::fs::fchmod(&fd, Mode::from_raw_mode(before.mode & 0o7777))?;
+                crate::sys::fchmod(&fd, Mode::from_raw_mode(before.mode & 0o7777))?;
             }
         }
         let attr = sys::fstat(fd.as_fd())?;
@@ -346,7 +346,7 @@ impl Overlay {
                 return sys::link_open_file(fd.as_fd(), dir, name);
             }
             let (sdir, sname) = self.upper_entry(&node)?;
-            Ok(rustix::fs::linkat(
+            Ok(crate::sys::linkat(
                 sdir.as_fd(),
                 &sname,
                 dir,
@@ -363,7 +363,7 @@ impl Overlay {
                 link_at(work, &tmp)?;
                 sys::rename_at(work, &tmp, udir, newname, RenameFlags::empty())?;
                 if matches!(shadow, UpperSlot::WhFile) {
-                    rustix::fs::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
+                    crate::sys::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
                 }
             }
         }
@@ -406,7 +406,7 @@ impl Overlay {
         if !needs_whiteout && !entry.attr.is_dir() {
             // A non-directory goes in one atomic step. Only a directory, whose contents go one
             // by one, is first moved out to the work dir (or a whiteout put in its place).
-            rustix::fs::unlinkat(udir, name, AtFlags::empty())?;
+            crate::sys::unlinkat(udir, name, AtFlags::empty())?;
             self.forget_name(entry.found.ino, pnode.ino, name);
             return Ok(());
         }
@@ -420,7 +420,7 @@ impl Overlay {
                 RenameFlags::empty()
             };
             if let Err(e) = sys::rename_at(work, &tmp, udir, name, flags) {
-                let _ = rustix::fs::unlinkat(work, &tmp, AtFlags::empty());
+                let _ = crate::sys::unlinkat(work, &tmp, AtFlags::empty());
                 return Err(e);
             }
         } else {
@@ -651,7 +651,7 @@ impl Overlay {
             sys::rename_at(sdir, name, ddir, newname, RenameFlags::EXCHANGE)?;
             // The whiteout now sits at the old name, where it is needed or just left over.
             if !src_needs_whiteout
-                && let Err(e) = rustix::fs::unlinkat(sdir, name, AtFlags::empty())
+                && let Err(e) = crate::sys::unlinkat(sdir, name, AtFlags::empty())
             {
                 log::warn!("a whiteout {name:?} is left in the upper layer: {e}");
             }
@@ -673,7 +673,7 @@ impl Overlay {
             }
         }
         if wh_file_after {
-            let _ = rustix::fs::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
+            let _ = crate::sys::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
         }
         self.move_name(&snode, (parent, name), (newparent, newname));
         if let Some(d) = &dnode {
@@ -709,7 +709,7 @@ impl Overlay {
         let work = self.layers.work()?;
         let tmp = temp_name("clear");
         let old = sys::stat_at(dir, name)?;
-        rustix::fs::mkdirat(work, &tmp, Mode::from_raw_mode(0o700))?;
+        crate::sys::mkdirat(work, &tmp, Mode::from_raw_mode(0o700))?;
         let swapped = (|| {
             sys::chown_at(work, Some(&tmp), Some(old.uid), Some(old.gid))?;
             sys::chmod_at(work, Some(&tmp), old.mode & 0o7777)?;
@@ -737,7 +737,7 @@ impl Overlay {
         let (sdir, sname) = self.upper_entry(node)?;
         {
             let _changing = pnode.entries.write();
-            rustix::fs::linkat(sdir.as_fd(), &sname, udir.as_fd(), name, AtFlags::empty())?;
+            crate::sys::linkat(sdir.as_fd(), &sname, udir.as_fd(), name, AtFlags::empty())?;
         }
         self.note_origin_moved_into(&pnode, true)
     }
@@ -784,7 +784,7 @@ impl Overlay {
 /// Makes an empty regular file `name` in `dir` (it must not exist), opened for the daemon's
 /// reads and writes.
 fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<OwnedFd> {
-    Ok(rustix::fs::openat(
+    Ok(crate::sys::openat(
         dir,
         name,
         OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,

@@ -480,7 +480,7 @@ impl OpenFile {
         // Durable data before the mark goes: a hole must never lose its meaning "read lower"
         // while the block that replaced it is not yet on disk.
         if !skip_fsync {
-            rustix::fs::fdatasync(&p.upper)?;
+            crate::sys::fdatasync(&p.upper)?;
         }
         PartialMark::remove(p.upper.as_fd(), &names.partial)?;
         let upper = p.upper.try_clone()?;
@@ -515,7 +515,7 @@ impl Overlay {
         };
         let fd = self.settled(|| {
             let (dir, name) = self.upper_entry(node)?;
-            Ok(rustix::fs::openat(
+            Ok(crate::sys::openat(
                 dir.as_fd(),
                 &name,
                 access | OFlags::NOFOLLOW | OFlags::CLOEXEC,
@@ -1031,14 +1031,14 @@ impl Overlay {
                 };
                 sys::pwrite_full(fd.as_fd(), data, off)?;
                 if h.sync && !self.config.skip_fsync {
-                    rustix::fs::fdatasync(&*fd)?;
+                    crate::sys::fdatasync(&*fd)?;
                 }
             }
             FileData::Partial(p) => {
                 let off = if h.append { p.size } else { off };
                 let pending = p.write(off, data, !h.sync)?;
                 if h.sync && !self.config.skip_fsync {
-                    rustix::fs::fdatasync(&p.upper)?;
+                    crate::sys::fdatasync(&p.upper)?;
                 }
                 drop(fd_data);
                 if let Some(caw) = &self.caw {
@@ -1092,11 +1092,11 @@ impl Overlay {
                 v.mode = mode;
                 self.set_override(fd.as_fd(), None, &v, libc::S_IFREG)?;
             } else {
-                rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
+                crate::sys::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
             }
         }
         let capability = privs.capability;
-        match rustix::fs::fremovexattr(&fd, capability) {
+        match crate::sys::fremovexattr(&fd, capability) {
             Ok(()) | Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
             // A daemon without CAP_SETFCAP (an unprivileged mount) may not even try; it is
             // only an error if there is a capability to remove.
@@ -1122,7 +1122,7 @@ impl Overlay {
         self.ensure_upper(node, &file)?;
         let mut data = file.write_data();
         match &mut *data {
-            FileData::Upper(fd) => rustix::fs::ftruncate(&*fd, size)?,
+            FileData::Upper(fd) => crate::sys::ftruncate(&*fd, size)?,
             FileData::Partial(p) => {
                 if p.set_size(size, &self.layers.xattr)? {
                     // Nothing of the lower file is valid any more: the file is complete.
@@ -1143,7 +1143,7 @@ impl Overlay {
         self.ensure_upper(&h.node, &h.file)?;
         let mut data = h.file.write_data();
         match &mut *data {
-            FileData::Upper(fd) => rustix::fs::fallocate(&*fd, mode, off, len)?,
+            FileData::Upper(fd) => crate::sys::fallocate(&*fd, mode, off, len)?,
             FileData::Partial(p) => p.fallocate(off, len, mode, &self.layers.xattr)?,
             FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
         }
@@ -1207,9 +1207,9 @@ impl Overlay {
             FileData::Lower(_) | FileData::Unopened(..) => return Ok(()),
         };
         if datasync {
-            rustix::fs::fdatasync(fd)?;
+            crate::sys::fdatasync(fd)?;
         } else {
-            rustix::fs::fsync(fd)?;
+            crate::sys::fsync(fd)?;
         }
         self.stats.fsyncs_to_disk.add(1);
         Ok(())
@@ -1230,7 +1230,7 @@ impl Overlay {
             OFlags::RDONLY | OFlags::DIRECTORY,
             0,
         )?;
-        rustix::fs::fsync(&fd)?;
+        crate::sys::fsync(&fd)?;
         Ok(())
     }
 }

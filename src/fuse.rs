@@ -282,6 +282,8 @@ impl Filesystem for MosaicFs {
             let _ = config.set_max_write(1 << 20);
         }
         let _ = config.set_max_background(64);
+        // Injected faults (tests) count from the first request on, past the mount's probes.
+        crate::fault::arm();
         Ok(())
     }
 

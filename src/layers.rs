@@ -539,7 +539,7 @@ impl LayerStack {
                 Err(e) => return Err(e),
             }
         }
-        let fd = rustix::fs::openat(
+        let fd = crate::sys::openat(
             dir,
             wh_name(name).as_os_str(),
             OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
@@ -557,7 +557,7 @@ impl LayerStack {
             Err(_) => {
                 let sub =
                     sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
-                let fd = rustix::fs::openat(
+                let fd = crate::sys::openat(
                     sub.as_fd(),
                     OPAQUE_WHITEOUT,
                     OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
@@ -718,7 +718,7 @@ fn prepare_work_dir(
     lock: WorkLock,
 ) -> std::result::Result<(OwnedFd, OwnedFd), String> {
     let name = OsStr::new(WORK_SUBDIR);
-    match rustix::fs::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
+    match crate::sys::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
         Ok(()) => {}
         Err(rustix::io::Errno::EXIST) => {}
         Err(rustix::io::Errno::ROFS)
@@ -758,7 +758,7 @@ fn prepare_work_dir(
 
 /// Removes `name` in `dir` and, if it is a directory, everything below it.
 pub fn remove_tree(dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
-    match rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::empty()) {
+    match crate::sys::unlinkat(dir, name, rustix::fs::AtFlags::empty()) {
         Ok(()) => return Ok(()),
         Err(rustix::io::Errno::ISDIR) | Err(rustix::io::Errno::PERM) => {}
         Err(rustix::io::Errno::NOENT) => return Ok(()),
@@ -769,20 +769,20 @@ pub fn remove_tree(dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
         remove_tree(sub.as_fd(), &e.name)?;
     }
     drop(sub);
-    rustix::fs::unlinkat(dir, name, rustix::fs::AtFlags::REMOVEDIR)?;
+    crate::sys::unlinkat(dir, name, rustix::fs::AtFlags::REMOVEDIR)?;
     Ok(())
 }
 
 fn probe_whiteout(work: BorrowedFd<'_>) -> bool {
     let name = OsStr::new("probe-whiteout");
     let ok = sys::mknod_at(work, name, libc::S_IFCHR, 0).is_ok();
-    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    let _ = crate::sys::unlinkat(work, name, rustix::fs::AtFlags::empty());
     ok
 }
 
 fn probe_xattrs(work: BorrowedFd<'_>, names: &XattrNames) -> Result<()> {
     let name = OsStr::new("probe-xattr");
-    let fd = rustix::fs::openat(
+    let fd = crate::sys::openat(
         work,
         name,
         OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
@@ -790,6 +790,6 @@ fn probe_xattrs(work: BorrowedFd<'_>, names: &XattrNames) -> Result<()> {
     )?;
     drop(fd);
     let r = sys::set_xattr(work, Some(name), &names.origin, b"probe", 0);
-    let _ = rustix::fs::unlinkat(work, name, rustix::fs::AtFlags::empty());
+    let _ = crate::sys::unlinkat(work, name, rustix::fs::AtFlags::empty());
     r.map_err(|e| Error::with_context(e.errno(), "setxattr"))
 }

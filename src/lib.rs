@@ -12,6 +12,7 @@ pub mod dir;
 pub mod dircache;
 pub mod error;
 pub mod export;
+pub mod fault;
 pub mod file;
 pub mod fuse;
 pub mod handles;

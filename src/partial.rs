@@ -87,12 +87,12 @@ impl PartialMark {
     /// Writes the mark on the open file `fd`.
     pub fn store(&self, fd: BorrowedFd<'_>, key: &str) -> Result<()> {
         let flags = rustix::fs::XattrFlags::empty();
-        Ok(rustix::fs::fsetxattr(fd, key, &self.encode(), flags)?)
+        Ok(crate::sys::fsetxattr(fd, key, &self.encode(), flags)?)
     }
 
     /// Removes the mark from `fd`: the file is complete.
     pub fn remove(fd: BorrowedFd<'_>, key: &str) -> Result<()> {
-        Ok(rustix::fs::fremovexattr(fd, key)?)
+        Ok(crate::sys::fremovexattr(fd, key)?)
     }
 
     /// Parses a mark. Anything malformed is an error: a damaged mark must never be guessed at.
@@ -286,7 +286,7 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
     let fd = &probe.fd;
     let grain = sys::fstat(fd.as_fd())?.blksize.max(4096) as u64;
     let size = 64 * 1024 * 1024u64;
-    rustix::fs::ftruncate(fd, size)?;
+    crate::sys::ftruncate(fd, size)?;
     let mut block = grain;
     while block <= 2 * 1024 * 1024 {
         let at = size / 2;
@@ -312,8 +312,8 @@ pub fn probe_sparse(work: BorrowedFd<'_>) -> Result<SparseSupport> {
                 sparse: true,
             });
         }
-        rustix::fs::ftruncate(fd, 0)?;
-        rustix::fs::ftruncate(fd, size)?;
+        crate::sys::ftruncate(fd, 0)?;
+        crate::sys::ftruncate(fd, size)?;
         block *= 2;
     }
     Err(Error::with_context(
@@ -336,7 +336,7 @@ impl<'a> ProbeFile<'a> {
     fn create(work: BorrowedFd<'a>, name: &'static str) -> Result<Self> {
         use rustix::fs::{Mode, OFlags};
         let name = std::ffi::OsStr::new(name);
-        let fd = rustix::fs::openat(
+        let fd = crate::sys::openat(
             work,
             name,
             OFlags::CREATE | OFlags::TRUNC | OFlags::RDWR | OFlags::CLOEXEC,
@@ -348,7 +348,7 @@ impl<'a> ProbeFile<'a> {
 
 impl Drop for ProbeFile<'_> {
     fn drop(&mut self) {
-        let _ = rustix::fs::unlinkat(self.work, self.name, rustix::fs::AtFlags::empty());
+        let _ = crate::sys::unlinkat(self.work, self.name, rustix::fs::AtFlags::empty());
     }
 }
 
@@ -362,7 +362,7 @@ pub fn probe_reflink(work: BorrowedFd<'_>) -> bool {
         return false;
     };
     sys::pwrite_full(src.fd.as_fd(), &[0x5a; 4096], 0).is_ok()
-        && rustix::fs::ioctl_ficlone(&dst.fd, &src.fd).is_ok()
+        && crate::sys::ioctl_ficlone(&dst.fd, &src.fd).is_ok()
 }
 
 /// Fuzzing (proptest, a few hundred cases per run of the suite; `PROPTEST_CASES=100000 cargo

@@ -280,7 +280,7 @@ impl PartialFile {
         }
         if new_size > self.disk_size {
             // A pending last block: the upper file still shows the size (st_size, a remount).
-            rustix::fs::ftruncate(&self.upper, new_size)?;
+            crate::sys::ftruncate(&self.upper, new_size)?;
             self.disk_size = new_size;
         }
         self.size = new_size;
@@ -346,7 +346,7 @@ impl PartialFile {
         // Order: the size first, then the mark. A crash between leaves a mark whose `valid` is
         // larger than the file, which only matters if the file is later extended.
         self.flush_pending()?;
-        rustix::fs::ftruncate(&self.upper, new)?;
+        crate::sys::ftruncate(&self.upper, new)?;
         self.disk_size = new;
         self.last_write = Instant::now();
         if new < self.size {
@@ -406,7 +406,7 @@ impl PartialFile {
             }
             let from = off.max(self.mark.valid);
             if from < end {
-                rustix::fs::fallocate(&self.upper, mode, from, end - from)?;
+                crate::sys::fallocate(&self.upper, mode, from, end - from)?;
             }
             if !keep && end > self.size {
                 self.size = end;
@@ -426,7 +426,7 @@ impl PartialFile {
             }
             blk += 1;
         }
-        rustix::fs::fallocate(&self.upper, mode, off, len)?;
+        crate::sys::fallocate(&self.upper, mode, off, len)?;
         if !keep && end > self.size {
             self.size = end;
         }

@@ -170,6 +170,7 @@ fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> (CString, bool) {
 /// open: no path reaches it). Through its /proc magic link, not AT_EMPTY_PATH: that needs
 /// CAP_DAC_READ_SEARCH, which a rootless daemon lacks.
 pub fn link_open_file(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Link)?;
     let (path, _) = proc_path(fd, None);
     Ok(rustix::fs::linkat(
         CWD,
@@ -256,6 +257,7 @@ pub fn set_xattr(
     value: &[u8],
     flags: i32,
 ) -> Result<()> {
+    crate::fault::check(crate::fault::Op::SetXattr)?;
     let (path, follow) = proc_path(dir, name);
     let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
     let (path, key) = (path.as_c_str(), key.as_ref());
@@ -271,6 +273,7 @@ pub fn remove_xattr(
     name: Option<&OsStr>,
     key: impl AsRef<OsStr>,
 ) -> Result<()> {
+    crate::fault::check(crate::fault::Op::RemoveXattr)?;
     let (path, follow) = proc_path(dir, name);
     let (path, key) = (path.as_c_str(), key.as_ref());
     Ok(if follow {
@@ -394,6 +397,7 @@ pub fn pread_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, len: usize, offset: u64
 }
 
 pub fn pwrite_full(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Write)?;
     let mut done = 0;
     while done < buf.len() {
         match rustix::io::pwrite(fd, &buf[done..], offset + done as u64) {
@@ -407,6 +411,7 @@ pub fn pwrite_full(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> Result<()> {
 }
 
 pub fn mknod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32, rdev: u64) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Mknod)?;
     let kind = rustix::fs::FileType::from_raw_mode(mode);
     rustix::fs::mknodat(dir, name, kind, Mode::from_raw_mode(mode & 0o7777), rdev)?;
     Ok(())
@@ -419,6 +424,7 @@ pub fn rename_at(
     to: &OsStr,
     flags: rustix::fs::RenameFlags,
 ) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Rename)?;
     Ok(rustix::fs::renameat_with(
         from_dir, from, to_dir, to, flags,
     )?)
@@ -432,6 +438,7 @@ pub fn chown_at(
     uid: Option<u32>,
     gid: Option<u32>,
 ) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Chown)?;
     let uid = uid.map(rustix::fs::Uid::from_raw);
     let gid = gid.map(rustix::fs::Gid::from_raw);
     Ok(match name {
@@ -442,6 +449,7 @@ pub fn chown_at(
 
 /// chmod of `name` in `dir`. Symlinks have no mode of their own on Linux: callers skip them.
 pub fn chmod_at(dir: BorrowedFd<'_>, name: Option<&OsStr>, mode: u32) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Chmod)?;
     let mode = Mode::from_raw_mode(mode & 0o7777);
     Ok(match name {
         Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
@@ -479,6 +487,7 @@ pub fn utimens_at(
     atime: Time,
     mtime: Time,
 ) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Utimens)?;
     let ts = rustix::fs::Timestamps {
         last_access: timespec(&atime),
         last_modification: timespec(&mtime),
@@ -491,6 +500,7 @@ pub fn utimens_at(
 
 /// Sets the atime and mtime of the open file `fd`.
 pub fn futimens(fd: BorrowedFd<'_>, atime: Time, mtime: Time) -> Result<()> {
+    crate::fault::check(crate::fault::Op::Utimens)?;
     let ts = rustix::fs::Timestamps {
         last_access: timespec(&atime),
         last_modification: timespec(&mtime),
@@ -571,4 +581,114 @@ pub fn cstr_to_os(s: &CStr) -> OsString {
 
 pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
     fd.as_fd()
+}
+
+// ---- Changes to a layer --------------------------------------------------------------------
+//
+// Only the upper and work dirs are ever changed. Every change goes through a wrapper of this
+// file: those above, and these, with rustix' signatures so that call sites read as before. Each
+// passes fault.rs' check first (fault injection for tests; one load otherwise).
+
+use crate::fault::{Op, check_io};
+use rustix::path::Arg;
+
+pub fn mkdirat<P: Arg, Fd: AsFd>(dir: Fd, path: P, mode: Mode) -> rustix::io::Result<()> {
+    check_io(Op::Mkdir)?;
+    rustix::fs::mkdirat(dir, path, mode)
+}
+
+/// unlinkat, rmdir with `AtFlags::REMOVEDIR`.
+pub fn unlinkat<P: Arg, Fd: AsFd>(dir: Fd, path: P, flags: AtFlags) -> rustix::io::Result<()> {
+    check_io(Op::Unlink)?;
+    rustix::fs::unlinkat(dir, path, flags)
+}
+
+pub fn symlinkat<P: Arg, Q: Arg, Fd: AsFd>(target: P, dir: Fd, path: Q) -> rustix::io::Result<()> {
+    check_io(Op::Symlink)?;
+    rustix::fs::symlinkat(target, dir, path)
+}
+
+pub fn linkat<P: Arg, Q: Arg, PFd: AsFd, QFd: AsFd>(
+    old_dir: PFd,
+    old: P,
+    new_dir: QFd,
+    new: Q,
+    flags: AtFlags,
+) -> rustix::io::Result<()> {
+    check_io(Op::Link)?;
+    rustix::fs::linkat(old_dir, old, new_dir, new, flags)
+}
+
+pub fn fchown<Fd: AsFd>(
+    fd: Fd,
+    uid: Option<rustix::fs::Uid>,
+    gid: Option<rustix::fs::Gid>,
+) -> rustix::io::Result<()> {
+    check_io(Op::Chown)?;
+    rustix::fs::fchown(fd, uid, gid)
+}
+
+pub fn fchmod<Fd: AsFd>(fd: Fd, mode: Mode) -> rustix::io::Result<()> {
+    check_io(Op::Chmod)?;
+    rustix::fs::fchmod(fd, mode)
+}
+
+pub fn fsetxattr<P: Arg, Fd: AsFd>(
+    fd: Fd,
+    name: P,
+    value: &[u8],
+    flags: rustix::fs::XattrFlags,
+) -> rustix::io::Result<()> {
+    check_io(Op::SetXattr)?;
+    rustix::fs::fsetxattr(fd, name, value, flags)
+}
+
+pub fn fremovexattr<P: Arg, Fd: AsFd>(fd: Fd, name: P) -> rustix::io::Result<()> {
+    check_io(Op::RemoveXattr)?;
+    rustix::fs::fremovexattr(fd, name)
+}
+
+pub fn ftruncate<Fd: AsFd>(fd: Fd, length: u64) -> rustix::io::Result<()> {
+    check_io(Op::Truncate)?;
+    rustix::fs::ftruncate(fd, length)
+}
+
+pub fn fallocate<Fd: AsFd>(
+    fd: Fd,
+    mode: rustix::fs::FallocateFlags,
+    offset: u64,
+    len: u64,
+) -> rustix::io::Result<()> {
+    check_io(Op::Fallocate)?;
+    rustix::fs::fallocate(fd, mode, offset, len)
+}
+
+/// openat; one that creates (O_CREAT, O_TMPFILE) is a change.
+pub fn openat<P: Arg, Fd: AsFd>(
+    dir: Fd,
+    path: P,
+    flags: OFlags,
+    mode: Mode,
+) -> rustix::io::Result<OwnedFd> {
+    // (O_TMPFILE's bits include O_DIRECTORY: test for all of them.)
+    if flags.contains(OFlags::CREATE) || flags.contains(OFlags::TMPFILE) {
+        check_io(Op::Create)?;
+    }
+    rustix::fs::openat(dir, path, flags, mode)
+}
+
+/// FICLONE: a whole-file clone is a write of the destination.
+pub fn ioctl_ficlone<Fd: AsFd, SrcFd: AsFd>(fd: Fd, src: SrcFd) -> rustix::io::Result<()> {
+    check_io(Op::Write)?;
+    rustix::fs::ioctl_ficlone(fd, src)
+}
+
+pub fn fsync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
+    check_io(Op::Fsync)?;
+    rustix::fs::fsync(fd)
+}
+
+pub fn fdatasync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
+    check_io(Op::Fsync)?;
+    rustix::fs::fdatasync(fd)
 }
