@@ -214,6 +214,23 @@ fn view(dir: &std::path::Path) -> Vec<String> {
 /// layers, and the remount leaves nothing in the work dir.
 #[test]
 fn every_injected_fault_leaves_layers_that_remount_as_they_were_shown() {
+    sweep(&["copy_whole=0"]);
+}
+
+/// The sweep with small files copied whole at their first writable open.
+#[test]
+fn every_injected_fault_with_whole_copies() {
+    sweep(&[]);
+}
+
+/// The sweep with owners and modes kept in xattrs (`xattr_permissions=2`, rootless Podman's
+/// way): chown and chmod become xattr changes.
+#[test]
+fn every_injected_fault_with_owners_in_xattrs() {
+    sweep(&["copy_whole=0", "xattr_permissions=2"]);
+}
+
+fn sweep(extra: &[&str]) {
     let ops = [
         "mkdir",
         "mknod",
@@ -234,7 +251,7 @@ fn every_injected_fault_leaves_layers_that_remount_as_they_were_shown() {
     for op in ops {
         for n in ["1", "2", "3", "4", "5", "6", "1+", "3+"] {
             let fault = format!("{op}:{n}");
-            let mut m = faulty_with(&fault, &["copy_whole=0"]);
+            let mut m = faulty_with(&fault, extra);
             let d = m.path("d");
             // The write lands in a pending block (copy-after-write): a failure to store it
             // shows at fsync, which must report it.
