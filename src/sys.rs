@@ -170,15 +170,20 @@ fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> (CString, bool) {
 /// open: no path reaches it). Through its /proc magic link, not AT_EMPTY_PATH: that needs
 /// CAP_DAC_READ_SEARCH, which a rootless daemon lacks.
 pub fn link_open_file(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Link)?;
-    let (path, _) = proc_path(fd, None);
-    Ok(rustix::fs::linkat(
-        CWD,
-        &path,
-        dir,
-        name,
-        AtFlags::SYMLINK_FOLLOW,
-    )?)
+    noted(
+        crate::fault::Op::Link,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Link)?;
+            let (path, _) = proc_path(fd, None);
+            Ok(rustix::fs::linkat(
+                CWD,
+                &path,
+                dir,
+                name,
+                AtFlags::SYMLINK_FOLLOW,
+            )?)
+        })(),
+    )
 }
 
 fn getxattr_at(
@@ -257,15 +262,20 @@ pub fn set_xattr(
     value: &[u8],
     flags: i32,
 ) -> Result<()> {
-    crate::fault::check(crate::fault::Op::SetXattr)?;
-    let (path, follow) = proc_path(dir, name);
-    let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
-    let (path, key) = (path.as_c_str(), key.as_ref());
-    Ok(if follow {
-        rustix::fs::setxattr(path, key, value, flags)
-    } else {
-        rustix::fs::lsetxattr(path, key, value, flags)
-    }?)
+    noted(
+        crate::fault::Op::SetXattr,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::SetXattr)?;
+            let (path, follow) = proc_path(dir, name);
+            let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
+            let (path, key) = (path.as_c_str(), key.as_ref());
+            Ok(if follow {
+                rustix::fs::setxattr(path, key, value, flags)
+            } else {
+                rustix::fs::lsetxattr(path, key, value, flags)
+            }?)
+        })(),
+    )
 }
 
 pub fn remove_xattr(
@@ -273,14 +283,19 @@ pub fn remove_xattr(
     name: Option<&OsStr>,
     key: impl AsRef<OsStr>,
 ) -> Result<()> {
-    crate::fault::check(crate::fault::Op::RemoveXattr)?;
-    let (path, follow) = proc_path(dir, name);
-    let (path, key) = (path.as_c_str(), key.as_ref());
-    Ok(if follow {
-        rustix::fs::removexattr(path, key)
-    } else {
-        rustix::fs::lremovexattr(path, key)
-    }?)
+    noted(
+        crate::fault::Op::RemoveXattr,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::RemoveXattr)?;
+            let (path, follow) = proc_path(dir, name);
+            let (path, key) = (path.as_c_str(), key.as_ref());
+            Ok(if follow {
+                rustix::fs::removexattr(path, key)
+            } else {
+                rustix::fs::lremovexattr(path, key)
+            }?)
+        })(),
+    )
 }
 
 /// All extended attribute names of a file. A file system without xattrs has none.
@@ -397,24 +412,34 @@ pub fn pread_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, len: usize, offset: u64
 }
 
 pub fn pwrite_full(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Write)?;
-    let mut done = 0;
-    while done < buf.len() {
-        match rustix::io::pwrite(fd, &buf[done..], offset + done as u64) {
-            Ok(0) => return Err(errno(libc::EIO)),
-            Ok(n) => done += n,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
+    noted(
+        crate::fault::Op::Write,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Write)?;
+            let mut done = 0;
+            while done < buf.len() {
+                match rustix::io::pwrite(fd, &buf[done..], offset + done as u64) {
+                    Ok(0) => return Err(errno(libc::EIO)),
+                    Ok(n) => done += n,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Ok(())
+        })(),
+    )
 }
 
 pub fn mknod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32, rdev: u64) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Mknod)?;
-    let kind = rustix::fs::FileType::from_raw_mode(mode);
-    rustix::fs::mknodat(dir, name, kind, Mode::from_raw_mode(mode & 0o7777), rdev)?;
-    Ok(())
+    noted(
+        crate::fault::Op::Mknod,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Mknod)?;
+            let kind = rustix::fs::FileType::from_raw_mode(mode);
+            rustix::fs::mknodat(dir, name, kind, Mode::from_raw_mode(mode & 0o7777), rdev)?;
+            Ok(())
+        })(),
+    )
 }
 
 pub fn rename_at(
@@ -424,10 +449,15 @@ pub fn rename_at(
     to: &OsStr,
     flags: rustix::fs::RenameFlags,
 ) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Rename)?;
-    Ok(rustix::fs::renameat_with(
-        from_dir, from, to_dir, to, flags,
-    )?)
+    noted(
+        crate::fault::Op::Rename,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Rename)?;
+            Ok(rustix::fs::renameat_with(
+                from_dir, from, to_dir, to, flags,
+            )?)
+        })(),
+    )
 }
 
 /// chown of `name` in `dir`, or of `dir` itself when `name` is `None` (as for the calls below;
@@ -438,23 +468,35 @@ pub fn chown_at(
     uid: Option<u32>,
     gid: Option<u32>,
 ) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Chown)?;
-    let uid = uid.map(rustix::fs::Uid::from_raw);
-    let gid = gid.map(rustix::fs::Gid::from_raw);
-    Ok(match name {
-        Some(name) => rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW),
-        None => rustix::fs::chownat(CWD, &proc_path(dir, None).0, uid, gid, AtFlags::empty()),
-    }?)
+    noted(
+        crate::fault::Op::Chown,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Chown)?;
+            let uid = uid.map(rustix::fs::Uid::from_raw);
+            let gid = gid.map(rustix::fs::Gid::from_raw);
+            Ok(match name {
+                Some(name) => rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW),
+                None => {
+                    rustix::fs::chownat(CWD, &proc_path(dir, None).0, uid, gid, AtFlags::empty())
+                }
+            }?)
+        })(),
+    )
 }
 
 /// chmod of `name` in `dir`. Symlinks have no mode of their own on Linux: callers skip them.
 pub fn chmod_at(dir: BorrowedFd<'_>, name: Option<&OsStr>, mode: u32) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Chmod)?;
-    let mode = Mode::from_raw_mode(mode & 0o7777);
-    Ok(match name {
-        Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
-        None => rustix::fs::chmodat(CWD, &proc_path(dir, None).0, mode, AtFlags::empty()),
-    }?)
+    noted(
+        crate::fault::Op::Chmod,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Chmod)?;
+            let mode = Mode::from_raw_mode(mode & 0o7777);
+            Ok(match name {
+                Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
+                None => rustix::fs::chmodat(CWD, &proc_path(dir, None).0, mode, AtFlags::empty()),
+            }?)
+        })(),
+    )
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -487,25 +529,35 @@ pub fn utimens_at(
     atime: Time,
     mtime: Time,
 ) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Utimens)?;
-    let ts = rustix::fs::Timestamps {
-        last_access: timespec(&atime),
-        last_modification: timespec(&mtime),
-    };
-    Ok(match name {
-        Some(name) => rustix::fs::utimensat(dir, name, &ts, AtFlags::SYMLINK_NOFOLLOW),
-        None => rustix::fs::utimensat(CWD, &proc_path(dir, None).0, &ts, AtFlags::empty()),
-    }?)
+    noted(
+        crate::fault::Op::Utimens,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Utimens)?;
+            let ts = rustix::fs::Timestamps {
+                last_access: timespec(&atime),
+                last_modification: timespec(&mtime),
+            };
+            Ok(match name {
+                Some(name) => rustix::fs::utimensat(dir, name, &ts, AtFlags::SYMLINK_NOFOLLOW),
+                None => rustix::fs::utimensat(CWD, &proc_path(dir, None).0, &ts, AtFlags::empty()),
+            }?)
+        })(),
+    )
 }
 
 /// Sets the atime and mtime of the open file `fd`.
 pub fn futimens(fd: BorrowedFd<'_>, atime: Time, mtime: Time) -> Result<()> {
-    crate::fault::check(crate::fault::Op::Utimens)?;
-    let ts = rustix::fs::Timestamps {
-        last_access: timespec(&atime),
-        last_modification: timespec(&mtime),
-    };
-    Ok(rustix::fs::futimens(fd, &ts)?)
+    noted(
+        crate::fault::Op::Utimens,
+        (|| -> Result<_> {
+            crate::fault::check(crate::fault::Op::Utimens)?;
+            let ts = rustix::fs::Timestamps {
+                last_access: timespec(&atime),
+                last_modification: timespec(&mtime),
+            };
+            Ok(rustix::fs::futimens(fd, &ts)?)
+        })(),
+    )
 }
 
 pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OsString> {
@@ -592,20 +644,69 @@ pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
 use crate::fault::{Op, check_io};
 use rustix::path::Arg;
 
+/// The upper file system failing a change (EIO, or read-only after errors: EROFS, or damaged:
+/// EUCLEAN) is a fact the operator must hear about, not only the caller's errno: one log line
+/// a second at most, saying what failed and where to look. The operation itself was refused
+/// whole (docs/ROBUSTNESS.md, "Failures half way").
+fn note_failure(op: Op, e: rustix::io::Errno) -> rustix::io::Errno {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    static QUIET: AtomicU64 = AtomicU64::new(0);
+    if ![
+        rustix::io::Errno::IO,
+        rustix::io::Errno::ROFS,
+        rustix::io::Errno::UCLEAN,
+    ]
+    .contains(&e)
+    {
+        return e;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST.swap(now, Ordering::Relaxed) == now {
+        QUIET.fetch_add(1, Ordering::Relaxed);
+        return e;
+    }
+    let quiet = QUIET.swap(0, Ordering::Relaxed);
+    let more = if quiet > 0 {
+        format!(" ({quiet} more such failures in the last second)")
+    } else {
+        String::new()
+    };
+    log::error!(
+        "the upper layer's file system failed a change ({op:?}): {}{more}; the operation was \
+         refused and nothing of it shows; check that file system (dmesg, fsck)",
+        std::io::Error::from_raw_os_error(e.raw_os_error())
+    );
+    e
+}
+
+/// `note_failure` for the wrappers that speak the crate's error type.
+fn noted<T>(op: Op, r: Result<T>) -> Result<T> {
+    r.map_err(|e| {
+        let n = note_failure(op, rustix::io::Errno::from_raw_os_error(e.errno()));
+        crate::error::Error::from(n)
+    })
+}
+
 pub fn mkdirat<P: Arg, Fd: AsFd>(dir: Fd, path: P, mode: Mode) -> rustix::io::Result<()> {
-    check_io(Op::Mkdir)?;
-    rustix::fs::mkdirat(dir, path, mode)
+    check_io(Op::Mkdir)
+        .and_then(|()| rustix::fs::mkdirat(dir, path, mode))
+        .map_err(|e| note_failure(Op::Mkdir, e))
 }
 
 /// unlinkat, rmdir with `AtFlags::REMOVEDIR`.
 pub fn unlinkat<P: Arg, Fd: AsFd>(dir: Fd, path: P, flags: AtFlags) -> rustix::io::Result<()> {
-    check_io(Op::Unlink)?;
-    rustix::fs::unlinkat(dir, path, flags)
+    check_io(Op::Unlink)
+        .and_then(|()| rustix::fs::unlinkat(dir, path, flags))
+        .map_err(|e| note_failure(Op::Unlink, e))
 }
 
 pub fn symlinkat<P: Arg, Q: Arg, Fd: AsFd>(target: P, dir: Fd, path: Q) -> rustix::io::Result<()> {
-    check_io(Op::Symlink)?;
-    rustix::fs::symlinkat(target, dir, path)
+    check_io(Op::Symlink)
+        .and_then(|()| rustix::fs::symlinkat(target, dir, path))
+        .map_err(|e| note_failure(Op::Symlink, e))
 }
 
 pub fn linkat<P: Arg, Q: Arg, PFd: AsFd, QFd: AsFd>(
@@ -615,8 +716,9 @@ pub fn linkat<P: Arg, Q: Arg, PFd: AsFd, QFd: AsFd>(
     new: Q,
     flags: AtFlags,
 ) -> rustix::io::Result<()> {
-    check_io(Op::Link)?;
-    rustix::fs::linkat(old_dir, old, new_dir, new, flags)
+    check_io(Op::Link)
+        .and_then(|()| rustix::fs::linkat(old_dir, old, new_dir, new, flags))
+        .map_err(|e| note_failure(Op::Link, e))
 }
 
 pub fn fchown<Fd: AsFd>(
@@ -624,13 +726,15 @@ pub fn fchown<Fd: AsFd>(
     uid: Option<rustix::fs::Uid>,
     gid: Option<rustix::fs::Gid>,
 ) -> rustix::io::Result<()> {
-    check_io(Op::Chown)?;
-    rustix::fs::fchown(fd, uid, gid)
+    check_io(Op::Chown)
+        .and_then(|()| rustix::fs::fchown(fd, uid, gid))
+        .map_err(|e| note_failure(Op::Chown, e))
 }
 
 pub fn fchmod<Fd: AsFd>(fd: Fd, mode: Mode) -> rustix::io::Result<()> {
-    check_io(Op::Chmod)?;
-    rustix::fs::fchmod(fd, mode)
+    check_io(Op::Chmod)
+        .and_then(|()| rustix::fs::fchmod(fd, mode))
+        .map_err(|e| note_failure(Op::Chmod, e))
 }
 
 pub fn fsetxattr<P: Arg, Fd: AsFd>(
@@ -639,18 +743,21 @@ pub fn fsetxattr<P: Arg, Fd: AsFd>(
     value: &[u8],
     flags: rustix::fs::XattrFlags,
 ) -> rustix::io::Result<()> {
-    check_io(Op::SetXattr)?;
-    rustix::fs::fsetxattr(fd, name, value, flags)
+    check_io(Op::SetXattr)
+        .and_then(|()| rustix::fs::fsetxattr(fd, name, value, flags))
+        .map_err(|e| note_failure(Op::SetXattr, e))
 }
 
 pub fn fremovexattr<P: Arg, Fd: AsFd>(fd: Fd, name: P) -> rustix::io::Result<()> {
-    check_io(Op::RemoveXattr)?;
-    rustix::fs::fremovexattr(fd, name)
+    check_io(Op::RemoveXattr)
+        .and_then(|()| rustix::fs::fremovexattr(fd, name))
+        .map_err(|e| note_failure(Op::RemoveXattr, e))
 }
 
 pub fn ftruncate<Fd: AsFd>(fd: Fd, length: u64) -> rustix::io::Result<()> {
-    check_io(Op::Truncate)?;
-    rustix::fs::ftruncate(fd, length)
+    check_io(Op::Truncate)
+        .and_then(|()| rustix::fs::ftruncate(fd, length))
+        .map_err(|e| note_failure(Op::Truncate, e))
 }
 
 pub fn fallocate<Fd: AsFd>(
@@ -659,8 +766,9 @@ pub fn fallocate<Fd: AsFd>(
     offset: u64,
     len: u64,
 ) -> rustix::io::Result<()> {
-    check_io(Op::Fallocate)?;
-    rustix::fs::fallocate(fd, mode, offset, len)
+    check_io(Op::Fallocate)
+        .and_then(|()| rustix::fs::fallocate(fd, mode, offset, len))
+        .map_err(|e| note_failure(Op::Fallocate, e))
 }
 
 /// openat; one that creates (O_CREAT, O_TMPFILE) is a change.
@@ -672,23 +780,28 @@ pub fn openat<P: Arg, Fd: AsFd>(
 ) -> rustix::io::Result<OwnedFd> {
     // (O_TMPFILE's bits include O_DIRECTORY: test for all of them.)
     if flags.contains(OFlags::CREATE) || flags.contains(OFlags::TMPFILE) {
-        check_io(Op::Create)?;
+        return check_io(Op::Create)
+            .and_then(|()| rustix::fs::openat(dir, path, flags, mode))
+            .map_err(|e| note_failure(Op::Create, e));
     }
     rustix::fs::openat(dir, path, flags, mode)
 }
 
 /// FICLONE: a whole-file clone is a write of the destination.
 pub fn ioctl_ficlone<Fd: AsFd, SrcFd: AsFd>(fd: Fd, src: SrcFd) -> rustix::io::Result<()> {
-    check_io(Op::Write)?;
-    rustix::fs::ioctl_ficlone(fd, src)
+    check_io(Op::Write)
+        .and_then(|()| rustix::fs::ioctl_ficlone(fd, src))
+        .map_err(|e| note_failure(Op::Write, e))
 }
 
 pub fn fsync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
-    check_io(Op::Fsync)?;
-    rustix::fs::fsync(fd)
+    check_io(Op::Fsync)
+        .and_then(|()| rustix::fs::fsync(fd))
+        .map_err(|e| note_failure(Op::Fsync, e))
 }
 
 pub fn fdatasync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
-    check_io(Op::Fsync)?;
-    rustix::fs::fdatasync(fd)
+    check_io(Op::Fsync)
+        .and_then(|()| rustix::fs::fdatasync(fd))
+        .map_err(|e| note_failure(Op::Fsync, e))
 }

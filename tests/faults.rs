@@ -103,8 +103,15 @@ fn a_chown_fails_whole_when_the_partial_file_mark_cannot_be_set() {
     assert!(!m.upper.join("d/f").exists());
     work_is_clean(&m);
     std::os::unix::fs::chown(m.path("d/f"), Some(4242), None).unwrap();
+    // The operator hears of it: what failed, and where to look.
+    let log = m.unmount();
+    assert!(
+        log.contains("the upper layer's file system failed a change (SetXattr)")
+            && log.contains("check that file system"),
+        "{log}"
+    );
     m.env.clear(); // the remount has no faults
-    m.remount();
+    m.mount();
     assert_eq!(fs::metadata(m.path("d/f")).unwrap().uid(), 4242);
     assert_eq!(fs::read(m.path("d/f")).unwrap(), pattern(3 * 4096, 1));
 }
