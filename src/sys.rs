@@ -14,6 +14,8 @@ use std::path::Path;
 use rustix::fs::{AtFlags, CWD, Mode, OFlags, ResolveFlags};
 
 use crate::error::{Result, errno};
+use crate::fault::{Op, check_io};
+use rustix::path::Arg;
 
 /// The attributes of one file in one layer, as `stat` gives them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -170,20 +172,16 @@ fn proc_path(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> (CString, bool) {
 /// open: no path reaches it). Through its /proc magic link, not AT_EMPTY_PATH: that needs
 /// CAP_DAC_READ_SEARCH, which a rootless daemon lacks.
 pub fn link_open_file(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
-    noted(
-        crate::fault::Op::Link,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Link)?;
-            let (path, _) = proc_path(fd, None);
-            Ok(rustix::fs::linkat(
-                CWD,
-                &path,
-                dir,
-                name,
-                AtFlags::SYMLINK_FOLLOW,
-            )?)
-        })(),
-    )
+    change(Op::Link, || {
+        let (path, _) = proc_path(fd, None);
+        Ok(rustix::fs::linkat(
+            CWD,
+            &path,
+            dir,
+            name,
+            AtFlags::SYMLINK_FOLLOW,
+        )?)
+    })
 }
 
 fn getxattr_at(
@@ -262,20 +260,16 @@ pub fn set_xattr(
     value: &[u8],
     flags: i32,
 ) -> Result<()> {
-    noted(
-        crate::fault::Op::SetXattr,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::SetXattr)?;
-            let (path, follow) = proc_path(dir, name);
-            let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
-            let (path, key) = (path.as_c_str(), key.as_ref());
-            Ok(if follow {
-                rustix::fs::setxattr(path, key, value, flags)
-            } else {
-                rustix::fs::lsetxattr(path, key, value, flags)
-            }?)
-        })(),
-    )
+    change(Op::SetXattr, || {
+        let (path, follow) = proc_path(dir, name);
+        let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
+        let (path, key) = (path.as_c_str(), key.as_ref());
+        Ok(if follow {
+            rustix::fs::setxattr(path, key, value, flags)
+        } else {
+            rustix::fs::lsetxattr(path, key, value, flags)
+        }?)
+    })
 }
 
 pub fn remove_xattr(
@@ -283,19 +277,15 @@ pub fn remove_xattr(
     name: Option<&OsStr>,
     key: impl AsRef<OsStr>,
 ) -> Result<()> {
-    noted(
-        crate::fault::Op::RemoveXattr,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::RemoveXattr)?;
-            let (path, follow) = proc_path(dir, name);
-            let (path, key) = (path.as_c_str(), key.as_ref());
-            Ok(if follow {
-                rustix::fs::removexattr(path, key)
-            } else {
-                rustix::fs::lremovexattr(path, key)
-            }?)
-        })(),
-    )
+    change(Op::RemoveXattr, || {
+        let (path, follow) = proc_path(dir, name);
+        let (path, key) = (path.as_c_str(), key.as_ref());
+        Ok(if follow {
+            rustix::fs::removexattr(path, key)
+        } else {
+            rustix::fs::lremovexattr(path, key)
+        }?)
+    })
 }
 
 /// All extended attribute names of a file. A file system without xattrs has none.
@@ -412,34 +402,26 @@ pub fn pread_into(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, len: usize, offset: u64
 }
 
 pub fn pwrite_full(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> Result<()> {
-    noted(
-        crate::fault::Op::Write,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Write)?;
-            let mut done = 0;
-            while done < buf.len() {
-                match rustix::io::pwrite(fd, &buf[done..], offset + done as u64) {
-                    Ok(0) => return Err(errno(libc::EIO)),
-                    Ok(n) => done += n,
-                    Err(rustix::io::Errno::INTR) => continue,
-                    Err(e) => return Err(e.into()),
-                }
+    change(Op::Write, || {
+        let mut done = 0;
+        while done < buf.len() {
+            match rustix::io::pwrite(fd, &buf[done..], offset + done as u64) {
+                Ok(0) => return Err(errno(libc::EIO)),
+                Ok(n) => done += n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
             }
-            Ok(())
-        })(),
-    )
+        }
+        Ok(())
+    })
 }
 
 pub fn mknod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32, rdev: u64) -> Result<()> {
-    noted(
-        crate::fault::Op::Mknod,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Mknod)?;
-            let kind = rustix::fs::FileType::from_raw_mode(mode);
-            rustix::fs::mknodat(dir, name, kind, Mode::from_raw_mode(mode & 0o7777), rdev)?;
-            Ok(())
-        })(),
-    )
+    change(Op::Mknod, || {
+        let kind = rustix::fs::FileType::from_raw_mode(mode);
+        rustix::fs::mknodat(dir, name, kind, Mode::from_raw_mode(mode & 0o7777), rdev)?;
+        Ok(())
+    })
 }
 
 pub fn rename_at(
@@ -449,15 +431,11 @@ pub fn rename_at(
     to: &OsStr,
     flags: rustix::fs::RenameFlags,
 ) -> Result<()> {
-    noted(
-        crate::fault::Op::Rename,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Rename)?;
-            Ok(rustix::fs::renameat_with(
-                from_dir, from, to_dir, to, flags,
-            )?)
-        })(),
-    )
+    change(Op::Rename, || {
+        Ok(rustix::fs::renameat_with(
+            from_dir, from, to_dir, to, flags,
+        )?)
+    })
 }
 
 /// chown of `name` in `dir`, or of `dir` itself when `name` is `None` (as for the calls below;
@@ -468,35 +446,25 @@ pub fn chown_at(
     uid: Option<u32>,
     gid: Option<u32>,
 ) -> Result<()> {
-    noted(
-        crate::fault::Op::Chown,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Chown)?;
-            let uid = uid.map(rustix::fs::Uid::from_raw);
-            let gid = gid.map(rustix::fs::Gid::from_raw);
-            Ok(match name {
-                Some(name) => rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW),
-                None => {
-                    rustix::fs::chownat(CWD, &proc_path(dir, None).0, uid, gid, AtFlags::empty())
-                }
-            }?)
-        })(),
-    )
+    change(Op::Chown, || {
+        let uid = uid.map(rustix::fs::Uid::from_raw);
+        let gid = gid.map(rustix::fs::Gid::from_raw);
+        Ok(match name {
+            Some(name) => rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW),
+            None => rustix::fs::chownat(CWD, &proc_path(dir, None).0, uid, gid, AtFlags::empty()),
+        }?)
+    })
 }
 
 /// chmod of `name` in `dir`. Symlinks have no mode of their own on Linux: callers skip them.
 pub fn chmod_at(dir: BorrowedFd<'_>, name: Option<&OsStr>, mode: u32) -> Result<()> {
-    noted(
-        crate::fault::Op::Chmod,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Chmod)?;
-            let mode = Mode::from_raw_mode(mode & 0o7777);
-            Ok(match name {
-                Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
-                None => rustix::fs::chmodat(CWD, &proc_path(dir, None).0, mode, AtFlags::empty()),
-            }?)
-        })(),
-    )
+    change(Op::Chmod, || {
+        let mode = Mode::from_raw_mode(mode & 0o7777);
+        Ok(match name {
+            Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
+            None => rustix::fs::chmodat(CWD, &proc_path(dir, None).0, mode, AtFlags::empty()),
+        }?)
+    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -529,35 +497,27 @@ pub fn utimens_at(
     atime: Time,
     mtime: Time,
 ) -> Result<()> {
-    noted(
-        crate::fault::Op::Utimens,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Utimens)?;
-            let ts = rustix::fs::Timestamps {
-                last_access: timespec(&atime),
-                last_modification: timespec(&mtime),
-            };
-            Ok(match name {
-                Some(name) => rustix::fs::utimensat(dir, name, &ts, AtFlags::SYMLINK_NOFOLLOW),
-                None => rustix::fs::utimensat(CWD, &proc_path(dir, None).0, &ts, AtFlags::empty()),
-            }?)
-        })(),
-    )
+    change(Op::Utimens, || {
+        let ts = rustix::fs::Timestamps {
+            last_access: timespec(&atime),
+            last_modification: timespec(&mtime),
+        };
+        Ok(match name {
+            Some(name) => rustix::fs::utimensat(dir, name, &ts, AtFlags::SYMLINK_NOFOLLOW),
+            None => rustix::fs::utimensat(CWD, &proc_path(dir, None).0, &ts, AtFlags::empty()),
+        }?)
+    })
 }
 
 /// Sets the atime and mtime of the open file `fd`.
 pub fn futimens(fd: BorrowedFd<'_>, atime: Time, mtime: Time) -> Result<()> {
-    noted(
-        crate::fault::Op::Utimens,
-        (|| -> Result<_> {
-            crate::fault::check(crate::fault::Op::Utimens)?;
-            let ts = rustix::fs::Timestamps {
-                last_access: timespec(&atime),
-                last_modification: timespec(&mtime),
-            };
-            Ok(rustix::fs::futimens(fd, &ts)?)
-        })(),
-    )
+    change(Op::Utimens, || {
+        let ts = rustix::fs::Timestamps {
+            last_access: timespec(&atime),
+            last_modification: timespec(&mtime),
+        };
+        Ok(rustix::fs::futimens(fd, &ts)?)
+    })
 }
 
 pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OsString> {
@@ -641,9 +601,6 @@ pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
 // file: those above, and these, with rustix' signatures so that call sites read as before. Each
 // passes fault.rs' check first (fault injection for tests; one load otherwise).
 
-use crate::fault::{Op, check_io};
-use rustix::path::Arg;
-
 /// The upper file system failing a change (EIO, or read-only after errors: EROFS, or damaged:
 /// EUCLEAN) is a fact the operator must hear about, not only the caller's errno: one log line
 /// a second at most, saying what failed and where to look. The operation itself was refused
@@ -682,11 +639,11 @@ fn note_failure(op: Op, e: rustix::io::Errno) -> rustix::io::Errno {
     e
 }
 
-/// `note_failure` for the wrappers that speak the crate's error type.
-fn noted<T>(op: Op, r: Result<T>) -> Result<T> {
-    r.map_err(|e| {
-        let n = note_failure(op, rustix::io::Errno::from_raw_os_error(e.errno()));
-        crate::error::Error::from(n)
+/// A change made by `f`, for the wrappers that speak the crate's error type: the fault check
+/// first, then `f`, its failure noted.
+fn change<T>(op: Op, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    crate::fault::check(op).and_then(|()| f()).inspect_err(|e| {
+        note_failure(op, rustix::io::Errno::from_raw_os_error(e.errno()));
     })
 }
 
