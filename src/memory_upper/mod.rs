@@ -7,7 +7,8 @@
 //! its conventions — char 0/0 whiteouts, opaque and redirect xattrs, partial-file marks over a
 //! sparse file whose allocated blocks are the blocks present — whichever store it talks to.
 //! Semantics follow a local file system: the errors ext4 gives, link counts, setgid
-//! directories, timestamps a write or a rename changes, holes that read as zeros.
+//! directories and default ACLs, timestamps a write or a rename changes, holes that read as
+//! zeros.
 //!
 //! **Durability** (docs/FORMAT.md, "Memory upper"): `sync` writes an image of the whole tree
 //! next to the filestore; a new mount serves the last image. Between images nothing of the tree
@@ -20,6 +21,7 @@
 //! directories of a cross-directory rename by inode number, under `rename_lock`); then a
 //! file's data; then a node's `meta`; the node table's shards and the filestore last, alone.
 
+mod acl;
 mod attrs;
 mod data;
 mod filestore;
@@ -98,7 +100,9 @@ struct Meta {
 
 /// What `make` creates: the type is in `mode`'s S_IFMT bits.
 pub struct NewNode<'a> {
+    /// Type and permission bits asked for; the umask and a default ACL of the parent cut them.
     pub mode: u32,
+    pub umask: u32,
     pub uid: u32,
     pub gid: u32,
     pub rdev: u64,

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::{
-    Body, DirBody, Ino, MemoryUpper, Meta, NewNode, Node, RenameFlags, check_name, data, is_root,
-    now,
+    Body, DirBody, Ino, MemoryUpper, Meta, NewNode, Node, RenameFlags, acl, check_name, data,
+    is_root, now,
 };
 use crate::error::{Result, errno};
 use crate::sys::Attr;
@@ -72,11 +72,31 @@ impl MemoryUpper {
 
     fn new_node(&self, parent: &Node, new: &NewNode<'_>, t: (i64, u32)) -> Result<Arc<Node>> {
         let kind = new.mode & libc::S_IFMT;
-        let (pgid, pmode) = {
+        let (pgid, pmode, pdefault) = {
             let m = parent.meta.lock().unwrap();
-            (m.gid, m.mode)
+            (
+                m.gid,
+                m.mode,
+                m.xattrs.get(OsStr::new(acl::DEFAULT)).cloned(),
+            )
         };
-        let mut mode = new.mode;
+        // A symlink's mode is always 0777 and takes no ACL.
+        let inherited = match kind {
+            libc::S_IFLNK => acl::Inherited {
+                mode: new.mode,
+                access: None,
+                default: None,
+            },
+            _ => acl::inherit(new.mode, new.umask, pdefault.as_deref())?,
+        };
+        let mut xattrs = BTreeMap::new();
+        if let Some(a) = inherited.access {
+            xattrs.insert(acl::ACCESS.into(), a);
+        }
+        if let Some(d) = inherited.default {
+            xattrs.insert(acl::DEFAULT.into(), d);
+        }
+        let mut mode = inherited.mode;
         let mut gid = new.gid;
         if pmode & libc::S_ISGID != 0 {
             gid = pgid;
@@ -125,7 +145,7 @@ impl MemoryUpper {
                 atime: t,
                 mtime: t,
                 ctime: t,
-                xattrs: BTreeMap::new(),
+                xattrs,
                 unnamed: false,
             }),
             body,

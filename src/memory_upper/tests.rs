@@ -16,6 +16,7 @@ use crate::sys::Time;
 fn reg(mode: u32) -> NewNode<'static> {
     NewNode {
         mode: libc::S_IFREG | mode,
+        umask: 0,
         uid: 0,
         gid: 0,
         rdev: 0,
@@ -794,4 +795,93 @@ fn statfs_counts_the_limit_or_the_host() {
     let u = up.usage().unwrap();
     assert_eq!(u.blocks, host.f_blocks * host.f_frsize / BLOCK);
     assert!(u.free > 0 && u.free <= u.blocks);
+}
+
+#[test]
+fn new_objects_take_the_umask_or_the_parents_default_acl() {
+    let up = volatile(None);
+    let plain = up
+        .make(
+            ROOT,
+            n("f"),
+            &NewNode {
+                umask: 0o027,
+                ..reg(0o666)
+            },
+        )
+        .unwrap();
+    assert_eq!(up.stat(plain).unwrap().mode, libc::S_IFREG | 0o640);
+    let d = up
+        .node(up.make(ROOT, n("d"), &dir_node()).unwrap())
+        .unwrap();
+    // user::rwx, user:1234:rw-, group::r-x, mask::rwx, other::--x
+    let mut default = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in [
+        (1u16, 7u16, u32::MAX),
+        (2, 6, 1234),
+        (4, 5, u32::MAX),
+        (0x10, 7, u32::MAX),
+        (0x20, 1, u32::MAX),
+    ] {
+        default.extend_from_slice(&tag.to_le_bytes());
+        default.extend_from_slice(&perm.to_le_bytes());
+        default.extend_from_slice(&id.to_le_bytes());
+    }
+    up.set_xattr(&d, n("system.posix_acl_default"), &default, 0)
+        .unwrap();
+    let f = up
+        .node(
+            up.make(
+                d.ino(),
+                n("f"),
+                &NewNode {
+                    umask: 0o077,
+                    ..reg(0o640)
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(
+        up.stat(f.ino()).unwrap().mode,
+        libc::S_IFREG | 0o640,
+        "the umask plays no part"
+    );
+    assert!(up.get_xattr(&f, n("system.posix_acl_access")).is_some());
+    assert!(
+        up.get_xattr(&f, n("system.posix_acl_default")).is_none(),
+        "files take no default"
+    );
+    let sub = up
+        .node(
+            up.make(
+                d.ino(),
+                n("s"),
+                &NewNode {
+                    umask: 0o077,
+                    ..dir_node()
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(
+        up.get_xattr(&sub, n("system.posix_acl_default")),
+        Some(default)
+    );
+    let l = up
+        .make(
+            d.ino(),
+            n("l"),
+            &NewNode {
+                mode: libc::S_IFLNK | 0o777,
+                target: Some(n("f")),
+                ..reg(0)
+            },
+        )
+        .unwrap();
+    assert!(
+        up.list_xattr(&up.node(l).unwrap()).is_empty(),
+        "a symlink takes no ACL"
+    );
 }
