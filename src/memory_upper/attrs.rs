@@ -12,6 +12,7 @@ impl MemoryUpper {
     /// set-group-ID bits of a non-directory, as a local file system does.
     pub fn set_owner(&self, node: &Node, uid: Option<u32>, gid: Option<u32>) {
         let _q = self.quiesce.read();
+        node.changed();
         let mut m = node.meta.lock().unwrap();
         if let Some(u) = uid {
             m.uid = u;
@@ -31,6 +32,7 @@ impl MemoryUpper {
     /// chmod: the permission bits of `mode`; the type stays.
     pub fn set_mode(&self, node: &Node, mode: u32) {
         let _q = self.quiesce.read();
+        node.changed();
         let mut m = node.meta.lock().unwrap();
         m.mode = (m.mode & libc::S_IFMT) | (mode & 0o7777);
         m.ctime = now();
@@ -38,6 +40,7 @@ impl MemoryUpper {
 
     pub fn set_times(&self, node: &Node, atime: Time, mtime: Time) {
         let _q = self.quiesce.read();
+        node.changed();
         let t = now();
         let mut m = node.meta.lock().unwrap();
         let pick = |time: Time, old: (i64, u32)| match time {
@@ -67,6 +70,7 @@ impl MemoryUpper {
             return Err(errno(libc::E2BIG));
         }
         let _q = self.quiesce.read();
+        node.changed();
         let mut m = node.meta.lock().unwrap();
         let present = m.xattrs.contains_key(name);
         if flags & libc::XATTR_CREATE != 0 && present {
@@ -82,6 +86,7 @@ impl MemoryUpper {
 
     pub fn remove_xattr(&self, node: &Node, name: &OsStr) -> Result<()> {
         let _q = self.quiesce.read();
+        node.changed();
         let mut m = node.meta.lock().unwrap();
         m.xattrs.remove(name).ok_or_else(|| errno(libc::ENODATA))?;
         m.ctime = now();

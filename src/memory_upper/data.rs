@@ -422,6 +422,7 @@ impl MemoryUpper {
     /// pwrite: the whole of `data` or nothing (ENOSPC past the layer's size, EFBIG).
     pub fn write(&self, node: &Node, data: &[u8], off: u64) -> Result<()> {
         let _q = self.quiesce.read();
+        node.changed();
         node.file()?.write().unwrap().write(data, off)?;
         node.touch_data();
         Ok(())
@@ -429,6 +430,7 @@ impl MemoryUpper {
 
     pub fn truncate(&self, node: &Node, size: u64) -> Result<()> {
         let _q = self.quiesce.read();
+        node.changed();
         node.file()?.write().unwrap().truncate(size)?;
         node.touch_data();
         Ok(())
@@ -437,6 +439,7 @@ impl MemoryUpper {
     /// FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
     pub fn punch_hole(&self, node: &Node, off: u64, len: u64) -> Result<()> {
         let _q = self.quiesce.read();
+        node.changed();
         node.file()?.write().unwrap().punch(off, len)?;
         node.touch_data();
         Ok(())
@@ -445,6 +448,7 @@ impl MemoryUpper {
     /// fallocate mode 0, or FALLOC_FL_KEEP_SIZE.
     pub fn allocate(&self, node: &Node, off: u64, len: u64, keep_size: bool) -> Result<()> {
         let _q = self.quiesce.read();
+        node.changed();
         node.file()?
             .write()
             .unwrap()

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use rustix::fs::{Mode, OFlags};
 
 use super::filestore::BLOCK;
-use super::{Body, Ino, MemoryUpper, ROOT, WORK, is_root};
+use super::{Body, Ino, MemoryUpper, Node, ROOT, WORK, is_root};
 use crate::error::Result;
 use crate::sys;
 
@@ -25,7 +25,7 @@ pub const IMAGE_NAME: &str = ".mosaicfs-tree";
 const IMAGE_NEW: &str = ".mosaicfs-tree.new";
 const MAGIC: &[u8; 8] = b"MOSAICTR";
 const VERSION: u32 = 1;
-const HEADER: usize = 8 + 4 + 4 + 8 + 8 + 8 + 4;
+const HEADER: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4;
 
 const KIND_DIR: u8 = 1;
 const KIND_FILE: u8 = 2;
@@ -56,7 +56,7 @@ impl fmt::Display for ImageError {
     }
 }
 
-fn damaged<T>(why: impl Into<String>) -> std::result::Result<T, ImageError> {
+pub(super) fn damaged<T>(why: impl Into<String>) -> std::result::Result<T, ImageError> {
     Err(ImageError::Damaged(why.into()))
 }
 
@@ -87,16 +87,9 @@ pub(super) enum ImageBody {
     Special,
 }
 
-pub(super) struct Tree {
-    pub nodes: Vec<ImageNode>,
-    pub next_ino: Ino,
-    /// Filestore blocks the tree uses, sorted.
-    pub used_blocks: Vec<u64>,
-}
-
 /// The image of `up`. The caller holds every quiesce shard: nothing changes meanwhile. Every
 /// extent written out is frozen from now on.
-pub(super) fn encode(up: &MemoryUpper) -> Vec<u8> {
+pub(super) fn encode(up: &MemoryUpper, generation: u64) -> Vec<u8> {
     let mut nodes: Vec<_> = up
         .nodes
         .shards
@@ -106,64 +99,13 @@ pub(super) fn encode(up: &MemoryUpper) -> Vec<u8> {
     nodes.sort_by_key(|n| n.ino);
     let mut body = Vec::new();
     for n in &nodes {
-        let m = n.meta.lock().unwrap().clone();
-        put_u64(&mut body, n.ino);
-        body.push(match &n.body {
-            Body::Dir(..) => KIND_DIR,
-            Body::File(_) => KIND_FILE,
-            Body::Symlink(_) => KIND_SYMLINK,
-            Body::Special => KIND_SPECIAL,
-        });
-        for v in [m.mode, m.uid, m.gid] {
-            put_u32(&mut body, v);
-        }
-        put_u64(&mut body, m.nlink);
-        put_u64(&mut body, m.rdev);
-        for (s, ns) in [m.atime, m.mtime, m.ctime] {
-            put_u64(&mut body, s as u64);
-            put_u32(&mut body, ns);
-        }
-        put_u32(&mut body, m.xattrs.len() as u32);
-        for (k, v) in &m.xattrs {
-            put_bytes(&mut body, k.as_bytes());
-            put_bytes(&mut body, v);
-        }
-        match &n.body {
-            Body::Dir(d, parent) => {
-                let d = d.read().unwrap();
-                put_u64(&mut body, parent.load(Ordering::Relaxed));
-                put_u32(&mut body, d.entries.len() as u32);
-                for (name, &ino) in &d.entries {
-                    put_bytes(&mut body, name.as_bytes());
-                    put_u64(&mut body, ino);
-                }
-            }
-            Body::File(f) => {
-                let mut f = f.write().unwrap();
-                put_u64(&mut body, f.size());
-                // Runs of neighbouring blocks mapped to neighbouring filestore blocks.
-                let mut runs: Vec<(u64, u64, u64)> = Vec::new();
-                for (k, b) in f.freeze() {
-                    match runs.last_mut() {
-                        Some((k0, b0, n)) if *k0 + *n == k && *b0 + *n == b => *n += 1,
-                        _ => runs.push((k, b, 1)),
-                    }
-                }
-                put_u32(&mut body, runs.len() as u32);
-                for (k, b, n) in runs {
-                    put_u64(&mut body, k);
-                    put_u64(&mut body, b);
-                    put_u64(&mut body, n);
-                }
-            }
-            Body::Symlink(t) => put_bytes(&mut body, t.as_bytes()),
-            Body::Special => {}
-        }
+        encode_node(n, &mut body);
     }
     let mut out = Vec::with_capacity(HEADER + body.len());
     out.extend_from_slice(MAGIC);
     put_u32(&mut out, VERSION);
     put_u32(&mut out, BLOCK as u32);
+    put_u64(&mut out, generation);
     put_u64(&mut out, nodes.len() as u64);
     put_u64(&mut out, up.next_ino.load(Ordering::Relaxed));
     put_u64(&mut out, body.len() as u64);
@@ -172,15 +114,83 @@ pub(super) fn encode(up: &MemoryUpper) -> Vec<u8> {
     out
 }
 
+/// Appends the record of node `n` to `body`; its extents are frozen from now on (the record
+/// is about to be written). The caller holds every quiesce shard.
+pub(super) fn encode_node(n: &Node, body: &mut Vec<u8>) {
+    let m = n.meta.lock().unwrap().clone();
+    put_u64(body, n.ino);
+    body.push(match &n.body {
+        Body::Dir(..) => KIND_DIR,
+        Body::File(_) => KIND_FILE,
+        Body::Symlink(_) => KIND_SYMLINK,
+        Body::Special => KIND_SPECIAL,
+    });
+    for v in [m.mode, m.uid, m.gid] {
+        put_u32(body, v);
+    }
+    put_u64(body, m.nlink);
+    put_u64(body, m.rdev);
+    for (s, ns) in [m.atime, m.mtime, m.ctime] {
+        put_u64(body, s as u64);
+        put_u32(body, ns);
+    }
+    put_u32(body, m.xattrs.len() as u32);
+    for (k, v) in &m.xattrs {
+        put_bytes(body, k.as_bytes());
+        put_bytes(body, v);
+    }
+    match &n.body {
+        Body::Dir(d, parent) => {
+            let d = d.read().unwrap();
+            put_u64(body, parent.load(Ordering::Relaxed));
+            put_u32(body, d.entries.len() as u32);
+            for (name, &ino) in &d.entries {
+                put_bytes(body, name.as_bytes());
+                put_u64(body, ino);
+            }
+        }
+        Body::File(f) => {
+            let mut f = f.write().unwrap();
+            put_u64(body, f.size());
+            // Runs of neighbouring blocks mapped to neighbouring filestore blocks.
+            let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+            for (k, b) in f.freeze() {
+                match runs.last_mut() {
+                    Some((k0, b0, n)) if *k0 + *n == k && *b0 + *n == b => *n += 1,
+                    _ => runs.push((k, b, 1)),
+                }
+            }
+            put_u32(body, runs.len() as u32);
+            for (k, b, n) in runs {
+                put_u64(body, k);
+                put_u64(body, b);
+                put_u64(body, n);
+            }
+        }
+        Body::Symlink(t) => put_bytes(body, t.as_bytes()),
+        Body::Special => {}
+    }
+}
+
 /// Writes `bytes` as the image in `dir`, durably and atomically.
 pub(super) fn write(dir: &OwnedFd, bytes: &[u8]) -> Result<()> {
     let flags =
         OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC | OFlags::NOFOLLOW;
-    let fd = rustix::fs::openat(dir, IMAGE_NEW, flags, Mode::from_raw_mode(0o600))?;
+    let fd = sys::openat(dir, IMAGE_NEW, flags, Mode::from_raw_mode(0o600))?;
     sys::pwrite_full(fd.as_fd(), bytes, 0)?;
-    rustix::fs::fsync(&fd)?;
-    rustix::fs::renameat(dir, IMAGE_NEW, dir, IMAGE_NAME)?;
-    rustix::fs::fsync(dir)?;
+    sys::fsync(&fd)?;
+    let (new, name) = (
+        std::ffi::OsStr::new(IMAGE_NEW),
+        std::ffi::OsStr::new(IMAGE_NAME),
+    );
+    sys::rename_at(
+        dir.as_fd(),
+        new,
+        dir.as_fd(),
+        name,
+        rustix::fs::RenameFlags::empty(),
+    )?;
+    sys::fsync(dir)?;
     Ok(())
 }
 
@@ -199,8 +209,14 @@ pub(super) fn read(dir: &OwnedFd) -> Result<Option<Vec<u8>>> {
     Ok(Some(buf))
 }
 
-/// Decodes and checks an image whose filestore is `store_len` bytes long.
-pub(super) fn decode(bytes: &[u8], store_len: u64) -> std::result::Result<Tree, ImageError> {
+/// An image as written, not yet checked as a tree.
+pub(super) struct Image {
+    pub generation: u64,
+    pub next_ino: Ino,
+    pub nodes: Vec<ImageNode>,
+}
+
+pub(super) fn decode_image(bytes: &[u8]) -> std::result::Result<Image, ImageError> {
     if bytes.len() < HEADER || &bytes[..8] != MAGIC {
         return damaged("it does not start with mosaicfs' header");
     }
@@ -217,6 +233,7 @@ pub(super) fn decode(bytes: &[u8], store_len: u64) -> std::result::Result<Tree, 
     if u64::from(block) != BLOCK {
         return damaged(format!("block size {block}, not {BLOCK}"));
     }
+    let generation = h.u64()?;
     let count = h.u64()?;
     let next_ino = h.u64()?;
     let body_len = h.u64()?;
@@ -232,19 +249,27 @@ pub(super) fn decode(bytes: &[u8], store_len: u64) -> std::result::Result<Tree, 
         return damaged("its checksum does not match");
     }
     let mut r = Reader { b: body };
-    let mut nodes = Vec::new();
-    for _ in 0..count {
-        nodes.push(read_node(&mut r)?);
-    }
+    let nodes = read_nodes(&mut r, count)?;
     if !r.b.is_empty() {
         return damaged("bytes after the last node");
     }
-    let used_blocks = check_tree(&nodes, next_ino, store_len)?;
-    Ok(Tree {
-        nodes,
+    Ok(Image {
+        generation,
         next_ino,
-        used_blocks,
+        nodes,
     })
+}
+
+/// `count` node records from `r`.
+pub(super) fn read_nodes(
+    r: &mut Reader<'_>,
+    count: u64,
+) -> std::result::Result<Vec<ImageNode>, ImageError> {
+    let mut nodes = Vec::new();
+    for _ in 0..count {
+        nodes.push(read_node(r)?);
+    }
+    Ok(nodes)
 }
 
 fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
@@ -327,7 +352,7 @@ fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
 
 /// The nodes form two trees, from `ROOT` and from `WORK`, with link counts that match their names, and no
 /// filestore block is used twice or lies past the filestore's end. Returns the used blocks.
-fn check_tree(
+pub(super) fn check_tree(
     nodes: &[ImageNode],
     next_ino: Ino,
     store_len: u64,
@@ -412,8 +437,8 @@ fn check_tree(
     Ok(used)
 }
 
-struct Reader<'a> {
-    b: &'a [u8],
+pub(super) struct Reader<'a> {
+    pub b: &'a [u8],
 }
 
 impl<'a> Reader<'a> {
@@ -428,24 +453,24 @@ impl<'a> Reader<'a> {
     fn u8(&mut self) -> std::result::Result<u8, ImageError> {
         Ok(self.take(1)?[0])
     }
-    fn u32(&mut self) -> std::result::Result<u32, ImageError> {
+    pub fn u32(&mut self) -> std::result::Result<u32, ImageError> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
     }
-    fn u64(&mut self) -> std::result::Result<u64, ImageError> {
+    pub fn u64(&mut self) -> std::result::Result<u64, ImageError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
     }
     /// A length (u32) and that many bytes.
-    fn bytes(&mut self) -> std::result::Result<&'a [u8], ImageError> {
+    pub fn bytes(&mut self) -> std::result::Result<&'a [u8], ImageError> {
         let n = self.u32()? as usize;
         self.take(n)
     }
 }
 
-fn put_u32(out: &mut Vec<u8>, v: u32) {
+pub(super) fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-fn put_u64(out: &mut Vec<u8>, v: u64) {
+pub(super) fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
@@ -454,7 +479,7 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
-fn crc(b: &[u8]) -> u32 {
+pub(super) fn crc(b: &[u8]) -> u32 {
     let mut c = flate2::Crc::new();
     c.update(b);
     c.sum()

@@ -11,9 +11,11 @@
 //! zeros.
 //!
 //! **Durability** (docs/FORMAT.md, "Memory upper"): `sync` writes an image of the whole tree
-//! next to the filestore; a new mount serves the last image. Between images nothing of the tree
-//! reaches the disk, and the filestore never overwrites a block the last image refers to, so a
-//! crash leaves the layer as it was at the last image: never a mix of two states.
+//! next to the filestore; `sync_changes` (an fsync) appends the nodes changed since to a
+//! journal (journal.rs); a new mount serves the image with the journal applied. Nothing else
+//! of the tree reaches the disk, and the filestore never overwrites a block the image or
+//! journal refers to, so a crash leaves the layer as it was at the last image or entry: never
+//! a mix of two states.
 //!
 //! **Locks** (order in docs/ROBUSTNESS.md, "Lock order"): every change takes `quiesce` for
 //! reading on its thread's shard (a writer of an image takes all shards, so an image sees no
@@ -26,6 +28,7 @@ mod attrs;
 mod data;
 mod filestore;
 mod image;
+mod journal;
 mod names;
 
 use std::collections::{BTreeMap, HashMap};
@@ -65,6 +68,8 @@ const DEV: u64 = 0;
 /// One object of the tree.
 pub struct Node {
     ino: Ino,
+    /// Changed since the last image or journal entry (journal.rs).
+    dirty: AtomicBool,
     meta: Mutex<Meta>,
     body: Body,
 }
@@ -144,7 +149,18 @@ pub struct MemoryUpper {
     /// Set when the store is dropped: dropping the nodes then frees no blocks (they are the
     /// last image's data).
     closing: Arc<AtomicBool>,
+    /// The last image's generation; the journal follows it.
+    generation: AtomicU64,
+    /// Nodes removed since the last image or journal entry.
+    removed: Mutex<Vec<Ino>>,
+    /// The journal's length; past `JOURNAL_LIMIT` an fsync writes a full image instead.
+    journal_len: AtomicU64,
+    /// The journal could not be reset after an image: the next fsync writes a full image.
+    journal_stale: AtomicBool,
 }
+
+/// Past this, an fsync writes a full image and starts the journal anew.
+const JOURNAL_LIMIT: u64 = 16 << 20;
 
 impl MemoryUpper {
     /// An empty layer whose data goes to `filestore` and which writes no image (the layer dies
@@ -178,11 +194,30 @@ impl MemoryUpper {
                 Ok(up)
             }
             Some(bytes) => {
-                let tree = image::decode(&bytes, store_len)?;
-                let store = Filestore::open(filestore, &tree.used_blocks, limit_blocks)
-                    .map_err(ImageError::io)?;
-                let up = MemoryUpper::from_parts(store, Some(Persist { dir }), tree.next_ino);
-                for node in tree.nodes {
+                let tree = image::decode_image(&bytes)?;
+                let generation = tree.generation;
+                let journal = journal::read(&dir, generation)?;
+                let (deltas, journal_len) = match journal {
+                    Some((deltas, len)) => (deltas, Some(len)),
+                    None => (Vec::new(), None),
+                };
+                let (nodes, next_ino) = replay(tree, deltas);
+                let used = image::check_tree(&nodes, next_ino, store_len)?;
+                let store =
+                    Filestore::open(filestore, &used, limit_blocks).map_err(ImageError::io)?;
+                // Entries go on after the last whole one (the image and the journal so far
+                // are the tree as it is now); without a journal of this image, the first
+                // fsync writes an image.
+                if let Some(len) = journal_len {
+                    journal::truncate(&dir, len).map_err(ImageError::io)?;
+                }
+                let up = MemoryUpper::from_parts(store, Some(Persist { dir }), next_ino);
+                up.generation.store(generation, Ordering::Relaxed);
+                up.journal_len
+                    .store(journal_len.unwrap_or(0), Ordering::Relaxed);
+                up.journal_stale
+                    .store(journal_len.is_none(), Ordering::Relaxed);
+                for node in nodes {
                     up.insert(up.node_from_image(node));
                 }
                 Ok(up)
@@ -200,6 +235,10 @@ impl MemoryUpper {
             commit_lock: Mutex::new(()),
             persist,
             closing: Arc::new(AtomicBool::new(false)),
+            generation: AtomicU64::new(0),
+            removed: Mutex::new(Vec::new()),
+            journal_len: AtomicU64::new(0),
+            journal_stale: AtomicBool::new(true),
         }
     }
 
@@ -274,23 +313,104 @@ impl MemoryUpper {
             return Ok(());
         };
         let _one = self.commit_lock.lock().unwrap();
-        let (bytes, deferred) = {
+        self.write_image(persist)
+    }
+
+    fn write_image(&self, persist: &Persist) -> Result<()> {
+        let generation = self.generation.load(Ordering::Relaxed) + 1;
+        let (bytes, deferred, removed) = {
             let _all = self.quiesce.write_all();
-            let bytes = image::encode(self);
+            for shard in &self.nodes.shards {
+                for n in shard.read().unwrap().values() {
+                    n.dirty.store(false, Ordering::Relaxed);
+                }
+            }
+            let bytes = image::encode(self, generation);
             // Blocks freed before this image are not in it: they go when it is durable.
-            (bytes, self.store.take_deferred())
+            let removed = std::mem::take(&mut *self.removed.lock().unwrap());
+            (bytes, self.store.take_deferred(), removed)
         };
         let written = self
             .store
             .sync()
             .and_then(|()| image::write(&persist.dir, &bytes));
-        match written {
-            Ok(()) => self.store.free(&deferred),
+        if let Err(e) = written {
+            self.store.restore_deferred(deferred);
+            self.mark_all_dirty(removed);
+            return Err(e);
+        }
+        self.generation.store(generation, Ordering::Relaxed);
+        self.store.free(&deferred)?;
+        // The journal of the old image is ignored from now on; a new one follows this image.
+        match journal::reset(&persist.dir, generation) {
+            Ok(()) => {
+                self.journal_stale.store(false, Ordering::Relaxed);
+                self.journal_len.store(0, Ordering::Relaxed);
+                Ok(())
+            }
             Err(e) => {
-                self.store.restore_deferred(deferred);
+                self.journal_stale.store(true, Ordering::Relaxed);
                 Err(e)
             }
         }
+    }
+
+    /// What an fsync needs: every change so far durable, cheaply. Appends the nodes changed
+    /// since the last image or entry to the journal (a full image when there is no usable
+    /// journal or it has grown past `JOURNAL_LIMIT`).
+    pub fn sync_changes(&self) -> Result<()> {
+        let Some(persist) = &self.persist else {
+            return Ok(());
+        };
+        let _one = self.commit_lock.lock().unwrap();
+        if self.journal_stale.load(Ordering::Relaxed)
+            || self.journal_len.load(Ordering::Relaxed) > JOURNAL_LIMIT
+        {
+            return self.write_image(persist);
+        }
+        let (entry, changed, removed) = {
+            let _all = self.quiesce.write_all();
+            let mut changed = Vec::new();
+            for shard in &self.nodes.shards {
+                for n in shard.read().unwrap().values() {
+                    if n.dirty.swap(false, Ordering::Relaxed) {
+                        changed.push(n.clone());
+                    }
+                }
+            }
+            changed.sort_by_key(|n| n.ino);
+            let removed = std::mem::take(&mut *self.removed.lock().unwrap());
+            let next = self.next_ino.load(Ordering::Relaxed);
+            (journal::encode(next, &removed, &changed), changed, removed)
+        };
+        let appended = self
+            .store
+            .sync()
+            .and_then(|()| journal::append(&persist.dir, &entry));
+        match appended {
+            Ok(len) => {
+                self.journal_len.store(len, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                // Not durable: the next entry carries these changes again.
+                for n in changed {
+                    n.dirty.store(true, Ordering::Relaxed);
+                }
+                self.removed.lock().unwrap().extend(removed);
+                Err(e)
+            }
+        }
+    }
+
+    /// After an image could not be written: every node goes into the next entry or image.
+    fn mark_all_dirty(&self, removed: Vec<Ino>) {
+        for shard in &self.nodes.shards {
+            for n in shard.read().unwrap().values() {
+                n.dirty.store(true, Ordering::Relaxed);
+            }
+        }
+        self.removed.lock().unwrap().extend(removed);
     }
 
     fn node_from_image(&self, n: image::ImageNode) -> Arc<Node> {
@@ -310,6 +430,7 @@ impl MemoryUpper {
         };
         Arc::new(Node {
             ino: n.ino,
+            dirty: AtomicBool::new(false),
             meta: Mutex::new(Meta {
                 mode: n.mode,
                 uid: n.uid,
@@ -338,6 +459,11 @@ impl Drop for MemoryUpper {
 impl Node {
     pub fn ino(&self) -> Ino {
         self.ino
+    }
+
+    /// Changed: the next journal entry carries it. Called inside the change's quiesce read.
+    fn changed(&self) {
+        self.dirty.store(true, Ordering::Relaxed);
     }
 
     pub fn is_dir(&self) -> bool {
@@ -391,10 +517,29 @@ impl Node {
     }
 }
 
+/// The image's nodes with the journal's entries applied in order: the tree as of the last
+/// entry.
+fn replay(image: image::Image, deltas: Vec<journal::Delta>) -> (Vec<image::ImageNode>, Ino) {
+    let mut next_ino = image.next_ino;
+    let mut nodes: BTreeMap<Ino, image::ImageNode> =
+        image.nodes.into_iter().map(|n| (n.ino, n)).collect();
+    for d in deltas {
+        for ino in d.removed {
+            nodes.remove(&ino);
+        }
+        for n in d.nodes {
+            nodes.insert(n.ino, n);
+        }
+        next_ino = next_ino.max(d.next_ino);
+    }
+    (nodes.into_values().collect(), next_ino)
+}
+
 /// An empty root directory numbered `ino` (its own parent).
 fn new_root(ino: Ino, t: (i64, u32)) -> Arc<Node> {
     Arc::new(Node {
         ino,
+        dirty: AtomicBool::new(true),
         meta: Mutex::new(Meta {
             mode: libc::S_IFDIR | 0o755,
             uid: 0,

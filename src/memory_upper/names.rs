@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::{
@@ -31,6 +31,7 @@ impl MemoryUpper {
         check_name(name)?;
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
+        d.changed();
         let mut entries = d.dir()?.write().unwrap();
         if entries.dead {
             return Err(errno(libc::ENOENT));
@@ -132,6 +133,7 @@ impl MemoryUpper {
         };
         Ok(Arc::new(Node {
             ino,
+            dirty: AtomicBool::new(true),
             meta: Mutex::new(Meta {
                 mode,
                 uid: new.uid,
@@ -161,6 +163,7 @@ impl MemoryUpper {
         }
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
+        d.changed();
         let mut entries = d.dir()?.write().unwrap();
         if entries.dead {
             return Err(errno(libc::ENOENT));
@@ -169,6 +172,7 @@ impl MemoryUpper {
             return Err(errno(libc::EEXIST));
         }
         let t = now();
+        node.changed();
         {
             let mut m = node.meta.lock().unwrap();
             if m.nlink == 0 && !m.unnamed {
@@ -201,6 +205,7 @@ impl MemoryUpper {
     fn remove(&self, dir: Ino, name: &OsStr, want_dir: bool) -> Result<()> {
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
+        d.changed();
         let mut entries = d.dir()?.write().unwrap();
         let ino = *entries
             .entries
@@ -228,6 +233,7 @@ impl MemoryUpper {
     /// One name of `node` is gone: its link count drops (a directory's to 0), and at 0 it
     /// leaves the table; its data goes when the last handle does.
     fn drop_link(&self, node: &Arc<Node>, t: (i64, u32)) {
+        node.changed();
         let mut m = node.meta.lock().unwrap();
         m.nlink = if node.is_dir() {
             0
@@ -236,6 +242,7 @@ impl MemoryUpper {
         };
         m.ctime = t;
         if m.nlink == 0 {
+            self.removed.lock().unwrap().push(node.ino);
             self.nodes
                 .shard(node.ino)
                 .write()
@@ -286,6 +293,12 @@ impl MemoryUpper {
         }
         let src_node = self.node(src)?;
         let dst_node = dst.map(|i| self.node(i)).transpose()?;
+        for n in [Some(&s), Some(&d), Some(&src_node), dst_node.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            n.changed();
+        }
         // A directory may not move below itself.
         if sdir != ddir {
             if src_node.is_dir() && (src == ddir || self.is_ancestor(src, ddir)) {
