@@ -32,3 +32,4 @@ pub mod stats;
 pub mod sys;
 pub mod tar;
 pub mod tools;
+pub mod upper;

@@ -81,14 +81,20 @@ impl MemoryUpper {
                 m.xattrs.get(OsStr::new(acl::DEFAULT)).cloned(),
             )
         };
+        // mkdir(2) keeps only the permission and sticky bits; set-group-ID comes from the
+        // parent below.
+        let asked = match kind {
+            libc::S_IFDIR => new.mode & (libc::S_IFMT | 0o1777),
+            _ => new.mode,
+        };
         // A symlink's mode is always 0777 and takes no ACL.
         let inherited = match kind {
             libc::S_IFLNK => acl::Inherited {
-                mode: new.mode,
+                mode: asked,
                 access: None,
                 default: None,
             },
-            _ => acl::inherit(new.mode, new.umask, pdefault.as_deref())?,
+            _ => acl::inherit(asked, new.umask, pdefault.as_deref())?,
         };
         let mut xattrs = BTreeMap::new();
         if let Some(a) = inherited.access {
@@ -158,9 +164,6 @@ impl MemoryUpper {
     /// O_TMPFILE file.
     pub fn link(&self, node: &Arc<Node>, dir: Ino, name: &OsStr) -> Result<()> {
         check_name(name)?;
-        if node.is_dir() {
-            return Err(errno(libc::EPERM));
-        }
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
         d.changed();
@@ -168,8 +171,12 @@ impl MemoryUpper {
         if entries.dead {
             return Err(errno(libc::ENOENT));
         }
+        // The new name is looked at first, as link(2) does: EEXIST before EPERM.
         if entries.entries.contains_key(name) {
             return Err(errno(libc::EEXIST));
+        }
+        if node.is_dir() {
+            return Err(errno(libc::EPERM));
         }
         let t = now();
         node.changed();
@@ -286,6 +293,14 @@ impl MemoryUpper {
             None => sg.entries.get(dname).copied(),
         };
         if dg.as_ref().is_some_and(|g| g.dead) {
+            return Err(errno(libc::ENOENT));
+        }
+        // In renameat2's order: a taken target for NOREPLACE (its own name included), a
+        // missing one for EXCHANGE, then the same name, then the ancestry checks.
+        if flags.noreplace && dst.is_some() {
+            return Err(errno(libc::EEXIST));
+        }
+        if flags.exchange && dst.is_none() {
             return Err(errno(libc::ENOENT));
         }
         if sdir == ddir && sname == dname {

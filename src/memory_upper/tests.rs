@@ -221,17 +221,19 @@ fn rename_follows_renameat2() {
 #[test]
 fn a_setgid_directory_passes_its_group_and_the_bit_on() {
     let up = volatile(None);
+    // mkdir(2) drops set-group-ID from the mode asked for: chmod sets it.
     let d = up
         .make(
             ROOT,
             n("d"),
             &NewNode {
-                mode: libc::S_IFDIR | 0o2775,
                 gid: 50,
                 ..dir_node()
             },
         )
         .unwrap();
+    let dn = up.node(d).unwrap();
+    up.set_mode(&dn, 0o2775);
     let f = up
         .make(
             d,

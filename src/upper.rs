@@ -1,0 +1,436 @@
+//! The upper layer's one interface (issue #13; docs/ARCHITECTURE.md, step 1 of the wiring):
+//! a directory of the upper layer and an open file of it, each on disk (descriptors, the
+//! syscalls of sys.rs) or in the daemon (memory_upper). The calls are the ones the overlay core
+//! makes on upper descriptors today, with the same errors, so that the core can move to these
+//! handles call site by call site; the tests below hold the two implementations to the same
+//! answers.
+//!
+//! Ownership of new objects: on disk the thread's credentials and umask (creds.rs, set by the
+//! caller as today) decide it; the memory store takes `Creation`'s owner and umask instead.
+//! Both implementations take the same `Creation`, and the caller sets the credentials to match.
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::sync::Arc;
+
+use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
+
+use crate::error::{Result, errno};
+use crate::memory_upper::{self, Ino, MemoryUpper, NewNode, Node};
+use crate::sys::{self, Attr, RawDirEntry, Time};
+
+/// A directory of the upper (or work) layer.
+#[derive(Clone)]
+pub enum UpperDir {
+    Disk(Arc<OwnedFd>),
+    Memory(Arc<MemoryUpper>, Ino),
+}
+
+/// An open regular file of the upper layer.
+pub enum UpperFile {
+    Disk(OwnedFd),
+    Memory(Arc<MemoryUpper>, Arc<Node>),
+}
+
+/// Who makes a new object, and with what mode (type bits included) and umask.
+#[derive(Clone, Copy, Debug)]
+pub struct Creation {
+    pub mode: u32,
+    pub umask: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Creation {
+    fn node<'a>(&self, rdev: u64, target: Option<&'a OsStr>) -> NewNode<'a> {
+        NewNode {
+            mode: self.mode,
+            umask: self.umask,
+            uid: self.uid,
+            gid: self.gid,
+            rdev,
+            target,
+        }
+    }
+}
+
+impl UpperDir {
+    /// The attributes of `name` here, not following a symlink.
+    pub fn stat_at(&self, name: &OsStr) -> Result<Attr> {
+        match self {
+            UpperDir::Disk(fd) => sys::stat_at(fd.as_fd(), name),
+            UpperDir::Memory(m, dir) => {
+                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+                m.stat(ino)
+            }
+        }
+    }
+
+    /// The directory `name` here.
+    pub fn open_dir(&self, name: &OsStr) -> Result<UpperDir> {
+        match self {
+            UpperDir::Disk(fd) => {
+                let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+                let d = sys::openat(fd.as_fd(), name, flags, Mode::empty())?;
+                Ok(UpperDir::Disk(Arc::new(d)))
+            }
+            UpperDir::Memory(m, dir) => {
+                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+                if !m.node(ino)?.is_dir() {
+                    return Err(errno(libc::ENOTDIR));
+                }
+                Ok(UpperDir::Memory(m.clone(), ino))
+            }
+        }
+    }
+
+    pub fn mkdir(&self, name: &OsStr, c: &Creation) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => Ok(sys::mkdirat(
+                fd.as_fd(),
+                name,
+                Mode::from_raw_mode(c.mode & 0o7777),
+            )?),
+            UpperDir::Memory(m, dir) => {
+                let c = Creation {
+                    mode: libc::S_IFDIR | (c.mode & 0o7777),
+                    ..*c
+                };
+                m.make(*dir, name, &c.node(0, None)).map(drop)
+            }
+        }
+    }
+
+    /// A device, FIFO, socket or empty regular file (the type in `c.mode`).
+    pub fn mknod(&self, name: &OsStr, c: &Creation, rdev: u64) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => sys::mknod_at(fd.as_fd(), name, c.mode, rdev),
+            UpperDir::Memory(m, dir) => m.make(*dir, name, &c.node(rdev, None)).map(drop),
+        }
+    }
+
+    pub fn symlink(&self, target: &OsStr, name: &OsStr, c: &Creation) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => Ok(sys::symlinkat(target, fd.as_fd(), name)?),
+            UpperDir::Memory(m, dir) => {
+                let c = Creation {
+                    mode: libc::S_IFLNK | 0o777,
+                    ..*c
+                };
+                m.make(*dir, name, &c.node(0, Some(target))).map(drop)
+            }
+        }
+    }
+
+    /// A new regular file `name`, open for reading and writing (EEXIST if it exists).
+    pub fn create(&self, name: &OsStr, c: &Creation) -> Result<UpperFile> {
+        match self {
+            UpperDir::Disk(fd) => {
+                let flags = OFlags::RDWR
+                    | OFlags::CREATE
+                    | OFlags::EXCL
+                    | OFlags::NOFOLLOW
+                    | OFlags::CLOEXEC;
+                let f = sys::openat(
+                    fd.as_fd(),
+                    name,
+                    flags,
+                    Mode::from_raw_mode(c.mode & 0o7777),
+                )?;
+                Ok(UpperFile::Disk(f))
+            }
+            UpperDir::Memory(m, dir) => {
+                let c = Creation {
+                    mode: libc::S_IFREG | (c.mode & 0o7777),
+                    ..*c
+                };
+                let ino = m.make(*dir, name, &c.node(0, None))?;
+                Ok(UpperFile::Memory(m.clone(), m.node(ino)?))
+            }
+        }
+    }
+
+    /// Opens the regular file `name` for reading and writing. Anything else is refused before
+    /// it is opened (a FIFO or device must never be opened by the daemon): EISDIR for a
+    /// directory, ELOOP for a symlink, ENXIO for the rest.
+    pub fn open_file(&self, name: &OsStr) -> Result<UpperFile> {
+        let refuse = |kind: u32| match kind {
+            libc::S_IFREG => Ok(()),
+            libc::S_IFDIR => Err(errno(libc::EISDIR)),
+            libc::S_IFLNK => Err(errno(libc::ELOOP)),
+            _ => Err(errno(libc::ENXIO)),
+        };
+        match self {
+            UpperDir::Disk(fd) => {
+                refuse(sys::stat_at(fd.as_fd(), name)?.file_type())?;
+                // NONBLOCK: should a FIFO have taken the name meanwhile, opening it does not wait.
+                let flags = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+                let f = sys::openat(fd.as_fd(), name, flags, Mode::empty())?;
+                refuse(sys::fstat(f.as_fd())?.file_type())?;
+                rustix::fs::fcntl_setfl(&f, OFlags::empty())?;
+                Ok(UpperFile::Disk(f))
+            }
+            UpperDir::Memory(m, dir) => {
+                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+                let node = m.node(ino)?;
+                refuse(node.file_type())?;
+                Ok(UpperFile::Memory(m.clone(), node))
+            }
+        }
+    }
+
+    /// A new name `to` in `to_dir` for the object `name` here (no directories).
+    pub fn link(&self, name: &OsStr, to_dir: &UpperDir, to: &OsStr) -> Result<()> {
+        match (self, to_dir) {
+            (UpperDir::Disk(fd), UpperDir::Disk(to_fd)) => Ok(sys::linkat(
+                fd.as_fd(),
+                name,
+                to_fd.as_fd(),
+                to,
+                AtFlags::empty(),
+            )?),
+            (UpperDir::Memory(m, dir), UpperDir::Memory(_, to_ino)) => {
+                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+                m.link(&m.node(ino)?, *to_ino, to)
+            }
+            _ => Err(errno(libc::EXDEV)),
+        }
+    }
+
+    pub fn unlink(&self, name: &OsStr) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => Ok(sys::unlinkat(fd.as_fd(), name, AtFlags::empty())?),
+            UpperDir::Memory(m, dir) => m.unlink(*dir, name),
+        }
+    }
+
+    pub fn rmdir(&self, name: &OsStr) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => Ok(sys::unlinkat(fd.as_fd(), name, AtFlags::REMOVEDIR)?),
+            UpperDir::Memory(m, dir) => m.rmdir(*dir, name),
+        }
+    }
+
+    /// renameat2 with NOREPLACE or EXCHANGE (or neither).
+    pub fn rename(
+        &self,
+        name: &OsStr,
+        to_dir: &UpperDir,
+        to: &OsStr,
+        flags: RenameFlags,
+    ) -> Result<()> {
+        match (self, to_dir) {
+            (UpperDir::Disk(fd), UpperDir::Disk(to_fd)) => {
+                sys::rename_at(fd.as_fd(), name, to_fd.as_fd(), to, flags)
+            }
+            (UpperDir::Memory(m, dir), UpperDir::Memory(_, to_ino)) => {
+                if !(flags - RenameFlags::NOREPLACE - RenameFlags::EXCHANGE).is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                let f = memory_upper::RenameFlags {
+                    noreplace: flags.contains(RenameFlags::NOREPLACE),
+                    exchange: flags.contains(RenameFlags::EXCHANGE),
+                };
+                m.rename(*dir, name, *to_ino, to, f)
+            }
+            _ => Err(errno(libc::EXDEV)),
+        }
+    }
+
+    pub fn read_link(&self, name: &OsStr) -> Result<OsString> {
+        match self {
+            UpperDir::Disk(fd) => sys::read_link_at(fd.as_fd(), name),
+            UpperDir::Memory(m, dir) => {
+                m.read_link(m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?)
+            }
+        }
+    }
+
+    /// The names here (not `.` and `..`), in no particular order.
+    pub fn read_dir(&self) -> Result<Vec<RawDirEntry>> {
+        match self {
+            UpperDir::Disk(fd) => sys::read_dir(fd.as_fd(), Path::new("")),
+            UpperDir::Memory(m, dir) => Ok(m
+                .read_dir(*dir)?
+                .into_iter()
+                .map(|(name, ino, kind)| RawDirEntry { name, ino, kind })
+                .collect()),
+        }
+    }
+
+    /// The memory node `name` names (or this directory), for the calls below.
+    fn node_of(m: &MemoryUpper, dir: Ino, name: Option<&OsStr>) -> Result<Arc<Node>> {
+        match name {
+            None => m.node(dir),
+            Some(name) => m.node(m.lookup(dir, name)?.ok_or_else(|| errno(libc::ENOENT))?),
+        }
+    }
+
+    /// An xattr of `name` here (of this directory with `None`); `None` when it is absent.
+    pub fn get_xattr(&self, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
+        match self {
+            UpperDir::Disk(fd) => sys::get_xattr(fd.as_fd(), name, key),
+            UpperDir::Memory(m, dir) => {
+                Ok(m.get_xattr(&*Self::node_of(m, *dir, name)?, OsStr::new(key)))
+            }
+        }
+    }
+
+    pub fn set_xattr(
+        &self,
+        name: Option<&OsStr>,
+        key: &OsStr,
+        value: &[u8],
+        flags: i32,
+    ) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => sys::set_xattr(fd.as_fd(), name, key, value, flags),
+            UpperDir::Memory(m, dir) => {
+                m.set_xattr(&*Self::node_of(m, *dir, name)?, key, value, flags)
+            }
+        }
+    }
+
+    pub fn remove_xattr(&self, name: Option<&OsStr>, key: &OsStr) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => sys::remove_xattr(fd.as_fd(), name, key),
+            UpperDir::Memory(m, dir) => m.remove_xattr(&*Self::node_of(m, *dir, name)?, key),
+        }
+    }
+
+    pub fn list_xattr(&self, name: Option<&OsStr>) -> Result<Vec<OsString>> {
+        match self {
+            UpperDir::Disk(fd) => sys::list_xattr(fd.as_fd(), name),
+            UpperDir::Memory(m, dir) => Ok(m.list_xattr(&*Self::node_of(m, *dir, name)?)),
+        }
+    }
+
+    pub fn chown(&self, name: Option<&OsStr>, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => sys::chown_at(fd.as_fd(), name, uid, gid),
+            UpperDir::Memory(m, dir) => {
+                m.set_owner(&*Self::node_of(m, *dir, name)?, uid, gid);
+                Ok(())
+            }
+        }
+    }
+
+    /// chmod of `name` here (this directory with `None`). A symlink has no mode of its own on
+    /// Linux: EOPNOTSUPP, as fchmodat(AT_SYMLINK_NOFOLLOW) answers (the call never follows it).
+    pub fn chmod(&self, name: Option<&OsStr>, mode: u32) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => {
+                if let Some(name) = name
+                    && sys::stat_at(fd.as_fd(), name)?.is_symlink()
+                {
+                    return Err(errno(libc::EOPNOTSUPP));
+                }
+                sys::chmod_at(fd.as_fd(), name, mode)
+            }
+            UpperDir::Memory(m, dir) => {
+                let node = Self::node_of(m, *dir, name)?;
+                if node.file_type() == libc::S_IFLNK {
+                    return Err(errno(libc::EOPNOTSUPP));
+                }
+                m.set_mode(&node, mode);
+                Ok(())
+            }
+        }
+    }
+
+    pub fn utimens(&self, name: Option<&OsStr>, atime: Time, mtime: Time) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => sys::utimens_at(fd.as_fd(), name, atime, mtime),
+            UpperDir::Memory(m, dir) => {
+                m.set_times(&*Self::node_of(m, *dir, name)?, atime, mtime);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl UpperFile {
+    pub fn stat(&self) -> Result<Attr> {
+        match self {
+            UpperFile::Disk(fd) => sys::fstat(fd.as_fd()),
+            UpperFile::Memory(_, node) => Ok(node.attr()),
+        }
+    }
+
+    /// Reads up to `buf.len()` bytes at `off`; fewer only at the end of the file.
+    pub fn read_at(&self, buf: &mut [u8], off: u64) -> Result<usize> {
+        match self {
+            UpperFile::Disk(fd) => sys::pread_full(fd.as_fd(), buf, off),
+            UpperFile::Memory(m, node) => m.read(node, buf, off),
+        }
+    }
+
+    pub fn write_at(&self, data: &[u8], off: u64) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => sys::pwrite_full(fd.as_fd(), data, off),
+            UpperFile::Memory(m, node) => m.write(node, data, off),
+        }
+    }
+
+    pub fn truncate(&self, size: u64) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::ftruncate(fd, size)?),
+            UpperFile::Memory(m, node) => m.truncate(node, size),
+        }
+    }
+
+    /// FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
+    pub fn punch_hole(&self, off: u64, len: u64) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => {
+                let mode =
+                    rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+                Ok(sys::fallocate(fd, mode, off, len)?)
+            }
+            UpperFile::Memory(m, node) => m.punch_hole(node, off, len),
+        }
+    }
+
+    /// SEEK_DATA: `None` where no data lies at or past `off` before the end (ENXIO).
+    pub fn seek_data(&self, off: u64) -> Result<Option<u64>> {
+        match self {
+            UpperFile::Disk(fd) => match sys::seek_data(fd.as_fd(), off) {
+                Err(e) if e.is(libc::ENXIO) => Ok(None),
+                r => r,
+            },
+            UpperFile::Memory(m, node) => match m.seek_data(node, off) {
+                Err(e) if e.is(libc::ENXIO) => Ok(None),
+                r => r,
+            },
+        }
+    }
+
+    /// Makes the file's data and attributes durable (a journal entry for a memory file).
+    pub fn sync(&self) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::fsync(fd)?),
+            UpperFile::Memory(m, _) => m.sync_changes(),
+        }
+    }
+
+    pub fn get_xattr(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        match self {
+            UpperFile::Disk(fd) => sys::fget_xattr(fd.as_fd(), key),
+            UpperFile::Memory(m, node) => Ok(m.get_xattr(node, OsStr::new(key))),
+        }
+    }
+
+    pub fn set_xattr(&self, key: &str, value: &[u8], flags: i32) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => {
+                let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
+                Ok(sys::fsetxattr(fd, key, value, flags)?)
+            }
+            UpperFile::Memory(m, node) => m.set_xattr(node, OsStr::new(key), value, flags),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
