@@ -6,7 +6,6 @@
 //! overlay nested on top are kept escaped (`layers::stored_xattr_name`).
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
@@ -15,7 +14,8 @@ use crate::inode::{Ino, Node};
 use crate::layers::{LayerId, UPPER, merged_xattr_name, stored_xattr_name};
 use crate::overlay::Overlay;
 use crate::stat_override::OverrideStat;
-use crate::sys::{self, Attr, Time};
+use crate::sys::{Attr, Time};
+use crate::upper::{LayerDir, UpperDir};
 
 /// What a setattr asks to change.
 #[derive(Default)]
@@ -71,13 +71,13 @@ impl Overlay {
     /// Sets owner, mode and times of `node`'s upper object.
     fn set_upper_attr(&self, node: &Node, set: &SetAttr) -> Result<()> {
         let (dir, name) = self.upper_target(node)?;
-        let (dir, name) = (dir.as_fd(), name.as_deref());
+        let (dir, name) = (&dir, name.as_deref());
         if self.upper_overrides() && (set.uid.is_some() || set.gid.is_some() || set.mode.is_some())
         {
             // Owner and mode live in the xattr: the inode stays the daemon's.
-            let real = stat_target(dir, name)?;
+            let real = dir.view().stat(name)?;
             let mut v = self
-                .override_at(UPPER, dir, name)
+                .override_at(UPPER, dir.view(), name)
                 .unwrap_or_else(|| OverrideStat::of(&real));
             if let Some(uid) = set.uid {
                 v.uid = self.config.uid_map.to_outside(uid);
@@ -92,20 +92,20 @@ impl Overlay {
         } else if set.uid.is_some() || set.gid.is_some() {
             let uid = set.uid.map(|u| self.config.uid_map.to_outside(u));
             let gid = set.gid.map(|g| self.config.gid_map.to_outside(g));
-            sys::chown_at(dir, name, uid, gid)?;
+            dir.chown(name, uid, gid)?;
         }
         if let Some(mode) = set.mode
             && node.kind() != libc::S_IFLNK
             && !self.upper_overrides()
         {
-            sys::chmod_at(dir, name, mode)?;
+            dir.chmod(name, mode)?;
         }
         if set.atime.is_some() || set.mtime.is_some() {
             let (atime, mtime) = (
                 set.atime.unwrap_or(Time::Omit),
                 set.mtime.unwrap_or(Time::Omit),
             );
-            sys::utimens_at(dir, name, atime, mtime)?;
+            dir.utimens(name, atime, mtime)?;
         }
         Ok(())
     }
@@ -113,11 +113,7 @@ impl Overlay {
     pub fn readlink(&self, ino: Ino) -> Result<OsString> {
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
-        self.settled(|| {
-            self.at_top_entry(&node, |dir, name| {
-                sys::read_link_at(dir, name.unwrap_or(OsStr::new(".")))
-            })
-        })
+        self.settled(|| self.at_top_entry(&node, |dir, name| dir.read_link(name)))
     }
 
     /// The inode flags `lsattr` shows (FS_IOC_GETFLAGS) of the regular file or directory
@@ -129,19 +125,7 @@ impl Overlay {
             return Err(errno(libc::ENOTTY));
         }
         let _waiting = self.waiting_on(&node)?;
-        self.settled(|| {
-            self.at_top_entry(&node, |dir, name| {
-                use rustix::fs::{Mode, OFlags};
-                let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW | OFlags::NOCTTY;
-                let fd = crate::sys::openat(
-                    dir,
-                    name.unwrap_or(OsStr::new(".")),
-                    flags | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )?;
-                Ok(rustix::fs::ioctl_getflags(&fd)?.bits())
-            })
-        })
+        self.settled(|| self.at_top_entry(&node, |dir, name| dir.inode_flags(name)))
     }
 
     fn check_xattr_name(&self, name: &OsStr) -> Result<()> {
@@ -170,7 +154,7 @@ impl Overlay {
         let name = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
-        self.settled(|| self.at_top_entry(&node, |dir, file| sys::get_xattr_raw(dir, file, name)))
+        self.settled(|| self.at_top_entry(&node, |dir, file| dir.get_xattr_raw(file, name)))
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
@@ -179,7 +163,7 @@ impl Overlay {
         }
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
-        let names = self.settled(|| self.at_top_entry(&node, sys::list_xattr))?;
+        let names = self.settled(|| self.at_top_entry(&node, |dir, file| dir.list_xattr(file)))?;
         let mut out = Vec::new();
         let perms = self.config.xattr_permissions;
         for n in names {
@@ -207,7 +191,7 @@ impl Overlay {
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
-            sys::set_xattr(dir.as_fd(), file.as_deref(), name, value, flags)
+            dir.set_xattr(file.as_deref(), name, value, flags)
         })
     }
 
@@ -222,7 +206,7 @@ impl Overlay {
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
-            sys::remove_xattr(dir.as_fd(), file.as_deref(), name)
+            dir.remove_xattr(file.as_deref(), name)
         })
     }
 
@@ -236,12 +220,12 @@ impl Overlay {
     pub fn override_at(
         &self,
         layer: LayerId,
-        dir: BorrowedFd<'_>,
+        dir: LayerDir<'_>,
         name: Option<&OsStr>,
     ) -> Option<OverrideStat> {
         let key = self.layers.layer(layer).stat_override?;
         // ENODATA: no value (yet); symlinks and devices cannot hold user.* xattrs at all.
-        let raw = sys::get_xattr_raw(dir, name, OsStr::new(key)).ok()?;
+        let raw = dir.get_xattr_raw(name, OsStr::new(key)).ok()?;
         match OverrideStat::parse(&raw) {
             Ok(v) => Some(v),
             Err(e) => {
@@ -279,7 +263,7 @@ impl Overlay {
     /// upper layer's xattr.
     pub fn set_override(
         &self,
-        dir: BorrowedFd<'_>,
+        dir: &UpperDir,
         name: Option<&OsStr>,
         v: &OverrideStat,
         kind: u32,
@@ -289,16 +273,16 @@ impl Overlay {
             .layer(UPPER)
             .stat_override
             .ok_or_else(|| errno(libc::EIO))?;
-        match sys::set_xattr(dir, name, key, v.encode(kind).as_bytes(), 0) {
+        match dir.set_xattr(name, OsStr::new(key), v.encode(kind).as_bytes(), 0) {
             // user.* xattrs cannot sit on symlinks and special files: those keep owner and mode
             // on the inode (a daemon that may not chown gets EPERM, as it would without this).
             Err(e) if e.is(libc::EPERM) && !matches!(kind, libc::S_IFREG | libc::S_IFDIR) => {
-                let real = stat_target(dir, name)?;
+                let real = dir.view().stat(name)?;
                 if (real.uid, real.gid) != (v.uid, v.gid) {
-                    sys::chown_at(dir, name, Some(v.uid), Some(v.gid))?;
+                    dir.chown(name, Some(v.uid), Some(v.gid))?;
                 }
                 if kind != libc::S_IFLNK {
-                    sys::chmod_at(dir, name, kind | v.mode)?;
+                    dir.chmod(name, kind | v.mode)?;
                 }
                 Ok(())
             }
@@ -312,15 +296,15 @@ impl Overlay {
     /// which must keep reaching it whatever mode the creator asked for.
     pub fn own_new_in_xattr(
         &self,
-        dir: BorrowedFd<'_>,
+        dir: &UpperDir,
         name: Option<&OsStr>,
         caller: &crate::overlay::Caller,
-        parent: BorrowedFd<'_>,
+        parent: &UpperDir,
     ) -> Result<()> {
-        let real = stat_target(dir, name)?;
-        let shown_parent = match self.override_at(UPPER, parent, None) {
+        let real = dir.view().stat(name)?;
+        let shown_parent = match self.override_at(UPPER, parent.view(), None) {
             Some(v) => v,
-            None => OverrideStat::of(&sys::fstat(parent)?),
+            None => OverrideStat::of(&parent.view().stat(None)?),
         };
         let setgid = shown_parent.mode & libc::S_ISGID != 0;
         let mut v = OverrideStat::of(&real);
@@ -339,28 +323,15 @@ impl Overlay {
 
     /// Makes sure the daemon, which owns an inode whose owner and mode live in an xattr, can
     /// read and write it (and search a directory) whatever mode the merged view shows.
-    pub fn keep_reachable(
-        &self,
-        dir: BorrowedFd<'_>,
-        name: Option<&OsStr>,
-        real: &Attr,
-    ) -> Result<()> {
+    pub fn keep_reachable(&self, dir: &UpperDir, name: Option<&OsStr>, real: &Attr) -> Result<()> {
         let need = match real.file_type() {
             libc::S_IFDIR => 0o700,
             libc::S_IFREG => 0o600,
             _ => return Ok(()),
         };
         if real.mode & need != need {
-            sys::chmod_at(dir, name, (real.mode | need) & 0o7777)?;
+            dir.chmod(name, (real.mode | need) & 0o7777)?;
         }
         Ok(())
-    }
-}
-
-/// `stat` of the object `name` in `dir`, or of `dir` itself for `None`.
-fn stat_target(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Attr> {
-    match name {
-        Some(n) => sys::stat_at(dir, n),
-        None => sys::fstat(dir),
     }
 }

@@ -16,7 +16,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rustix::fs::{Mode, OFlags, RenameFlags};
+use rustix::fs::RenameFlags;
 use rustix::io::Errno;
 
 use crate::error::{Error, Result, errno};
@@ -27,6 +27,7 @@ use crate::partial::PartialMark;
 use crate::partial_file::Source;
 use crate::stat_override::OverrideStat;
 use crate::sys::{self, Attr, Time};
+use crate::upper::{Creation, LayerDir, UpperDir};
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -76,18 +77,26 @@ impl Overlay {
         let tmp = temp_name("copyup");
         // Built in the work dir as the daemon; the copy is given its owner explicitly.
         crate::creds::act_as_daemon();
-        let built = self.build_copy(work, &tmp, ldir.as_fd(), lname, &lattr, node, empty, &lower);
+        let built = self.build_copy(
+            &work,
+            &tmp,
+            ldir.as_fd(),
+            lname,
+            &lattr,
+            node,
+            empty,
+            &lower,
+        );
         if let Err(e) = built {
-            let _ = crate::layers::remove_tree(work, &tmp);
+            let _ = work.remove_tree(&tmp);
             return Err(e);
         }
         let udir = self.upper_fd(&pnode)?;
         {
             // Lookups in the parent that read the layers before this are not recorded after it.
             let _changing = pnode.entries.write();
-            if let Err(e) = sys::rename_at(work, &tmp, udir.as_fd(), &name, RenameFlags::NOREPLACE)
-            {
-                let _ = crate::layers::remove_tree(work, &tmp);
+            if let Err(e) = work.rename(&tmp, &udir, &name, RenameFlags::NOREPLACE) {
+                let _ = work.remove_tree(&tmp);
                 return Err(e);
             }
             let mut st = node.state();
@@ -105,7 +114,7 @@ impl Overlay {
     #[allow(clippy::too_many_arguments)]
     fn build_copy(
         &self,
-        work: BorrowedFd<'_>,
+        work: &UpperDir,
         tmp: &OsStr,
         ldir: BorrowedFd<'_>,
         lname: &OsStr,
@@ -116,28 +125,25 @@ impl Overlay {
     ) -> Result<()> {
         match lattr.file_type() {
             libc::S_IFREG => {
-                let fd = crate::sys::openat(
-                    work,
-                    tmp,
-                    OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(0o600),
-                )?;
+                let file = work.create(tmp, &Creation::daemon(libc::S_IFREG | 0o600))?;
                 if !empty && lattr.size > 0 {
-                    if self.clone_lower(fd.as_fd(), lower.top(), &lower.path)? {
+                    // Partial files and clones are on disk only yet (issue #13's data path).
+                    let fd = file.disk_fd()?;
+                    if self.clone_lower(fd, lower.top(), &lower.path)? {
                         // A complete copy sharing the lower file's extents: no mark.
                     } else if self.sparse.sparse {
-                        crate::sys::ftruncate(&fd, lattr.size)?;
+                        crate::sys::ftruncate(fd, lattr.size)?;
                         let block = self.sparse.block;
                         let mark =
                             PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
-                        match mark.store(fd.as_fd(), &self.layers.xattr.partial) {
+                        match mark.store(fd, &self.layers.xattr.partial) {
                             Ok(()) => {}
                             // The mark names the lower path, and a path deep enough does not
                             // fit in one xattr (ext4 holds about 4 KiB): copy the whole file.
                             Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => {
-                                crate::sys::ftruncate(&fd, 0)?;
+                                crate::sys::ftruncate(fd, 0)?;
                                 let src = self.open_lower_source(lower.top(), &lower.path)?;
-                                copy_all(&src, fd.as_fd(), lattr.size)?;
+                                copy_all(&src, fd, lattr.size)?;
                             }
                             Err(e) => return Err(e),
                         }
@@ -145,31 +151,27 @@ impl Overlay {
                         // No sparse files on the upper file system (reported at mount): the
                         // only correct copy-up left is a whole one.
                         let src = self.open_lower_source(lower.top(), &lower.path)?;
-                        copy_all(&src, fd.as_fd(), lattr.size)?;
+                        copy_all(&src, fd, lattr.size)?;
                     }
                 }
             }
-            libc::S_IFDIR => crate::sys::mkdirat(work, tmp, Mode::from_raw_mode(0o700))?,
+            libc::S_IFDIR => work.mkdir(tmp, &Creation::daemon(libc::S_IFDIR | 0o700))?,
             libc::S_IFLNK => {
                 let target = sys::read_link_at(ldir, lname)?;
-                crate::sys::symlinkat(target.as_os_str(), work, tmp)?;
+                work.symlink(&target, tmp, &Creation::daemon(libc::S_IFLNK | 0o777))?;
             }
             kind => {
-                sys::mknod_at(work, tmp, kind | 0o600, lattr.rdev)?;
+                work.mknod(tmp, &Creation::daemon(kind | 0o600), lattr.rdev)?;
                 if kind == libc::S_IFCHR && lattr.rdev == 0 {
-                    sys::set_xattr(work, Some(tmp), &self.layers.xattr.device, b"y", 0)?;
+                    let key = OsStr::new(&self.layers.xattr.device);
+                    work.set_xattr(Some(tmp), key, b"y", 0)?;
                 }
             }
         }
-        self.copy_xattrs(ldir, lname, work, tmp, Xattrs::OfTheFile)?;
+        self.copy_xattrs(ldir.into(), lname, work, tmp, Xattrs::OfTheFile)?;
         let origin = node.st_ino.to_string();
-        if let Err(e) = sys::set_xattr(
-            work,
-            Some(tmp),
-            &self.layers.xattr.origin,
-            origin.as_bytes(),
-            0,
-        ) {
+        let key = OsStr::new(&self.layers.xattr.origin);
+        if let Err(e) = work.set_xattr(Some(tmp), key, origin.as_bytes(), 0) {
             // user.* xattrs cannot sit on symlinks or devices: their inode number then changes
             // on copy-up. Anything else is a real failure.
             if lattr.is_reg() || lattr.is_dir() {
@@ -184,7 +186,7 @@ impl Overlay {
         };
         // The copy shows what the lower object showed, which a lower layer may keep in an xattr.
         let shown = self
-            .override_at(lower.top(), ldir, Some(lname))
+            .override_at(lower.top(), ldir.into(), Some(lname))
             .unwrap_or(OverrideStat {
                 uid,
                 gid,
@@ -192,15 +194,14 @@ impl Overlay {
             });
         if self.upper_overrides() {
             self.set_override(work, Some(tmp), &shown, lattr.file_type())?;
-            self.keep_reachable(work, Some(tmp), &sys::stat_at(work, tmp)?)?;
+            self.keep_reachable(work, Some(tmp), &work.stat_at(tmp)?)?;
         } else {
-            sys::chown_at(work, Some(tmp), Some(shown.uid), Some(shown.gid))?;
+            work.chown(Some(tmp), Some(shown.uid), Some(shown.gid))?;
             if !lattr.is_symlink() {
-                sys::chmod_at(work, Some(tmp), lattr.file_type() | shown.mode)?;
+                work.chmod(Some(tmp), lattr.file_type() | shown.mode)?;
             }
         }
-        sys::utimens_at(
-            work,
+        work.utimens(
             Some(tmp),
             Time::At(lattr.atime.0, lattr.atime.1),
             Time::At(lattr.mtime.0, lattr.mtime.1),
@@ -260,20 +261,20 @@ impl Overlay {
     /// they are copied as they are); with `Xattrs::All` mosaicfs' own too.
     pub(crate) fn copy_xattrs(
         &self,
-        sdir: BorrowedFd<'_>,
+        sdir: LayerDir<'_>,
         sname: &OsStr,
-        ddir: BorrowedFd<'_>,
+        ddir: &UpperDir,
         dname: &OsStr,
         which: Xattrs,
     ) -> Result<()> {
-        for key in sys::list_xattr(sdir, Some(sname))? {
+        for key in sdir.list_xattr(Some(sname))? {
             if which == Xattrs::OfTheFile && merged_xattr_name(key.as_encoded_bytes()).is_none() {
                 continue;
             }
-            let Ok(value) = sys::get_xattr_raw(sdir, Some(sname), &key) else {
+            let Ok(value) = sdir.get_xattr_raw(Some(sname), &key) else {
                 continue;
             };
-            match sys::set_xattr(ddir, Some(dname), &key, &value, 0) {
+            match ddir.set_xattr(Some(dname), &key, &value, 0) {
                 Ok(()) => {}
                 // security.* labels the upper file system will not take are not file content.
                 Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) || e.is(libc::EACCES) => {

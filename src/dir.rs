@@ -7,20 +7,21 @@
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
+use rustix::fs::RenameFlags;
 
 use crate::copy_up::{Xattrs, temp_name};
 use crate::error::{Result, errno};
 use crate::inode::{Found, Ino, Node};
-use crate::layers::{UPPER, is_reserved_name, remove_tree, wh_name};
+use crate::layers::{UPPER, is_reserved_name, wh_name};
 use crate::namei::{Entry, UpperSlot, check_name};
 use crate::overlay::{Caller, DirView, Overlay};
 use crate::sys::{self, Attr};
+use crate::upper::{Creation, UpperDir};
 
 impl Overlay {
     fn check_new_name(&self, name: &OsStr) -> Result<()> {
@@ -36,7 +37,7 @@ impl Overlay {
     fn free_name(&self, view: &DirView, name: &OsStr) -> Result<UpperSlot> {
         let exists = || Err(errno(libc::EEXIST));
         let slot = match &view.upper {
-            Some(dir) => self.upper_slot(dir.as_fd(), name, view.lower.is_some())?,
+            Some(dir) => self.upper_slot(dir.view(), name, view.lower.is_some())?,
             None => UpperSlot::Empty,
         };
         match (&slot, &view.lower) {
@@ -47,26 +48,29 @@ impl Overlay {
     }
 
     /// The upper directory of `parent`, copied up if needed.
-    fn upper_dir(&self, parent: &Node) -> Result<Arc<OwnedFd>> {
+    fn upper_dir(&self, parent: &Node) -> Result<UpperDir> {
         self.copy_up(parent)?;
         self.upper_fd(parent)
     }
 
-    /// Creates a new object `name` in `parent` with `make`, owned by the caller.
+    /// Creates a new object `name` in `parent` with `make`, owned by the caller. `make` gets
+    /// the directory and name to make it at and who makes it (`Creation`: the mode of the
+    /// request, the caller's ids and umask).
     fn create_object(
         &self,
         parent: Ino,
         name: &OsStr,
         caller: &Caller,
-        make: impl Fn(BorrowedFd<'_>, &OsStr) -> Result<()>,
+        mode: u32,
+        make: impl Fn(&UpperDir, &OsStr, &Creation) -> Result<()>,
     ) -> Result<(Arc<Node>, Attr)> {
         self.check_writable()?;
         self.check_new_name(name)?;
         let pnode = self.node(parent)?;
         let shadow = self.free_name(&self.dir_view(&pnode)?, name)?;
         let udir = self.upper_dir(&pnode)?;
-        let udir = udir.as_fd();
-        crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
+        let umask = if self.config.acl { caller.umask } else { 0 };
+        crate::creds::set_thread_umask(umask);
         let (uid, gid) = self.disk_ids(caller.uid, caller.gid);
         let in_xattr = self.upper_overrides();
         let as_caller = if in_xattr {
@@ -76,35 +80,44 @@ impl Overlay {
         } else {
             crate::creds::act_as(uid, gid)
         };
+        let creation = Creation {
+            mode,
+            umask,
+            uid,
+            gid,
+        };
+        let work;
         let (target_dir, target) = match shadow {
-            UpperSlot::Empty => (udir, name.to_os_string()),
-            _ => (self.layers.work()?, temp_name("create")),
+            UpperSlot::Empty => (&udir, name.to_os_string()),
+            _ => {
+                work = self.layers.work()?;
+                (&work, temp_name("create"))
+            }
         };
         let _changing = pnode.entries.write();
-        make(target_dir, &target)?;
+        make(target_dir, &target, &creation)?;
         let finish = || -> Result<()> {
             if in_xattr {
-                self.own_new_in_xattr(target_dir, Some(&target), caller, udir)?;
+                self.own_new_in_xattr(target_dir, Some(&target), caller, &udir)?;
             } else if !as_caller {
-                self.own_new(target_dir, &target, caller, &sys::fstat(udir)?)?;
+                self.own_new(target_dir, &target, caller, &udir.view().stat(None)?)?;
             }
             match shadow {
-                UpperSlot::Whiteout => self.replace_whiteout(target_dir, &target, udir, name),
+                UpperSlot::Whiteout => self.replace_whiteout(target_dir, &target, &udir, name),
                 UpperSlot::WhFile => {
                     self.mark_opaque_if_dir(target_dir, &target)?;
-                    sys::rename_at(target_dir, &target, udir, name, RenameFlags::NOREPLACE)?;
-                    crate::sys::unlinkat(udir, wh_name(name).as_os_str(), AtFlags::empty())?;
-                    Ok(())
+                    target_dir.rename(&target, &udir, name, RenameFlags::NOREPLACE)?;
+                    udir.unlink(&wh_name(name))
                 }
                 // free_name refused a name that holds an object.
                 UpperSlot::Empty | UpperSlot::Object(_) => Ok(()),
             }
         };
         if let Err(e) = finish() {
-            let _ = remove_tree(target_dir, &target);
+            let _ = target_dir.remove_tree(&target);
             return Err(e);
         }
-        let attr = sys::stat_at(udir, name)?;
+        let attr = udir.stat_at(name)?;
         let found = Found {
             ino: self.map_ino(UPPER, attr.ino),
             kind: attr.file_type(),
@@ -119,14 +132,8 @@ impl Overlay {
     }
 
     /// Gives a new object its owner: the caller, with the group of a setgid parent.
-    fn own_new(
-        &self,
-        dir: BorrowedFd<'_>,
-        name: &OsStr,
-        caller: &Caller,
-        parent: &Attr,
-    ) -> Result<()> {
-        let before = sys::stat_at(dir, name)?;
+    fn own_new(&self, dir: &UpperDir, name: &OsStr, caller: &Caller, parent: &Attr) -> Result<()> {
+        let before = dir.stat_at(name)?;
         let gid = if parent.mode & libc::S_ISGID != 0 {
             parent.gid
         } else {
@@ -134,7 +141,7 @@ impl Overlay {
         };
         let uid = self.config.uid_map.to_outside(caller.uid);
         if before.uid != uid || before.gid != gid {
-            sys::chown_at(dir, Some(name), Some(uid), Some(gid))?;
+            dir.chown(Some(name), Some(uid), Some(gid))?;
             // chown clears set-id bits of non-directories; the creator asked for them.
             if !before.is_dir() && !before.is_symlink() && before.mode & 0o6000 != 0 {
                 let mut mode = before.mode;
@@ -144,14 +151,14 @@ impl Overlay {
                 {
                     mode &= !libc::S_ISGID;
                 }
-                sys::chmod_at(dir, Some(name), mode)?;
+                dir.chmod(Some(name), mode)?;
             }
         }
         Ok(())
     }
 
-    fn mark_opaque_if_dir(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
-        if sys::stat_at(dir, name)?.is_dir() {
+    fn mark_opaque_if_dir(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
+        if dir.stat_at(name)?.is_dir() {
             self.layers.make_opaque(dir, name)?;
         }
         Ok(())
@@ -160,19 +167,19 @@ impl Overlay {
     /// Moves the new object `tmp` (in the work dir) over the whiteout `name` in `udir`.
     fn replace_whiteout(
         &self,
-        work: BorrowedFd<'_>,
+        work: &UpperDir,
         tmp: &OsStr,
-        udir: BorrowedFd<'_>,
+        udir: &UpperDir,
         name: &OsStr,
     ) -> Result<()> {
-        if sys::stat_at(work, tmp)?.is_dir() {
+        if work.stat_at(tmp)?.is_dir() {
             // A directory cannot replace a non-directory by rename: exchange, then drop the
             // whiteout. It is opaque: the lower directory it replaces was deleted.
             self.layers.make_opaque(work, tmp)?;
-            sys::rename_at(work, tmp, udir, name, RenameFlags::EXCHANGE)?;
-            remove_tree(work, tmp)
+            work.rename(tmp, udir, name, RenameFlags::EXCHANGE)?;
+            work.remove_tree(tmp)
         } else {
-            sys::rename_at(work, tmp, udir, name, RenameFlags::empty())
+            work.rename(tmp, udir, name, RenameFlags::empty())
         }
     }
 
@@ -184,13 +191,7 @@ impl Overlay {
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr)> {
         let _recount = SubdirsChange(self, [parent, parent]);
-        self.create_object(parent, name, caller, |dir, n| {
-            Ok(crate::sys::mkdirat(
-                dir,
-                n,
-                Mode::from_raw_mode(mode & 0o7777),
-            )?)
-        })
+        self.create_object(parent, name, caller, mode, |dir, n, c| dir.mkdir(n, c))
     }
 
     pub fn mknod(
@@ -208,15 +209,21 @@ impl Overlay {
             // (which devices can carry) can say this one is not.
             return Err(errno(libc::EPERM));
         }
-        self.create_object(parent, name, caller, |dir, n| {
+        let mode = if kind == 0 {
+            mode | libc::S_IFREG
+        } else {
+            mode
+        };
+        self.create_object(parent, name, caller, mode, |dir, n, c| {
             if device_0_0 {
-                sys::mknod_at(dir, n, mode, 0)?;
-                return sys::set_xattr(dir, Some(n), &self.layers.xattr.device, b"y", 0);
+                dir.mknod(n, c, 0)?;
+                let key = OsStr::new(&self.layers.xattr.device);
+                return dir.set_xattr(Some(n), key, b"y", 0);
             }
             if kind == libc::S_IFREG || kind == 0 {
-                new_regular_file(dir, n, mode).map(drop)
+                dir.create(n, c).map(drop)
             } else {
-                sys::mknod_at(dir, n, mode, rdev)
+                dir.mknod(n, c, rdev)
             }
         })
     }
@@ -228,8 +235,9 @@ impl Overlay {
         target: &Path,
         caller: &Caller,
     ) -> Result<(Arc<Node>, Attr)> {
-        self.create_object(parent, name, caller, |dir, n| {
-            Ok(crate::sys::symlinkat(target, dir, n)?)
+        let target = target.as_os_str();
+        self.create_object(parent, name, caller, libc::S_IFLNK | 0o777, |dir, n, c| {
+            dir.symlink(target, n, c)
         })
     }
 
@@ -244,8 +252,9 @@ impl Overlay {
     ) -> Result<(Arc<Node>, Attr, crate::file::Opened)> {
         // The new file's descriptor serves the handle: no second open, no mark to look for.
         let fd = std::cell::Cell::new(None);
-        let made = self.create_object(parent, name, caller, |dir, n| {
-            fd.set(Some(new_regular_file(dir, n, mode)?));
+        let mode = libc::S_IFREG | (mode & 0o7777);
+        let made = self.create_object(parent, name, caller, mode, |dir, n, c| {
+            fd.set(Some(dir.create(n, c)?.into_disk_fd()?));
             Ok(())
         });
         let mut _file = None;
@@ -285,34 +294,33 @@ impl Overlay {
         let pnode = self.node(parent)?;
         self.dir_view(&pnode)?;
         let udir = self.upper_dir(&pnode)?;
-        let pattr = sys::fstat(udir.as_fd())?;
-        crate::creds::set_thread_umask(if self.config.acl { caller.umask } else { 0 });
-        let fd = crate::sys::openat(
-            &udir,
-            ".",
-            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
-            Mode::from_raw_mode(mode & 0o7777),
-        )?;
-        if self.upper_overrides() {
-            self.own_new_in_xattr(fd.as_fd(), None, caller, udir.as_fd())?;
+        let pattr = udir.view().stat(None)?;
+        let umask = if self.config.acl { caller.umask } else { 0 };
+        crate::creds::set_thread_umask(umask);
+        let uid = self.config.uid_map.to_outside(caller.uid);
+        let gid = if pattr.mode & libc::S_ISGID != 0 {
+            pattr.gid
         } else {
-            let uid = self.config.uid_map.to_outside(caller.uid);
-            let gid = if pattr.mode & libc::S_ISGID != 0 {
-                pattr.gid
-            } else {
-                self.config.gid_map.to_outside(caller.gid)
-            };
-            let before = sys::fstat(fd.as_fd())?;
-            crate::sys::fchown(
-                &fd,
-                Some(rustix::fs::Uid::from_raw(uid)),
-                Some(rustix::fs::Gid::from_raw(gid)),
-            )?;
+            self.config.gid_map.to_outside(caller.gid)
+        };
+        let creation = Creation {
+            mode: libc::S_IFREG | (mode & 0o7777),
+            umask,
+            uid,
+            gid,
+        };
+        let file = udir.tmpfile(&creation)?;
+        if self.upper_overrides() {
+            self.own_new_in_xattr(&file.object()?, None, caller, &udir)?;
+        } else {
+            let before = file.stat()?;
+            file.chown(Some(uid), Some(gid))?;
             if before.mode & 0o6000 != 0 {
-                crate::sys::fchmod(&fd, Mode::from_raw_mode(before.mode & 0o7777))?;
+                file.chmod(before.mode)?;
             }
         }
-        let attr = sys::fstat(fd.as_fd())?;
+        let attr = file.stat()?;
+        let fd = file.into_disk_fd()?;
         let found = Found {
             ino: self.map_ino(UPPER, attr.ino),
             kind: libc::S_IFREG,
@@ -340,30 +348,23 @@ impl Overlay {
         let shadow = self.free_name(&self.dir_view(&pnode)?, newname)?;
         self.copy_up(&node)?;
         let udir = self.upper_dir(&pnode)?;
-        let udir = udir.as_fd();
-        let link_at = |dir: BorrowedFd<'_>, name: &OsStr| -> Result<()> {
+        let link_at = |dir: &UpperDir, name: &OsStr| -> Result<()> {
             if let Some(fd) = self.unnamed_upper_fd(&node) {
-                return sys::link_open_file(fd.as_fd(), dir, name);
+                return sys::link_open_file(fd.as_fd(), dir.disk_fd()?, name);
             }
             let (sdir, sname) = self.upper_entry(&node)?;
-            Ok(crate::sys::linkat(
-                sdir.as_fd(),
-                &sname,
-                dir,
-                name,
-                AtFlags::empty(),
-            )?)
+            sdir.link(&sname, dir, name)
         };
         let _changing = pnode.entries.write();
         match shadow {
-            UpperSlot::Empty => link_at(udir, newname)?,
+            UpperSlot::Empty => link_at(&udir, newname)?,
             shadow => {
                 let work = self.layers.work()?;
                 let tmp = temp_name("link");
-                link_at(work, &tmp)?;
-                sys::rename_at(work, &tmp, udir, newname, RenameFlags::empty())?;
+                link_at(&work, &tmp)?;
+                work.rename(&tmp, &udir, newname, RenameFlags::empty())?;
                 if matches!(shadow, UpperSlot::WhFile) {
-                    crate::sys::unlinkat(udir, wh_name(newname).as_os_str(), AtFlags::empty())?;
+                    udir.unlink(&wh_name(newname))?;
                 }
             }
         }
@@ -392,13 +393,12 @@ impl Overlay {
     fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
         let needs_whiteout = self.lower_has(pnode, name)?;
         let udir = self.upper_dir(pnode)?;
-        let udir = udir.as_fd();
         let work = self.layers.work()?;
         let _changing = pnode.entries.write();
         // A directory moves to the work dir to be removed: paths below it change.
         let _moving = entry.attr.is_dir().then(|| self.moves.write());
         if !entry.found.upper {
-            self.layers.make_whiteout(udir, name)?;
+            self.layers.make_whiteout(&udir, name)?;
             self.forget_name(entry.found.ino, pnode.ino, name);
             return Ok(());
         }
@@ -406,33 +406,33 @@ impl Overlay {
         if !needs_whiteout && !entry.attr.is_dir() {
             // A non-directory goes in one atomic step. Only a directory, whose contents go one
             // by one, is first moved out to the work dir (or a whiteout put in its place).
-            crate::sys::unlinkat(udir, name, AtFlags::empty())?;
+            udir.unlink(name)?;
             self.forget_name(entry.found.ino, pnode.ino, name);
             return Ok(());
         }
         let tmp = temp_name("remove");
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
-            sys::mknod_at(work, &tmp, libc::S_IFCHR, 0)?;
+            work.mknod(&tmp, &Creation::daemon(libc::S_IFCHR), 0)?;
             let flags = if entry.attr.is_dir() {
                 RenameFlags::EXCHANGE
             } else {
                 RenameFlags::empty()
             };
-            if let Err(e) = sys::rename_at(work, &tmp, udir, name, flags) {
-                let _ = crate::sys::unlinkat(work, &tmp, AtFlags::empty());
+            if let Err(e) = work.rename(&tmp, &udir, name, flags) {
+                let _ = work.unlink(&tmp);
                 return Err(e);
             }
         } else {
-            sys::rename_at(udir, name, work, &tmp, RenameFlags::NOREPLACE)?;
+            udir.rename(name, &work, &tmp, RenameFlags::NOREPLACE)?;
             if needs_whiteout {
-                self.layers.make_whiteout(udir, name)?;
+                self.layers.make_whiteout(&udir, name)?;
             }
         }
         self.forget_name(entry.found.ino, pnode.ino, name);
         drop(_moving);
         drop(_changing);
-        remove_tree(work, &tmp)
+        work.remove_tree(&tmp)
     }
 
     fn forget_name(&self, ino: Ino, parent: Ino, name: &OsStr) {
@@ -465,8 +465,7 @@ impl Overlay {
     fn entry_view(&self, parent: &Node, name: &OsStr, entry: &Entry) -> Result<DirView> {
         Ok(DirView {
             upper: if entry.found.upper {
-                let dir = self.upper_fd(parent)?;
-                Some(Arc::new(sys::open_dir(dir.as_fd(), Path::new(name))?))
+                Some(self.upper_fd(parent)?.open_dir(name)?)
             } else {
                 None
             },
@@ -512,13 +511,8 @@ impl Overlay {
         let (dir, name) = self.upper_entry(node)?;
         let mut target = b"/".to_vec();
         target.extend_from_slice(lower.path.as_os_str().as_bytes());
-        match sys::set_xattr(
-            dir.as_fd(),
-            Some(&name),
-            &self.layers.xattr.redirect,
-            &target,
-            0,
-        ) {
+        let key = OsStr::new(&self.layers.xattr.redirect);
+        match dir.set_xattr(Some(&name), key, &target, 0) {
             // A path too long for one xattr cannot be recorded: refuse the move as kernel
             // overlayfs does, so that `mv` copies the tree instead.
             Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => Err(errno(libc::EXDEV)),
@@ -601,9 +595,8 @@ impl Overlay {
                 self.set_redirect(d)?;
             }
         }
-        let sdir = self.upper_fd(&pnode)?;
-        let ddir = self.upper_dir(&npnode)?;
-        let (sdir, ddir) = (sdir.as_fd(), ddir.as_fd());
+        let sdir = &self.upper_fd(&pnode)?;
+        let ddir = &self.upper_dir(&npnode)?;
         // A directory without lower parts that lands on a name a lower layer has must hide it.
         let opaque_src =
             snode.is_dir() && snode.state().lower.is_none() && self.lower_has(&npnode, newname)?;
@@ -622,7 +615,7 @@ impl Overlay {
         let mut wh_file_after = false;
         let mut dir_over_whiteout = false;
         if !exchange {
-            match self.upper_slot(ddir, newname, nview.lower.is_some())? {
+            match self.upper_slot(ddir.view(), newname, nview.lower.is_some())? {
                 // rename(2) will not put a directory over a whiteout: exchange them instead.
                 UpperSlot::Whiteout if src.attr.is_dir() => dir_over_whiteout = true,
                 UpperSlot::WhFile => wh_file_after = true,
@@ -648,32 +641,30 @@ impl Overlay {
             rflags |= RenameFlags::NOREPLACE;
         }
         if dir_over_whiteout {
-            sys::rename_at(sdir, name, ddir, newname, RenameFlags::EXCHANGE)?;
+            sdir.rename(name, ddir, newname, RenameFlags::EXCHANGE)?;
             // The whiteout now sits at the old name, where it is needed or just left over.
-            if !src_needs_whiteout
-                && let Err(e) = crate::sys::unlinkat(sdir, name, AtFlags::empty())
-            {
+            if !src_needs_whiteout && let Err(e) = sdir.unlink(name) {
                 log::warn!("a whiteout {name:?} is left in the upper layer: {e}");
             }
         } else if src_needs_whiteout && self.layers.whiteout_chardev {
             // The whiteout RENAME_WHITEOUT makes is owned by this thread's fs ids.
             crate::creds::act_as_daemon();
-            match sys::rename_at(sdir, name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
+            match sdir.rename(name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
                 Ok(()) => {}
                 Err(e) if e.is(libc::EINVAL) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {
-                    sys::rename_at(sdir, name, ddir, newname, rflags)?;
+                    sdir.rename(name, ddir, newname, rflags)?;
                     self.layers.make_whiteout(sdir, name)?;
                 }
                 Err(e) => return Err(e),
             }
         } else {
-            sys::rename_at(sdir, name, ddir, newname, rflags)?;
+            sdir.rename(name, ddir, newname, rflags)?;
             if src_needs_whiteout {
                 self.layers.make_whiteout(sdir, name)?;
             }
         }
         if wh_file_after {
-            let _ = crate::sys::unlinkat(ddir, wh_name(newname).as_os_str(), AtFlags::empty());
+            let _ = ddir.unlink(&wh_name(newname));
         }
         self.move_name(&snode, (parent, name), (newparent, newname));
         if let Some(d) = &dnode {
@@ -701,23 +692,23 @@ impl Overlay {
     /// work dir: what a rename over it may replace, and if that rename fails the name still
     /// shows an empty directory (removing the whiteouts in place would bring lower entries
     /// back for good).
-    fn clear_empty_dir(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
-        if sys::read_dir(dir, Path::new(name))?.is_empty() {
+    fn clear_empty_dir(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
+        if dir.open_dir(name)?.read_dir()?.is_empty() {
             return Ok(());
         }
         crate::creds::act_as_daemon();
         let work = self.layers.work()?;
         let tmp = temp_name("clear");
-        let old = sys::stat_at(dir, name)?;
-        crate::sys::mkdirat(work, &tmp, Mode::from_raw_mode(0o700))?;
+        let old = dir.stat_at(name)?;
+        work.mkdir(&tmp, &Creation::daemon(0o700))?;
         let swapped = (|| {
-            sys::chown_at(work, Some(&tmp), Some(old.uid), Some(old.gid))?;
-            sys::chmod_at(work, Some(&tmp), old.mode & 0o7777)?;
-            self.copy_xattrs(dir, name, work, &tmp, Xattrs::All)?;
-            self.layers.make_opaque(work, &tmp)?;
-            sys::rename_at(work, &tmp, dir, name, RenameFlags::EXCHANGE)
+            work.chown(Some(&tmp), Some(old.uid), Some(old.gid))?;
+            work.chmod(Some(&tmp), old.mode & 0o7777)?;
+            self.copy_xattrs(dir.view(), name, &work, &tmp, Xattrs::All)?;
+            self.layers.make_opaque(&work, &tmp)?;
+            work.rename(&tmp, dir, name, RenameFlags::EXCHANGE)
         })();
-        let removed = remove_tree(work, &tmp);
+        let removed = work.remove_tree(&tmp);
         swapped?;
         if let Err(e) = removed {
             log::warn!("could not empty the work dir of {tmp:?}; the next mount will: {e}");
@@ -737,7 +728,7 @@ impl Overlay {
         let (sdir, sname) = self.upper_entry(node)?;
         {
             let _changing = pnode.entries.write();
-            crate::sys::linkat(sdir.as_fd(), &sname, udir.as_fd(), name, AtFlags::empty())?;
+            sdir.link(&sname, &udir, name)?;
         }
         self.note_origin_moved_into(&pnode, true)
     }
@@ -765,8 +756,8 @@ impl Overlay {
             origin && st.lower.is_none() && !st.origins
         };
         if needs_mark {
-            let d = self.upper_fd(dir)?;
-            sys::set_xattr(d.as_fd(), None, &self.layers.xattr.origins, b"y", 0)?;
+            let key = OsStr::new(&self.layers.xattr.origins);
+            self.upper_fd(dir)?.set_xattr(None, key, b"y", 0)?;
             dir.state().origins = true;
         }
         Ok(())
@@ -779,17 +770,6 @@ impl Overlay {
         st.links.insert(0, (to.0, OsString::from(to.1)));
         st.upper = true;
     }
-}
-
-/// Makes an empty regular file `name` in `dir` (it must not exist), opened for the daemon's
-/// reads and writes.
-fn new_regular_file(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> Result<OwnedFd> {
-    Ok(crate::sys::openat(
-        dir,
-        name,
-        OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
-        Mode::from_raw_mode(mode & 0o7777),
-    )?)
 }
 
 /// Forgets the subdirectory counts of two directories (the same one twice is fine) when

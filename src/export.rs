@@ -218,7 +218,7 @@ fn plan_dir(plan: &mut Plan, ino: Ino, path: &[u8], whole: bool) -> Result<(), S
             return Ok(());
         };
         let (objects, whiteouts) = ov
-            .layer_entries(upper.as_fd())
+            .layer_entries(upper.view())
             .map_err(|e| failed(path, e))?;
         let mut names: Vec<(OsString, bool)> =
             objects.into_iter().map(|(e, _)| (e.name, false)).collect();
@@ -258,7 +258,7 @@ fn plan_dir(plan: &mut Plan, ino: Ino, path: &[u8], whole: bool) -> Result<(), S
                         ov.upper_entry(&child).map_err(|e| failed(&child_path, e))?;
                     let flags = ov
                         .layers
-                        .dir_flags(dir.as_fd(), Some(&entry), true)
+                        .dir_flags(dir.view(), Some(&entry), true)
                         .map_err(|e| failed(&child_path, e))?;
                     below_whole = flags.redirect.is_some();
                     if flags.opaque || below_whole {

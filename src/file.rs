@@ -516,7 +516,7 @@ impl Overlay {
         let fd = self.settled(|| {
             let (dir, name) = self.upper_entry(node)?;
             Ok(crate::sys::openat(
-                dir.as_fd(),
+                dir.disk_fd()?,
                 &name,
                 access | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 rustix::fs::Mode::empty(),
@@ -1087,10 +1087,11 @@ impl Overlay {
         if mode != before {
             if self.upper_overrides() {
                 let mut v = self
-                    .override_at(UPPER, fd.as_fd(), None)
+                    .override_at(UPPER, fd.as_fd().into(), None)
                     .ok_or_else(|| errno(libc::EIO))?;
                 v.mode = mode;
-                self.set_override(fd.as_fd(), None, &v, libc::S_IFREG)?;
+                let file = crate::upper::UpperDir::Disk(Arc::new(fd.try_clone()?));
+                self.set_override(&file, None, &v, libc::S_IFREG)?;
             } else {
                 crate::sys::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
             }
@@ -1223,15 +1224,7 @@ impl Overlay {
         if !node.state().upper {
             return Ok(());
         }
-        let dir = self.upper_fd(&node)?;
-        let fd = sys::open_beneath(
-            dir.as_fd(),
-            Path::new(""),
-            OFlags::RDONLY | OFlags::DIRECTORY,
-            0,
-        )?;
-        crate::sys::fsync(&fd)?;
-        Ok(())
+        self.upper_fd(&node)?.sync()
     }
 }
 
@@ -1247,7 +1240,7 @@ impl PrivsOf<'_> {
     /// Permission, set-id and sticky bits of the upper file `fd`.
     fn mode(&self, fd: BorrowedFd<'_>) -> Result<u32> {
         if self.in_xattr
-            && let Some(v) = self.overlay.override_at(UPPER, fd, None)
+            && let Some(v) = self.overlay.override_at(UPPER, fd.into(), None)
         {
             return Ok(v.mode);
         }

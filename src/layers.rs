@@ -20,6 +20,7 @@ use rustix::fs::OFlags;
 use crate::error::{Error, Result, errno};
 use crate::stat_override::{self, XattrPermissions};
 use crate::sys::{self, Attr};
+use crate::upper::{Creation, LayerDir, UpperDir};
 
 pub type LayerId = u16;
 pub const UPPER: LayerId = 0;
@@ -160,7 +161,7 @@ pub struct LayerStack {
     pub has_upper: bool,
     /// `workdir/mosaicfs-work`, on the upper file system: copy-up builds objects here and renames
     /// them into place, so that a crash never leaves a half-made object in the upper layer.
-    pub work: Option<OwnedFd>,
+    pub work: Option<Arc<OwnedFd>>,
     /// Holds the work dir's lock while the stack lives (`WorkLock`).
     _work_lock: Option<OwnedFd>,
     pub xattr: XattrNames,
@@ -392,10 +393,11 @@ impl LayerStack {
         self.layers.len() - 1
     }
 
-    pub fn work(&self) -> Result<BorrowedFd<'_>> {
+    /// The work directory: copy-up and creation build objects here and rename them in.
+    pub fn work(&self) -> Result<UpperDir> {
         self.work
             .as_ref()
-            .map(|w| w.as_fd())
+            .map(|w| UpperDir::Disk(w.clone()))
             .ok_or_else(|| errno(libc::EROFS))
     }
 
@@ -435,8 +437,8 @@ impl LayerStack {
 
     /// The upper directory `rel` as it was in generation `moves` of upper directory moves
     /// (`Overlay::upper_fd` gives a path and a generation that agree).
-    pub fn upper_dir(&self, rel: &Path, moves: u64) -> Result<Arc<OwnedFd>> {
-        self.cached_dir(UPPER, rel, moves)
+    pub fn upper_dir(&self, rel: &Path, moves: u64) -> Result<UpperDir> {
+        self.cached_dir(UPPER, rel, moves).map(UpperDir::Disk)
     }
 
     fn cached_dir(&self, layer: LayerId, rel: &Path, generation: u64) -> Result<Arc<OwnedFd>> {
@@ -449,15 +451,15 @@ impl LayerStack {
     }
 
     /// Whether `name` in `dir` (whose stat is `attr`) is a whiteout in any format.
-    pub fn is_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr, attr: &Attr) -> Result<bool> {
+    pub fn is_whiteout(&self, dir: LayerDir<'_>, name: &OsStr, attr: &Attr) -> Result<bool> {
         match attr.file_type() {
             libc::S_IFCHR if attr.rdev == 0 => {
-                Ok(sys::get_xattr(dir, Some(name), &self.xattr.device)?.is_none())
+                Ok(dir.get_xattr(Some(name), &self.xattr.device)?.is_none())
             }
             libc::S_IFCHR => Ok(false),
             libc::S_IFREG if attr.size == 0 => {
                 for key in WHITEOUT_XATTRS {
-                    if sys::get_xattr(dir, Some(name), key)?.is_some() {
+                    if dir.get_xattr(Some(name), key)?.is_some() {
                         return Ok(true);
                     }
                 }
@@ -468,16 +470,16 @@ impl LayerStack {
     }
 
     /// Whether a `.wh.NAME` file in `dir` hides `name`.
-    pub fn has_wh_file(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
+    pub fn has_wh_file(&self, dir: LayerDir<'_>, name: &OsStr) -> Result<bool> {
         let wh = wh_name(name);
         if wh.len() > 255 {
             return Ok(false);
         }
-        Ok(sys::stat_opt(dir, &wh)?.is_some())
+        Ok(dir.stat_opt(&wh)?.is_some())
     }
 
     /// Whether the directory `name` in `dir` is opaque (hides the layers below it).
-    pub fn is_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<bool> {
+    pub fn is_opaque(&self, dir: LayerDir<'_>, name: &OsStr) -> Result<bool> {
         Ok(self.dir_flags(dir, Some(name), true)?.opaque)
     }
 
@@ -486,11 +488,11 @@ impl LayerStack {
     /// `.wh..wh..opq` file (three more syscalls; only worth it where layers lie below).
     pub fn dir_flags(
         &self,
-        dir: BorrowedFd<'_>,
+        dir: LayerDir<'_>,
         name: Option<&OsStr>,
         opaque_file: bool,
     ) -> Result<DirFlags> {
-        let names = sys::list_xattr(dir, name)?;
+        let names = dir.list_xattr(name)?;
         let has = |key: &str| names.iter().any(|n| n.as_bytes() == key.as_bytes());
         let mut flags = DirFlags {
             origins: has(&self.xattr.origins),
@@ -499,16 +501,13 @@ impl LayerStack {
         let own = [self.xattr.redirect.as_str()];
         for key in own.into_iter().chain(REDIRECT_XATTRS) {
             if has(key) {
-                flags.redirect = sys::get_xattr(dir, name, key)?;
+                flags.redirect = dir.get_xattr(name, key)?;
                 break;
             }
         }
         for key in OPAQUE_XATTRS {
             if has(key) {
-                match sys::get_xattr(dir, name, key)?
-                    .as_deref()
-                    .and_then(|v| v.first())
-                {
+                match dir.get_xattr(name, key)?.as_deref().and_then(|v| v.first()) {
                     Some(b'y') => flags.opaque = true,
                     // Kernel overlayfs: "x" marks a directory whose entries may be xattr whiteouts.
                     Some(b'x') => flags.xwhiteouts = true,
@@ -518,53 +517,36 @@ impl LayerStack {
         }
         // A redirect leads to lower layers even where none lie below the parent.
         if (opaque_file || flags.redirect.is_some()) && !flags.opaque {
-            let sub = match name {
-                Some(n) => {
-                    sys::open_beneath(dir, Path::new(n), OFlags::PATH | OFlags::DIRECTORY, 0)?
-                }
-                None => sys::open_beneath(dir, Path::new(""), OFlags::PATH | OFlags::DIRECTORY, 0)?,
-            };
-            flags.opaque = sys::stat_opt(sub.as_fd(), OsStr::new(OPAQUE_WHITEOUT))?.is_some();
+            flags.opaque = dir.has_in(name, OsStr::new(OPAQUE_WHITEOUT))?;
         }
         Ok(flags)
     }
 
     /// Writes a whiteout for `name` in the upper directory `dir` (which must not hold `name`).
-    pub fn make_whiteout(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+    pub fn make_whiteout(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
         crate::creds::act_as_daemon();
         if self.whiteout_chardev {
-            match sys::mknod_at(dir, name, libc::S_IFCHR, 0) {
+            match dir.mknod(name, &Creation::daemon(libc::S_IFCHR), 0) {
                 Ok(()) => return Ok(()),
                 Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
                 Err(e) => return Err(e),
             }
         }
-        let fd = crate::sys::openat(
-            dir,
-            wh_name(name).as_os_str(),
-            OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC,
-            rustix::fs::Mode::from_raw_mode(0o600),
-        )?;
-        drop(fd);
-        Ok(())
+        dir.mknod(&wh_name(name), &Creation::daemon(libc::S_IFREG | 0o600), 0)
     }
 
     /// Marks the upper directory `name` in `dir` opaque.
-    pub fn make_opaque(&self, dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
+    pub fn make_opaque(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
         crate::creds::act_as_daemon();
-        match sys::set_xattr(dir, Some(name), self.xattr.opaque, b"y", 0) {
+        match dir.set_xattr(Some(name), OsStr::new(self.xattr.opaque), b"y", 0) {
             Ok(()) => Ok(()),
             Err(_) => {
-                let sub =
-                    sys::open_beneath(dir, Path::new(name), OFlags::PATH | OFlags::DIRECTORY, 0)?;
-                let fd = crate::sys::openat(
-                    sub.as_fd(),
-                    OPAQUE_WHITEOUT,
-                    OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
-                    rustix::fs::Mode::from_raw_mode(0o600),
-                )?;
-                drop(fd);
-                Ok(())
+                let sub = dir.open_dir(name)?;
+                let opq = OsStr::new(OPAQUE_WHITEOUT);
+                match sub.mknod(opq, &Creation::daemon(libc::S_IFREG | 0o600), 0) {
+                    Err(e) if e.is(libc::EEXIST) => Ok(()),
+                    r => r,
+                }
             }
         }
     }
@@ -716,7 +698,7 @@ fn prepare_work_dir(
     work: BorrowedFd<'_>,
     path: &Path,
     lock: WorkLock,
-) -> std::result::Result<(OwnedFd, OwnedFd), String> {
+) -> std::result::Result<(Arc<OwnedFd>, OwnedFd), String> {
     let name = OsStr::new(WORK_SUBDIR);
     match crate::sys::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
         Ok(()) => {}
@@ -740,10 +722,12 @@ fn prepare_work_dir(
     let held = lock_work_dir(work, path, lock)?;
     let fd = sys::open_dir(work, Path::new(WORK_SUBDIR))
         .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    let fd = Arc::new(fd);
+    let dir = UpperDir::Disk(fd.clone());
     let entries = sys::read_dir(work, Path::new(WORK_SUBDIR))
         .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
     for e in entries {
-        remove_tree(fd.as_fd(), &e.name).map_err(|err| {
+        dir.remove_tree(&e.name).map_err(|err| {
             format!(
                 "cannot clean workdir '{0}': {err}; '{0}/{WORK_SUBDIR}/{1}' is left from an \
                  interrupted operation and never visible: remove it by hand (chattr -i if it \
@@ -754,23 +738,6 @@ fn prepare_work_dir(
         })?;
     }
     Ok((fd, held))
-}
-
-/// Removes `name` in `dir` and, if it is a directory, everything below it.
-pub fn remove_tree(dir: BorrowedFd<'_>, name: &OsStr) -> Result<()> {
-    match crate::sys::unlinkat(dir, name, rustix::fs::AtFlags::empty()) {
-        Ok(()) => return Ok(()),
-        Err(rustix::io::Errno::ISDIR) | Err(rustix::io::Errno::PERM) => {}
-        Err(rustix::io::Errno::NOENT) => return Ok(()),
-        Err(e) => return Err(e.into()),
-    }
-    let sub = sys::open_dir(dir, Path::new(name))?;
-    for e in sys::read_dir(dir, Path::new(name))? {
-        remove_tree(sub.as_fd(), &e.name)?;
-    }
-    drop(sub);
-    crate::sys::unlinkat(dir, name, rustix::fs::AtFlags::REMOVEDIR)?;
-    Ok(())
 }
 
 fn probe_whiteout(work: BorrowedFd<'_>) -> bool {

@@ -7,7 +7,6 @@
 //! and directories merge downwards until an opaque one, a whiteout or a non-directory stops them.
 
 use std::ffi::OsStr;
-use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +15,8 @@ use crate::error::{Result, errno};
 use crate::inode::{Found, Ino, LowerRef, Node};
 use crate::layers::{DirFlags, LayerId, UPPER, is_reserved_name};
 use crate::overlay::{DirView, Overlay};
-use crate::sys::{self, Attr};
+use crate::sys::Attr;
+use crate::upper::LayerDir;
 
 /// A name resolved in the merged view.
 #[derive(Debug, Clone)]
@@ -112,13 +112,8 @@ impl Overlay {
     /// What the upper directory `dir` holds at `name`. `below`: whether lower layers lie under
     /// it; only then can a `.wh.NAME` file matter (it hides nothing otherwise, and a stale one
     /// is harmless), so only then is it looked for.
-    pub fn upper_slot(
-        &self,
-        dir: std::os::fd::BorrowedFd<'_>,
-        name: &OsStr,
-        below: bool,
-    ) -> Result<UpperSlot> {
-        if let Some(attr) = sys::stat_opt(dir, name)? {
+    pub fn upper_slot(&self, dir: LayerDir<'_>, name: &OsStr, below: bool) -> Result<UpperSlot> {
+        if let Some(attr) = dir.stat_opt(name)? {
             if self.layers.is_whiteout(dir, name, &attr)? {
                 return Ok(UpperSlot::Whiteout);
             }
@@ -136,7 +131,7 @@ impl Overlay {
             return Ok(None);
         }
         if let Some(up) = &view.upper {
-            let dir = up.as_fd();
+            let dir = up.view();
             let slot = self.upper_slot(dir, name, view.lower.is_some())?;
             if let UpperSlot::Object(attr) = slot {
                 // Only a copy-up carries an origin: in a directory without lower parts (and not
@@ -249,7 +244,8 @@ impl Overlay {
             };
             let _waiting = crate::lower_wait::enter(layer)?;
             let found = self.in_lower_dir(layer, parent, |fd| {
-                let Some(attr) = sys::stat_opt(fd, name)? else {
+                let fd = LayerDir::from(fd);
+                let Some(attr) = fd.stat_opt(name)? else {
                     return Ok(match below && self.layers.has_wh_file(fd, name)? {
                         true => InLayer::Hidden,
                         false => InLayer::Nothing,
@@ -307,12 +303,8 @@ impl Overlay {
     }
 
     /// The inode number a copied-up object keeps from its origin, if it has one.
-    pub fn origin_ino(
-        &self,
-        dir: std::os::fd::BorrowedFd<'_>,
-        name: &OsStr,
-    ) -> Result<Option<Ino>> {
-        let Some(raw) = sys::get_xattr(dir, Some(name), &self.layers.xattr.origin)? else {
+    pub fn origin_ino(&self, dir: LayerDir<'_>, name: &OsStr) -> Result<Option<Ino>> {
+        let Some(raw) = dir.get_xattr(Some(name), &self.layers.xattr.origin)? else {
             return Ok(None);
         };
         match std::str::from_utf8(&raw)

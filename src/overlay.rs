@@ -20,6 +20,7 @@ use crate::readdir::DirHandleTable;
 use crate::seq::ChangeSeq;
 use crate::stats::Stats;
 use crate::sys::{self, Attr};
+use crate::upper::{LayerDir, UpperDir};
 
 /// Who asks: the caller's credentials and umask, from the FUSE request.
 #[derive(Debug, Clone, Copy)]
@@ -138,7 +139,7 @@ pub struct Overlay {
 #[derive(Debug, Clone)]
 pub struct DirView {
     /// The upper directory itself: it stays right whatever is renamed meanwhile.
-    pub upper: Option<Arc<OwnedFd>>,
+    pub upper: Option<UpperDir>,
     pub lower: Option<LowerRef>,
     /// Upper entries may carry `mosaicfs.origin` (the directory has lower parts, or is marked).
     pub origins: bool,
@@ -201,7 +202,7 @@ impl Overlay {
                 root_lower,
                 layers.has_upper
                     && layers
-                        .dir_flags(layers.root(UPPER), None, true)
+                        .dir_flags(layers.root(UPPER).into(), None, true)
                         .is_ok_and(|f| f.origins),
             ),
             ino_map: InoMap { devices },
@@ -274,7 +275,7 @@ impl Overlay {
     /// The upper directory of the directory `node`, which must have one. Its path comes from
     /// the links of its ancestors; when an upper directory moved while the path was built or
     /// opened, both are done again (seq.rs), so the descriptor is the directory `node` is.
-    pub fn upper_fd(&self, node: &Node) -> Result<Arc<OwnedFd>> {
+    pub fn upper_fd(&self, node: &Node) -> Result<UpperDir> {
         loop {
             let moves = self.moves.read();
             let r = self
@@ -288,7 +289,7 @@ impl Overlay {
 
     /// The upper directory holding `node`'s upper object, and its name there (`.` for the
     /// root), got as `upper_fd` gets a directory.
-    pub fn upper_entry(&self, node: &Node) -> Result<(Arc<OwnedFd>, OsString)> {
+    pub fn upper_entry(&self, node: &Node) -> Result<(UpperDir, OsString)> {
         loop {
             let moves = self.moves.read();
             let r = self
@@ -387,9 +388,9 @@ impl Overlay {
     /// `node`'s upper object as a directory and a name in it, or as a descriptor of the object
     /// itself (`None`) for the root and for an unnamed open file (O_TMPFILE, or unlinked while
     /// open), which no name reaches.
-    pub fn upper_target(&self, node: &Node) -> Result<(Arc<OwnedFd>, Option<OsString>)> {
+    pub fn upper_target(&self, node: &Node) -> Result<(UpperDir, Option<OsString>)> {
         if let Some(fd) = self.unnamed_upper_fd(node) {
-            return Ok((Arc::new(fd), None));
+            return Ok((UpperDir::Disk(Arc::new(fd)), None));
         }
         let (dir, name) = self.upper_entry(node)?;
         Ok((dir, (node.ino != ROOT_INO).then_some(name)))
@@ -400,7 +401,7 @@ impl Overlay {
     pub fn at_top_entry<T>(
         &self,
         node: &Node,
-        mut op: impl FnMut(BorrowedFd<'_>, Option<&OsStr>) -> Result<T>,
+        mut op: impl FnMut(LayerDir<'_>, Option<&OsStr>) -> Result<T>,
     ) -> Result<T> {
         let (upper, lower) = {
             let st = node.state();
@@ -408,14 +409,14 @@ impl Overlay {
         };
         if upper {
             let (dir, name) = self.upper_target(node)?;
-            return op(dir.as_fd(), name.as_deref());
+            return op(dir.view(), name.as_deref());
         }
         let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
         match (lower.path.parent(), lower.path.file_name()) {
             (Some(parent), Some(name)) => {
-                self.in_lower_dir(lower.top(), parent, |dir| op(dir, Some(name)))
+                self.in_lower_dir(lower.top(), parent, |dir| op(dir.into(), Some(name)))
             }
-            _ => self.in_lower_dir(lower.top(), Path::new(""), |dir| op(dir, None)),
+            _ => self.in_lower_dir(lower.top(), Path::new(""), |dir| op(dir.into(), None)),
         }
     }
 
@@ -459,10 +460,7 @@ impl Overlay {
             return Ok(a);
         }
         let _waiting = self.waiting_on(node)?;
-        let attr = self.at_top_entry(node, |dir, name| match name {
-            Some(name) => sys::stat_at(dir, name),
-            None => sys::fstat(dir),
-        })?;
+        let attr = self.at_top_entry(node, |dir, name| dir.stat(name))?;
         self.keep_store_attr(node, attr);
         Ok(attr)
     }

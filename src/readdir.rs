@@ -10,7 +10,6 @@
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
-use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Mutex;
 
@@ -21,6 +20,7 @@ use crate::layers::{OPAQUE_WHITEOUT, UPPER, WHITEOUT_PREFIX};
 use crate::overlay::{DirView, Overlay};
 use crate::sys;
 use crate::sys::Attr;
+use crate::upper::LayerDir;
 
 #[derive(Debug, Clone)]
 pub struct DirEntry {
@@ -144,11 +144,11 @@ impl Overlay {
         let mut out = Vec::new();
         let mut hidden: HashSet<OsString> = HashSet::new();
         if let Some(dir) = &view.upper {
-            let (objects, whiteouts) = self.layer_entries(dir.as_fd())?;
+            let (objects, whiteouts) = self.layer_entries(dir.view())?;
             hidden.extend(whiteouts);
             for (e, kind) in objects {
                 let origin = if view.origins {
-                    self.origin_ino(dir.as_fd(), &e.name)?
+                    self.origin_ino(dir.view(), &e.name)?
                 } else {
                     None
                 };
@@ -166,7 +166,7 @@ impl Overlay {
                 let path = lower.path_in(layer);
                 let _waiting = crate::lower_wait::enter(layer)?;
                 let (objects, whiteouts) =
-                    match self.in_lower_dir(layer, path, |dir| self.layer_entries(dir)) {
+                    match self.in_lower_dir(layer, path, |dir| self.layer_entries(dir.into())) {
                         Ok(listed) => listed,
                         Err(e) if e.is(libc::ENOENT) || e.is(libc::ENOTDIR) => continue,
                         Err(e) => return Err(e),
@@ -188,11 +188,11 @@ impl Overlay {
 
     /// The entries of the layer directory `dir` itself: its objects with their types, and the
     /// names its whiteouts (in any format) hide. The opaque marker file is in neither.
-    pub fn layer_entries(&self, dir: std::os::fd::BorrowedFd<'_>) -> Result<LayerEntries> {
+    pub fn layer_entries(&self, dir: LayerDir<'_>) -> Result<LayerEntries> {
         let xwhiteouts = self.layers.dir_flags(dir, None, false)?.xwhiteouts;
         let mut objects = Vec::new();
         let mut whiteouts = Vec::new();
-        for e in sys::read_dir(dir, std::path::Path::new(""))? {
+        for e in dir.read_dir()? {
             if let Some(target) = whiteout_target(&e.name) {
                 whiteouts.extend(target);
                 continue;
@@ -210,14 +210,14 @@ impl Overlay {
     /// honours only in a directory marked for them (`xwhiteouts`); lookup checks every one.
     fn entry_kind(
         &self,
-        dir: std::os::fd::BorrowedFd<'_>,
+        dir: LayerDir<'_>,
         e: &sys::RawDirEntry,
         xwhiteouts: bool,
     ) -> Result<Option<u32>> {
         match e.kind {
             libc::S_IFREG if !xwhiteouts => Ok(Some(libc::S_IFREG)),
             libc::S_IFCHR | libc::S_IFREG | 0 => {
-                let Some(attr) = sys::stat_opt(dir, &e.name)? else {
+                let Some(attr) = dir.stat_opt(&e.name)? else {
                     return Ok(None);
                 };
                 if self.layers.is_whiteout(dir, &e.name, &attr)? {

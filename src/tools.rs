@@ -22,6 +22,7 @@ use crate::options::{Redirects, ToolArgs};
 use crate::overlay::{Config, Overlay};
 use crate::partial::PartialMark;
 use crate::sys;
+use crate::upper::UpperDir;
 
 /// Exit statuses, as fsck(8) has them.
 pub const CLEAN: i32 = 0;
@@ -111,13 +112,18 @@ impl Completion {
         let node = ov.node(ino).map_err(at)?;
         let (dir, name) = ov.upper_entry(&node).map_err(at)?;
         let names = &ov.layers.xattr;
-        let redirect = sys::get_xattr(dir.as_fd(), Some(&name), &names.redirect).map_err(at)?;
+        let redirect = dir
+            .view()
+            .get_xattr(Some(&name), &names.redirect)
+            .map_err(at)?;
         let copy = copy || (redirect.is_some() && self.redirects == Redirects::Copy);
         if let (Some(target), Redirects::Kernel, false) = (&redirect, self.redirects, copy) {
             // The kernel's key first: a crash in between leaves both, which read the same.
-            sys::set_xattr(dir.as_fd(), Some(&name), kernel_redirect(names), target, 0)
+            let kernel = kernel_redirect(names);
+            dir.set_xattr(Some(&name), OsStr::new(&kernel), target, 0)
                 .map_err(at)?;
-            sys::remove_xattr(dir.as_fd(), Some(&name), &names.redirect).map_err(at)?;
+            let ours = OsStr::new(&names.redirect);
+            dir.remove_xattr(Some(&name), ours).map_err(at)?;
             self.done.redirects += 1;
         }
         let entries = ov.list_dir(ino).map_err(at)?;
@@ -146,9 +152,9 @@ impl Completion {
         if copy {
             // Every entry is in the upper layer now: hide the lower parts, then drop the
             // redirect that pointed at them.
-            ov.layers.make_opaque(dir.as_fd(), &name).map_err(at)?;
+            ov.layers.make_opaque(&dir, &name).map_err(at)?;
             for key in [names.redirect.clone(), kernel_redirect(names)] {
-                match sys::remove_xattr(dir.as_fd(), Some(&name), &key) {
+                match dir.remove_xattr(Some(&name), OsStr::new(&key)) {
                     Err(e) if !e.is(libc::ENODATA) => return Err(at(e)),
                     _ => {}
                 }
@@ -198,7 +204,9 @@ impl Completion {
             .upper_entry(node)
             .map_err(|e| format!("{}: {e}", shown(path)))?;
         let device = &self.overlay.layers.xattr.device;
-        if sys::get_xattr(dir.as_fd(), Some(&name), device)
+        if dir
+            .view()
+            .get_xattr(Some(&name), device)
             .ok()
             .flatten()
             .is_some()
@@ -220,7 +228,7 @@ impl Completion {
         let (dir, name) = ov.upper_entry(node).map_err(at)?;
         let names = &ov.layers.xattr;
         for key in [&names.origin, &names.origins] {
-            match sys::remove_xattr(dir.as_fd(), Some(&name), key) {
+            match dir.remove_xattr(Some(&name), OsStr::new(key)) {
                 Ok(()) => self.done.xattrs += 1,
                 // Symlinks and devices cannot carry user.* xattrs at all.
                 Err(e) if e.is(libc::ENODATA) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
@@ -326,7 +334,9 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         if t.repair
             && let Some(r) = &p.repair
         {
-            match c.repair(r, work.as_ref().map(|(w, _)| w.as_fd())) {
+            let work = work.as_ref().map(|(w, _)| w.try_clone().map(Arc::new));
+            let work = work.transpose().map_err(|e| format!("work dir: {e}"))?;
+            match c.repair(r, work.map(UpperDir::Disk).as_ref()) {
                 Ok(()) => {
                     repaired += 1;
                     line += " (repaired)";
@@ -618,7 +628,7 @@ impl Check {
         Ok(())
     }
 
-    fn repair(&self, r: &Repair, work: Option<BorrowedFd<'_>>) -> crate::error::Result<()> {
+    fn repair(&self, r: &Repair, work: Option<&UpperDir>) -> crate::error::Result<()> {
         match r {
             Repair::DropXattr(rel, key) => {
                 let (parent, name) = match (rel.parent(), rel.file_name()) {
@@ -629,7 +639,7 @@ impl Check {
                 sys::remove_xattr(dir.as_fd(), Some(name), key)
             }
             Repair::RemoveOrphan(name) => match work {
-                Some(w) => crate::layers::remove_tree(w, name),
+                Some(w) => w.remove_tree(name),
                 None => Ok(()),
             },
         }

@@ -10,7 +10,7 @@
 //! Both implementations take the same `Creation`, and the caller sets the credentials to match.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -20,11 +20,21 @@ use crate::error::{Result, errno};
 use crate::memory_upper::{self, Ino, MemoryUpper, NewNode, Node};
 use crate::sys::{self, Attr, RawDirEntry, Time};
 
-/// A directory of the upper (or work) layer.
+/// A directory of the upper (or work) layer. With no name, the calls below act on the handle's
+/// own object — which is, for a file no name reaches (`UpperFile::object`), that file.
 #[derive(Clone)]
 pub enum UpperDir {
     Disk(Arc<OwnedFd>),
     Memory(Arc<MemoryUpper>, Ino),
+}
+
+impl std::fmt::Debug for UpperDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UpperDir::Disk(fd) => write!(f, "UpperDir::Disk({fd:?})"),
+            UpperDir::Memory(_, ino) => write!(f, "UpperDir::Memory({ino})"),
+        }
+    }
 }
 
 /// An open regular file of the upper layer.
@@ -43,6 +53,17 @@ pub struct Creation {
 }
 
 impl Creation {
+    /// An object of the daemon's own (a whiteout, a temporary in the work dir): its owner is
+    /// the daemon, its mode exactly `mode`.
+    pub fn daemon(mode: u32) -> Creation {
+        Creation {
+            mode,
+            umask: 0,
+            uid: rustix::process::geteuid().as_raw(),
+            gid: rustix::process::getegid().as_raw(),
+        }
+    }
+
     fn node<'a>(&self, rdev: u64, target: Option<&'a OsStr>) -> NewNode<'a> {
         NewNode {
             mode: self.mode,
@@ -55,7 +76,159 @@ impl Creation {
     }
 }
 
+/// A directory of any layer, borrowed: a lower layer's or a disk upper's as a descriptor, a
+/// memory upper's as its store and node. The reads every layer shares (whiteouts, overlay
+/// marks, listings, origins) take this view, so that lower call sites only wrap their
+/// descriptor (`dir.into()`).
+#[derive(Clone, Copy)]
+pub enum LayerDir<'a> {
+    Disk(BorrowedFd<'a>),
+    Memory(&'a MemoryUpper, Ino),
+}
+
+impl<'a> From<BorrowedFd<'a>> for LayerDir<'a> {
+    fn from(fd: BorrowedFd<'a>) -> Self {
+        LayerDir::Disk(fd)
+    }
+}
+
+impl LayerDir<'_> {
+    /// The attributes of `name` here, not following a symlink; `None` when there is none.
+    pub fn stat_opt(&self, name: &OsStr) -> Result<Option<Attr>> {
+        match *self {
+            LayerDir::Disk(fd) => sys::stat_opt(fd, name),
+            LayerDir::Memory(m, dir) => match m.lookup(dir, name)? {
+                Some(ino) => Ok(Some(m.stat(ino)?)),
+                None => Ok(None),
+            },
+        }
+    }
+
+    /// The attributes of `name` here, or of this directory with `None`.
+    pub fn stat(&self, name: Option<&OsStr>) -> Result<Attr> {
+        match (*self, name) {
+            (LayerDir::Disk(fd), Some(name)) => sys::stat_at(fd, name),
+            (LayerDir::Disk(fd), None) => sys::fstat(fd),
+            (LayerDir::Memory(m, dir), name) => Ok(UpperDir::node_of(m, dir, name)?.attr()),
+        }
+    }
+
+    /// An xattr of `name` here (of this directory with `None`); `None` when it is absent.
+    pub fn get_xattr(&self, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
+        match *self {
+            LayerDir::Disk(fd) => sys::get_xattr(fd, name, key),
+            LayerDir::Memory(m, dir) => {
+                Ok(m.get_xattr(&*UpperDir::node_of(m, dir, name)?, OsStr::new(key)))
+            }
+        }
+    }
+
+    pub fn list_xattr(&self, name: Option<&OsStr>) -> Result<Vec<OsString>> {
+        match *self {
+            LayerDir::Disk(fd) => sys::list_xattr(fd, name),
+            LayerDir::Memory(m, dir) => Ok(m.list_xattr(&*UpperDir::node_of(m, dir, name)?)),
+        }
+    }
+
+    /// The names here (not `.` and `..`), in no particular order.
+    pub fn read_dir(&self) -> Result<Vec<RawDirEntry>> {
+        match *self {
+            LayerDir::Disk(fd) => sys::read_dir(fd, Path::new("")),
+            LayerDir::Memory(m, dir) => Ok(m
+                .read_dir(dir)?
+                .into_iter()
+                .map(|(name, ino, kind)| RawDirEntry { name, ino, kind })
+                .collect()),
+        }
+    }
+
+    /// An xattr of `name` here (of this directory with `None`), every error passed through
+    /// (ENODATA when it is absent), for the merged view's getxattr.
+    pub fn get_xattr_raw(&self, name: Option<&OsStr>, key: &OsStr) -> Result<Vec<u8>> {
+        match *self {
+            LayerDir::Disk(fd) => sys::get_xattr_raw(fd, name, key),
+            LayerDir::Memory(m, dir) => m
+                .get_xattr(&*UpperDir::node_of(m, dir, name)?, key)
+                .ok_or_else(|| errno(libc::ENODATA)),
+        }
+    }
+
+    /// The target of the symlink `name` here (of this object with `None`).
+    pub fn read_link(&self, name: Option<&OsStr>) -> Result<OsString> {
+        match *self {
+            LayerDir::Disk(fd) => sys::read_link_at(fd, name.unwrap_or(OsStr::new("."))),
+            LayerDir::Memory(m, dir) => m.read_link(UpperDir::node_of(m, dir, name)?.ino()),
+        }
+    }
+
+    /// The inode flags `lsattr` shows (FS_IOC_GETFLAGS) of `name` here (this object with
+    /// `None`); a memory upper sets none.
+    pub fn inode_flags(&self, name: Option<&OsStr>) -> Result<u32> {
+        match *self {
+            LayerDir::Disk(fd) => {
+                let flags = OFlags::RDONLY
+                    | OFlags::NONBLOCK
+                    | OFlags::NOFOLLOW
+                    | OFlags::NOCTTY
+                    | OFlags::CLOEXEC;
+                let f = sys::openat(fd, name.unwrap_or(OsStr::new(".")), flags, Mode::empty())?;
+                Ok(rustix::fs::ioctl_getflags(&f)?.bits())
+            }
+            LayerDir::Memory(m, dir) => UpperDir::node_of(m, dir, name).map(|_| 0),
+        }
+    }
+
+    /// Whether the directory `sub` here (this directory with `None`) holds `name`.
+    pub fn has_in(&self, sub: Option<&OsStr>, name: &OsStr) -> Result<bool> {
+        match (*self, sub) {
+            (LayerDir::Disk(fd), sub) => {
+                let flags = OFlags::PATH | OFlags::DIRECTORY;
+                let d = sys::open_beneath(fd, Path::new(sub.unwrap_or_default()), flags, 0)?;
+                Ok(sys::stat_opt(d.as_fd(), name)?.is_some())
+            }
+            (LayerDir::Memory(m, dir), sub) => {
+                let node = UpperDir::node_of(m, dir, sub)?;
+                if !node.is_dir() {
+                    return Err(errno(libc::ENOTDIR));
+                }
+                Ok(m.lookup(node.ino(), name)?.is_some())
+            }
+        }
+    }
+}
+
 impl UpperDir {
+    /// This directory as the reads shared with lower layers take it.
+    pub fn view(&self) -> LayerDir<'_> {
+        match self {
+            UpperDir::Disk(fd) => LayerDir::Disk(fd.as_fd()),
+            UpperDir::Memory(m, ino) => LayerDir::Memory(m, *ino),
+        }
+    }
+
+    /// The descriptor of a disk upper directory, for the call sites that do not go through
+    /// this interface yet (issue #13's wiring, docs/ARCHITECTURE.md); a memory upper cannot
+    /// serve them: EOPNOTSUPP.
+    pub fn disk_fd(&self) -> Result<BorrowedFd<'_>> {
+        match self {
+            UpperDir::Disk(fd) => Ok(fd.as_fd()),
+            UpperDir::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
+        }
+    }
+
+    /// Makes this directory's entries durable (a journal entry for a memory upper).
+    pub fn sync(&self) -> Result<()> {
+        match self {
+            UpperDir::Disk(fd) => {
+                // An O_PATH descriptor (the directory cache's) cannot be fsynced.
+                let flags = OFlags::RDONLY | OFlags::DIRECTORY;
+                let d = sys::open_beneath(fd.as_fd(), Path::new(""), flags, 0)?;
+                Ok(sys::fsync(&d)?)
+            }
+            UpperDir::Memory(m, _) => m.sync_changes(),
+        }
+    }
+
     /// The attributes of `name` here, not following a symlink.
     pub fn stat_at(&self, name: &OsStr) -> Result<Attr> {
         match self {
@@ -149,6 +322,43 @@ impl UpperDir {
                 Ok(UpperFile::Memory(m.clone(), m.node(ino)?))
             }
         }
+    }
+
+    /// A new regular file without a name (O_TMPFILE), open for reading and writing.
+    pub fn tmpfile(&self, c: &Creation) -> Result<UpperFile> {
+        match self {
+            UpperDir::Disk(fd) => {
+                let flags = OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC;
+                let mode = Mode::from_raw_mode(c.mode & 0o7777);
+                Ok(UpperFile::Disk(sys::openat(fd.as_fd(), ".", flags, mode)?))
+            }
+            UpperDir::Memory(m, dir) => {
+                let c = Creation {
+                    mode: libc::S_IFREG | (c.mode & 0o7777),
+                    ..*c
+                };
+                Ok(UpperFile::Memory(
+                    m.clone(),
+                    m.make_unnamed(*dir, &c.node(0, None))?,
+                ))
+            }
+        }
+    }
+
+    /// Removes `name` here, a directory with everything in it; nothing there is fine.
+    pub fn remove_tree(&self, name: &OsStr) -> Result<()> {
+        match self.unlink(name) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is(libc::EISDIR) || e.is(libc::EPERM) => {}
+            Err(e) if e.is(libc::ENOENT) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let sub = self.open_dir(name)?;
+        for e in sub.read_dir()? {
+            sub.remove_tree(&e.name)?;
+        }
+        drop(sub);
+        self.rmdir(name)
     }
 
     /// Opens the regular file `name` for reading and writing. Anything else is refused before
@@ -351,6 +561,56 @@ impl UpperDir {
 }
 
 impl UpperFile {
+    /// The descriptor of a disk upper file, for the call sites that do not go through this
+    /// interface yet (see `UpperDir::disk_fd`).
+    pub fn into_disk_fd(self) -> Result<OwnedFd> {
+        match self {
+            UpperFile::Disk(fd) => Ok(fd),
+            UpperFile::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
+        }
+    }
+
+    /// This file as the object of the `UpperDir` calls that take no name (`dir.xxx(None, ..)`),
+    /// for a file that no name reaches (O_TMPFILE, or unlinked while open).
+    pub fn object(&self) -> Result<UpperDir> {
+        match self {
+            UpperFile::Disk(fd) => Ok(UpperDir::Disk(Arc::new(fd.try_clone()?))),
+            UpperFile::Memory(m, node) => Ok(UpperDir::Memory(m.clone(), node.ino())),
+        }
+    }
+
+    /// The descriptor of a disk upper file (see `UpperDir::disk_fd`).
+    pub fn disk_fd(&self) -> Result<BorrowedFd<'_>> {
+        match self {
+            UpperFile::Disk(fd) => Ok(fd.as_fd()),
+            UpperFile::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
+        }
+    }
+
+    pub fn chown(&self, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::fchown(
+                fd,
+                uid.map(rustix::fs::Uid::from_raw),
+                gid.map(rustix::fs::Gid::from_raw),
+            )?),
+            UpperFile::Memory(m, node) => {
+                m.set_owner(node, uid, gid);
+                Ok(())
+            }
+        }
+    }
+
+    pub fn chmod(&self, mode: u32) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::fchmod(fd, Mode::from_raw_mode(mode & 0o7777))?),
+            UpperFile::Memory(m, node) => {
+                m.set_mode(node, mode);
+                Ok(())
+            }
+        }
+    }
+
     pub fn stat(&self) -> Result<Attr> {
         match self {
             UpperFile::Disk(fd) => sys::fstat(fd.as_fd()),
