@@ -27,7 +27,7 @@ use crate::partial::PartialMark;
 use crate::partial_file::Source;
 use crate::stat_override::OverrideStat;
 use crate::sys::{self, Attr, Time};
-use crate::upper::{Creation, LayerDir, UpperDir};
+use crate::upper::{Creation, LayerDir, UpperDir, UpperFile};
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -127,12 +127,11 @@ impl Overlay {
             libc::S_IFREG => {
                 let file = work.create(tmp, &Creation::daemon(libc::S_IFREG | 0o600))?;
                 if !empty && lattr.size > 0 {
-                    // Partial files and clones are on disk only yet (issue #13's data path).
-                    let fd = file.disk_fd()?;
+                    let fd = &file;
                     if self.clone_lower(fd, lower.top(), &lower.path)? {
                         // A complete copy sharing the lower file's extents: no mark.
                     } else if self.sparse.sparse {
-                        crate::sys::ftruncate(fd, lattr.size)?;
+                        fd.truncate(lattr.size)?;
                         let block = self.sparse.block;
                         let mark =
                             PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
@@ -141,7 +140,7 @@ impl Overlay {
                             // The mark names the lower path, and a path deep enough does not
                             // fit in one xattr (ext4 holds about 4 KiB): copy the whole file.
                             Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => {
-                                crate::sys::ftruncate(fd, 0)?;
+                                fd.truncate(0)?;
                                 let src = self.open_lower_source(lower.top(), &lower.path)?;
                                 copy_all(&src, fd, lattr.size)?;
                             }
@@ -221,14 +220,14 @@ impl Overlay {
     /// layer is not tried again) or if the lower file is itself a partial file (an upper layer
     /// reused as a lower one: its bytes are not its content); an error only for a clone that
     /// should have worked and failed (ENOSPC).
-    fn clone_lower(&self, dst: BorrowedFd<'_>, layer: LayerId, path: &Path) -> Result<bool> {
+    fn clone_lower(&self, dst: &UpperFile, layer: LayerId, path: &Path) -> Result<bool> {
         if !self.reflinks_from(layer) {
             return Ok(false);
         }
         let Source::File(src) = self.open_lower_source(layer, path)? else {
             return Ok(false);
         };
-        match crate::sys::ioctl_ficlone(dst, &src) {
+        match dst.clone_from(src.as_fd()) {
             Ok(()) => {
                 self.stats.reflinks.add(1);
                 Ok(true)
@@ -293,7 +292,7 @@ impl Overlay {
 }
 
 /// Copies `len` bytes, for upper file systems without sparse files only.
-fn copy_all(src: &Source, dst: BorrowedFd<'_>, len: u64) -> Result<()> {
+fn copy_all(src: &Source, dst: &UpperFile, len: u64) -> Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     let mut off = 0;
     while off < len {
@@ -301,7 +300,7 @@ fn copy_all(src: &Source, dst: BorrowedFd<'_>, len: u64) -> Result<()> {
         if n == 0 {
             break;
         }
-        sys::pwrite_full(dst, &buf[..n], off)?;
+        dst.write_at(&buf[..n], off)?;
         off += n as u64;
     }
     Ok(())

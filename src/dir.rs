@@ -7,7 +7,6 @@
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -20,7 +19,7 @@ use crate::inode::{Found, Ino, Node};
 use crate::layers::{UPPER, is_reserved_name, wh_name};
 use crate::namei::{Entry, UpperSlot, check_name};
 use crate::overlay::{Caller, DirView, Overlay};
-use crate::sys::{self, Attr};
+use crate::sys::Attr;
 use crate::upper::{Creation, UpperDir};
 
 impl Overlay {
@@ -254,7 +253,7 @@ impl Overlay {
         let fd = std::cell::Cell::new(None);
         let mode = libc::S_IFREG | (mode & 0o7777);
         let made = self.create_object(parent, name, caller, mode, |dir, n, c| {
-            fd.set(Some(dir.create(n, c)?.into_disk_fd()?));
+            fd.set(Some(dir.create(n, c)?));
             Ok(())
         });
         let mut _file = None;
@@ -320,7 +319,6 @@ impl Overlay {
             }
         }
         let attr = file.stat()?;
-        let fd = file.into_disk_fd()?;
         let found = Found {
             ino: self.map_ino(UPPER, attr.ino),
             kind: libc::S_IFREG,
@@ -331,7 +329,7 @@ impl Overlay {
         };
         let node = self.inodes.remember_unnamed(&found);
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
-        let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(fd));
+        let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(file));
         let opened = self.open(node.ino, flags & !(libc::O_TMPFILE | libc::O_TRUNC), false)?;
         let attr = self.present(&node, attr);
         Ok((node, attr, opened))
@@ -349,8 +347,8 @@ impl Overlay {
         self.copy_up(&node)?;
         let udir = self.upper_dir(&pnode)?;
         let link_at = |dir: &UpperDir, name: &OsStr| -> Result<()> {
-            if let Some(fd) = self.unnamed_upper_fd(&node) {
-                return sys::link_open_file(fd.as_fd(), dir.disk_fd()?, name);
+            if let Some(f) = self.unnamed_upper_file(&node) {
+                return f.link_into(dir, name);
             }
             let (sdir, sname) = self.upper_entry(&node)?;
             sdir.link(&sname, dir, name)

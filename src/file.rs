@@ -23,6 +23,7 @@ use crate::overlay::Overlay;
 use crate::partial::{BlockMap, PartialMark};
 use crate::partial_file::{PartialFile, Source};
 use crate::sys::{self, Attr};
+use crate::upper::UpperFile;
 
 pub enum FileData {
     Lower(Source),
@@ -33,17 +34,16 @@ pub enum FileData {
     /// trip each (bench/stores.sh), more than the read they would serve.
     Unopened(LayerId, std::path::PathBuf),
     Partial(PartialFile),
-    Upper(OwnedFd),
+    Upper(UpperFile),
 }
 
 impl FileData {
     fn highest_fd(&self) -> i32 {
-        use std::os::fd::AsRawFd;
         match self {
             FileData::Lower(s) => s.highest_fd(),
             FileData::Unopened(..) => -1,
-            FileData::Partial(p) => p.upper.as_raw_fd().max(p.lower.highest_fd()),
-            FileData::Upper(fd) => fd.as_raw_fd(),
+            FileData::Partial(p) => p.upper.raw_fd().max(p.lower.highest_fd()),
+            FileData::Upper(f) => f.raw_fd(),
         }
     }
 }
@@ -237,11 +237,12 @@ impl NodeIo {
         }
         let data = file.read_data();
         let fd = match (&*data, io.backing_upper) {
-            (FileData::Upper(fd), true) => fd.as_fd(),
-            (FileData::Lower(src), false) if src.is_plain() => src.fd(),
-            // Copied up since the handle chose passthrough.
-            _ => return Err(changed()),
+            (FileData::Upper(f), true) => f.disk_fd().ok(),
+            (FileData::Lower(src), false) => src.fd(),
+            _ => None,
         };
+        // None: copied up since the handle chose passthrough.
+        let fd = fd.ok_or_else(changed)?;
         let b = register(fd)?;
         io.backing = Some(b.clone());
         Ok(b)
@@ -329,14 +330,15 @@ impl OpenFile {
     pub fn fstat(&self) -> Result<Option<Attr>> {
         match &*self.read_data() {
             FileData::Lower(_) | FileData::Unopened(..) => Ok(None),
-            FileData::Partial(p) => Ok(Some(sys::fstat(p.upper.as_fd())?)),
-            FileData::Upper(fd) => Ok(Some(sys::fstat(fd.as_fd())?)),
+            FileData::Partial(p) => Ok(Some(p.upper.stat()?)),
+            FileData::Upper(f) => Ok(Some(f.stat()?)),
         }
     }
 
     fn kind(&self) -> DataKind {
         match &*self.read_data() {
-            FileData::Upper(_) => DataKind::Upper,
+            // A memory upper file has no descriptor to pass through to.
+            FileData::Upper(f) if f.disk_fd().is_ok() => DataKind::Upper,
             FileData::Lower(src) if src.is_plain() => DataKind::PlainLower,
             _ => DataKind::Merged,
         }
@@ -353,19 +355,14 @@ impl OpenFile {
     /// Whether a write by an unprivileged caller would have to clear set-id bits or file
     /// capabilities of this complete upper file. `privs` reads its mode and capability name.
     fn has_privs_to_kill(&self, privs: &PrivsOf) -> bool {
-        let FileData::Upper(fd) = &*self.read_data() else {
+        let FileData::Upper(f) = &*self.read_data() else {
             return false;
         };
-        let setid = privs.mode(fd.as_fd()).map_or(true, |mode| {
+        let setid = privs.mode(f).map_or(true, |mode| {
             mode & libc::S_ISUID != 0
                 || mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
         });
-        let mut probe = [0u8; 64];
-        setid
-            || !matches!(
-                rustix::fs::fgetxattr(fd, privs.capability, &mut probe),
-                Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP)
-            )
+        setid || !matches!(f.get_xattr(privs.capability), Ok(None))
     }
 
     pub fn is_partial(&self) -> bool {
@@ -399,7 +396,7 @@ impl OpenFile {
                 present: p.blocks.block_count(),
                 total: p.fill_limit().div_ceil(p.block),
                 last_write: p.last_write,
-                unlinked: sys::fstat(p.upper.as_fd()).is_ok_and(|a| a.nlink == 0),
+                unlinked: p.upper.stat().is_ok_and(|a| a.nlink == 0),
                 writer_opens: self.writer_opens.load(std::sync::atomic::Ordering::Relaxed),
                 reopened: self.reopened.load(std::sync::atomic::Ordering::Relaxed),
             }),
@@ -432,14 +429,6 @@ impl OpenFile {
             blk += run;
         }
         Ok(Some((end, filled)))
-    }
-
-    /// A descriptor of the complete upper file, if that is what this file is.
-    pub fn upper_fd(&self) -> Option<OwnedFd> {
-        match &*self.read_data() {
-            FileData::Upper(fd) => fd.try_clone().ok(),
-            _ => None,
-        }
     }
 
     /// Fills every pending block of this file (unmount).
@@ -480,9 +469,9 @@ impl OpenFile {
         // Durable data before the mark goes: a hole must never lose its meaning "read lower"
         // while the block that replaced it is not yet on disk.
         if !skip_fsync {
-            crate::sys::fdatasync(&p.upper)?;
+            p.upper.datasync()?;
         }
-        PartialMark::remove(p.upper.as_fd(), &names.partial)?;
+        PartialMark::remove(&p.upper, &names.partial)?;
         let upper = p.upper.try_clone()?;
         *data = FileData::Upper(upper);
         Ok(true)
@@ -508,24 +497,14 @@ impl Overlay {
                 self.open_lower_source(lower.top(), &lower.path)?,
             ));
         }
-        let access = if self.config.read_only {
-            OFlags::RDONLY
-        } else {
-            OFlags::RDWR
-        };
-        let fd = self.settled(|| {
+        let file = self.settled(|| {
             let (dir, name) = self.upper_entry(node)?;
-            Ok(crate::sys::openat(
-                dir.disk_fd()?,
-                &name,
-                access | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                rustix::fs::Mode::empty(),
-            )?)
+            dir.open_known_file(&name, !self.config.read_only)
         })?;
         // For messages only: a concurrent rename may change it, the descriptor stays right.
         let path = self.upper_path(node.ino)?;
-        match self.read_mark(fd.as_fd(), UPPER, &path)? {
-            None => Ok(FileData::Upper(fd)),
+        match self.read_mark(&file, UPPER, &path)? {
+            None => Ok(FileData::Upper(file)),
             Some(mark) => {
                 if let Some(b) = mark.block.filter(|b| b % self.sparse.block != 0) {
                     // Writing one of its blocks would allocate (zero) neighbours that must
@@ -543,7 +522,7 @@ impl Overlay {
                 }
                 let lower = self.open_partial_lower(UPPER, &mark, &path)?;
                 Ok(FileData::Partial(self.partial_file(
-                    fd,
+                    file,
                     lower,
                     mark,
                     self.caw.clone(),
@@ -591,12 +570,13 @@ impl Overlay {
     }
 
     fn layer_source(&self, fd: OwnedFd, layer: LayerId, path: &Path) -> Result<Source> {
-        match self.read_mark(fd.as_fd(), layer, path)? {
-            None => Ok(Source::File(fd)),
+        let file = UpperFile::Disk(fd);
+        match self.read_mark(&file, layer, path)? {
+            None => Ok(Source::File(file.into_disk_fd()?)),
             Some(mark) => {
                 let lower = self.open_partial_lower(layer, &mark, path)?;
                 Ok(Source::Partial(Box::new(
-                    self.partial_file(fd, lower, mark, None)?,
+                    self.partial_file(file, lower, mark, None)?,
                 )))
             }
         }
@@ -605,11 +585,11 @@ impl Overlay {
     /// The partial-file mark of a file in `layer`, if it has one.
     fn read_mark(
         &self,
-        fd: BorrowedFd<'_>,
+        file: &UpperFile,
         layer: LayerId,
         path: &Path,
     ) -> Result<Option<PartialMark>> {
-        let Some(mark) = PartialMark::load(fd, &self.layers.xattr.partial)? else {
+        let Some(mark) = PartialMark::load(file, &self.layers.xattr.partial)? else {
             return Ok(None);
         };
         let mark = mark.map_err(|why| {
@@ -627,21 +607,21 @@ impl Overlay {
 
     fn partial_file(
         &self,
-        fd: OwnedFd,
+        file: UpperFile,
         lower: Source,
         mark: PartialMark,
         caw: Option<Arc<crate::caw::CawShared>>,
     ) -> Result<PartialFile> {
-        let attr = sys::fstat(fd.as_fd())?;
+        let attr = file.stat()?;
         // The file's holes mean something at the grain it was written in (v1: this mount's).
         let block = mark.block.unwrap_or(self.sparse.block);
         let mark = PartialMark {
             block: Some(block),
             ..mark
         };
-        let blocks = BlockMap::from_file(fd.as_fd(), attr.size, block)?;
+        let blocks = BlockMap::from_file(&file, attr.size, block)?;
         Ok(PartialFile {
-            upper: fd,
+            upper: file,
             lower,
             mark,
             blocks,
@@ -689,9 +669,9 @@ impl Overlay {
         self.layer_source(fd, layer, &mark.path)
     }
 
-    /// A descriptor of `node`'s upper file when the file has no name any more (or never had
-    /// one: O_TMPFILE) and is still open: the only way left to reach it.
-    pub fn unnamed_upper_fd(&self, node: &Node) -> Option<OwnedFd> {
+    /// `node`'s upper file when the file has no name any more (or never had one: O_TMPFILE)
+    /// and is still open: the only way left to reach it.
+    pub fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
         let file = {
             let st = node.state();
             if !st.links.is_empty() || !st.upper {
@@ -700,7 +680,7 @@ impl Overlay {
             st.open.upgrade()?
         };
         match &*file.read_data() {
-            FileData::Upper(fd) => fd.try_clone().ok(),
+            FileData::Upper(f) => f.try_clone().ok(),
             FileData::Partial(p) => p.upper.try_clone().ok(),
             FileData::Lower(_) | FileData::Unopened(..) => None,
         }
@@ -976,9 +956,9 @@ impl Overlay {
             Err(e) => return reply(Err(e)),
         };
         match &*data {
-            FileData::Upper(fd) => BUF.with(|buf| {
+            FileData::Upper(f) => BUF.with(|buf| {
                 let mut buf = buf.borrow_mut();
-                match sys::pread_into(fd.as_fd(), &mut buf, size as usize, off) {
+                match f.read_into(&mut buf, size as usize, off) {
                     Ok(()) => reply(Ok(&buf)),
                     Err(e) => reply(Err(e)),
                 }
@@ -1023,22 +1003,18 @@ impl Overlay {
         self.ensure_upper(&h.node, &h.file)?;
         let mut fd_data = h.file.write_data();
         match &mut *fd_data {
-            FileData::Upper(fd) => {
-                let off = if h.append {
-                    sys::fstat(fd.as_fd())?.size
-                } else {
-                    off
-                };
-                sys::pwrite_full(fd.as_fd(), data, off)?;
+            FileData::Upper(f) => {
+                let off = if h.append { f.stat()?.size } else { off };
+                f.write_at(data, off)?;
                 if h.sync && !self.config.skip_fsync {
-                    crate::sys::fdatasync(&*fd)?;
+                    f.datasync()?;
                 }
             }
             FileData::Partial(p) => {
                 let off = if h.append { p.size } else { off };
                 let pending = p.write(off, data, !h.sync)?;
                 if h.sync && !self.config.skip_fsync {
-                    crate::sys::fdatasync(&p.upper)?;
+                    p.upper.datasync()?;
                 }
                 drop(fd_data);
                 if let Some(caw) = &self.caw {
@@ -1062,9 +1038,7 @@ impl Overlay {
     pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
         let lower_has_setid = match &*self.opened_data(file)? {
-            FileData::Lower(src) => {
-                Some(sys::fstat(src.fd())?.mode & (libc::S_ISUID | libc::S_ISGID) != 0)
-            }
+            FileData::Lower(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
             _ => None,
         };
         match lower_has_setid {
@@ -1072,13 +1046,13 @@ impl Overlay {
             Some(true) => self.ensure_upper(node, file)?,
             None => {}
         }
-        let fd = match &*file.read_data() {
-            FileData::Upper(fd) => fd.try_clone()?,
+        let f = match &*file.read_data() {
+            FileData::Upper(f) => f.try_clone()?,
             FileData::Partial(p) => p.upper.try_clone()?,
             FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
         };
         let privs = self.privs_of();
-        let before = privs.mode(fd.as_fd())?;
+        let before = privs.mode(&f)?;
         let mut mode = before;
         mode &= !libc::S_ISUID;
         if mode & libc::S_IXGRP != 0 {
@@ -1086,29 +1060,27 @@ impl Overlay {
         }
         if mode != before {
             if self.upper_overrides() {
+                let object = f.object()?;
                 let mut v = self
-                    .override_at(UPPER, fd.as_fd().into(), None)
+                    .override_at(UPPER, object.view(), None)
                     .ok_or_else(|| errno(libc::EIO))?;
                 v.mode = mode;
-                let file = crate::upper::UpperDir::Disk(Arc::new(fd.try_clone()?));
-                self.set_override(&file, None, &v, libc::S_IFREG)?;
+                self.set_override(&object, None, &v, libc::S_IFREG)?;
             } else {
-                crate::sys::fchmod(&fd, rustix::fs::Mode::from_raw_mode(mode))?;
+                f.chmod(mode)?;
             }
         }
         let capability = privs.capability;
-        match crate::sys::fremovexattr(&fd, capability) {
-            Ok(()) | Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
+        match f.remove_xattr(capability) {
+            Ok(()) => Ok(()),
+            Err(e) if e.is(libc::ENODATA) || e.is(libc::EOPNOTSUPP) => Ok(()),
             // A daemon without CAP_SETFCAP (an unprivileged mount) may not even try; it is
             // only an error if there is a capability to remove.
-            Err(e @ (rustix::io::Errno::PERM | rustix::io::Errno::ACCESS)) => {
-                let mut probe = [0u8; 64];
-                match rustix::fs::fgetxattr(&fd, capability, &mut probe) {
-                    Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(()),
-                    _ => Err(e.into()),
-                }
-            }
-            Err(e) => Err(e.into()),
+            Err(e) if e.is(libc::EPERM) || e.is(libc::EACCES) => match f.get_xattr(capability) {
+                Ok(None) => Ok(()),
+                _ => Err(e),
+            },
+            Err(e) => Err(e),
         }
     }
 
@@ -1123,7 +1095,7 @@ impl Overlay {
         self.ensure_upper(node, &file)?;
         let mut data = file.write_data();
         match &mut *data {
-            FileData::Upper(fd) => crate::sys::ftruncate(&*fd, size)?,
+            FileData::Upper(f) => f.truncate(size)?,
             FileData::Partial(p) => {
                 if p.set_size(size, &self.layers.xattr)? {
                     // Nothing of the lower file is valid any more: the file is complete.
@@ -1144,7 +1116,7 @@ impl Overlay {
         self.ensure_upper(&h.node, &h.file)?;
         let mut data = h.file.write_data();
         match &mut *data {
-            FileData::Upper(fd) => crate::sys::fallocate(&*fd, mode, off, len)?,
+            FileData::Upper(f) => f.fallocate(mode, off, len)?,
             FileData::Partial(p) => p.fallocate(off, len, mode, &self.layers.xattr)?,
             FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
         }
@@ -1168,10 +1140,10 @@ impl Overlay {
         let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
         let data = self.opened_data(file)?;
         let pos = match (&*data, whence) {
-            (FileData::Upper(fd), libc::SEEK_DATA) => {
-                sys::seek_data(fd.as_fd(), off)?.ok_or_else(|| errno(libc::ENXIO))?
+            (FileData::Upper(f), libc::SEEK_DATA) => {
+                f.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
             }
-            (FileData::Upper(fd), libc::SEEK_HOLE) => sys::seek_hole(fd.as_fd(), off)?,
+            (FileData::Upper(f), libc::SEEK_HOLE) => f.seek_hole(off)?,
             (FileData::Lower(src), libc::SEEK_DATA) => {
                 src.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
             }
@@ -1199,8 +1171,8 @@ impl Overlay {
         }
         let h = self.handle(fh)?;
         let mut data = h.file.write_data();
-        let fd = match &mut *data {
-            FileData::Upper(fd) => fd,
+        let f = match &mut *data {
+            FileData::Upper(f) => f,
             FileData::Partial(p) => {
                 p.flush_pending()?;
                 &p.upper
@@ -1208,9 +1180,9 @@ impl Overlay {
             FileData::Lower(_) | FileData::Unopened(..) => return Ok(()),
         };
         if datasync {
-            crate::sys::fdatasync(fd)?;
+            f.datasync()?;
         } else {
-            crate::sys::fsync(fd)?;
+            f.sync()?;
         }
         self.stats.fsyncs_to_disk.add(1);
         Ok(())
@@ -1237,14 +1209,14 @@ pub struct PrivsOf<'a> {
 }
 
 impl PrivsOf<'_> {
-    /// Permission, set-id and sticky bits of the upper file `fd`.
-    fn mode(&self, fd: BorrowedFd<'_>) -> Result<u32> {
+    /// Permission, set-id and sticky bits of the upper file `f`.
+    fn mode(&self, f: &UpperFile) -> Result<u32> {
         if self.in_xattr
-            && let Some(v) = self.overlay.override_at(UPPER, fd.into(), None)
+            && let Some(v) = self.overlay.override_at(UPPER, f.object()?.view(), None)
         {
             return Ok(v.mode);
         }
-        Ok(sys::fstat(fd)?.mode & 0o7777)
+        Ok(f.stat()?.mode & 0o7777)
     }
 }
 

@@ -389,8 +389,8 @@ impl Overlay {
     /// itself (`None`) for the root and for an unnamed open file (O_TMPFILE, or unlinked while
     /// open), which no name reaches.
     pub fn upper_target(&self, node: &Node) -> Result<(UpperDir, Option<OsString>)> {
-        if let Some(fd) = self.unnamed_upper_fd(node) {
-            return Ok((UpperDir::Disk(Arc::new(fd)), None));
+        if let Some(f) = self.unnamed_upper_file(node) {
+            return Ok((f.into_object(), None));
         }
         let (dir, name) = self.upper_entry(node)?;
         Ok((dir, (node.ino != ROOT_INO).then_some(name)))

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 use crate::layers::LayerId;
 use crate::sys::{self, Attr};
+use crate::upper::UpperFile;
 
 /// What a partial file patches: the mark stored in its xattr.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,28 +72,27 @@ impl PartialMark {
         v
     }
 
-    /// The mark on the open file `fd` (`key`: the mark's xattr name), whatever its length;
+    /// The mark on the open file `file` (`key`: the mark's xattr name), whatever its length;
     /// `Ok(None)` without one, `Err` with the reason for one that does not parse (the caller
     /// names the file).
     pub fn load(
-        fd: BorrowedFd<'_>,
+        file: &UpperFile,
         key: &str,
     ) -> Result<Option<std::result::Result<PartialMark, String>>> {
-        match sys::fget_xattr(fd, key)? {
+        match file.get_xattr(key)? {
             None => Ok(None),
             Some(raw) => Ok(Some(PartialMark::decode(&raw))),
         }
     }
 
-    /// Writes the mark on the open file `fd`.
-    pub fn store(&self, fd: BorrowedFd<'_>, key: &str) -> Result<()> {
-        let flags = rustix::fs::XattrFlags::empty();
-        Ok(crate::sys::fsetxattr(fd, key, &self.encode(), flags)?)
+    /// Writes the mark on the open file `file`.
+    pub fn store(&self, file: &UpperFile, key: &str) -> Result<()> {
+        file.set_xattr(key, &self.encode(), 0)
     }
 
-    /// Removes the mark from `fd`: the file is complete.
-    pub fn remove(fd: BorrowedFd<'_>, key: &str) -> Result<()> {
-        Ok(crate::sys::fremovexattr(fd, key)?)
+    /// Removes the mark from `file`: the file is complete.
+    pub fn remove(file: &UpperFile, key: &str) -> Result<()> {
+        file.remove_xattr(key)
     }
 
     /// Parses a mark. Anything malformed is an error: a damaged mark must never be guessed at.
@@ -173,17 +173,17 @@ pub struct BlockMap {
 
 impl BlockMap {
     /// Reads the allocation map of `fd` (a file of `size` bytes) with SEEK_DATA/SEEK_HOLE.
-    pub fn from_file(fd: BorrowedFd<'_>, size: u64, block: u64) -> Result<Self> {
+    pub fn from_file(file: &UpperFile, size: u64, block: u64) -> Result<Self> {
         let mut map = BlockMap::default();
         let mut pos = 0;
         while pos < size {
-            let Some(start) = sys::seek_data(fd, pos)? else {
+            let Some(start) = file.seek_data(pos)? else {
                 break;
             };
             if start >= size {
                 break;
             }
-            let end = sys::seek_hole(fd, start)?.min(size);
+            let end = file.seek_hole(start)?.min(size);
             map.insert(start / block, end.div_ceil(block));
             pos = end;
         }

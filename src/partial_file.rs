@@ -14,6 +14,7 @@ use crate::caw::{CawShared, PendingBlock};
 use crate::error::{Result, errno};
 use crate::partial::{BlockMap, PartialMark};
 use crate::sys;
+use crate::upper::UpperFile;
 
 /// Where a layer file's bytes come from: a plain file, or a partial file left in a layer that
 /// is now a lower layer (an upper dir stacked as a lower one), read through its own lower file.
@@ -29,15 +30,23 @@ impl Source {
         use std::os::fd::AsRawFd;
         match self {
             Source::File(fd) => fd.as_raw_fd(),
-            Source::Partial(p) => p.upper.as_raw_fd().max(p.lower.highest_fd()),
+            Source::Partial(p) => p.upper.raw_fd().max(p.lower.highest_fd()),
         }
     }
 
-    /// The layer file itself: for a partial one, its sparse file (holes read as zeros there).
-    pub fn fd(&self) -> BorrowedFd<'_> {
+    /// The layer file itself, which a plain source is (for passthrough and stat).
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         match self {
-            Source::File(fd) => fd.as_fd(),
-            Source::Partial(p) => p.upper.as_fd(),
+            Source::File(fd) => Some(fd.as_fd()),
+            Source::Partial(_) => None,
+        }
+    }
+
+    /// `stat` of the layer file itself (for a partial one, of its sparse file).
+    pub fn stat(&self) -> Result<sys::Attr> {
+        match self {
+            Source::File(fd) => sys::fstat(fd.as_fd()),
+            Source::Partial(p) => p.upper.stat(),
         }
     }
 
@@ -94,7 +103,9 @@ impl Source {
 
 /// An open partial file: the upper sparse file, the lower file it patches, and its block map.
 pub struct PartialFile {
-    pub upper: OwnedFd,
+    /// The partial file's own sparse file (in the upper layer, or in a lower layer that was
+    /// an upper one), whose holes below `valid` read the lower file.
+    pub upper: UpperFile,
     pub lower: Source,
     pub mark: PartialMark,
     pub blocks: BlockMap,
@@ -133,11 +144,8 @@ impl PartialFile {
         for (s, e) in self.blocks.present_in(off / bs, end.div_ceil(bs)) {
             let (ps, pe) = ((s * bs).max(off), (e * bs).min(end));
             self.read_absent(&mut buf, off, cursor, ps)?;
-            sys::pread_full(
-                self.upper.as_fd(),
-                &mut buf[(ps - off) as usize..(pe - off) as usize],
-                ps,
-            )?;
+            self.upper
+                .read_at(&mut buf[(ps - off) as usize..(pe - off) as usize], ps)?;
             cursor = pe;
         }
         self.read_absent(&mut buf, off, cursor, end)?;
@@ -189,14 +197,11 @@ impl PartialFile {
         let stop = (end * self.block).min(self.size);
         if start < stop {
             let data = self.read(start, (stop - start) as usize)?;
-            let before = sys::fstat(self.upper.as_fd())?;
-            sys::pwrite_full(self.upper.as_fd(), &data, start)?;
+            let before = self.upper.stat()?;
+            self.upper.write_at(&data, start)?;
             let (a, m) = (before.atime, before.mtime);
-            sys::futimens(
-                self.upper.as_fd(),
-                sys::Time::At(a.0, a.1),
-                sys::Time::At(m.0, m.1),
-            )?;
+            self.upper
+                .set_times(sys::Time::At(a.0, a.1), sys::Time::At(m.0, m.1))?;
             self.disk_size = self.disk_size.max(stop);
         }
         self.blocks.insert(first, end);
@@ -270,17 +275,17 @@ impl PartialFile {
         }
         if runs.is_empty() && new_size <= self.disk_size {
             // Every byte went to pending blocks: the write still changes the file now.
-            sys::futimens(self.upper.as_fd(), sys::Time::Omit, sys::Time::Now)?;
+            self.upper.set_times(sys::Time::Omit, sys::Time::Now)?;
         }
         for (at, bytes) in &runs {
-            sys::pwrite_full(self.upper.as_fd(), bytes, *at)?;
+            self.upper.write_at(bytes, *at)?;
             let run_end = at + bytes.len() as u64;
             self.blocks.insert(at / bs, run_end.div_ceil(bs));
             self.disk_size = self.disk_size.max(run_end);
         }
         if new_size > self.disk_size {
             // A pending last block: the upper file still shows the size (st_size, a remount).
-            crate::sys::ftruncate(&self.upper, new_size)?;
+            self.upper.truncate(new_size)?;
             self.disk_size = new_size;
         }
         self.size = new_size;
@@ -336,7 +341,7 @@ impl PartialFile {
     }
 
     fn save_mark(&self, names: &crate::layers::XattrNames) -> Result<()> {
-        self.mark.store(self.upper.as_fd(), &names.partial)
+        self.mark.store(&self.upper, &names.partial)
     }
 
     /// Changes the size. Shrinking below `valid` shortens the valid lower prefix, so that bytes
@@ -346,7 +351,7 @@ impl PartialFile {
         // Order: the size first, then the mark. A crash between leaves a mark whose `valid` is
         // larger than the file, which only matters if the file is later extended.
         self.flush_pending()?;
-        crate::sys::ftruncate(&self.upper, new)?;
+        self.upper.truncate(new)?;
         self.disk_size = new;
         self.last_write = Instant::now();
         if new < self.size {
@@ -356,7 +361,7 @@ impl PartialFile {
         if new < self.mark.valid {
             self.mark.valid = new;
             if new == 0 {
-                PartialMark::remove(self.upper.as_fd(), &names.partial)?;
+                PartialMark::remove(&self.upper, &names.partial)?;
                 return Ok(true);
             }
             self.save_mark(names)?;
@@ -406,14 +411,14 @@ impl PartialFile {
             }
             let from = off.max(self.mark.valid);
             if from < end {
-                crate::sys::fallocate(&self.upper, mode, from, end - from)?;
+                self.upper.fallocate(mode, from, end - from)?;
             }
             if !keep && end > self.size {
                 self.size = end;
             }
-            self.size = sys::fstat(self.upper.as_fd())?.size;
+            self.size = self.upper.stat()?.size;
             self.disk_size = self.size;
-            self.blocks = BlockMap::from_file(self.upper.as_fd(), self.size, bs)?;
+            self.blocks = BlockMap::from_file(&self.upper, self.size, bs)?;
             return Ok(());
         }
         // Plain allocation: blocks below `valid` get their data first, so none is an empty
@@ -426,12 +431,12 @@ impl PartialFile {
             }
             blk += 1;
         }
-        crate::sys::fallocate(&self.upper, mode, off, len)?;
+        self.upper.fallocate(mode, off, len)?;
         if !keep && end > self.size {
             self.size = end;
         }
         self.disk_size = self.disk_size.max(self.size);
-        self.blocks = BlockMap::from_file(self.upper.as_fd(), self.size, bs)?;
+        self.blocks = BlockMap::from_file(&self.upper, self.size, bs)?;
         Ok(())
     }
 }

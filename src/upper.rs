@@ -206,16 +206,6 @@ impl UpperDir {
         }
     }
 
-    /// The descriptor of a disk upper directory, for the call sites that do not go through
-    /// this interface yet (issue #13's wiring, docs/ARCHITECTURE.md); a memory upper cannot
-    /// serve them: EOPNOTSUPP.
-    pub fn disk_fd(&self) -> Result<BorrowedFd<'_>> {
-        match self {
-            UpperDir::Disk(fd) => Ok(fd.as_fd()),
-            UpperDir::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
-        }
-    }
-
     /// Makes this directory's entries durable (a journal entry for a memory upper).
     pub fn sync(&self) -> Result<()> {
         match self {
@@ -390,6 +380,29 @@ impl UpperDir {
         }
     }
 
+    /// Opens `name`, known to be a regular file, for the data path: read-write, or read-only
+    /// when `writable` is false. One openat on disk — what the hot open path can afford; a
+    /// caller that cannot trust the type uses `open_file`.
+    pub fn open_known_file(&self, name: &OsStr, writable: bool) -> Result<UpperFile> {
+        match self {
+            UpperDir::Disk(fd) => {
+                let access = if writable {
+                    OFlags::RDWR
+                } else {
+                    OFlags::RDONLY
+                };
+                let flags = access | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+                Ok(UpperFile::Disk(sys::openat(
+                    fd.as_fd(),
+                    name,
+                    flags,
+                    Mode::empty(),
+                )?))
+            }
+            UpperDir::Memory(..) => self.open_file(name),
+        }
+    }
+
     /// A new name `to` in `to_dir` for the object `name` here (no directories).
     pub fn link(&self, name: &OsStr, to_dir: &UpperDir, to: &OsStr) -> Result<()> {
         match (self, to_dir) {
@@ -561,8 +574,7 @@ impl UpperDir {
 }
 
 impl UpperFile {
-    /// The descriptor of a disk upper file, for the call sites that do not go through this
-    /// interface yet (see `UpperDir::disk_fd`).
+    /// The descriptor of a disk file (a layer file opened by the core as one).
     pub fn into_disk_fd(self) -> Result<OwnedFd> {
         match self {
             UpperFile::Disk(fd) => Ok(fd),
@@ -573,17 +585,125 @@ impl UpperFile {
     /// This file as the object of the `UpperDir` calls that take no name (`dir.xxx(None, ..)`),
     /// for a file that no name reaches (O_TMPFILE, or unlinked while open).
     pub fn object(&self) -> Result<UpperDir> {
+        Ok(self.try_clone()?.into_object())
+    }
+
+    /// `object`, taking this handle.
+    pub fn into_object(self) -> UpperDir {
         match self {
-            UpperFile::Disk(fd) => Ok(UpperDir::Disk(Arc::new(fd.try_clone()?))),
-            UpperFile::Memory(m, node) => Ok(UpperDir::Memory(m.clone(), node.ino())),
+            UpperFile::Disk(fd) => UpperDir::Disk(Arc::new(fd)),
+            UpperFile::Memory(m, node) => UpperDir::Memory(m, node.ino()),
         }
     }
 
-    /// The descriptor of a disk upper file (see `UpperDir::disk_fd`).
+    /// Gives this file, which no name reaches (an O_TMPFILE, or unlinked while open), the
+    /// name `name` in `dir`.
+    pub fn link_into(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
+        match (self, dir) {
+            (UpperFile::Disk(fd), UpperDir::Disk(d)) => {
+                sys::link_open_file(fd.as_fd(), d.as_fd(), name)
+            }
+            (UpperFile::Memory(m, node), UpperDir::Memory(_, d)) => m.link(node, *d, name),
+            _ => Err(errno(libc::EXDEV)),
+        }
+    }
+
+    /// Clones `src`'s extents into this empty file (FICLONE). A memory file cannot share
+    /// extents: EXDEV, as the kernel answers across file systems.
+    pub fn clone_from(&self, src: BorrowedFd<'_>) -> rustix::io::Result<()> {
+        match self {
+            UpperFile::Disk(fd) => sys::ioctl_ficlone(fd, src),
+            UpperFile::Memory(..) => Err(rustix::io::Errno::XDEV),
+        }
+    }
+
+    /// The descriptor of a disk upper file, which FUSE passthrough needs; a memory file has
+    /// none (EOPNOTSUPP): its I/O goes through the daemon.
     pub fn disk_fd(&self) -> Result<BorrowedFd<'_>> {
         match self {
             UpperFile::Disk(fd) => Ok(fd.as_fd()),
             UpperFile::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
+        }
+    }
+
+    pub fn try_clone(&self) -> Result<UpperFile> {
+        match self {
+            UpperFile::Disk(fd) => Ok(UpperFile::Disk(fd.try_clone()?)),
+            UpperFile::Memory(m, node) => Ok(UpperFile::Memory(m.clone(), node.clone())),
+        }
+    }
+
+    /// The descriptor number this file holds (for the descriptor reserve); -1 for none.
+    pub fn raw_fd(&self) -> i32 {
+        use std::os::fd::AsRawFd;
+        match self {
+            UpperFile::Disk(fd) => fd.as_raw_fd(),
+            UpperFile::Memory(..) => -1,
+        }
+    }
+
+    /// Reads up to `len` bytes at `off` into `buf` (cleared first; fewer only at the end of
+    /// the file). `buf` is reused from call to call: no allocation once it is large enough.
+    pub fn read_into(&self, buf: &mut Vec<u8>, len: usize, off: u64) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => sys::pread_into(fd.as_fd(), buf, len, off),
+            UpperFile::Memory(m, node) => {
+                buf.resize(len, 0);
+                let n = m.read(node, buf, off)?;
+                buf.truncate(n);
+                Ok(())
+            }
+        }
+    }
+
+    /// fallocate(2) with `mode`: 0, KEEP_SIZE, or PUNCH_HOLE|KEEP_SIZE in memory (the modes
+    /// mosaicfs' own files use); on disk whatever the upper file system takes.
+    pub fn fallocate(&self, mode: rustix::fs::FallocateFlags, off: u64, len: u64) -> Result<()> {
+        use rustix::fs::FallocateFlags as F;
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::fallocate(fd, mode, off, len)?),
+            UpperFile::Memory(m, node) => {
+                if mode == F::PUNCH_HOLE | F::KEEP_SIZE {
+                    m.punch_hole(node, off, len)
+                } else if mode.is_empty() || mode == F::KEEP_SIZE {
+                    m.allocate(node, off, len, mode == F::KEEP_SIZE)
+                } else {
+                    Err(errno(libc::EOPNOTSUPP))
+                }
+            }
+        }
+    }
+
+    /// SEEK_HOLE: the end of the file when no hole lies at or past `off` before it.
+    pub fn seek_hole(&self, off: u64) -> Result<u64> {
+        match self {
+            UpperFile::Disk(fd) => sys::seek_hole(fd.as_fd(), off),
+            UpperFile::Memory(m, node) => m.seek_hole(node, off),
+        }
+    }
+
+    /// Makes the file's data durable (fdatasync; a journal entry for a memory file).
+    pub fn datasync(&self) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::fdatasync(fd)?),
+            UpperFile::Memory(m, _) => m.sync_changes(),
+        }
+    }
+
+    pub fn set_times(&self, atime: Time, mtime: Time) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => sys::futimens(fd.as_fd(), atime, mtime),
+            UpperFile::Memory(m, node) => {
+                m.set_times(node, atime, mtime);
+                Ok(())
+            }
+        }
+    }
+
+    pub fn remove_xattr(&self, key: &str) -> Result<()> {
+        match self {
+            UpperFile::Disk(fd) => Ok(sys::fremovexattr(fd, key)?),
+            UpperFile::Memory(m, node) => m.remove_xattr(node, OsStr::new(key)),
         }
     }
 
