@@ -332,6 +332,10 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
                         continue;
                     }
                     b"json" => report_json(&overlay, &mountpoint),
+                    b"sync" => match overlay.sync_layer() {
+                        Ok(()) => "ok\n".into(),
+                        Err(e) => format!("error: {e}\n"),
+                    },
                     b"prometheus" => report_prometheus(&overlay),
                     _ => report(&overlay, &mountpoint),
                 };
@@ -398,6 +402,25 @@ pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
         .and_then(|()| conn.shutdown(std::net::Shutdown::Write))
         .map_err(|e| e.to_string())?;
     Ok(conn)
+}
+
+/// `mosaicfs sync MNT`: makes the mount's memory upper durable as it is now (an image).
+pub fn sync(mountpoint: &Path) -> Result<(), String> {
+    let mut conn = connect(mountpoint, "sync")?;
+    let mut out = String::new();
+    conn.read_to_string(&mut out).map_err(|e| e.to_string())?;
+    match out.trim_end() {
+        "ok" => Ok(()),
+        "" => Err(format!(
+            "the daemon of '{}' closed the connection without an answer (it is shutting down?)",
+            mountpoint.display()
+        )),
+        e => Err(format!(
+            "'{}': {}: check the upper dir's file system (full? read-only?) and run sync again",
+            mountpoint.display(),
+            e.trim_start_matches("error: ")
+        )),
+    }
 }
 
 /// `mosaicfs status MNT`: the report of the mount at `mountpoint`, in `format`.

@@ -10,7 +10,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::fuse::MosaicFs;
-use crate::layers::LayerStack;
+use crate::layers::{LayerStack, MemorySpec};
 use crate::options::{self, Command, Options};
 use crate::overlay::{Config, Overlay};
 
@@ -88,6 +88,15 @@ pub fn main() -> i32 {
             return crate::export::run(&a);
         }
         Ok(Command::Remount(o)) => return remount(&o),
+        Ok(Command::Sync(mnt)) => {
+            return match crate::control::sync(&mnt) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("mosaicfs: {e}");
+                    1
+                }
+            };
+        }
         Ok(Command::Status(mnt, format)) => {
             return match crate::control::status(&mnt, format) {
                 Ok(report) => {
@@ -189,6 +198,10 @@ fn mount(opts: Options) -> Result<(), String> {
         })
         .transpose()?;
     raise_nofile_limit();
+    let memory_spec = (opts.upper_kind == options::UpperKind::Memory).then(|| MemorySpec {
+        filestore: opts.filestore.clone().unwrap_or_default(),
+        size_limit: opts.size_limit,
+    });
     let layers = LayerStack::open(
         &opts.lowerdirs,
         opts.upperdir.as_deref(),
@@ -196,6 +209,7 @@ fn mount(opts: Options) -> Result<(), String> {
         opts.read_only,
         opts.xattr_permissions,
         crate::layers::WorkLock::Wait(crate::layers::MOUNT_LOCK_WAIT),
+        memory_spec.as_ref(),
     )?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
     use_uring(&opts, &overlay)?;

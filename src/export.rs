@@ -816,6 +816,7 @@ fn export_offline<W: Write>(
         true,
         o.xattr_permissions,
         WorkLock::Fail,
+        None,
     )?;
     let mut config = Config::from_options(o);
     config.read_only = true;

@@ -18,6 +18,8 @@ use std::sync::Arc;
 use rustix::fs::OFlags;
 
 use crate::error::{Error, Result, errno};
+use crate::memory_upper::{IMAGE_NAME, ImageError, MemoryUpper};
+use crate::options::FilestorePlace;
 use crate::stat_override::{self, XattrPermissions};
 use crate::sys::{self, Attr};
 use crate::upper::{Creation, LayerDir, UpperDir};
@@ -170,6 +172,102 @@ pub struct LayerStack {
     /// Whether any layer keeps owners and modes in an xattr (`Layer::stat_override`).
     pub any_override: bool,
     dirs: crate::dircache::DirCache,
+    /// The upper layer when the daemon holds it (`upper=memory`): every upper handle is then
+    /// a node of this store, and the upper dir on disk holds only its image and filestore.
+    pub memory: Option<Arc<MemoryUpper>>,
+}
+
+/// How a memory upper is opened (`upper=memory`).
+#[derive(Debug, Clone)]
+pub struct MemorySpec {
+    pub filestore: FilestorePlace,
+    /// The most the layer's file data may take, in bytes (`size=`).
+    pub size_limit: Option<u64>,
+}
+
+/// The device number a memory upper's objects are counted on (`InoMap`): no file system has it.
+const MEMORY_DEV: u64 = u64::MAX;
+
+/// The filestore a memory upper keeps in its upper dir by default (`filestore=self`).
+pub const FILESTORE_NAME: &str = ".mosaicfs-filestore";
+
+/// Whether `name`, in an upper dir, is a file of a memory upper layer (docs/FORMAT.md).
+fn is_memory_layer_file(name: &OsStr) -> bool {
+    let b = name.as_bytes();
+    [IMAGE_NAME, FILESTORE_NAME, ".mosaicfs-journal"]
+        .iter()
+        .any(|n| {
+            b.strip_prefix(n.as_bytes())
+                .is_some_and(|r| r.is_empty() || r == b".new")
+        })
+}
+
+/// Opens the memory upper kept in the upper dir `upper` (`ufd`), refusing a dir that holds
+/// something else. Errors are one line naming the dir and what to do.
+fn open_memory_upper(
+    ufd: BorrowedFd<'_>,
+    upper: &Path,
+    spec: &MemorySpec,
+) -> std::result::Result<MemoryUpper, String> {
+    let at = |e: Error| format!("upperdir '{}': {e}", upper.display());
+    let entries = sys::read_dir(ufd, Path::new("")).map_err(at)?;
+    if let Some(e) = entries.iter().find(|e| !is_memory_layer_file(&e.name)) {
+        return Err(format!(
+            "upperdir '{}' holds '{}', which is not a file of a memory upper layer: \
+             upper=memory needs an empty upper dir or one a memory upper wrote; mount this \
+             one with upper=disk",
+            upper.display(),
+            e.name.to_string_lossy()
+        ));
+    }
+    let has_image = entries.iter().any(|e| e.name == IMAGE_NAME);
+    let limit = spec
+        .size_limit
+        .map(|b| b.div_ceil(crate::memory_upper::BLOCK));
+    let create = OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC;
+    let mode = rustix::fs::Mode::from_raw_mode(0o600);
+    let filestore = match &spec.filestore {
+        FilestorePlace::Anonymous if has_image => {
+            return Err(format!(
+                "upperdir '{}' holds a memory layer kept at an unmount; filestore=memory would \
+                 start an empty layer that is never kept: mount with the filestore= it was \
+                 made with (self or a path), or empty the upper dir",
+                upper.display()
+            ));
+        }
+        FilestorePlace::Anonymous => {
+            let fd =
+                rustix::fs::memfd_create("mosaicfs-filestore", rustix::fs::MemfdFlags::CLOEXEC)
+                    .map_err(|e| at(e.into()))?;
+            return MemoryUpper::new_volatile(fd, limit).map_err(at);
+        }
+        FilestorePlace::InUpper => {
+            crate::sys::openat(ufd, FILESTORE_NAME, create, mode).map_err(|e| at(e.into()))?
+        }
+        FilestorePlace::File(p) => rustix::fs::open(p, create, mode).map_err(|e| {
+            format!(
+                "filestore '{}' cannot be opened ({e}): give a file on a local file system \
+                 the daemon may write, or filestore=self",
+                p.display()
+            )
+        })?,
+    };
+    // Not O_PATH: images are fsynced through it.
+    let dir =
+        sys::open_beneath(ufd, Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, 0).map_err(at)?;
+    MemoryUpper::open(dir, filestore, limit).map_err(|e| match e {
+        ImageError::Damaged(_) => format!(
+            "upperdir '{}': {e}; the layer was not changed. To start it empty, move \
+             {IMAGE_NAME} and .mosaicfs-journal out of the upper dir; to keep it, restore the \
+             upper dir from a copy",
+            upper.display()
+        ),
+        ImageError::Io(e) => format!(
+            "upperdir '{}': the memory layer cannot be read or written there ({e}): check \
+             that its file system is writable and not full",
+            upper.display()
+        ),
+    })
 }
 
 fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Attr), String> {
@@ -242,6 +340,7 @@ impl LayerStack {
         read_only: bool,
         perms: XattrPermissions,
         lock: WorkLock,
+        memory_spec: Option<&MemorySpec>,
     ) -> std::result::Result<LayerStack, String> {
         let mut layers = Vec::new();
         let mut devs: Vec<u64> = Vec::new();
@@ -271,6 +370,7 @@ impl LayerStack {
         let mut work_lock = None;
         let mut has_upper = false;
         let mut whiteout_chardev = false;
+        let mut memory = None;
         if let Some(upper) = upper.filter(|_| !read_only) {
             check_no_lower_inside(lowers, upper, work)?;
         }
@@ -324,6 +424,28 @@ impl LayerStack {
                     work_fd = Some(wsub);
                 }
             }
+            let mut uattr = uattr;
+            match memory_spec {
+                // After the work dir's lock: the daemon before may still be writing the image.
+                Some(spec) if work_fd.is_some() => {
+                    memory = Some(Arc::new(open_memory_upper(ufd.as_fd(), &upper, spec)?));
+                    whiteout_chardev = true;
+                    // Its inode numbers are the store's own: a device of their own, so that
+                    // they never meet a lower layer's on the upper dir's file system.
+                    uattr.dev = MEMORY_DEV;
+                }
+                Some(_) => return Err("upper=memory needs a workdir and a read-write mount".into()),
+                None if sys::stat_opt(ufd.as_fd(), OsStr::new(IMAGE_NAME))
+                    .is_ok_and(|a| a.is_some()) =>
+                {
+                    return Err(format!(
+                        "upperdir '{}' holds a memory upper layer ({IMAGE_NAME}): mount it with \
+                         upper=memory (and the filestore= it was made with)",
+                        upper.display()
+                    ));
+                }
+                None => {}
+            }
             if let Some(key) = perms.key()
                 && !read_only
             {
@@ -362,6 +484,7 @@ impl LayerStack {
             xattr: XattrNames::new(trusted),
             whiteout_chardev,
             dirs: Default::default(),
+            memory,
         })
     }
 
@@ -395,18 +518,19 @@ impl LayerStack {
 
     /// The work directory: copy-up and creation build objects here and rename them in.
     pub fn work(&self) -> Result<UpperDir> {
-        self.work
-            .as_ref()
-            .map(|w| UpperDir::Disk(w.clone()))
-            .ok_or_else(|| errno(libc::EROFS))
+        let work = self.work.as_ref().ok_or_else(|| errno(libc::EROFS))?;
+        Ok(match &self.memory {
+            Some(m) => UpperDir::Memory(m.clone(), crate::memory_upper::WORK),
+            None => UpperDir::Disk(work.clone()),
+        })
     }
 
-    pub fn upper(&self) -> Result<BorrowedFd<'_>> {
-        if self.has_upper && self.work.is_some() {
-            Ok(self.root(UPPER))
-        } else {
-            Err(errno(libc::EROFS))
-        }
+    /// The upper layer's root directory.
+    pub fn upper_root(&self) -> Result<UpperDir> {
+        Ok(match &self.memory {
+            Some(m) => UpperDir::Memory(m.clone(), crate::memory_upper::ROOT),
+            None => UpperDir::Disk(Arc::new(self.root(UPPER).try_clone_to_owned()?)),
+        })
     }
 
     /// The directory `rel` in the lower layer `layer` as an `O_PATH` handle, from the cache
@@ -438,7 +562,15 @@ impl LayerStack {
     /// The upper directory `rel` as it was in generation `moves` of upper directory moves
     /// (`Overlay::upper_fd` gives a path and a generation that agree).
     pub fn upper_dir(&self, rel: &Path, moves: u64) -> Result<UpperDir> {
-        self.cached_dir(UPPER, rel, moves).map(UpperDir::Disk)
+        let Some(m) = &self.memory else {
+            return self.cached_dir(UPPER, rel, moves).map(UpperDir::Disk);
+        };
+        // A walk of the tree from the root: a lookup per name, no syscall.
+        let mut dir = UpperDir::Memory(m.clone(), crate::memory_upper::ROOT);
+        for name in rel.iter() {
+            dir = dir.open_dir(name)?;
+        }
+        Ok(dir)
     }
 
     fn cached_dir(&self, layer: LayerId, rel: &Path, generation: u64) -> Result<Arc<OwnedFd>> {

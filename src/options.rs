@@ -136,6 +136,12 @@ pub struct Options {
     pub reflink: bool,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
+    /// Where the writable layer lives (`upper=disk|memory`).
+    pub upper_kind: UpperKind,
+    /// Where a memory upper keeps file data (`filestore=self|memory|PATH`); `None`: not given.
+    pub filestore: Option<FilestorePlace>,
+    /// The most a memory upper's file data may take, in bytes (`size=`).
+    pub size_limit: Option<u64>,
     /// `-o remount,...` as mount(8) passes it for `mount -o remount,ro MNT`.
     pub remount: bool,
     pub warnings: Vec<String>,
@@ -183,6 +189,9 @@ impl Default for Options {
             caw_memory: Some(64 << 20),
             caw_workers: 2,
             uring: Uring::Auto,
+            upper_kind: UpperKind::Disk,
+            filestore: None,
+            size_limit: None,
             remount: false,
             warnings: Vec::new(),
         }
@@ -279,6 +288,43 @@ impl Uring {
     }
 }
 
+/// Where the writable layer lives (`upper=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpperKind {
+    /// Objects in the upper dir, as kernel overlayfs keeps them (the default).
+    #[default]
+    Disk,
+    /// The tree held by the daemon, file data in one filestore, an image in the upper dir
+    /// at unmount (src/memory_upper/, docs/FORMAT.md).
+    Memory,
+}
+
+/// Where a memory upper keeps its file data (`filestore=`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum FilestorePlace {
+    /// `.mosaicfs-filestore` in the upper dir (`filestore=self`, the default), so that `du`
+    /// of the upper dir counts the layer's data.
+    #[default]
+    InUpper,
+    /// A file elsewhere (`filestore=PATH`), made if missing.
+    File(PathBuf),
+    /// Anonymous memory (`filestore=memory`): the layer lives as long as the daemon.
+    Anonymous,
+}
+
+impl FilestorePlace {
+    fn parse(value: &str) -> Result<FilestorePlace, String> {
+        match value {
+            "self" => Ok(FilestorePlace::InUpper),
+            "memory" => Ok(FilestorePlace::Anonymous),
+            p if p.starts_with('/') => Ok(FilestorePlace::File(PathBuf::from(p))),
+            v => Err(format!(
+                "option 'filestore' takes self, memory or an absolute path, not '{v}'"
+            )),
+        }
+    }
+}
+
 fn default_threads() -> usize {
     let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
     (cpus * 2).clamp(2, 16)
@@ -292,6 +338,8 @@ pub enum Command {
     Remount(Box<Options>),
     /// Print the counters of a live mount.
     Status(PathBuf, Format),
+    /// `mosaicfs sync MNT`: write the memory upper's image now.
+    Sync(PathBuf),
     /// `mosaicfs complete`: make an unmounted upper layer one any overlay reads (tools.rs).
     Complete(Box<ToolArgs>),
     /// `mosaicfs fsck`: check (and repair) an unmounted upper layer (tools.rs).
@@ -306,6 +354,7 @@ pub const USAGE: &str = "\
 usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=WORK][,OPTIONS] MOUNTPOINT
        mosaicfs SOURCE MOUNTPOINT -o lowerdir=...   (mount.fuse form)
        mosaicfs status MOUNTPOINT [--json|--prometheus]  (counters of a live mount)
+       mosaicfs sync MOUNTPOINT  (upper=memory: the layer made durable as it is now)
        mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]
                          (offline: partial files made whole, redirects for kernel overlayfs)
        mosaicfs fsck --lowerdir=L[:L...] --upperdir=U [--workdir=W] [--repair]
@@ -694,6 +743,21 @@ impl Options {
             "uring" => {
                 self.uring = Uring::parse(value).map_err(|e| format!("option 'uring' {e}"))?;
             }
+            "upper" => {
+                self.upper_kind = match need(value)?.as_str() {
+                    "disk" => UpperKind::Disk,
+                    "memory" => UpperKind::Memory,
+                    v => return Err(format!("option 'upper' takes disk or memory, not '{v}'")),
+                }
+            }
+            "filestore" => self.filestore = Some(FilestorePlace::parse(&need(value)?)?),
+            "size" => {
+                let bytes = parse_size(name, value)?;
+                if bytes < 1 << 20 {
+                    return Err("option 'size' takes at least 1M (a size such as 512M or 4G)".into());
+                }
+                self.size_limit = Some(bytes);
+            }
             "passthrough" => {
                 use self::PassthroughPolicy as P;
                 self.passthrough = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
@@ -788,6 +852,8 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
         };
     }
     match args.first().and_then(|a| a.to_str()) {
+        // Two words only: `mosaicfs sync MNT -o ...` is the mount.fuse form with source "sync".
+        Some("sync") if args.len() == 2 => return Ok(Command::Sync(PathBuf::from(&args[1]))),
         Some("complete") => {
             return Ok(Command::Complete(Box::new(parse_tool(
                 "complete",
@@ -858,7 +924,43 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
     if opts.upperdir.is_none() {
         opts.read_only = true;
     }
+    check_memory_upper(&opts)?;
     Ok(Command::Mount(Box::new(opts)))
+}
+
+/// The options of a memory upper (`upper=memory`) that must go with it, or not with it.
+fn check_memory_upper(opts: &Options) -> Result<(), String> {
+    if opts.upper_kind == UpperKind::Disk {
+        return match (&opts.filestore, opts.size_limit) {
+            (Some(_), _) => {
+                Err("option 'filestore' is for a memory upper: add upper=memory".into())
+            }
+            (_, Some(_)) => Err("option 'size' is for a memory upper: add upper=memory".into()),
+            _ => Ok(()),
+        };
+    }
+    if opts.upperdir.is_none() {
+        return Err(
+            "upper=memory needs upperdir and workdir: the layer's image (and by default its \
+             filestore) is kept in upperdir, the lock of its daemon in workdir"
+                .into(),
+        );
+    }
+    if opts.read_only {
+        return Err(
+            "upper=memory cannot be mounted read-only: its daemon writes the layer's image at \
+             unmount; mount it read-write (nothing changes unless written)"
+                .into(),
+        );
+    }
+    if opts.xattr_permissions.key().is_some() {
+        return Err(
+            "xattr_permissions= is for a disk upper whose daemon may not chown; a memory upper \
+             keeps owners and modes itself: drop xattr_permissions"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -156,6 +156,11 @@ impl Overlay {
             devs.len() as u64
         };
         let sparse = match layers.work.as_ref() {
+            // The store's files have holes at its block size (memory_upper/data.rs).
+            Some(_) if layers.memory.is_some() => SparseSupport {
+                block: crate::memory_upper::BLOCK,
+                sparse: true,
+            },
             Some(w) => partial::probe_sparse(w.as_fd()).map_err(|e| {
                 format!(
                     "cannot probe the upper file system for sparse files (a file \
@@ -185,6 +190,7 @@ impl Overlay {
         let root_lower = (!root_lower.layers.is_empty()).then_some(root_lower);
         let clones = config.reflink
             && !config.read_only
+            && layers.memory.is_none()
             && layers
                 .work
                 .as_ref()
@@ -201,9 +207,11 @@ impl Overlay {
                 layers.has_upper,
                 root_lower,
                 layers.has_upper
-                    && layers
-                        .dir_flags(layers.root(UPPER).into(), None, true)
-                        .is_ok_and(|f| f.origins),
+                    && layers.upper_root().is_ok_and(|root| {
+                        layers
+                            .dir_flags(root.view(), None, true)
+                            .is_ok_and(|f| f.origins)
+                    }),
             ),
             ino_map: InoMap { devices },
             config,
@@ -582,7 +590,35 @@ impl Overlay {
     }
 
     pub fn statfs(&self) -> Result<rustix::fs::StatVfs> {
-        Ok(rustix::fs::fstatvfs(self.layers.root(UPPER))?)
+        let mut s = rustix::fs::fstatvfs(self.layers.root(UPPER))?;
+        if let Some(m) = &self.layers.memory
+            && m.size_limit().is_some()
+        {
+            // The layer's own size (`size=`); without it, the file system its filestore
+            // lives on, whose space the layer takes.
+            let u = m.usage()?;
+            let block = crate::memory_upper::BLOCK;
+            s.f_bsize = block;
+            s.f_frsize = block;
+            s.f_blocks = u.blocks;
+            s.f_bfree = u.free;
+            s.f_bavail = u.free;
+        }
+        Ok(s)
+    }
+
+    /// Makes the memory upper durable as it is now: an image of the whole tree, after which a
+    /// crash loses nothing before this moment (`mosaicfs sync MNT`, unmount). Nothing to do
+    /// for a disk upper, whose every change is in the upper file system already.
+    pub fn sync_layer(&self) -> Result<()> {
+        let Some(m) = &self.layers.memory else {
+            return Ok(());
+        };
+        // Bytes still waiting in copy-after-write buffers belong to the image too.
+        for h in self.handles.values() {
+            h.file.flush_pending()?;
+        }
+        m.sync()
     }
 
     /// Completes what is pending and lets go of every open file (unmount). Runs once, on
@@ -612,6 +648,16 @@ impl Overlay {
                 );
             }
         }
+        if let Some(m) = &self.layers.memory {
+            // Before the work dir's lock goes with the daemon: the next mount waits for it.
+            match m.sync() {
+                Ok(()) => log::info!("memory upper: image written ({} objects)", m.node_count()),
+                Err(e) => log::error!(
+                    "memory upper: the image could not be written at unmount ({e}); the next \
+                     mount shows the layer as of the last sync or fsync"
+                ),
+            }
+        }
         log::info!("{}", self.stats.summary());
         if let Some((p, ino)) = self
             .control_socket
@@ -629,7 +675,9 @@ impl Overlay {
 
 fn layers_root_opaque(layers: &LayerStack) -> bool {
     // An opaque upper root hides every lower layer.
-    sys::get_xattr(layers.root(UPPER), None, layers.xattr.opaque)
+    layers
+        .upper_root()
+        .and_then(|root| root.view().get_xattr(None, layers.xattr.opaque))
         .ok()
         .flatten()
         .is_some_and(|v| v.first() == Some(&b'y'))

@@ -51,6 +51,7 @@ pub fn complete(t: &ToolArgs) -> i32 {
         false,
         o.xattr_permissions,
         WorkLock::Fail,
+        None,
     )
     .and_then(|layers| Overlay::new(layers, Config::from_options(o)))
     {
@@ -308,6 +309,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         true,
         o.xattr_permissions,
         WorkLock::Fail,
+        None,
     )?;
     // The work dir's lock, held while checking and repairing (a live mount changes the layer).
     let work = match &o.workdir {

@@ -267,6 +267,11 @@ impl MemoryUpper {
             .ok_or_else(|| errno(libc::ENOENT))
     }
 
+    /// The `size=` cap, in `BLOCK`s.
+    pub fn size_limit(&self) -> Option<u64> {
+        self.store.limit()
+    }
+
     /// Blocks of the filestore in use.
     pub fn live_blocks(&self) -> u64 {
         self.store.live_blocks()
