@@ -520,7 +520,7 @@ impl LayerStack {
     pub fn work(&self) -> Result<UpperDir> {
         let work = self.work.as_ref().ok_or_else(|| errno(libc::EROFS))?;
         Ok(match &self.memory {
-            Some(m) => UpperDir::Memory(m.clone(), crate::memory_upper::WORK),
+            Some(m) => UpperDir::Memory(m.clone(), m.node(crate::memory_upper::WORK)?),
             None => UpperDir::Disk(work.clone()),
         })
     }
@@ -528,7 +528,7 @@ impl LayerStack {
     /// The upper layer's root directory.
     pub fn upper_root(&self) -> Result<UpperDir> {
         Ok(match &self.memory {
-            Some(m) => UpperDir::Memory(m.clone(), crate::memory_upper::ROOT),
+            Some(m) => UpperDir::Memory(m.clone(), m.node(crate::memory_upper::ROOT)?),
             None => UpperDir::Disk(Arc::new(self.root(UPPER).try_clone_to_owned()?)),
         })
     }
@@ -566,7 +566,7 @@ impl LayerStack {
             return self.cached_dir(UPPER, rel, moves).map(UpperDir::Disk);
         };
         // A walk of the tree from the root: a lookup per name, no syscall.
-        let mut dir = UpperDir::Memory(m.clone(), crate::memory_upper::ROOT);
+        let mut dir = UpperDir::Memory(m.clone(), m.node(crate::memory_upper::ROOT)?);
         for name in rel.iter() {
             dir = dir.open_dir(name)?;
         }

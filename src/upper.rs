@@ -17,7 +17,7 @@ use std::sync::Arc;
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 
 use crate::error::{Result, errno};
-use crate::memory_upper::{self, Ino, MemoryUpper, NewNode, Node};
+use crate::memory_upper::{self, MemoryUpper, NewNode, Node};
 use crate::sys::{self, Attr, RawDirEntry, Time};
 
 /// A directory of the upper (or work) layer. With no name, the calls below act on the handle's
@@ -25,14 +25,14 @@ use crate::sys::{self, Attr, RawDirEntry, Time};
 #[derive(Clone)]
 pub enum UpperDir {
     Disk(Arc<OwnedFd>),
-    Memory(Arc<MemoryUpper>, Ino),
+    Memory(Arc<MemoryUpper>, Arc<Node>),
 }
 
 impl std::fmt::Debug for UpperDir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             UpperDir::Disk(fd) => write!(f, "UpperDir::Disk({fd:?})"),
-            UpperDir::Memory(_, ino) => write!(f, "UpperDir::Memory({ino})"),
+            UpperDir::Memory(_, node) => write!(f, "UpperDir::Memory({})", node.ino()),
         }
     }
 }
@@ -83,7 +83,7 @@ impl Creation {
 #[derive(Clone, Copy)]
 pub enum LayerDir<'a> {
     Disk(BorrowedFd<'a>),
-    Memory(&'a MemoryUpper, Ino),
+    Memory(&'a MemoryUpper, &'a Arc<Node>),
 }
 
 impl<'a> From<BorrowedFd<'a>> for LayerDir<'a> {
@@ -97,7 +97,7 @@ impl LayerDir<'_> {
     pub fn stat_opt(&self, name: &OsStr) -> Result<Option<Attr>> {
         match *self {
             LayerDir::Disk(fd) => sys::stat_opt(fd, name),
-            LayerDir::Memory(m, dir) => match m.lookup(dir, name)? {
+            LayerDir::Memory(m, dir) => match m.lookup(dir.ino(), name)? {
                 Some(ino) => Ok(Some(m.stat(ino)?)),
                 None => Ok(None),
             },
@@ -135,7 +135,7 @@ impl LayerDir<'_> {
         match *self {
             LayerDir::Disk(fd) => sys::read_dir(fd, Path::new("")),
             LayerDir::Memory(m, dir) => Ok(m
-                .read_dir(dir)?
+                .read_dir(dir.ino())?
                 .into_iter()
                 .map(|(name, ino, kind)| RawDirEntry { name, ino, kind })
                 .collect()),
@@ -202,7 +202,7 @@ impl UpperDir {
     pub fn view(&self) -> LayerDir<'_> {
         match self {
             UpperDir::Disk(fd) => LayerDir::Disk(fd.as_fd()),
-            UpperDir::Memory(m, ino) => LayerDir::Memory(m, *ino),
+            UpperDir::Memory(m, node) => LayerDir::Memory(m, node),
         }
     }
 
@@ -224,7 +224,9 @@ impl UpperDir {
         match self {
             UpperDir::Disk(fd) => sys::stat_at(fd.as_fd(), name),
             UpperDir::Memory(m, dir) => {
-                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+                let ino = m
+                    .lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?;
                 m.stat(ino)
             }
         }
@@ -239,11 +241,14 @@ impl UpperDir {
                 Ok(UpperDir::Disk(Arc::new(d)))
             }
             UpperDir::Memory(m, dir) => {
-                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
-                if !m.node(ino)?.is_dir() {
+                let ino = m
+                    .lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?;
+                let node = m.node(ino)?;
+                if !node.is_dir() {
                     return Err(errno(libc::ENOTDIR));
                 }
-                Ok(UpperDir::Memory(m.clone(), ino))
+                Ok(UpperDir::Memory(m.clone(), node))
             }
         }
     }
@@ -260,7 +265,7 @@ impl UpperDir {
                     mode: libc::S_IFDIR | (c.mode & 0o7777),
                     ..*c
                 };
-                m.make(*dir, name, &c.node(0, None)).map(drop)
+                m.make(dir.ino(), name, &c.node(0, None)).map(drop)
             }
         }
     }
@@ -269,7 +274,7 @@ impl UpperDir {
     pub fn mknod(&self, name: &OsStr, c: &Creation, rdev: u64) -> Result<()> {
         match self {
             UpperDir::Disk(fd) => sys::mknod_at(fd.as_fd(), name, c.mode, rdev),
-            UpperDir::Memory(m, dir) => m.make(*dir, name, &c.node(rdev, None)).map(drop),
+            UpperDir::Memory(m, dir) => m.make(dir.ino(), name, &c.node(rdev, None)).map(drop),
         }
     }
 
@@ -281,7 +286,7 @@ impl UpperDir {
                     mode: libc::S_IFLNK | 0o777,
                     ..*c
                 };
-                m.make(*dir, name, &c.node(0, Some(target))).map(drop)
+                m.make(dir.ino(), name, &c.node(0, Some(target))).map(drop)
             }
         }
     }
@@ -308,7 +313,7 @@ impl UpperDir {
                     mode: libc::S_IFREG | (c.mode & 0o7777),
                     ..*c
                 };
-                let ino = m.make(*dir, name, &c.node(0, None))?;
+                let ino = m.make(dir.ino(), name, &c.node(0, None))?;
                 Ok(UpperFile::Memory(m.clone(), m.node(ino)?))
             }
         }
@@ -329,7 +334,7 @@ impl UpperDir {
                 };
                 Ok(UpperFile::Memory(
                     m.clone(),
-                    m.make_unnamed(*dir, &c.node(0, None))?,
+                    m.make_unnamed(dir.ino(), &c.node(0, None))?,
                 ))
             }
         }
@@ -372,7 +377,9 @@ impl UpperDir {
                 Ok(UpperFile::Disk(f))
             }
             UpperDir::Memory(m, dir) => {
-                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
+                let ino = m
+                    .lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?;
                 let node = m.node(ino)?;
                 refuse(node.file_type())?;
                 Ok(UpperFile::Memory(m.clone(), node))
@@ -414,8 +421,10 @@ impl UpperDir {
                 AtFlags::empty(),
             )?),
             (UpperDir::Memory(m, dir), UpperDir::Memory(_, to_ino)) => {
-                let ino = m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?;
-                m.link(&m.node(ino)?, *to_ino, to)
+                let ino = m
+                    .lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?;
+                m.link(&m.node(ino)?, to_ino.ino(), to)
             }
             _ => Err(errno(libc::EXDEV)),
         }
@@ -424,14 +433,14 @@ impl UpperDir {
     pub fn unlink(&self, name: &OsStr) -> Result<()> {
         match self {
             UpperDir::Disk(fd) => Ok(sys::unlinkat(fd.as_fd(), name, AtFlags::empty())?),
-            UpperDir::Memory(m, dir) => m.unlink(*dir, name),
+            UpperDir::Memory(m, dir) => m.unlink(dir.ino(), name),
         }
     }
 
     pub fn rmdir(&self, name: &OsStr) -> Result<()> {
         match self {
             UpperDir::Disk(fd) => Ok(sys::unlinkat(fd.as_fd(), name, AtFlags::REMOVEDIR)?),
-            UpperDir::Memory(m, dir) => m.rmdir(*dir, name),
+            UpperDir::Memory(m, dir) => m.rmdir(dir.ino(), name),
         }
     }
 
@@ -455,7 +464,7 @@ impl UpperDir {
                     noreplace: flags.contains(RenameFlags::NOREPLACE),
                     exchange: flags.contains(RenameFlags::EXCHANGE),
                 };
-                m.rename(*dir, name, *to_ino, to, f)
+                m.rename(dir.ino(), name, to_ino.ino(), to, f)
             }
             _ => Err(errno(libc::EXDEV)),
         }
@@ -464,9 +473,10 @@ impl UpperDir {
     pub fn read_link(&self, name: &OsStr) -> Result<OsString> {
         match self {
             UpperDir::Disk(fd) => sys::read_link_at(fd.as_fd(), name),
-            UpperDir::Memory(m, dir) => {
-                m.read_link(m.lookup(*dir, name)?.ok_or_else(|| errno(libc::ENOENT))?)
-            }
+            UpperDir::Memory(m, dir) => m.read_link(
+                m.lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?,
+            ),
         }
     }
 
@@ -475,18 +485,21 @@ impl UpperDir {
         match self {
             UpperDir::Disk(fd) => sys::read_dir(fd.as_fd(), Path::new("")),
             UpperDir::Memory(m, dir) => Ok(m
-                .read_dir(*dir)?
+                .read_dir(dir.ino())?
                 .into_iter()
                 .map(|(name, ino, kind)| RawDirEntry { name, ino, kind })
                 .collect()),
         }
     }
 
-    /// The memory node `name` names (or this directory), for the calls below.
-    fn node_of(m: &MemoryUpper, dir: Ino, name: Option<&OsStr>) -> Result<Arc<Node>> {
+    /// The memory node `name` names in `dir` (or `dir` itself), for the calls below.
+    fn node_of(m: &MemoryUpper, dir: &Arc<Node>, name: Option<&OsStr>) -> Result<Arc<Node>> {
         match name {
-            None => m.node(dir),
-            Some(name) => m.node(m.lookup(dir, name)?.ok_or_else(|| errno(libc::ENOENT))?),
+            None => Ok(dir.clone()),
+            Some(name) => m.node(
+                m.lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?,
+            ),
         }
     }
 
@@ -495,7 +508,7 @@ impl UpperDir {
         match self {
             UpperDir::Disk(fd) => sys::get_xattr(fd.as_fd(), name, key),
             UpperDir::Memory(m, dir) => {
-                Ok(m.get_xattr(&*Self::node_of(m, *dir, name)?, OsStr::new(key)))
+                Ok(m.get_xattr(&*Self::node_of(m, dir, name)?, OsStr::new(key)))
             }
         }
     }
@@ -510,7 +523,7 @@ impl UpperDir {
         match self {
             UpperDir::Disk(fd) => sys::set_xattr(fd.as_fd(), name, key, value, flags),
             UpperDir::Memory(m, dir) => {
-                m.set_xattr(&*Self::node_of(m, *dir, name)?, key, value, flags)
+                m.set_xattr(&*Self::node_of(m, dir, name)?, key, value, flags)
             }
         }
     }
@@ -518,14 +531,14 @@ impl UpperDir {
     pub fn remove_xattr(&self, name: Option<&OsStr>, key: &OsStr) -> Result<()> {
         match self {
             UpperDir::Disk(fd) => sys::remove_xattr(fd.as_fd(), name, key),
-            UpperDir::Memory(m, dir) => m.remove_xattr(&*Self::node_of(m, *dir, name)?, key),
+            UpperDir::Memory(m, dir) => m.remove_xattr(&*Self::node_of(m, dir, name)?, key),
         }
     }
 
     pub fn list_xattr(&self, name: Option<&OsStr>) -> Result<Vec<OsString>> {
         match self {
             UpperDir::Disk(fd) => sys::list_xattr(fd.as_fd(), name),
-            UpperDir::Memory(m, dir) => Ok(m.list_xattr(&*Self::node_of(m, *dir, name)?)),
+            UpperDir::Memory(m, dir) => Ok(m.list_xattr(&*Self::node_of(m, dir, name)?)),
         }
     }
 
@@ -533,7 +546,7 @@ impl UpperDir {
         match self {
             UpperDir::Disk(fd) => sys::chown_at(fd.as_fd(), name, uid, gid),
             UpperDir::Memory(m, dir) => {
-                m.set_owner(&*Self::node_of(m, *dir, name)?, uid, gid);
+                m.set_owner(&*Self::node_of(m, dir, name)?, uid, gid);
                 Ok(())
             }
         }
@@ -552,7 +565,7 @@ impl UpperDir {
                 sys::chmod_at(fd.as_fd(), name, mode)
             }
             UpperDir::Memory(m, dir) => {
-                let node = Self::node_of(m, *dir, name)?;
+                let node = Self::node_of(m, dir, name)?;
                 if node.file_type() == libc::S_IFLNK {
                     return Err(errno(libc::EOPNOTSUPP));
                 }
@@ -566,7 +579,7 @@ impl UpperDir {
         match self {
             UpperDir::Disk(fd) => sys::utimens_at(fd.as_fd(), name, atime, mtime),
             UpperDir::Memory(m, dir) => {
-                m.set_times(&*Self::node_of(m, *dir, name)?, atime, mtime);
+                m.set_times(&*Self::node_of(m, dir, name)?, atime, mtime);
                 Ok(())
             }
         }
@@ -592,7 +605,7 @@ impl UpperFile {
     pub fn into_object(self) -> UpperDir {
         match self {
             UpperFile::Disk(fd) => UpperDir::Disk(Arc::new(fd)),
-            UpperFile::Memory(m, node) => UpperDir::Memory(m, node.ino()),
+            UpperFile::Memory(m, node) => UpperDir::Memory(m, node),
         }
     }
 
@@ -603,7 +616,7 @@ impl UpperFile {
             (UpperFile::Disk(fd), UpperDir::Disk(d)) => {
                 sys::link_open_file(fd.as_fd(), d.as_fd(), name)
             }
-            (UpperFile::Memory(m, node), UpperDir::Memory(_, d)) => m.link(node, *d, name),
+            (UpperFile::Memory(m, node), UpperDir::Memory(_, d)) => m.link(node, d.ino(), name),
             _ => Err(errno(libc::EXDEV)),
         }
     }
@@ -665,6 +678,14 @@ impl UpperFile {
             UpperFile::Memory(m, node) => {
                 if mode == F::PUNCH_HOLE | F::KEEP_SIZE {
                     m.punch_hole(node, off, len)
+                } else if mode - F::KEEP_SIZE == F::ZERO_RANGE {
+                    // A hole reads as zeros in the store; without KEEP_SIZE the range may
+                    // also extend the file, which an allocation does.
+                    m.punch_hole(node, off, len)?;
+                    if mode.contains(F::KEEP_SIZE) {
+                        return Ok(());
+                    }
+                    m.allocate(node, off, len, false)
                 } else if mode.is_empty() || mode == F::KEEP_SIZE {
                     m.allocate(node, off, len, mode == F::KEEP_SIZE)
                 } else {

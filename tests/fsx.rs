@@ -473,6 +473,9 @@ fn fsx_with_owners_and_modes_in_xattrs_matches_the_model() {
     let ops = fsx_ops();
     let seed = fsx_seed().unwrap_or(11);
     eprintln!("fsx (xattr_permissions=2): seed {seed}, {ops} operations");
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     run_seed(seed, ops, &["xattr_permissions=2"]);
 }
 
@@ -494,6 +497,9 @@ fn fsx_with_reflink_copy_up_matches_the_model() {
     let ops = fsx_ops();
     let seed = fsx_seed().unwrap_or(7);
     eprintln!("fsx (reflink copy-up on XFS): seed {seed}, {ops} operations");
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let xfs = LoopFs::new("mkfs.xfs -q -f -m reflink=1", 512 << 20);
     let run = run_seed_in(&xfs.path, seed, ops, &[]);
     assert!(run.reflinks > 0, "no copy-up cloned a file");

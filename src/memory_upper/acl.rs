@@ -66,6 +66,44 @@ pub fn inherit(mode: u32, umask: u32, parent_default: Option<&[u8]>) -> Result<I
     })
 }
 
+/// An access ACL set on an object of mode `mode` (what ext4 does through the kernel's
+/// `posix_acl_update_mode`): the permission bits follow the ACL — the group bits are the
+/// mask's when there is one — and an ACL of the three base entries only, which the mode says
+/// all of, is not kept. The new mode, and the xattr value to keep, if any.
+pub fn set_access(value: &[u8], mode: u32) -> Result<(u32, Option<Vec<u8>>)> {
+    let entries = decode(value)?;
+    let has_mask = entries.iter().any(|e| e.0 == MASK);
+    let mut new_mode = mode & !0o777;
+    for e in &entries {
+        let perm = u32::from(e.1 & 7);
+        match e.0 {
+            USER_OBJ => new_mode |= perm << 6,
+            MASK => new_mode |= perm << 3,
+            GROUP_OBJ if !has_mask => new_mode |= perm << 3,
+            OTHER => new_mode |= perm,
+            _ => {}
+        }
+    }
+    Ok((new_mode, (entries.len() > 3).then(|| value.to_vec())))
+}
+
+/// The access ACL `value` after a chmod to `mode` (the kernel's `posix_acl_chmod`): the
+/// owner's, the mask's (else the owning group's) and other's entries take the new bits.
+pub fn chmod(value: &[u8], mode: u32) -> Result<Vec<u8>> {
+    let mut entries = decode(value)?;
+    let has_mask = entries.iter().any(|e| e.0 == MASK);
+    for e in entries.iter_mut() {
+        match e.0 {
+            USER_OBJ => e.1 = ((mode >> 6) & 7) as u16,
+            MASK => e.1 = ((mode >> 3) & 7) as u16,
+            GROUP_OBJ if !has_mask => e.1 = ((mode >> 3) & 7) as u16,
+            OTHER => e.1 = (mode & 7) as u16,
+            _ => {}
+        }
+    }
+    Ok(encode(&entries))
+}
+
 /// (tag, perm, id) entries of an ACL xattr; EINVAL for anything the kernel would not have
 /// written.
 fn decode(b: &[u8]) -> Result<Vec<(u16, u16, u32)>> {
@@ -198,6 +236,65 @@ mod tests {
             }
         }
         assert!(probed);
+    }
+
+    /// What ext4 makes of an access ACL set on a file, and of a chmod after it, compared with
+    /// `set_access` and `chmod`.
+    #[test]
+    fn access_acls_and_chmod_match_the_kernel() {
+        let acls = [
+            acl(&[
+                (USER_OBJ, 6, UNDEFINED),
+                (GROUP_OBJ, 4, UNDEFINED),
+                (OTHER, 0, UNDEFINED),
+            ]),
+            acl(&[
+                (USER_OBJ, 6, UNDEFINED),
+                (USER, 4, 4321),
+                (GROUP_OBJ, 0, UNDEFINED),
+                (MASK, 4, UNDEFINED),
+                (OTHER, 0, UNDEFINED),
+            ]),
+            acl(&[
+                (USER_OBJ, 7, UNDEFINED),
+                (GROUP_OBJ, 5, UNDEFINED),
+                (GROUP, 7, 99),
+                (MASK, 7, UNDEFINED),
+                (OTHER, 1, UNDEFINED),
+            ]),
+        ];
+        let tmp = tempfile::tempdir().unwrap();
+        let got = |p: &std::path::Path| {
+            let mut buf = vec![0u8; 256];
+            rustix::fs::getxattr(p, ACCESS, &mut buf[..])
+                .ok()
+                .map(|n| buf[..n].to_vec())
+        };
+        for (i, value) in acls.iter().enumerate() {
+            for mode in [0o600, 0o755, 0o000] {
+                let p = tmp.path().join(format!("f{i}-{mode:o}"));
+                std::fs::write(&p, b"").unwrap();
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+                match rustix::fs::setxattr(&p, ACCESS, value, rustix::fs::XattrFlags::empty()) {
+                    Ok(()) => {}
+                    Err(rustix::io::Errno::NOTSUP) => return,
+                    Err(e) => panic!("{e}"),
+                }
+                let real = std::fs::metadata(&p).unwrap().permissions().mode();
+                let (want, kept) = set_access(value, libc::S_IFREG | mode).unwrap();
+                assert_eq!(want, real, "acl {i} on mode {mode:o}");
+                assert_eq!(kept, got(&p), "acl {i} kept, mode {mode:o}");
+                let Some(kept) = kept else { continue };
+                for new in [0o640, 0o017] {
+                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(new)).unwrap();
+                    assert_eq!(
+                        Some(chmod(&kept, new).unwrap()),
+                        got(&p),
+                        "acl {i}, chmod {new:o}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

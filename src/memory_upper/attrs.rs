@@ -3,7 +3,7 @@
 
 use std::ffi::{OsStr, OsString};
 
-use super::{MemoryUpper, Node, XATTR_NAME_MAX, XATTR_SIZE_MAX, now};
+use super::{MemoryUpper, Node, XATTR_NAME_MAX, XATTR_SIZE_MAX, acl, now};
 use crate::error::{Result, errno};
 use crate::sys::Time;
 
@@ -29,13 +29,18 @@ impl MemoryUpper {
         m.ctime = now();
     }
 
-    /// chmod: the permission bits of `mode`; the type stays.
+    /// chmod: the permission bits of `mode`; the type stays, and an access ACL follows the
+    /// new bits (posix_acl_chmod).
     pub fn set_mode(&self, node: &Node, mode: u32) {
         let _q = self.quiesce.read();
         node.changed();
         let mut m = node.meta.lock().unwrap();
         m.mode = (m.mode & libc::S_IFMT) | (mode & 0o7777);
         m.ctime = now();
+        let name = OsStr::new(acl::ACCESS);
+        if let Some(v) = m.xattrs.get(name).and_then(|v| acl::chmod(v, mode).ok()) {
+            m.xattrs.insert(name.to_owned(), v);
+        }
     }
 
     pub fn set_times(&self, node: &Node, atime: Time, mtime: Time) {
@@ -79,8 +84,22 @@ impl MemoryUpper {
         if flags & libc::XATTR_REPLACE != 0 && !present {
             return Err(errno(libc::ENODATA));
         }
-        m.xattrs.insert(name.to_owned(), value.to_vec());
         m.ctime = now();
+        if name == acl::ACCESS {
+            // The mode follows the ACL, as on ext4: the kernel checks an ACL only where the
+            // mode's group bits are set.
+            let (mode, kept) = acl::set_access(value, m.mode)?;
+            m.mode = mode;
+            match kept {
+                Some(v) => m.xattrs.insert(name.to_owned(), v),
+                None => m.xattrs.remove(name),
+            };
+            return Ok(());
+        }
+        if name == acl::DEFAULT && m.mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(errno(libc::EACCES));
+        }
+        m.xattrs.insert(name.to_owned(), value.to_vec());
         Ok(())
     }
 

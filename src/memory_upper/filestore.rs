@@ -115,17 +115,17 @@ impl Filestore {
     }
 
     /// Frees blocks no file maps and no durable image refers to: their space goes back to the
-    /// host at once.
+    /// host at once. Punched first, free after: once free, another file may take a block and
+    /// write it, and a punch then would zero that file's data.
     pub fn free(&self, blocks: &[u64]) -> Result<()> {
         if blocks.is_empty() {
             return Ok(());
         }
-        {
-            let mut s = self.state.lock().unwrap();
-            s.live -= blocks.len() as u64;
-            s.free.extend(blocks.iter().copied());
-        }
-        self.punch(blocks)
+        let punched = self.punch(blocks);
+        let mut s = self.state.lock().unwrap();
+        s.live -= blocks.len() as u64;
+        s.free.extend(blocks.iter().copied());
+        punched
     }
 
     /// Frees blocks the durable image still refers to once the next image is durable.

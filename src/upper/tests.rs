@@ -29,7 +29,7 @@ fn pair() -> (tempfile::TempDir, UpperDir, UpperDir) {
     (
         tmp,
         UpperDir::Disk(Arc::new(fd)),
-        UpperDir::Memory(mem, ROOT),
+        UpperDir::Memory(mem.clone(), mem.node(ROOT).unwrap()),
     )
 }
 

@@ -40,6 +40,32 @@ pub struct Mount {
     child: Option<Child>,
 }
 
+/// The upper store the suite runs against: `MOSAICFS_TEST_UPPER=memory` mounts every
+/// read-write overlay with `upper=memory` (the test matrix of .ci/run); unset, the default
+/// (disk).
+pub fn upper_store() -> Option<String> {
+    std::env::var("MOSAICFS_TEST_UPPER")
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+/// Whether the upper layer is a directory of objects the test can look into: false in the
+/// memory run of the matrix, where it holds the store's image and filestore instead. Checks
+/// of what lies in the upper dir are made only when true.
+pub fn disk_upper() -> bool {
+    upper_store().is_none_or(|s| s == "disk")
+}
+
+/// For a test that is about the upper dir's objects (it fills the upper dir before the
+/// mount, or stacks it as a lower layer): false, saying so, in the memory run.
+pub fn runs_on_disk_upper_only() -> bool {
+    let disk = disk_upper();
+    if !disk {
+        eprintln!("skipped in the memory run: this test is about a disk upper dir's objects");
+    }
+    disk
+}
+
 pub fn is_mounted(mnt: &Path) -> bool {
     let info = fs::read("/proc/self/mountinfo").unwrap();
     let want = mnt.as_os_str().as_bytes();
@@ -130,6 +156,14 @@ impl Mount {
 
     pub fn mount_with(&mut self, opts: &str) {
         assert!(self.child.is_none(), "already mounted");
+        let with_store;
+        let opts = match upper_store() {
+            Some(store) if opts.contains("upperdir=") && !opts.contains("upper=") => {
+                with_store = format!("{opts},upper={store}");
+                &with_store
+            }
+            _ => opts,
+        };
         let _forking = forking();
         let mut cmd = Command::new(BIN);
         cmd.env("MOSAICFS_LOG", "info")
