@@ -202,6 +202,43 @@ fn is_memory_layer_file(name: &OsStr) -> bool {
         })
 }
 
+/// Whether the upper dir `ufd` holds a memory upper layer (its image).
+fn holds_memory_layer(ufd: BorrowedFd<'_>) -> bool {
+    sys::stat_opt(ufd, OsStr::new(IMAGE_NAME)).is_ok_and(|a| a.is_some())
+}
+
+/// The memory upper kept in the upper dir `upper`, opened for reading only: its image and
+/// journal as they are, data from the filestore in the upper dir.
+fn read_memory_upper(
+    ufd: BorrowedFd<'_>,
+    upper: &Path,
+) -> std::result::Result<MemoryUpper, String> {
+    let at = |e: Error| format!("upperdir '{}': {e}", upper.display());
+    let flags = OFlags::RDONLY | OFlags::CLOEXEC;
+    let filestore = match crate::sys::openat(ufd, FILESTORE_NAME, flags, rustix::fs::Mode::empty())
+    {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => {
+            return Err(format!(
+                "upperdir '{}' holds a memory upper layer whose filestore is elsewhere \
+                 (filestore=PATH): mount it with those options and export the mount \
+                 (mosaicfs export MOUNTPOINT)",
+                upper.display()
+            ));
+        }
+        Err(e) => return Err(at(e.into())),
+    };
+    let dir =
+        sys::open_beneath(ufd, Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, 0).map_err(at)?;
+    MemoryUpper::open_read_only(dir, filestore).map_err(|e| {
+        format!(
+            "upperdir '{}': the memory layer cannot be read ({e}); mount it to see what the \
+             mount says",
+            upper.display()
+        )
+    })
+}
+
 /// Opens the memory upper kept in the upper dir `upper` (`ufd`), refusing a dir that holds
 /// something else. Errors are one line naming the dir and what to do.
 fn open_memory_upper(
@@ -435,9 +472,12 @@ impl LayerStack {
                     uattr.dev = MEMORY_DEV;
                 }
                 Some(_) => return Err("upper=memory needs a workdir and a read-write mount".into()),
-                None if sys::stat_opt(ufd.as_fd(), OsStr::new(IMAGE_NAME))
-                    .is_ok_and(|a| a.is_some()) =>
-                {
+                // Read-only (an offline `mosaicfs export`): the layer as its image shows it.
+                None if read_only && holds_memory_layer(ufd.as_fd()) => {
+                    memory = Some(Arc::new(read_memory_upper(ufd.as_fd(), &upper)?));
+                    uattr.dev = MEMORY_DEV;
+                }
+                None if holds_memory_layer(ufd.as_fd()) => {
                     return Err(format!(
                         "upperdir '{}' holds a memory upper layer ({IMAGE_NAME}): mount it with \
                          upper=memory (and the filestore= it was made with)",

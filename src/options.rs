@@ -940,11 +940,9 @@ fn check_memory_upper(opts: &Options) -> Result<(), String> {
         };
     }
     if opts.upperdir.is_none() {
-        return Err(
-            "upper=memory needs upperdir and workdir: the layer's image (and by default its \
-             filestore) is kept in upperdir, the lock of its daemon in workdir"
-                .into(),
-        );
+        // No upper layer at all (a read-only mount of image layers: containers/storage passes
+        // storage.conf's mountopt to those too): nothing for the option to change.
+        return Ok(());
     }
     if opts.read_only {
         return Err(

@@ -80,11 +80,17 @@ fn check_on(fs_type: &str, mkfs: &str) {
 
 #[test]
 fn partial_files_on_an_xfs_upper() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     check_on("xfs", "mkfs.xfs -q -f");
 }
 
 #[test]
 fn partial_files_on_a_btrfs_upper() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     check_on("btrfs", "mkfs.btrfs -q -f");
 }
 
@@ -196,10 +202,16 @@ fn clones_on(mkfs: &str) {
 
 #[test]
 fn copy_up_clones_lower_files_on_one_xfs() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     clones_on("mkfs.xfs -q -f -m reflink=1");
 }
 
 #[test]
 fn copy_up_clones_lower_files_on_one_btrfs() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     clones_on("mkfs.btrfs -q -f");
 }

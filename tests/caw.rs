@@ -29,6 +29,9 @@ fn lazy_mount(data: &[u8], extra: &[&str]) -> Mount {
 
 #[test]
 fn a_partial_block_write_is_deferred_and_reads_see_it_merged() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(1 << 20, 1);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
@@ -64,6 +67,9 @@ fn a_partial_block_write_is_deferred_and_reads_see_it_merged() {
 
 #[test]
 fn workers_fill_pending_blocks_in_the_background() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(1 << 20, 2);
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), &base);
@@ -120,6 +126,9 @@ fn kill_9_loses_only_unsynced_pending_writes_and_never_mixes_a_block() {
 
 #[test]
 fn unmount_fills_every_pending_block() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(1 << 20, 4);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
@@ -172,6 +181,9 @@ fn past_the_memory_bound_writers_fill_synchronously() {
 
 #[test]
 fn o_sync_writes_are_on_disk_when_they_return() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(1 << 20, 6);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
@@ -249,6 +261,9 @@ fn concurrent_writers_and_readers_on_pending_blocks() {
 
 #[test]
 fn close_puts_pending_blocks_on_disk_before_any_unmount() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     // An unmount does not wait for the daemon: whatever mounts the layers next (podman commit)
     // must find every closed file's data on disk. kill -9 right after close proves it.
     let base = pattern(1 << 20, 8);

@@ -26,6 +26,9 @@ fn wait_complete(p: &std::path::Path, limit: Duration) {
 
 #[test]
 fn an_idle_partial_file_is_completed_and_kernel_overlayfs_reads_it() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(8 << 20, 1);
     let mut m = Mount::new(1);
     write(m.lower(0).join("db"), &base);
@@ -86,6 +89,9 @@ fn reopen_and_write(m: &Mount, name: &str, off: u64, data: &[u8]) -> bool {
 
 #[test]
 fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     // Completion follows use: a file written, closed and opened for writing again (a database,
     // a log) is completed by that open, which is then served by passthrough. Neither idleness
     // nor the share of blocks would complete it here.
@@ -128,6 +134,9 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
 
 #[test]
 fn a_reopened_file_above_complete_on_reopen_is_completed_in_the_background() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(4 << 20, 7);
     let mut m = Mount::new(1);
     write(m.lower(0).join("log"), &base);
@@ -171,6 +180,9 @@ fn a_reopened_file_above_complete_on_reopen_is_completed_in_the_background() {
 
 #[test]
 fn a_mostly_rewritten_file_is_completed_by_ratio() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), pattern(1 << 20, 2));
     m.extra = vec![
@@ -226,6 +238,9 @@ fn completion_racing_with_writes_loses_nothing() {
 
 #[test]
 fn a_completed_file_is_served_by_passthrough() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), pattern(1 << 20, 4));
     m.extra = vec!["complete_after=0.1".into()];
@@ -269,6 +284,9 @@ fn kill_9_during_completion_leaves_a_correct_file() {
 
 #[test]
 fn a_file_written_again_after_the_kernel_forgot_it_keeps_both_writes_through_completion() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(1 << 20, 6);
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), &base);
@@ -345,6 +363,9 @@ fn kill_9_while_a_reopen_completes_the_file_keeps_every_synced_byte() {
 /// (copy-after-write) still sets the mtime at once.
 #[test]
 fn completion_keeps_the_mtime_and_a_deferred_write_sets_it() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     use std::os::unix::fs::MetadataExt;
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), pattern(4 << 20, 7));

@@ -51,6 +51,9 @@ fn work_is_clean_after(m: &Mount, what: &str) {
 
 #[test]
 fn a_first_write_fails_whole_when_the_copy_up_cannot_be_renamed_into_place() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = faulty("rename:1");
     let e = fs::OpenOptions::new()
         .write(true)
@@ -74,6 +77,9 @@ fn a_first_write_fails_whole_when_the_copy_up_cannot_be_renamed_into_place() {
 
 #[test]
 fn a_first_write_to_a_partial_file_fails_whole_when_it_cannot_be_renamed_into_place() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = faulty_with("rename:1", &["copy_whole=0"]);
     let e = fs::OpenOptions::new()
         .write(true)
@@ -93,6 +99,9 @@ fn a_first_write_to_a_partial_file_fails_whole_when_it_cannot_be_renamed_into_pl
 
 #[test]
 fn a_chown_fails_whole_when_the_partial_file_mark_cannot_be_set() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = faulty("setxattr:1");
     let before = fs::metadata(m.path("d/f")).unwrap();
     let e = std::os::unix::fs::chown(m.path("d/f"), Some(4242), None);
@@ -118,6 +127,9 @@ fn a_chown_fails_whole_when_the_partial_file_mark_cannot_be_set() {
 
 #[test]
 fn an_unlink_fails_and_keeps_the_file_when_no_whiteout_can_be_made() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = faulty("mknod:1");
     assert_eq!(errno_of(fs::remove_file(m.path("d/f"))), libc::EIO);
     assert_eq!(fs::read(m.path("d/f")).unwrap(), pattern(3 * 4096, 1));
@@ -131,6 +143,9 @@ fn an_unlink_fails_and_keeps_the_file_when_no_whiteout_can_be_made() {
 
 #[test]
 fn a_directory_rename_fails_whole_when_its_copy_up_cannot_be_marked() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = faulty("setxattr:1");
     assert_eq!(errno_of(fs::rename(m.path("d"), m.path("e"))), libc::EIO);
     assert_eq!(names(m.path("d")), ["f", "g"]);
@@ -146,6 +161,9 @@ fn a_directory_rename_fails_whole_when_its_copy_up_cannot_be_marked() {
 
 #[test]
 fn a_create_that_fails_leaves_no_name() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = faulty("create:1");
     assert_eq!(errno_of(fs::write(m.path("d/new"), "x")), libc::EIO);
     assert!(!m.path("d/new").exists());
@@ -221,12 +239,18 @@ fn view(dir: &std::path::Path) -> Vec<String> {
 /// layers, and the remount leaves nothing in the work dir.
 #[test]
 fn every_injected_fault_leaves_layers_that_remount_as_they_were_shown() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     sweep(&["copy_whole=0"]);
 }
 
 /// The sweep with small files copied whole at their first writable open.
 #[test]
 fn every_injected_fault_with_whole_copies() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     sweep(&[]);
 }
 
@@ -234,6 +258,9 @@ fn every_injected_fault_with_whole_copies() {
 /// way): chown and chmod become xattr changes.
 #[test]
 fn every_injected_fault_with_owners_in_xattrs() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     sweep(&["copy_whole=0", "xattr_permissions=2"]);
 }
 

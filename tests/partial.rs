@@ -41,6 +41,9 @@ fn a_read_only_open_copies_nothing_up() {
 
 #[test]
 fn an_open_for_writing_copies_up_before_any_write() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     // As overlayfs does: a tool that looks at the upper layer after open(O_WRONLY) or O_RDWR
     // finds the file there — a partial file without a single block of data.
     let data = pattern(MIB, 3);
@@ -71,6 +74,9 @@ fn an_open_for_writing_copies_up_before_any_write() {
 
 #[test]
 fn first_write_to_lower_copies_one_block() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(64 * MIB, 1);
     let m = lower_with("big", &base);
     let f = fs::OpenOptions::new()
@@ -105,6 +111,9 @@ fn first_write_to_lower_copies_one_block() {
 
 #[test]
 fn metadata_changes_copy_no_data() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(16 * MIB, 2);
     let m = lower_with("f", &base);
     let f = m.path("f");
@@ -124,6 +133,9 @@ fn metadata_changes_copy_no_data() {
 
 #[test]
 fn chown_recursive_of_a_tree_writes_no_data() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let m = Mount::with(|l| {
         for i in 0..50 {
             write(
@@ -374,6 +386,9 @@ fn a_changed_lower_file_is_refused_with_eio() {
 
 #[test]
 fn a_damaged_mark_is_refused_with_eio() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = lower_with("f", &pattern(100_000, 14));
     fs::OpenOptions::new()
         .write(true)
@@ -402,6 +417,9 @@ fn edit_mark(m: &Mount, edit: impl FnOnce(String) -> String) {
 
 #[test]
 fn marks_carry_their_block_size_and_v1_marks_still_read() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(300_000, 21);
     let mut m = lower_with("f", &base);
     write_at(m.path("f"), 10_000, b"v2");
@@ -436,6 +454,9 @@ fn marks_carry_their_block_size_and_v1_marks_still_read() {
 
 #[test]
 fn a_partial_file_is_read_and_written_in_the_block_size_of_its_mark() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     // Made where blocks were 8 KiB (a coarser upper file system): one whole 8 KiB block
     // written, the rest holes.
     let base = pattern(64 * 1024, 22);
@@ -467,6 +488,9 @@ fn a_partial_file_is_read_and_written_in_the_block_size_of_its_mark() {
 
 #[test]
 fn a_mark_finer_than_the_upper_file_system_allocates_is_refused_and_nothing_is_lost() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let base = pattern(64 * 1024, 23);
     let mut m = lower_with("f", &base);
     write_at(m.path("f"), 100, b"z");
@@ -668,6 +692,9 @@ fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
 
 #[test]
 fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let dir = tempfile::Builder::new()
         .prefix("mosaicfs-full")
         .tempdir_in("/tmp")
@@ -734,6 +761,9 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
 
 #[test]
 fn upper_dir_stacked_as_lower_keeps_partial_files_readable() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     // An upper dir reused as a lower layer (a layer commit done by moving the dir) holds
     // partial files: they must read through to the layer below, never as zeros.
     let base = pattern(8 * MIB, 21);

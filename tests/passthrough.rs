@@ -11,6 +11,9 @@ use common::*;
 
 #[test]
 fn complete_upper_files_never_send_reads_or_writes_to_the_daemon() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = Mount::with(|_| {});
     let data = vec![7u8; 4 << 20];
     fs::write(m.path("new"), &data).unwrap();
@@ -52,6 +55,9 @@ fn partial_files_and_writes_to_lower_files_go_through_the_daemon() {
 
 #[test]
 fn a_small_file_opened_for_writing_is_copied_whole_and_skips_the_daemon() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let small = pattern(200_000, 4);
     let big = pattern(3 << 20, 5);
     let mut m = Mount::with(|l| {
@@ -90,6 +96,9 @@ fn a_small_file_opened_for_writing_is_copied_whole_and_skips_the_daemon() {
 
 #[test]
 fn open_with_o_trunc_copies_nothing_and_is_passthrough() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     // FUSE_ATOMIC_O_TRUNC: the OPEN request truncates, so a lower file (or a partial one)
     // opened with O_TRUNC becomes an empty complete upper file before the open returns; none
     // of its bytes are copied, whatever completion would otherwise do at a reopen.

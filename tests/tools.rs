@@ -172,6 +172,9 @@ fn snapshot_with(kind: &str, m: &Mount, extra: &str) -> Vec<String> {
 
 #[test]
 fn complete_makes_a_layer_kernel_overlayfs_and_fuse_overlayfs_show_as_mosaicfs_did() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     for (mode, peer, peer_opts) in [
         ("--redirects=kernel", "overlay", ",redirect_dir=on"),
         ("--redirects=copy", "fuse-overlayfs", ""),
@@ -257,6 +260,9 @@ fn without(line: &str, field: &str) -> String {
 /// docs/FORMAT.md states; everything else is exact.
 #[test]
 fn complete_killed_and_run_again_gives_the_same_layer() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let no_mtime =
         |snap: Vec<String>| -> Vec<String> { snap.iter().map(|l| without(l, "mtime")).collect() };
     let mut m = Mount::new(1);
@@ -293,6 +299,9 @@ fn complete_killed_and_run_again_gives_the_same_layer() {
 
 #[test]
 fn fsck_reports_each_problem_with_its_path_and_repairs_what_it_can() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = Mount::new(1);
     write(m.lower(0).join("big"), pattern(4 << 20, 9));
     fs::create_dir(m.lower(0).join("dir")).unwrap();
@@ -467,6 +476,9 @@ fn layers_py() -> PathBuf {
 /// and the file with holes stays sparse.
 #[test]
 fn export_gives_the_merged_view_as_an_oci_layer_live_and_offline() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = Mount::new(1);
     let l = m.lower(0).to_path_buf();
     write(l.join("holes"), b"");
@@ -615,6 +627,9 @@ fn export_gives_the_merged_view_as_an_oci_layer_live_and_offline() {
 /// exports a 1 GiB partial file (10 GiB measured by hand: docs/PERFORMANCE.md).
 #[test]
 fn export_memory_stays_bounded_for_a_big_file() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
     let mut m = Mount::new(1);
     sh(&format!(
         "head -c 1G /dev/urandom > {}",

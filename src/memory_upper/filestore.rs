@@ -73,6 +73,21 @@ impl Filestore {
         Ok(store)
     }
 
+    /// A filestore only read from (`MemoryUpper::open_read_only`): no block is free, so none
+    /// is ever handed out, and the file is not trimmed.
+    pub fn read_only(fd: OwnedFd) -> Filestore {
+        Filestore {
+            fd,
+            limit: Some(0),
+            state: Mutex::new(Allocation {
+                free: BTreeSet::new(),
+                end: u64::MAX,
+                live: 0,
+                deferred: Vec::new(),
+            }),
+        }
+    }
+
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }

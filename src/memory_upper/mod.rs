@@ -225,6 +225,35 @@ impl MemoryUpper {
         }
     }
 
+    /// The layer kept in `dir` as its last image and journal show it, for reading only
+    /// (`mosaicfs export` of an unmounted layer): nothing in `dir` or `filestore` is changed,
+    /// no image is written, and a layer without an image reads as an empty one.
+    pub fn open_read_only(
+        dir: OwnedFd,
+        filestore: OwnedFd,
+    ) -> std::result::Result<MemoryUpper, ImageError> {
+        let store_len = rustix::fs::fstat(&filestore)
+            .map_err(ImageError::io)?
+            .st_size as u64;
+        let Some(bytes) = image::read(&dir).map_err(ImageError::io)? else {
+            let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, WORK + 1);
+            up.insert_roots();
+            return Ok(up);
+        };
+        let tree = image::decode_image(&bytes)?;
+        let generation = tree.generation;
+        let deltas = journal::read(&dir, generation)?.map_or_else(Vec::new, |(d, _)| d);
+        let (nodes, next_ino) = replay(tree, deltas);
+        image::check_tree(&nodes, next_ino, store_len)?;
+        let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, next_ino);
+        for node in nodes {
+            up.insert(up.node_from_image(node));
+        }
+        // Nothing frees blocks: the store is never written.
+        up.closing.store(true, Ordering::Relaxed);
+        Ok(up)
+    }
+
     fn from_parts(store: Filestore, persist: Option<Persist>, next_ino: Ino) -> MemoryUpper {
         MemoryUpper {
             nodes: NodeTable::default(),

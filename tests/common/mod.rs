@@ -146,6 +146,11 @@ impl Mount {
             o.push(',');
             o.push_str(e);
         }
+        if let Some(store) = upper_store()
+            && !o.contains(",upper=")
+        {
+            o.push_str(&format!(",upper={store}"));
+        }
         o
     }
 
@@ -417,6 +422,16 @@ pub fn os(s: &str) -> &OsStr {
 pub fn allocated(p: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     fs::metadata(p).unwrap().blocks() * 512
+}
+
+/// Bytes the upper layer stores for its object `rel`: the file's allocation on a disk upper;
+/// on a memory upper the filestore's, which holds every file's data (an upper bound).
+pub fn stored_bytes(m: &Mount, rel: &str) -> u64 {
+    if disk_upper() {
+        allocated(&m.upper.join(rel))
+    } else {
+        allocated(&m.upper.join(".mosaicfs-filestore"))
+    }
 }
 
 /// The request counters the daemon logs when it unmounts ("requests: read=N ... write=M ...").

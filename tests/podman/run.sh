@@ -25,9 +25,13 @@ echo "\$*" >> "$t/calls.log"
 exec "$bin" "\$@"
 WRAP
 chmod +x "$t/mount-program"
+# MOSAICFS_OPTS=a,b: storage.conf's mountopt, which containers/storage passes to every mount
+# (e.g. upper=memory).
+mountopt=()
+[ -n "${MOSAICFS_OPTS:-}" ] && mountopt=(--storage-opt "overlay.mountopt=$MOSAICFS_OPTS")
 podman() {
   command podman --root "$t/root" --runroot "$t/runroot" --storage-driver overlay \
-    --storage-opt overlay.mount_program="$t/mount-program" \
+    --storage-opt overlay.mount_program="$t/mount-program" "${mountopt[@]}" \
     --runtime runc --cgroup-manager cgroupfs --events-backend file "$@"
 }
 RUN=(--network none --ulimit nofile=20000:20000 --ulimit nproc=32768:32768)

@@ -1,0 +1,326 @@
+//! The memory upper (`upper=memory`, issue #13): what it promises beyond what the rest of the
+//! suite checks on it (the suite also runs with MOSAICFS_TEST_UPPER=memory).
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::process::Command;
+
+use common::*;
+
+const FILESTORE: &str = ".mosaicfs-filestore";
+const IMAGE: &str = ".mosaicfs-tree";
+
+fn memory_mount(fill: impl FnOnce(&std::path::Path), extra: &[&str]) -> Mount {
+    let mut m = Mount::new(1);
+    fill(m.lower(0));
+    m.extra = std::iter::once("upper=memory")
+        .chain(extra.iter().copied())
+        .map(String::from)
+        .collect();
+    m.mount();
+    m
+}
+
+/// `mosaicfs sync MNT`, asserting success.
+fn sync(m: &Mount) {
+    run(Command::new(BIN).arg("sync").arg(&m.mnt));
+}
+
+fn filestore_bytes(m: &Mount) -> u64 {
+    allocated(&m.upper.join(FILESTORE))
+}
+
+#[test]
+fn first_write_to_a_lower_file_stores_only_its_block_in_the_filestore() {
+    let data = pattern(16 << 20, 3);
+    let mut m = memory_mount(|l| write(l.join("big"), &data), &[]);
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("big"))
+        .unwrap();
+    f.write_all_at(b"X", 5 << 20).unwrap();
+    drop(f);
+    let mut want = data;
+    want[5 << 20] = b'X';
+    assert!(fs::read(m.path("big")).unwrap() == want, "merged content");
+    sync(&m);
+    assert!(
+        filestore_bytes(&m) <= 8192,
+        "one block, not the file: {} bytes in the filestore",
+        filestore_bytes(&m)
+    );
+    m.remount();
+    assert!(fs::read(m.path("big")).unwrap() == want, "after a remount");
+    assert_eq!(
+        names(&m.upper),
+        [FILESTORE, ".mosaicfs-journal", IMAGE],
+        "the upper dir holds the layer's files only"
+    );
+}
+
+#[test]
+fn chown_and_chmod_of_a_lower_tree_store_no_data() {
+    let mut m = memory_mount(
+        |l| {
+            for i in 0..20 {
+                write(l.join(format!("d/f{i}")), pattern(100_000, i));
+            }
+        },
+        &[],
+    );
+    sh(&format!(
+        "chown -R 123:456 {0}/d && chmod -R g+w {0}/d",
+        m.mnt.display()
+    ));
+    sync(&m);
+    assert_eq!(filestore_bytes(&m), 0, "metadata only");
+    m.remount();
+    let md = fs::metadata(m.path("d/f7")).unwrap();
+    assert_eq!((md.uid(), md.gid(), md.mode() & 0o777), (123, 456, 0o664));
+    assert!(fs::read(m.path("d/f7")).unwrap() == pattern(100_000, 7));
+}
+
+#[test]
+fn after_a_crash_the_layer_is_as_of_the_last_sync_plus_what_was_fsynced() {
+    let mut m = memory_mount(|l| write(l.join("lower"), "l"), &[]);
+    write(m.path("synced"), "by mosaicfs sync");
+    fs::remove_file(m.path("lower")).unwrap();
+    sync(&m);
+    let f = fs::File::create(m.path("fsynced")).unwrap();
+    f.write_all_at(b"by fsync", 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    write(m.path("lost"), "neither");
+    fs::remove_file(m.path("synced")).unwrap();
+    write(m.path("synced"), "rewritten, not synced");
+    m.kill9();
+    m.mount();
+    assert_eq!(
+        fs::read_to_string(m.path("synced")).unwrap(),
+        "by mosaicfs sync"
+    );
+    assert_eq!(fs::read_to_string(m.path("fsynced")).unwrap(), "by fsync");
+    assert!(!m.path("lost").exists());
+    assert!(!m.path("lower").exists(), "the whiteout was synced");
+}
+
+#[test]
+fn a_volatile_mount_keeps_what_an_unmount_wrote_but_not_fsyncs_across_a_crash() {
+    let mut m = memory_mount(|_| {}, &["volatile"]);
+    write(m.path("a"), "kept by the unmount");
+    m.remount();
+    let f = fs::File::create(m.path("b")).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    m.kill9();
+    m.mount();
+    assert_eq!(
+        fs::read_to_string(m.path("a")).unwrap(),
+        "kept by the unmount"
+    );
+    assert!(!m.path("b").exists(), "volatile: an fsync promises nothing");
+}
+
+/// An unmount does not wait for the daemon (containers/storage mounts the layer again at
+/// once for commit and diff): the next mount waits for the image the last one writes.
+#[test]
+fn a_mount_right_after_an_unmount_sees_every_change() {
+    let mut m = memory_mount(|_| {}, &[]);
+    for i in 0..3000 {
+        write(m.path(&format!("f{i}")), format!("{i}"));
+    }
+    let daemon = m.take_daemon();
+    rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::empty()).unwrap();
+    m.mount();
+    assert_eq!(names(&m.mnt).len(), 3000);
+    assert_eq!(fs::read_to_string(m.path("f2999")).unwrap(), "2999");
+    let out = daemon.wait_with_output().unwrap();
+    assert!(out.status.success());
+}
+
+#[test]
+fn a_damaged_image_is_refused_naming_the_upper_dir_and_what_to_do() {
+    let mut m = memory_mount(|_| {}, &[]);
+    write(m.path("f"), "data");
+    m.unmount();
+    let image = m.upper.join(IMAGE);
+    let mut bytes = fs::read(&image).unwrap();
+    let at = bytes.len() - 3;
+    bytes[at] ^= 0xff;
+    fs::write(&image, &bytes).unwrap();
+    let out = Command::new(BIN)
+        .args(["-f", "-o", &m.options()])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&m.upper.display().to_string()) && err.contains("move"),
+        "{err}"
+    );
+    assert_eq!(
+        fs::read(&image).unwrap(),
+        bytes,
+        "the image is left as it was"
+    );
+}
+
+#[test]
+fn a_memory_layer_and_a_disk_layer_are_never_mistaken_for_each_other() {
+    let mut m = memory_mount(|_| {}, &[]);
+    write(m.path("f"), "data");
+    m.unmount();
+    let disk_opts = m.options().replace(",upper=memory", "");
+    let out = Command::new(BIN)
+        .args(["-f", "-o", &disk_opts])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("upper=memory"));
+
+    let d = Mount::new(1);
+    write(d.upper.join("file"), "of a disk layer");
+    let out = Command::new(BIN)
+        .args(["-f", "-o", &format!("{},upper=memory", d.options())])
+        .arg(&d.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("upper=disk"));
+}
+
+#[test]
+fn size_caps_the_layer_with_enospc_and_keeps_what_was_written() {
+    let m = memory_mount(|_| {}, &["size=1M"]);
+    write(m.path("kept"), pattern(512 << 10, 1));
+    let f = fs::File::create(m.path("big")).unwrap();
+    let e = f.write_all_at(&pattern(1 << 20, 2), 0).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+    drop(f);
+    assert!(fs::read(m.path("kept")).unwrap() == pattern(512 << 10, 1));
+    let st = rustix::fs::statvfs(&m.mnt).unwrap();
+    assert_eq!(st.f_blocks * st.f_frsize, 1 << 20, "df shows the cap");
+    fs::remove_file(m.path("kept")).unwrap();
+    sync(&m);
+    write(m.path("after"), pattern(768 << 10, 3));
+}
+
+#[test]
+fn a_filestore_elsewhere_or_in_memory() {
+    let mut m = Mount::new(1);
+    let store = m.dir.path().join("elsewhere/store");
+    fs::create_dir(store.parent().unwrap()).unwrap();
+    m.extra = vec![
+        "upper=memory".into(),
+        format!("filestore={}", store.display()),
+    ];
+    m.mount();
+    write(m.path("f"), pattern(100_000, 4));
+    m.remount();
+    assert!(fs::read(m.path("f")).unwrap() == pattern(100_000, 4));
+    assert!(
+        allocated(&store) >= 100_000,
+        "the data is in the named file"
+    );
+    assert!(!m.upper.join(FILESTORE).exists());
+    m.unmount();
+
+    let mut v = Mount::new(1);
+    v.extra = vec!["upper=memory".into(), "filestore=memory".into()];
+    v.mount();
+    write(v.path("f"), "gone with the daemon");
+    v.remount();
+    assert!(!v.path("f").exists(), "filestore=memory keeps nothing");
+    assert!(names(&v.upper).is_empty());
+}
+
+#[test]
+fn removed_data_leaves_the_filestore_after_the_next_sync() {
+    let m = memory_mount(|_| {}, &[]);
+    write(m.path("f"), pattern(4 << 20, 5));
+    sync(&m);
+    assert!(filestore_bytes(&m) >= 4 << 20);
+    fs::remove_file(m.path("f")).unwrap();
+    sync(&m);
+    assert!(
+        filestore_bytes(&m) < 64 << 10,
+        "{} bytes left",
+        filestore_bytes(&m)
+    );
+}
+
+#[test]
+fn an_unmounted_memory_layer_exports_offline_and_fsck_says_it_checks_disk_layers() {
+    let mut m = memory_mount(
+        |l| {
+            write(l.join("gone"), "lower");
+            write(l.join("big"), pattern(1 << 20, 6));
+        },
+        &[],
+    );
+    write(m.path("new/file"), "made in memory");
+    fs::remove_file(m.path("gone")).unwrap();
+    write_at(m.path("big"), 4096, b"patched");
+    m.unmount();
+    let before = fs::read_dir(&m.upper)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), fs::read(e.path()).unwrap())
+        })
+        .collect::<Vec<_>>();
+    let tar = m.dir.path().join("layer.tar");
+    let out = Command::new(BIN)
+        .arg("export")
+        .arg("-q")
+        .arg("-o")
+        .arg(&tar)
+        .arg(format!("--lowerdir={}", m.lower(0).display()))
+        .arg(format!("--upperdir={}", m.upper.display()))
+        .arg(format!("--workdir={}", m.work.display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = sh(&format!("tar -tf {}", tar.display()));
+    for want in ["new/file", ".wh.gone", "big"] {
+        assert!(
+            listed.lines().any(|l| l.trim_start_matches("./") == want),
+            "{want} in {listed}"
+        );
+    }
+    let x = m.dir.path().join("x");
+    fs::create_dir(&x).unwrap();
+    sh(&format!("tar -xf {} -C {}", tar.display(), x.display()));
+    assert_eq!(
+        fs::read_to_string(x.join("new/file")).unwrap(),
+        "made in memory"
+    );
+    let mut want = pattern(1 << 20, 6);
+    want[4096..4103].copy_from_slice(b"patched");
+    assert!(fs::read(x.join("big")).unwrap() == want, "the merged bytes");
+    let after = fs::read_dir(&m.upper)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), fs::read(e.path()).unwrap())
+        })
+        .collect::<Vec<_>>();
+    assert!(before == after, "an export changes nothing in the layer");
+
+    let out = Command::new(BIN)
+        .arg("fsck")
+        .arg(format!("--lowerdir={}", m.lower(0).display()))
+        .arg(format!("--upperdir={}", m.upper.display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("memory upper layer"));
+}
