@@ -12,10 +12,14 @@ Workloads (paper 003 gVisor rootfs overlay; issue #13):
              the binary go to the upper layer)
   RSS        the mosaicfs daemon's resident memory grown per 10,000 upper files made
 
-Columns: mosaicfs (upper=disk), kernel overlayfs with an ext4 upper, kernel overlayfs with a
-tmpfs upper, fuse-overlayfs. For mosaicfs the run also prints the daemon's CPU time per
-workload: a memory upper saves the upper layer's syscalls inside it and nothing else
-(docs/PERFORMANCE.md, "What a memory upper can win").
+  data       a 256 MiB file written in the upper layer in 1 MiB writes and fsynced, read back
+             whole after the caches are dropped, then 20,000 random 4 KiB reads of it: a
+             memory upper serves file data through the daemon (no passthrough)
+
+Columns: mosaicfs (upper=disk), mosaicfs upper=memory, kernel overlayfs with an ext4 upper,
+kernel overlayfs with a tmpfs upper, fuse-overlayfs. For mosaicfs the run also prints the
+daemon's CPU time per workload: a memory upper saves the upper layer's syscalls inside it and
+nothing else (docs/PERFORMANCE.md, "What a memory upper can win").
 
 Usage: bench/upper.py [--quick] [--also OPTS] [--uring] (root; needs fuse-overlayfs, git, gcc, make)
 """
@@ -98,6 +102,7 @@ def make_repo(d, files, commits):
 
 
 KINDS = ["mosaicfs", "overlay", "overlay-tmpfs", "fuse-overlayfs"]
+MEMORY = "mosaicfs,upper=memory"
 
 
 class Mount:
@@ -213,8 +218,38 @@ def run_workloads(m, s, results, daemon):
 
     # CPU-bound, and this VM's run-to-run spread (±5 %) is as large as the differences: median of 3.
     r["make -j2 of a 300-file C project in the lower layer, median of 3 (s)"] = sorted(build() for _ in range(3))[1]
+    data_path(m, r, 64 if s.quick else 256)
     results[m.kind] = r
     daemon[m.kind] = d
+
+
+def data_path(m, r, mib):
+    """Sequential and random throughput of a file in the upper layer."""
+    p = m.path("data.bin")
+    chunk = os.urandom(1 << 20)
+    t0 = time.time()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for _ in range(mib):
+        os.write(fd, chunk)
+    os.fsync(fd)
+    os.close(fd)
+    r[f"write {mib} MiB in 1 MiB writes + fsync (MiB/s)"] = mib / (time.time() - t0)
+    drop_caches()
+    t0 = time.time()
+    fd = os.open(p, os.O_RDONLY)
+    while os.read(fd, 1 << 20):
+        pass
+    os.close(fd)
+    r[f"read {mib} MiB, cold (MiB/s)"] = mib / (time.time() - t0)
+    drop_caches()
+    rng = random.Random(1)
+    fd = os.open(p, os.O_RDONLY)
+    t0 = time.time()
+    n = 20000
+    for _ in range(n):
+        os.pread(fd, 4096, rng.randrange(mib * 256) * 4096)
+    os.close(fd)
+    r["random 4 KiB reads, cold (k/s)"] = n / (time.time() - t0) / 1000
 
 
 def main():
@@ -224,8 +259,8 @@ def main():
         s = Setup(root, a.quick)
         s.prepare()
         results, daemon = {}, {}
-        kinds = [("mosaicfs", "")] + [(f"mosaicfs,{x}", "," + x) for x in a.also] + \
-            [(k, "") for k in KINDS[1:]]
+        kinds = [("mosaicfs", ""), (MEMORY, ",upper=memory")] + \
+            [(f"mosaicfs,{x}", "," + x) for x in a.also] + [(k, "") for k in KINDS[1:]]
         for kind, extra in kinds:
             t0 = time.time()
             with Mount(s, kind, os.path.abspath(a.mosaicfs), extra) as m:
@@ -239,16 +274,19 @@ def report(a, kinds, results, daemon):
     print(f"\nUpper-layer workloads (issue #13){' (quick)' if a.quick else ''}, "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, {os.uname().release}, "
           f"layers on a fresh ext4 (loop){', kernel FUSE over io_uring on' if a.uring else ''}\n")
-    print("| workload | " + " | ".join(cols) + " | overlayfs / mosaicfs | fuse-overlayfs / mosaicfs |")
-    print("|" + "---|" * (len(cols) + 3))
+    print("| workload | " + " | ".join(cols) +
+          " | upper=disk / upper=memory | overlayfs / memory | fuse-overlayfs / memory |")
+    print("|" + "---|" * (len(cols) + 4))
     for w in results["mosaicfs"]:
         vals = [results[c].get(w) for c in cols]
         fmt = lambda v: "—" if v is None else (f"{v:.3g}" if v < 1000 else f"{v:,.0f}")
-        m = results["mosaicfs"][w]
-        o, f = results["overlay"].get(w), results["fuse-overlayfs"].get(w)
-        ratio = lambda p: "—" if p is None else f"{p / m:.2f}x"
-        print(f"| {w} | " + " | ".join(fmt(v) for v in vals) + f" | {ratio(o)} | {ratio(f)} |")
-    print("\nRatios: peer time / mosaicfs time (above 1: mosaicfs is faster).")
+        m = results[MEMORY].get(w)
+        # Times: peer / memory; rates (per second): memory / peer. Above 1: memory is faster.
+        rate = "/s)" in w
+        ratio = lambda p: "—" if p is None or m is None else f"{(m / p if rate else p / m):.2f}x"
+        d, o, f = (results[k].get(w) for k in ("mosaicfs", "overlay", "fuse-overlayfs"))
+        print(f"| {w} | " + " | ".join(fmt(v) for v in vals) + f" | {ratio(d)} | {ratio(o)} | {ratio(f)} |")
+    print("\nRatios: how much faster upper=memory is than each (above 1: faster).")
     for kind in cols:
         if daemon.get(kind):
             print(f"\n{kind}: the daemon's CPU time (user + system) per workload:")
