@@ -39,6 +39,16 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     let mut r = format!("mount: {}\n", mountpoint.display());
     if overlay.layers.has_upper {
         r += &format!("upper: {}\n", overlay.layers.layer(0).path.display());
+        r += &match MemoryFigures::of(overlay) {
+            None => "upper store: disk\n".to_string(),
+            Some(m) => format!(
+                "upper store: memory, {} objects, {} bytes of file data{}\n",
+                m.objects,
+                m.data_bytes,
+                m.limit_bytes
+                    .map_or(String::new(), |l| format!(" of size={l}"))
+            ),
+        };
     }
     r += &format!("lower: {}\n", layers.join(":"));
     r += &format!(
@@ -107,6 +117,26 @@ struct Figures {
     fds_limit: u64,
 }
 
+/// What `mosaicfs status` tells of a memory upper.
+struct MemoryFigures {
+    objects: u64,
+    data_bytes: u64,
+    limit_bytes: Option<u64>,
+}
+
+impl MemoryFigures {
+    fn of(overlay: &Overlay) -> Option<MemoryFigures> {
+        let m = overlay.layers.memory.as_ref()?;
+        let block = crate::memory_upper::BLOCK;
+        Some(MemoryFigures {
+            // The layer's root and what lies below it; the work root is the daemon's own.
+            objects: (m.node_count() as u64).saturating_sub(1),
+            data_bytes: m.live_blocks() * block,
+            limit_bytes: m.size_limit().map(|l| l * block),
+        })
+    }
+}
+
 fn figures(overlay: &Overlay) -> Figures {
     let (partial_files, blocks_present, blocks_total) = overlay.completer.totals();
     let fds_open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
@@ -149,6 +179,15 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
     } else {
         "null".into()
     };
+    let upper_store = match MemoryFigures::of(overlay) {
+        None => "{\"kind\": \"disk\"}".to_string(),
+        Some(m) => format!(
+            "{{\"kind\": \"memory\", \"objects\": {}, \"data_bytes\": {}, \"size_limit_bytes\": {}}}",
+            m.objects,
+            m.data_bytes,
+            m.limit_bytes.map_or("null".into(), |l| l.to_string())
+        ),
+    };
     let counters: Vec<String> = overlay
         .stats
         .counters()
@@ -183,7 +222,7 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
         .map(|(e, n)| format!("{}: {n}", json_str(&crate::stats::errno_name(*e))))
         .collect();
     format!(
-        "{{\"mount\": {}, \"upper\": {upper}, \"lower\": [{}], \"transport\": {}, \"block_size\": {}, \
+        "{{\"mount\": {}, \"upper\": {upper}, \"upper_store\": {upper_store}, \"lower\": [{}], \"transport\": {}, \"block_size\": {}, \
          \"passthrough\": {}, \"inodes\": {}, \"open_handles\": {}, \
          \"partial_files\": {{\"queued\": {}, \"blocks_present\": {}, \"blocks_total\": {}, \
          \"bytes_not_copied\": {}}}, \"copy_after_write_pending_bytes\": {}, \
@@ -223,6 +262,18 @@ pub fn report_prometheus(overlay: &Overlay) -> String {
         "Partial files open or waiting for completion.",
         f.partial_files,
     );
+    if let Some(m) = MemoryFigures::of(overlay) {
+        gauge(
+            "memory_upper_objects",
+            "Objects of the memory upper layer (upper=memory).",
+            m.objects,
+        );
+        gauge(
+            "memory_upper_data_bytes",
+            "Bytes of file data the memory upper layer holds in its filestore.",
+            m.data_bytes,
+        );
+    }
     gauge(
         "partial_blocks_present",
         "Blocks of those partial files in the upper layer.",

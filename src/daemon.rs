@@ -484,8 +484,10 @@ fn serve(
         detach_stdio();
     }
     let result = session.run();
+    log::debug!("session ended");
     // Pending blocks reach the disk on every way out, not only through FUSE's destroy.
     control.shutdown();
+    log::debug!("shut down");
     result.map_err(|e| format!("FUSE session ended: {e}"))
 }
 

@@ -46,6 +46,11 @@ fn first_write_to_a_lower_file_stores_only_its_block_in_the_filestore() {
     want[5 << 20] = b'X';
     assert!(fs::read(m.path("big")).unwrap() == want, "merged content");
     sync(&m);
+    let status = run(Command::new(BIN).arg("status").arg(&m.mnt));
+    assert!(
+        status.contains("upper store: memory, 2 objects, 4096 bytes of file data"),
+        "{status}"
+    );
     assert!(
         filestore_bytes(&m) <= 8192,
         "one block, not the file: {} bytes in the filestore",

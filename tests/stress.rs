@@ -244,6 +244,14 @@ fn hundreds_of_unmounts_under_load_let_go_of_the_layers_at_once() {
                 i += 1;
             }
         });
+        // However the rounds end (a failed assertion too), the load stops: the scope waits for it.
+        struct StopOnExit<'a>(&'a AtomicBool);
+        impl Drop for StopOnExit<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop = StopOnExit(&stop);
         let mut m = Mount::new(1);
         let layers = m.dir.path().join("layers");
         std::fs::create_dir(&layers).unwrap();
@@ -275,18 +283,75 @@ fn hundreds_of_unmounts_under_load_let_go_of_the_layers_at_once() {
             }
             write(m.path("new"), b"new");
             let mut daemon = m.take_daemon();
-            rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::empty()).unwrap();
-            let start = Instant::now();
+            // A process another test thread is starting holds copies of this thread's
+            // descriptors until its exec: the mount is busy that long.
+            let asked = Instant::now();
             loop {
-                match rustix::mount::unmount(&layers, rustix::mount::UnmountFlags::empty()) {
+                match rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::empty()) {
                     Ok(()) => break,
+                    Err(rustix::io::Errno::BUSY) if asked.elapsed() < Duration::from_secs(5) => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(e) => panic!("round {round}: unmount of the mount: {e}"),
+                }
+            }
+            let start = Instant::now();
+            let mut busy_seen = Vec::new();
+            // Held until the attempt that succeeds begins: how long that umount(2) call then
+            // takes is the kernel's (under this load, RCU grace periods: up to a second here).
+            let attempt = loop {
+                let attempt = Instant::now();
+                match rustix::mount::unmount(&layers, rustix::mount::UnmountFlags::empty()) {
+                    Ok(()) => {
+                        if attempt.elapsed() > Duration::from_millis(100) {
+                            eprintln!(
+                                "round {round}: umount(2) itself took {:?}",
+                                attempt.elapsed()
+                            );
+                        }
+                        break attempt;
+                    }
                     Err(rustix::io::Errno::BUSY) if start.elapsed() < Duration::from_secs(5) => {
+                        if start.elapsed() > Duration::from_millis(50) && busy_seen.is_empty() {
+                            busy_seen = holders_of(&layers);
+                            let st = std::fs::read_to_string(format!("/proc/{}/stat", daemon.id()))
+                                .unwrap_or_default();
+                            busy_seen.push(format!(
+                                "daemon state: {}",
+                                st.rsplit(')')
+                                    .next()
+                                    .unwrap_or("")
+                                    .split_whitespace()
+                                    .next()
+                                    .unwrap_or("gone")
+                            ));
+                            let tasks = std::fs::read_dir(format!("/proc/{}/task", daemon.id()))
+                                .into_iter()
+                                .flatten()
+                                .flatten()
+                                .map(|t| {
+                                    let w = std::fs::read_to_string(t.path().join("wchan"))
+                                        .unwrap_or_default();
+                                    let c = std::fs::read_to_string(t.path().join("comm"))
+                                        .unwrap_or_default();
+                                    format!("{}:{}", c.trim(), w)
+                                })
+                                .collect::<Vec<_>>();
+                            busy_seen.push(format!("daemon tasks: {tasks:?}"));
+                            let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+                            for l in mounts
+                                .lines()
+                                .filter(|l| l.contains(layers.to_str().unwrap()))
+                            {
+                                busy_seen.push(format!("mount: {l}"));
+                            }
+                        }
                         std::thread::sleep(Duration::from_millis(1))
                     }
                     Err(e) => panic!("round {round}: unmount of the layers' file system: {e}"),
                 }
-            }
-            let freed = start.elapsed();
+            };
+            let freed = attempt - start;
             slowest = slowest.max(freed);
             let status = loop {
                 if let Some(st) = daemon.try_wait().unwrap() {
@@ -304,13 +369,52 @@ fn hundreds_of_unmounts_under_load_let_go_of_the_layers_at_once() {
             );
             assert!(
                 freed < Duration::from_millis(100),
-                "round {round}: the layers' file system stayed busy for {freed:?} after the unmount"
+                "round {round}: the layers' file system stayed busy for {freed:?} after the \
+                 unmount; held by: {}",
+                held_by(&busy_seen)
             );
         }
         stop.store(true, Ordering::Relaxed);
     });
     eprintln!("{rounds} unmounts; the layers were free at most {slowest:?} after each");
     busy.unmount();
+}
+
+/// The processes with a descriptor, cwd or mapping below `dir`, as "pid comm: what".
+fn holders_of(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let pid = p.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+        let mut links: Vec<std::path::PathBuf> = std::fs::read_dir(p.path().join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .collect();
+        links.extend(std::fs::read_link(p.path().join("cwd")));
+        let maps = std::fs::read_to_string(p.path().join("maps")).unwrap_or_default();
+        links.extend(
+            maps.lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .map(std::path::PathBuf::from),
+        );
+        for l in links.iter().filter(|l| l.starts_with(dir)) {
+            out.push(format!("{pid} {}: {}", comm.trim(), l.display()));
+        }
+    }
+    out
+}
+
+fn held_by(seen: &[String]) -> String {
+    if seen.is_empty() {
+        "no holder seen".into()
+    } else {
+        seen.join(", ")
+    }
 }
 
 /// A rename over a file frees its upper inode before the rename has forgotten the name; a file
