@@ -302,16 +302,6 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         rustix::fs::Mode::empty(),
     )
     .map_err(|e| format!("upperdir '{}': {e}", upper_path.display()))?;
-    if sys::stat_opt(upper.as_fd(), OsStr::new(crate::memory_upper::IMAGE_NAME))
-        .is_ok_and(|a| a.is_some())
-    {
-        return Err(format!(
-            "upperdir '{}' holds a memory upper layer (upper=memory): every mount checks its \
-             image whole (checksum, tree, blocks) and refuses a damaged one with the reason; \
-             fsck checks disk layers",
-            upper_path.display()
-        ));
-    }
     let lowers = LayerStack::open(
         &o.lowerdirs,
         None,
@@ -326,6 +316,18 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         Some(w) => open_work(w)?,
         None => None,
     };
+    // After the lock: a layer a mount is using is refused as that first.
+    if sys::stat_opt(upper.as_fd(), OsStr::new(crate::memory_upper::IMAGE_NAME))
+        .is_ok_and(|a| a.is_some())
+    {
+        return Err(format!(
+            "upperdir '{}' holds a memory upper layer (upper=memory): every mount checks its \
+             image whole (checksum, tree, blocks) and refuses a damaged one with the reason; \
+             fsck checks disk layers",
+            upper_path.display()
+        ));
+    }
+
     let trusted = trusted_namespace();
     let mut c = Check {
         upper,

@@ -221,13 +221,7 @@ fn a_panic_kill_9_and_unmount_over_io_uring_leave_a_working_next_mount() {
 fn uring_on_says_how_to_enable_it_and_auto_falls_back() {
     let Some(_u) = Uring::set(false) else { return };
     let mut m = Mount::new(1);
-    let out = Command::new(BIN)
-        .args(["-f", "-o", &format!("{},uring=on", m.options())])
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = m.refused(&format!("{},uring=on", m.options()));
     assert!(
         err.contains("enable_uring") && err.contains("uring=auto") && err.lines().count() == 1,
         "{err}"

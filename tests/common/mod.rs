@@ -210,6 +210,18 @@ impl Mount {
         }
     }
 
+    /// Starts the daemon with `opts` and expects it to refuse the mount: returns what it
+    /// printed on stderr.
+    pub fn refused(&self, opts: &str) -> String {
+        let out = Command::new(BIN)
+            .args(["-f", "-o", opts])
+            .arg(&self.mnt)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "mounted with {opts}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
     /// Unmounts and waits for the daemon; returns what it printed on stderr.
     pub fn unmount(&mut self) -> String {
         let Some(child) = self.child.take() else {
