@@ -1,13 +1,14 @@
-//! The upper layer's one interface (issue #13; docs/ARCHITECTURE.md, step 1 of the wiring):
-//! a directory of the upper layer and an open file of it, each on disk (descriptors, the
-//! syscalls of sys.rs) or in the daemon (memory_upper). The calls are the ones the overlay core
-//! makes on upper descriptors today, with the same errors, so that the core can move to these
-//! handles call site by call site; the tests below hold the two implementations to the same
-//! answers.
+//! The upper layer's one interface (issue #13; docs/ARCHITECTURE.md): a directory of the upper
+//! layer and an open file of it, each on disk (descriptors, the syscalls of sys.rs) or in the
+//! daemon (memory_upper), and `LayerDir`, the read-only view every layer shares. The overlay
+//! core reaches the upper layer through nothing else; the only descriptor it ever asks for is
+//! the one FUSE passthrough needs (`UpperFile::disk_fd`), which a memory file does not have.
+//! Both implementations give the errors a local file system gives; the tests below hold them
+//! to the same answers over random operations.
 //!
 //! Ownership of new objects: on disk the thread's credentials and umask (creds.rs, set by the
-//! caller as today) decide it; the memory store takes `Creation`'s owner and umask instead.
-//! Both implementations take the same `Creation`, and the caller sets the credentials to match.
+//! caller) decide it; the memory store takes `Creation`'s owner and umask instead. Both
+//! implementations take the same `Creation`, and the caller sets the credentials to match.
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
