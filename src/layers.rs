@@ -202,6 +202,18 @@ fn is_memory_layer_file(name: &OsStr) -> bool {
         })
 }
 
+/// Whether the directory `dir` holds a memory upper layer's image (its name and its magic: a
+/// file of that name in an image layer is refused only when it is one).
+fn has_memory_image(dir: BorrowedFd<'_>) -> bool {
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let Ok(fd) = sys::open_beneath(dir, Path::new(IMAGE_NAME), flags, 0) else {
+        return false;
+    };
+    let mut magic = [0u8; 8];
+    sys::pread_full(fd.as_fd(), &mut magic, 0).is_ok_and(|n| n == 8)
+        && &magic == crate::memory_upper::IMAGE_MAGIC
+}
+
 /// Whether the upper dir `ufd` holds a memory upper layer (its image).
 fn holds_memory_layer(ufd: BorrowedFd<'_>) -> bool {
     sys::stat_opt(ufd, OsStr::new(IMAGE_NAME)).is_ok_and(|a| a.is_some())
@@ -501,6 +513,14 @@ impl LayerStack {
             if let Some(fs) = unsupported_fs(fd.as_fd()) {
                 return Err(format!(
                     "{what} '{}' is on {fs}, which cannot be a layer",
+                    path.display()
+                ));
+            }
+            if has_memory_image(fd.as_fd()) {
+                return Err(format!(
+                    "{what} '{}' is the upper dir of a memory upper layer (upper=memory): its \
+                     files live in its image and filestore, not in the directory; use a mount \
+                     of it, or 'mosaicfs export' it into a layer",
                     path.display()
                 ));
             }

@@ -313,3 +313,23 @@ fn an_unmounted_memory_layer_exports_offline_and_fsck_says_it_checks_disk_layers
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("memory upper layer"));
 }
+
+#[test]
+fn a_memory_upper_dir_given_as_a_lower_layer_is_refused_and_a_namesake_file_is_not() {
+    let mut m = memory_mount(|_| {}, &[]);
+    write(m.path("f"), "in the image");
+    m.unmount();
+    let mut stacked = Mount::new(0);
+    stacked.lowers = vec![m.upper.clone()];
+    let err = stacked.refused(&stacked.options());
+    assert!(
+        err.contains(&m.upper.display().to_string()) && err.contains("memory upper layer"),
+        "{err}"
+    );
+
+    let plain = memory_mount(|l| write(l.join(IMAGE), "just a file of an image"), &[]);
+    assert_eq!(
+        fs::read_to_string(plain.path(IMAGE)).unwrap(),
+        "just a file of an image"
+    );
+}

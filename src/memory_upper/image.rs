@@ -23,7 +23,7 @@ use crate::sys;
 /// The image's name in the upper directory.
 pub const IMAGE_NAME: &str = ".mosaicfs-tree";
 const IMAGE_NEW: &str = ".mosaicfs-tree.new";
-const MAGIC: &[u8; 8] = b"MOSAICTR";
+pub const MAGIC: &[u8; 8] = b"MOSAICTR";
 const VERSION: u32 = 1;
 const HEADER: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4;
 

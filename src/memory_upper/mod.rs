@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use filestore::{BLOCK, Filestore};
-pub use image::{IMAGE_NAME, ImageError};
+pub use image::{IMAGE_NAME, ImageError, MAGIC as IMAGE_MAGIC};
 
 use crate::error::{Result, errno};
 use crate::sys::Attr;
