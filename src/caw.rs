@@ -16,8 +16,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-use crate::file::OpenFile;
-use crate::overlay::Overlay;
+/// What a worker fills: an open file with pending blocks (file.rs' `OpenFile`), seen only
+/// through this, so that the queue sits below the open-file state that holds pending blocks.
+pub trait FillPending: Send + Sync {
+    /// Fills block `blk` if it is still pending; whether it was.
+    fn fill_pending(&self, blk: u64) -> crate::error::Result<bool>;
+    /// The file's inode number, for messages.
+    fn ino(&self) -> u64;
+}
+
+type Job = (Weak<dyn FillPending>, u64);
 
 /// The bytes written so far into one block that is not yet in the upper file.
 pub struct PendingBlock {
@@ -57,7 +65,7 @@ impl PendingBlock {
 pub struct CawShared {
     pending_bytes: AtomicUsize,
     limit: usize,
-    queue: Mutex<VecDeque<(Weak<OpenFile>, u64)>>,
+    queue: Mutex<VecDeque<Job>>,
     wake: Condvar,
     stop: AtomicBool,
 }
@@ -101,13 +109,15 @@ impl CawShared {
     }
 
     /// Queues blocks of `file` for the workers.
-    pub fn schedule(&self, file: &Arc<OpenFile>, blocks: &[u64]) {
+    pub fn schedule<F: FillPending + 'static>(&self, file: &Arc<F>, blocks: &[u64]) {
         if blocks.is_empty() {
             return;
         }
+        let file: Arc<dyn FillPending> = file.clone();
+        let weak = Arc::downgrade(&file);
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         for b in blocks {
-            q.push_back((Arc::downgrade(file), *b));
+            q.push_back((weak.clone(), *b));
         }
         drop(q);
         self.wake.notify_one();
@@ -118,7 +128,7 @@ impl CawShared {
         self.wake.notify_all();
     }
 
-    fn next(&self) -> Option<(Weak<OpenFile>, u64)> {
+    pub(crate) fn next(&self) -> Option<Job> {
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if self.stop.load(Ordering::Relaxed) {
@@ -132,39 +142,6 @@ impl CawShared {
                 .wait_timeout(q, Duration::from_millis(200))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
-        }
-    }
-}
-
-impl Overlay {
-    /// Starts the copy-after-write workers (`caw_workers=0`: blocks are filled only when
-    /// something needs them, at fsync, truncate, completion or close).
-    pub fn start_caw_workers(self: &Arc<Self>) {
-        let Some(caw) = self.caw.clone() else { return };
-        for i in 0..self.config.caw_workers {
-            let me = self.clone();
-            let caw = caw.clone();
-            let _ = std::thread::Builder::new()
-                .name(format!("mosaicfs-caw-{i}"))
-                .spawn(move || {
-                    while let Some((file, blk)) = caw.next() {
-                        let Some(file) = file.upgrade() else { continue };
-                        // A panic (logged by the hook) loses this job only: the block stays
-                        // pending, and close, fsync or unmount fill it.
-                        let filled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            file.fill_pending(blk)
-                        }));
-                        let Ok(filled) = filled else { continue };
-                        match filled {
-                            Ok(true) => me.stats.blocks_filled.add(1),
-                            Ok(false) => {}
-                            Err(e) => log::warn!(
-                                "copy-after-write of inode {} block {blk}: {e}",
-                                file.ino
-                            ),
-                        }
-                    }
-                });
         }
     }
 }

@@ -12,13 +12,14 @@
 //! again is in sustained use (a database, a log, an image being edited) and is due at once,
 //! since each later open of a complete file is served by passthrough; up to
 //! `complete_on_reopen=` bytes to copy it is even completed before that open returns
-//! (file.rs). The share-of-blocks trigger waits until the file has had no write for `SETTLE`,
+//! (io.rs). The share-of-blocks trigger waits until the file has had no write for `SETTLE`,
 //! so that completion does not copy from the lower file the blocks a writer (a sequential one,
-//! above all) is about to overwrite. Small files are made complete when opened for writing (`copy_whole=`, file.rs).
+//! above all) is about to overwrite. Small files are made complete when opened for writing (`copy_whole=`, io.rs).
 //!
 //! Every open file that is or becomes partial is registered once (not per write) in a queue
 //! that keeps it open until it is completed; a worker thread looks at the queue every half idle
-//! time (at most once a second).
+//! time (at most once a second). This file holds the policy and the queue, below the overlay
+//! that owns one; the worker and the completion itself are completion.rs.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -26,13 +27,12 @@ use std::time::{Duration, Instant};
 
 use crate::file::{OpenFile, Progress};
 use crate::options::CompletionPolicy;
-use crate::overlay::Overlay;
 
 /// At most this many partial files wait for completion at once (each holds two descriptors);
 /// past it a file is completed when it is next opened and goes idle.
 const MAX_QUEUED: usize = 512;
 /// Blocks filled per lock hold.
-const CHUNK_BLOCKS: u64 = 256;
+pub(crate) const CHUNK_BLOCKS: u64 = 256;
 /// How long a file must go without writes before the share-of-blocks trigger completes it.
 const SETTLE: Duration = Duration::from_millis(250);
 
@@ -89,9 +89,9 @@ impl CompletionPolicy {
 
 #[derive(Default)]
 pub struct Completer {
-    queue: Mutex<Vec<Arc<OpenFile>>>,
+    pub(crate) queue: Mutex<Vec<Arc<OpenFile>>>,
     wake: Condvar,
-    stop: AtomicBool,
+    pub(crate) stop: AtomicBool,
 }
 
 impl Completer {
@@ -107,7 +107,7 @@ impl Completer {
     /// the object's open state even when the kernel has forgotten the inode: opening the object
     /// again must take it up, or two states of one partial file would race (completion filling
     /// a block from the lower file over a write made through the other).
-    pub fn find(&self, ino: crate::inode::Ino) -> Option<Arc<OpenFile>> {
+    pub fn find(&self, ino: u64) -> Option<Arc<OpenFile>> {
         let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let f = q.iter().find(|f| f.ino == ino)?.clone();
         drop(q);
@@ -168,96 +168,8 @@ impl Completer {
         std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    fn wait(&self, tick: Duration) {
+    pub(crate) fn wait(&self, tick: Duration) {
         let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let _ = self.wake.wait_timeout(q, tick);
-    }
-}
-
-impl Overlay {
-    /// Starts the completion worker; it ends when `shutdown` stops it.
-    pub fn start_completion(self: &Arc<Self>) {
-        if self.config.completion.after_idle.is_none() && self.config.completion.ratio <= 0.0 {
-            return;
-        }
-        // Look often enough to honour short idle times, at most once a second otherwise.
-        let tick = self
-            .config
-            .completion
-            .after_idle
-            .map_or(Duration::from_secs(1), |d| {
-                (d / 2).clamp(Duration::from_millis(5), Duration::from_secs(1))
-            });
-        let me = self.clone();
-        let _ = std::thread::Builder::new()
-            .name("mosaicfs-complete".into())
-            .spawn(move || {
-                while !me.completer.stop.load(Ordering::Relaxed) {
-                    me.completer.wait(tick);
-                    // A panic (logged by the hook) ends this round only; the queue stays.
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        me.complete_due()
-                    }));
-                }
-            });
-    }
-
-    /// Completes every queued file that is due, and drops those no longer partial.
-    pub fn complete_due(&self) {
-        let files: Vec<Arc<OpenFile>> = self
-            .completer
-            .queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let now = Instant::now();
-        for f in files {
-            if self.completer.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            let done = match f.partial_progress() {
-                None => true,
-                Some(p) => {
-                    if p.unlinked {
-                        true // nobody can read it again: nothing to complete
-                    } else if self.config.completion.due(&p, now).is_some() {
-                        match self.complete_file(&f) {
-                            Ok(()) => true,
-                            Err(e) => {
-                                log::warn!("completing inode {} failed, will retry: {e}", f.ino);
-                                false
-                            }
-                        }
-                    } else {
-                        false
-                    }
-                }
-            };
-            if done {
-                let mut q = self
-                    .completer
-                    .queue
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                q.retain(|g| !Arc::ptr_eq(g, &f));
-            }
-        }
-    }
-
-    /// Fills every hole of a partial file and removes its mark.
-    pub fn complete_file(&self, f: &OpenFile) -> crate::error::Result<()> {
-        let mut from = 0;
-        while let Some((next, filled)) = f.fill_chunk(from, CHUNK_BLOCKS)? {
-            self.stats.blocks_filled.add(filled);
-            from = next;
-            if self.completer.stop.load(Ordering::Relaxed) {
-                // Unmounting: the file stays a valid partial file; a later mount completes it.
-                return Ok(());
-            }
-        }
-        if f.finish_completion(&self.layers.xattr, self.config.skip_fsync)? {
-            self.stats.completions.add(1);
-        }
-        Ok(())
     }
 }

@@ -16,7 +16,8 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::layers::LayerId;
+/// A layer's index in the stack (`layers::LayerId`; this cache sits below the stack).
+type LayerId = u16;
 
 const SHARDS: usize = 16;
 const PER_SHARD: usize = 64;

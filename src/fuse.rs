@@ -259,7 +259,7 @@ impl Filesystem for MosaicFs {
             | InitFlags::FUSE_READDIRPLUS_AUTO
             | InitFlags::FUSE_EXPORT_SUPPORT
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2
-            // open(O_TRUNC) truncates in OPEN (file.rs `open`): no SETATTR after it, and a
+            // open(O_TRUNC) truncates in OPEN (io.rs `open`): no SETATTR after it, and a
             // lower or partial file opened with O_TRUNC is passthrough at once.
             | InitFlags::FUSE_ATOMIC_O_TRUNC;
         if self.core.config.acl {

@@ -1,11 +1,59 @@
-//! A sharded table of open handles, keyed by the `fh` number handed to the kernel.
+//! What a FUSE `fh` names — an open file (`Handle`) or a directory being listed
+//! (`DirHandle`) — and the sharded table that keeps them, keyed by that number.
 //!
 //! The next number comes from one atomic counter, touched on open only (never on read or
 //! write); lookups touch one shard's lock.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+use crate::file::{IoMode, OpenFile};
+use crate::inode::{Ino, Node};
+
+/// An open file handle: the inode it was opened on, the open state every handle of that inode
+/// shares, and how this handle does its I/O.
+pub struct Handle {
+    pub file: Arc<OpenFile>,
+    pub node: Arc<Node>,
+    pub append: bool,
+    pub writable: bool,
+    /// O_SYNC or O_DSYNC: each write is on disk, whole blocks included, when it returns.
+    pub sync: bool,
+    pub(crate) io: Mutex<IoMode>,
+}
+
+impl Handle {
+    pub fn io(&self) -> IoMode {
+        *self.io.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.node.io.end(self.io());
+    }
+}
+
+pub type HandleTable = HandleMap<Handle>;
+
+/// One entry of a directory listing.
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    pub name: OsString,
+    pub ino: Ino,
+    /// S_IFMT bits.
+    pub kind: u32,
+}
+
+/// An open directory: its listing, taken at the first READDIR and served from then on.
+pub struct DirHandle {
+    pub ino: Ino,
+    pub entries: Mutex<Option<Vec<DirEntry>>>,
+}
+
+pub type DirHandleTable = HandleMap<DirHandle>;
 
 const SHARDS: usize = 16;
 

@@ -60,7 +60,7 @@ pub struct Layer {
 /// Whether the file system of `fd` is a FUSE or network one: the client of a shared store
 /// (GlusterFS, sshfs, squashfuse, NFS, SMB, CephFS, 9p, Lustre). Such clients decide
 /// themselves what their page cache keeps — glusterfs' FUSE client drops it at every open —
-/// so passing reads through to them loses the cache between opens (file.rs `open`).
+/// so passing reads through to them loses the cache between opens (io.rs `open`).
 fn on_store(fd: BorrowedFd<'_>) -> bool {
     const FUSE: i64 = 0x6573_5546;
     const NFS: i64 = 0x6969;

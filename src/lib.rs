@@ -4,6 +4,7 @@
 pub mod attr;
 pub mod caw;
 pub mod complete;
+pub mod completion;
 pub mod control;
 pub mod copy_up;
 pub mod creds;
@@ -17,6 +18,7 @@ pub mod file;
 pub mod fuse;
 pub mod handles;
 pub mod inode;
+pub mod io;
 pub mod layers;
 pub mod lower_wait;
 pub mod memory_upper;

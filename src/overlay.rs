@@ -11,12 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result, errno};
-use crate::file::HandleTable;
+use crate::handles::{DirHandleTable, HandleTable};
 use crate::inode::{Ino, InoMap, InodeTable, LowerRef, Node, ROOT_INO};
 use crate::layers::{LayerId, LayerStack, UPPER};
 use crate::options::{IdMap, Options};
 use crate::partial::{self, SparseSupport};
-use crate::readdir::DirHandleTable;
 use crate::seq::ChangeSeq;
 use crate::stats::Stats;
 use crate::sys::{self, Attr};

@@ -14,28 +14,13 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::Mutex;
 
 use crate::error::Result;
-use crate::handles::HandleMap;
+use crate::handles::{DirEntry, DirHandle};
 use crate::inode::{Ino, Node, ROOT_INO};
 use crate::layers::{OPAQUE_WHITEOUT, UPPER, WHITEOUT_PREFIX};
 use crate::overlay::{DirView, Overlay};
 use crate::sys;
 use crate::sys::Attr;
 use crate::upper::LayerDir;
-
-#[derive(Debug, Clone)]
-pub struct DirEntry {
-    pub name: OsString,
-    pub ino: Ino,
-    /// S_IFMT bits.
-    pub kind: u32,
-}
-
-pub struct DirHandle {
-    pub ino: Ino,
-    pub entries: Mutex<Option<Vec<DirEntry>>>,
-}
-
-pub type DirHandleTable = HandleMap<DirHandle>;
 
 impl Overlay {
     /// OPENDIR: a handle, and whether the kernel may keep the directory's listing across

@@ -1,0 +1,813 @@
+//! Data requests: open, create's open, read, write, truncate, fallocate, lseek, fsync, flush,
+//! release — what the kernel asks of a file's contents, on the open-file state of file.rs.
+//! (The types an open file is made of live in file.rs, below the inode table; these
+//! requests, like dir.rs' and attr.rs', are `impl Overlay` blocks above it.)
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use rustix::fs::{FallocateFlags, OFlags};
+
+use crate::error::{Error, Result, errno};
+use crate::file::{DataRef, FileData, IoMode, OpenFile, Opened};
+use crate::handles::Handle;
+use crate::inode::{Ino, Node};
+use crate::layers::{LayerId, UPPER};
+use crate::options::PassthroughPolicy;
+use crate::overlay::Overlay;
+use crate::partial::{BlockMap, PartialMark};
+use crate::partial_file::{PartialFile, Source};
+use crate::sys::{self};
+use crate::upper::UpperFile;
+
+impl OpenFile {
+    /// Whether a write by an unprivileged caller would have to clear set-id bits or file
+    /// capabilities of this complete upper file. `privs` reads its mode and capability name.
+    fn has_privs_to_kill(&self, privs: &PrivsOf) -> bool {
+        let FileData::Upper(f) = &*self.read_data() else {
+            return false;
+        };
+        let setid = privs.mode(f).map_or(true, |mode| {
+            mode & libc::S_ISUID != 0
+                || mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
+        });
+        setid || !matches!(f.get_xattr(privs.capability), Ok(None))
+    }
+}
+
+impl Overlay {
+    /// Opens the data of `node` in its current state.
+    fn open_data(&self, node: &Node) -> Result<FileData> {
+        let (upper, lower) = {
+            let st = node.state();
+            if st.kind != libc::S_IFREG {
+                return Err(errno(libc::EINVAL));
+            }
+            (st.upper, st.lower.clone())
+        };
+        if !upper {
+            let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
+            if self.layers.layer(lower.top()).on_store {
+                return Ok(FileData::Unopened(lower.top(), lower.path));
+            }
+            return Ok(FileData::Lower(
+                self.open_lower_source(lower.top(), &lower.path)?,
+            ));
+        }
+        let file = self.settled(|| {
+            let (dir, name) = self.upper_entry(node)?;
+            dir.open_known_file(&name, !self.config.read_only)
+        })?;
+        // For messages only: a concurrent rename may change it, the descriptor stays right.
+        let path = self.upper_path(node.ino)?;
+        match self.read_mark(&file, UPPER, &path)? {
+            None => Ok(FileData::Upper(file)),
+            Some(mark) => {
+                if let Some(b) = mark.block.filter(|b| b % self.sparse.block != 0) {
+                    // Writing one of its blocks would allocate (zero) neighbours that must
+                    // stay holes, i.e. "read the lower file".
+                    let msg = format!(
+                        "partial file '{}' was made with {b}-byte blocks, but the upper file \
+                         system allocates {} bytes at a time, so it cannot be written here \
+                         without losing lower data: mount its layers where it was made, or \
+                         complete it there (or read it from a layer stacked below)",
+                        path.display(),
+                        self.sparse.block
+                    );
+                    log::error!("{msg}");
+                    return Err(Error::with_context(libc::EIO, msg));
+                }
+                let lower = self.open_partial_lower(UPPER, &mark, &path)?;
+                Ok(FileData::Partial(self.partial_file(
+                    file,
+                    lower,
+                    mark,
+                    self.caw.clone(),
+                )?))
+            }
+        }
+    }
+
+    /// The data of `file`, its lower file opened if that was deferred (`FileData::Unopened`).
+    /// The store is called without the file's lock held; of two threads opening at once, one
+    /// keeps its descriptor. Past the descriptor reserve's line the lower file is not kept
+    /// open: it serves the one caller and closes (a lookup's transient descriptor, in effect),
+    /// so that a read never fails for want of descriptors held by other files.
+    fn opened_data<'a>(&self, file: &'a OpenFile) -> Result<DataRef<'a>> {
+        loop {
+            let data = file.read_data();
+            let FileData::Unopened(layer, path) = &*data else {
+                return Ok(DataRef::Held(data));
+            };
+            let (layer, path) = (*layer, path.clone());
+            drop(data);
+            let src = FileData::Lower(self.open_lower_source(layer, &path)?);
+            if self.fd_reserve.check(&src, false).is_err() {
+                return Ok(DataRef::Transient(src));
+            }
+            let mut data = file.write_data();
+            if matches!(&*data, FileData::Unopened(..)) {
+                *data = src;
+            }
+        }
+    }
+
+    /// Opens file `path` of lower layer `layer` for reading: a plain file, or a partial file
+    /// left there by an earlier mount whose upper dir is now stacked as a lower one.
+    pub fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
+        let _waiting = crate::lower_wait::enter(layer)?;
+        self.stats.lower_opens.add(1);
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(errno(libc::EINVAL));
+        };
+        let fd = self.in_lower_dir(layer, parent, |dir| {
+            sys::open_beneath(dir, Path::new(name), OFlags::RDONLY, 0)
+        })?;
+        self.layer_source(fd, layer, path)
+    }
+
+    fn layer_source(&self, fd: OwnedFd, layer: LayerId, path: &Path) -> Result<Source> {
+        let file = UpperFile::Disk(fd);
+        match self.read_mark(&file, layer, path)? {
+            None => Ok(Source::File(file.into_disk_fd()?)),
+            Some(mark) => {
+                let lower = self.open_partial_lower(layer, &mark, path)?;
+                Ok(Source::Partial(Box::new(
+                    self.partial_file(file, lower, mark, None)?,
+                )))
+            }
+        }
+    }
+
+    /// The partial-file mark of a file in `layer`, if it has one.
+    fn read_mark(
+        &self,
+        file: &UpperFile,
+        layer: LayerId,
+        path: &Path,
+    ) -> Result<Option<PartialMark>> {
+        let Some(mark) = PartialMark::load(file, &self.layers.xattr.partial)? else {
+            return Ok(None);
+        };
+        let mark = mark.map_err(|why| {
+            let msg = format!(
+                "damaged {} xattr on file '{}' in layer {layer}: {why}; \
+                 restore the file from a backup or remove it",
+                self.layers.xattr.partial,
+                path.display()
+            );
+            log::error!("{msg}");
+            Error::with_context(libc::EIO, msg)
+        })?;
+        Ok(Some(mark))
+    }
+
+    fn partial_file(
+        &self,
+        file: UpperFile,
+        lower: Source,
+        mark: PartialMark,
+        caw: Option<Arc<crate::caw::CawShared>>,
+    ) -> Result<PartialFile> {
+        let attr = file.stat()?;
+        // The file's holes mean something at the grain it was written in (v1: this mount's).
+        let block = mark.block.unwrap_or(self.sparse.block);
+        let mark = PartialMark {
+            block: Some(block),
+            ..mark
+        };
+        let blocks = BlockMap::from_file(&file, attr.size, block)?;
+        Ok(PartialFile {
+            upper: file,
+            lower,
+            mark,
+            blocks,
+            size: attr.size,
+            block,
+            last_write: Instant::now(),
+            pending: Default::default(),
+            caw,
+            disk_size: attr.size,
+        })
+    }
+
+    /// Opens the lower file that a partial file in layer `holder` patches — `mark.layer`
+    /// layers below it — refusing one that changed since.
+    fn open_partial_lower(
+        &self,
+        holder: LayerId,
+        mark: &PartialMark,
+        path: &Path,
+    ) -> Result<Source> {
+        let refuse = |why: String| {
+            let msg = format!(
+                "partial file '{}' in layer {holder} cannot be read: its lower file '{}', \
+                 {} layer(s) below, {why}; restore that layer or remove the partial file",
+                path.display(),
+                mark.path.display(),
+                mark.layer
+            );
+            log::error!("{msg}");
+            Error::with_context(libc::EIO, msg)
+        };
+        let layer = holder as usize + mark.layer as usize;
+        if mark.layer == 0 || layer > self.layers.lower_count() {
+            return Err(refuse("is not in this mount".into()));
+        }
+        let layer = layer as LayerId;
+        let fd = sys::open_beneath(self.layers.root(layer), &mark.path, OFlags::RDONLY, 0)
+            .map_err(|e| refuse(format!("cannot be opened ({e})")))?;
+        let attr = sys::fstat(fd.as_fd())?;
+        if !mark.matches(&attr) {
+            return Err(refuse(
+                "changed since the partial file was made (size or mtime differ)".into(),
+            ));
+        }
+        self.layer_source(fd, layer, &mark.path)
+    }
+
+    /// `node`'s upper file when the file has no name any more (or never had one: O_TMPFILE)
+    /// and is still open: the only way left to reach it.
+    pub fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
+        let file = {
+            let st = node.state();
+            if !st.links.is_empty() || !st.upper {
+                return None;
+            }
+            st.open.upgrade()?
+        };
+        match &*file.read_data() {
+            FileData::Upper(f) => f.try_clone().ok(),
+            FileData::Partial(p) => p.upper.try_clone().ok(),
+            FileData::Lower(_) | FileData::Unopened(..) => None,
+        }
+    }
+
+    /// The shared open state of `node`, opened if no handle has it yet.
+    pub fn open_file(&self, node: &Arc<Node>) -> Result<Arc<OpenFile>> {
+        self.open_file_as(node, false)
+    }
+
+    /// `open_file` for an open that may write (`writer`), which the descriptor reserve counts
+    /// as a partial file's.
+    fn open_file_as(&self, node: &Arc<Node>, writer: bool) -> Result<Arc<OpenFile>> {
+        let copied_up = {
+            let st = node.state();
+            if let Some(f) = st.open.upgrade() {
+                return Ok(f);
+            }
+            st.upper && st.has_origin
+        };
+        // Only a copied-up file can be partial and wait in the completion queue (whose lock is
+        // the mount's: lower files and files made in the upper layer never take it here).
+        if let Some(f) = copied_up
+            .then(|| self.completer.find(node.st_ino))
+            .flatten()
+        {
+            let mut st = node.state();
+            if let Some(g) = st.open.upgrade() {
+                return Ok(g);
+            }
+            st.open = Arc::downgrade(&f);
+            return Ok(f);
+        }
+        let data = self.open_data(node)?;
+        self.fd_reserve.check(&data, writer)?;
+        let partial = matches!(data, FileData::Partial(_));
+        let mut st = node.state();
+        if let Some(f) = st.open.upgrade() {
+            return Ok(f);
+        }
+        let f = Arc::new(OpenFile::new(node.st_ino, data));
+        st.open = Arc::downgrade(&f);
+        drop(st);
+        if partial {
+            self.completer.register(&f);
+        }
+        Ok(f)
+    }
+
+    /// Makes `data` the open state of `node` (an O_TMPFILE, which has no path to open by).
+    pub fn adopt_open_file(&self, node: &Node, data: FileData) -> Arc<OpenFile> {
+        let f = Arc::new(OpenFile::new(node.st_ino, data));
+        node.state().open = Arc::downgrade(&f);
+        f
+    }
+
+    /// After `node` was copied up, moves its open state (if any) to the upper file.
+    pub fn refresh_open(&self, node: &Node) -> Result<()> {
+        let Some(f) = node.state().open.upgrade() else {
+            return Ok(());
+        };
+        let mut data = f.write_data();
+        if matches!(&*data, FileData::Lower(_) | FileData::Unopened(..)) {
+            *data = self.open_data(node)?;
+            if matches!(&*data, FileData::Partial(_)) {
+                drop(data);
+                self.completer.register(&f);
+            }
+        }
+        Ok(())
+    }
+
+    /// open(2) of a regular file. `O_TRUNC` truncates here (FUSE_ATOMIC_O_TRUNC), before the
+    /// file's data is looked at: a lower or partial file becomes an empty complete upper file
+    /// without copying anything, and the open is served by passthrough. `kill_privs`: the
+    /// caller lacks CAP_FSETID, so the truncation clears set-id bits and capabilities, as the
+    /// VFS does for local files.
+    pub fn open(&self, ino: Ino, flags: i32, kill_privs: bool) -> Result<Opened> {
+        let node = self.node(ino)?;
+        let acc = flags & libc::O_ACCMODE;
+        let writable = acc != libc::O_RDONLY;
+        let truncate = flags & libc::O_TRUNC != 0;
+        if writable || truncate {
+            self.check_writable()?;
+        }
+        if node.kind() != libc::S_IFREG {
+            return Err(errno(libc::EINVAL));
+        }
+        let file = if truncate {
+            // Truncated to 0, the file is complete: no partial file for the reserve to count.
+            let file = self.truncate(&node, 0)?;
+            if kill_privs {
+                self.kill_privs(&node, &file)?;
+            }
+            file
+        } else {
+            self.open_file_as(&node, writable)?
+        };
+        if writable {
+            // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
+            // open for writing finds the file there (a partial file with no blocks: no data).
+            self.ensure_upper(&node, &file)?;
+            file.writer_opens
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // Written before this open: in sustained use (completion follows use, complete.rs).
+            let reopened = file.has_blocks_of_its_own();
+            if reopened {
+                file.reopened
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            self.complete_at_open(&file, reopened)?;
+            if reopened && file.is_partial() && self.config.completion.on_reopen_below > 0 {
+                // Too big to complete within the open: due in the background now.
+                self.completer.nudge();
+            }
+        }
+        let policy = if writable && file.has_privs_to_kill(&self.privs_of()) {
+            // A passthrough write reaches the upper file as the daemon, which would keep the
+            // set-id bits and capabilities an unprivileged writer must clear: such writes go
+            // through the daemon (`kill_privs`), as kernel overlayfs clears them itself.
+            PassthroughPolicy::Off
+        } else if !writable && self.lower_on_store(&node) {
+            PassthroughPolicy::Upper
+        } else {
+            self.config.passthrough
+        };
+        let Some(io) = node
+            .io
+            .begin(file.kind(), writable, policy, node.is_alias())
+        else {
+            return Err(self.rebind(&node));
+        };
+        let node_two_identities = node.has_two_identities();
+        let fh = self.handles.insert(Handle {
+            file,
+            node,
+            append: flags & libc::O_APPEND != 0,
+            writable,
+            sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
+            io: Mutex::new(io),
+        });
+        let flushes = writable && self.caw.is_some();
+        let keep_cache = !node_two_identities;
+        Ok(Opened {
+            fh,
+            io,
+            flushes,
+            keep_cache,
+        })
+    }
+
+    /// Whether `node` is a lower-only object of a layer on a shared store's client (FUSE or a
+    /// network file system, `Layer::on_store`). A read-only open of such a file is served by
+    /// the daemon with the page cache kept across opens, not passed through: passed through,
+    /// reads hit the client's page cache, which glusterfs' FUSE client (for one) drops at
+    /// every open, so every open read the file from the store again; the layer never
+    /// changes, so mosaicfs' own cache stays right (bench/stores.sh: 1,000 small files read
+    /// a second time in about half the time).
+    fn lower_on_store(&self, node: &Node) -> bool {
+        self.lower_only_layer(node).is_some_and(|l| l.on_store)
+    }
+
+    /// Makes the file complete before a writable open of it returns, where that is cheap or
+    /// the file is in sustained use, so that the open can use passthrough and no later read or
+    /// write of it needs the daemon. The file is in the upper layer already (a lower file the
+    /// upper layer can clone came up complete, in O(1), copy_up.rs); a partial file is
+    /// completed here when it is
+    /// - small (`copy_whole=`; the copy costs about what a partial file's first write costs);
+    /// - written before and opened for writing again (`complete_on_reopen=`): a file written,
+    ///   closed and reopened — a database, a log, an image being edited — would otherwise send
+    ///   every later read and write to the daemon, and completion copies it anyway once it
+    ///   goes idle. A partial file with no blocks of its own (chown, chmod, an open for
+    ///   writing: a metadata-only copy-up) keeps block-level copy-up for its first write.
+    ///
+    /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
+    /// so a crash at any point leaves a valid file.
+    fn complete_at_open(&self, file: &OpenFile, reopened: bool) -> Result<()> {
+        let policy = &self.config.completion;
+        let to_copy = file.bytes_to_copy();
+        let below = |limit: u64| limit > 0 && to_copy.is_some_and(|n| n <= limit);
+        let small = below(policy.at_open_below);
+        if (small || reopened && below(policy.on_reopen_below)) && file.is_partial() {
+            self.complete_file(file)?;
+            if !file.is_partial() {
+                self.stats.completions_at_open.add(1);
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.
+    pub fn passthrough_refused(&self, fh: u64) -> Result<IoMode> {
+        let h = self.handle(fh)?;
+        let mut io = h.io.lock().unwrap_or_else(|e| e.into_inner());
+        h.node.io.end(*io);
+        let kind = h.file.kind();
+        let alias = h.node.is_alias();
+        *io = match h
+            .node
+            .io
+            .begin(kind, h.writable, PassthroughPolicy::Off, alias)
+        {
+            Some(io) => io,
+            None => return Err(self.rebind(&h.node)),
+        };
+        Ok(*io)
+    }
+
+    /// An open found the kernel inode bound to a backing file it may not use (see `IoMode`):
+    /// retires the node id, so that the kernel's retry of the open on ESTALE looks the name up
+    /// again and gets a new one.
+    fn rebind(&self, node: &Node) -> Error {
+        if self.inodes.retire(node) {
+            self.stats.rebinds.add(1);
+            return errno(libc::ESTALE);
+        }
+        log::info!(
+            "open of inode {} refused: its kernel inode is read through passthrough",
+            node.st_ino
+        );
+        errno(libc::ETXTBSY)
+    }
+
+    pub fn release(&self, fh: u64) {
+        self.handles.remove(fh);
+    }
+
+    fn handle(&self, fh: u64) -> Result<Arc<Handle>> {
+        self.handles.get(fh).ok_or_else(|| errno(libc::EBADF))
+    }
+
+    /// Reads `size` bytes at `off` and hands them to `reply` (fewer only at end of file).
+    /// Whole-file reads go into a buffer each thread reuses, never zeroed: no allocation and
+    /// one copy on the daemon's read path.
+    pub fn read<R>(
+        &self,
+        fh: u64,
+        off: u64,
+        size: u32,
+        reply: impl FnOnce(Result<&[u8]>) -> R,
+    ) -> R {
+        match self.handle(fh) {
+            Ok(h) => self.read_file(&h.file, off, size, reply),
+            Err(e) => reply(Err(e)),
+        }
+    }
+
+    /// `read` on an open file rather than a handle (in-process readers: export.rs).
+    pub fn read_file<R>(
+        &self,
+        file: &OpenFile,
+        off: u64,
+        size: u32,
+        reply: impl FnOnce(Result<&[u8]>) -> R,
+    ) -> R {
+        thread_local! {
+            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        self.stats.reads.add(1);
+        self.stats.read_bytes.add(size as u64);
+        let data = match self.opened_data(file) {
+            Ok(data) => data,
+            Err(e) => return reply(Err(e)),
+        };
+        match &*data {
+            FileData::Upper(f) => BUF.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                match f.read_into(&mut buf, size as usize, off) {
+                    Ok(()) => reply(Ok(&buf)),
+                    Err(e) => reply(Err(e)),
+                }
+            }),
+            FileData::Lower(src) => BUF.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                let waiting = crate::lower_wait::enter(crate::lower_wait::DATA);
+                match waiting.and_then(|_w| src.pread_into(&mut buf, size as usize, off)) {
+                    Ok(()) => reply(Ok(&buf)),
+                    Err(e) => reply(Err(e)),
+                }
+            }),
+            FileData::Partial(p) => match crate::lower_wait::enter(crate::lower_wait::DATA)
+                .and_then(|_w| p.read(off, size as usize))
+            {
+                Ok(bytes) => reply(Ok(&bytes)),
+                Err(e) => reply(Err(e)),
+            },
+            FileData::Unopened(..) => unreachable!("opened_data opens it"),
+        }
+    }
+
+    /// Makes the file behind `h` writable in the upper layer: a metadata-only copy-up.
+    fn ensure_upper(&self, node: &Node, file: &OpenFile) -> Result<()> {
+        if file.is_lower() {
+            self.copy_up(node)?;
+            self.refresh_open(node)?;
+        }
+        Ok(())
+    }
+
+    /// Writes through handle `fh`. `kill_privs`: the writer lacks CAP_FSETID, so set-id bits
+    /// and file capabilities go, as the VFS would do (FUSE_HANDLE_KILLPRIV_V2).
+    pub fn write(&self, fh: u64, off: u64, data: &[u8], kill_privs: bool) -> Result<u32> {
+        let h = self.handle(fh)?;
+        if kill_privs {
+            self.kill_privs(&h.node, &h.file)?;
+        }
+        self.stats.writes.add(1);
+        self.stats.write_bytes.add(data.len() as u64);
+        self.check_writable()?;
+        self.ensure_upper(&h.node, &h.file)?;
+        let mut fd_data = h.file.write_data();
+        match &mut *fd_data {
+            FileData::Upper(f) => {
+                let off = if h.append { f.stat()?.size } else { off };
+                f.write_at(data, off)?;
+                if h.sync && !self.config.skip_fsync {
+                    f.datasync()?;
+                }
+            }
+            FileData::Partial(p) => {
+                let off = if h.append { p.size } else { off };
+                let pending = p.write(off, data, !h.sync)?;
+                if h.sync && !self.config.skip_fsync {
+                    p.upper.datasync()?;
+                }
+                drop(fd_data);
+                if let Some(caw) = &self.caw {
+                    self.stats.blocks_deferred.add(pending.len() as u64);
+                    caw.schedule(&h.file, &pending);
+                }
+                return Ok(data.len() as u32);
+            }
+            FileData::Lower(_) | FileData::Unopened(..) => {
+                return Err(Error::with_context(
+                    libc::EIO,
+                    "write to a file not copied up",
+                ));
+            }
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Clears set-user-id, set-group-id (when group-executable) and file capabilities of a file
+    /// being written or truncated by an unprivileged caller, as the VFS does for local files.
+    pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {
+        // A lower file is copied up (metadata only) only if it has set-id bits to clear.
+        let lower_has_setid = match &*self.opened_data(file)? {
+            FileData::Lower(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
+            _ => None,
+        };
+        match lower_has_setid {
+            Some(false) => return Ok(()),
+            Some(true) => self.ensure_upper(node, file)?,
+            None => {}
+        }
+        let f = match &*file.read_data() {
+            FileData::Upper(f) => f.try_clone()?,
+            FileData::Partial(p) => p.upper.try_clone()?,
+            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
+        };
+        let privs = self.privs_of();
+        let before = privs.mode(&f)?;
+        let mut mode = before;
+        mode &= !libc::S_ISUID;
+        if mode & libc::S_IXGRP != 0 {
+            mode &= !libc::S_ISGID;
+        }
+        if mode != before {
+            if self.upper_overrides() {
+                let object = f.object()?;
+                let mut v = self
+                    .override_at(UPPER, object.view(), None)
+                    .ok_or_else(|| errno(libc::EIO))?;
+                v.mode = mode;
+                self.set_override(&object, None, &v, libc::S_IFREG)?;
+            } else {
+                f.chmod(mode)?;
+            }
+        }
+        let capability = privs.capability;
+        match f.remove_xattr(capability) {
+            Ok(()) => Ok(()),
+            Err(e) if e.is(libc::ENODATA) || e.is(libc::EOPNOTSUPP) => Ok(()),
+            // A daemon without CAP_SETFCAP (an unprivileged mount) may not even try; it is
+            // only an error if there is a capability to remove.
+            Err(e) if e.is(libc::EPERM) || e.is(libc::EACCES) => match f.get_xattr(capability) {
+                Ok(None) => Ok(()),
+                _ => Err(e),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sets the size of `node`, copying up as little as that needs. Returns the file's open
+    /// state, for what the caller does next with it.
+    pub fn truncate(&self, node: &Arc<Node>, size: u64) -> Result<Arc<OpenFile>> {
+        self.check_writable()?;
+        if !node.state().upper {
+            self.copy_up_with(node, size == 0)?;
+        }
+        let file = self.open_file(node)?;
+        self.ensure_upper(node, &file)?;
+        let mut data = file.write_data();
+        match &mut *data {
+            FileData::Upper(f) => f.truncate(size)?,
+            FileData::Partial(p) => {
+                if p.set_size(size, &self.layers.xattr)? {
+                    // Nothing of the lower file is valid any more: the file is complete.
+                    let upper = p.upper.try_clone()?;
+                    *data = FileData::Upper(upper);
+                }
+            }
+            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
+        }
+        drop(data);
+        Ok(file)
+    }
+
+    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> Result<()> {
+        let h = self.handle(fh)?;
+        self.check_writable()?;
+        let mode = FallocateFlags::from_bits(mode as _).ok_or_else(|| errno(libc::EOPNOTSUPP))?;
+        self.ensure_upper(&h.node, &h.file)?;
+        let mut data = h.file.write_data();
+        match &mut *data {
+            FileData::Upper(f) => f.fallocate(mode, off, len)?,
+            FileData::Partial(p) => p.fallocate(off, len, mode, &self.layers.xattr)?,
+            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
+        }
+        Ok(())
+    }
+
+    /// close(2) of a descriptor: pending copy-after-write blocks of the file go to disk. An
+    /// unmount does not wait for the daemon, so anything still only in memory when the last
+    /// descriptor closes could be missed by whatever mounts the layers next (podman commit).
+    pub fn flush(&self, fh: u64) -> Result<()> {
+        self.handle(fh)?.file.flush_pending()
+    }
+
+    /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's).
+    pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> Result<i64> {
+        self.seek_file(&self.handle(fh)?.file, offset, whence)
+    }
+
+    /// `lseek` on an open file rather than a handle.
+    pub fn seek_file(&self, file: &OpenFile, offset: i64, whence: i32) -> Result<i64> {
+        let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
+        let data = self.opened_data(file)?;
+        let pos = match (&*data, whence) {
+            (FileData::Upper(f), libc::SEEK_DATA) => {
+                f.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
+            }
+            (FileData::Upper(f), libc::SEEK_HOLE) => f.seek_hole(off)?,
+            (FileData::Lower(src), libc::SEEK_DATA) => {
+                src.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
+            }
+            (FileData::Lower(src), libc::SEEK_HOLE) => src.seek_hole(off)?,
+            (FileData::Partial(p), libc::SEEK_DATA) => {
+                p.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
+            }
+            (FileData::Partial(p), libc::SEEK_HOLE) => {
+                if off >= p.size {
+                    return Err(errno(libc::ENXIO));
+                }
+                p.seek_hole(off)?
+            }
+            _ => return Err(errno(libc::EINVAL)),
+        };
+        Ok(pos as i64)
+    }
+
+    pub fn fsync(&self, fh: u64, datasync: bool) -> Result<()> {
+        self.stats.fsyncs.add(1);
+        if self.config.skip_fsync {
+            // volatile: the data is in the page cache of the upper file system, as after any
+            // write; only durability is given up. Pending blocks still reach that cache.
+            return self.handle(fh)?.file.flush_pending();
+        }
+        let h = self.handle(fh)?;
+        let mut data = h.file.write_data();
+        let f = match &mut *data {
+            FileData::Upper(f) => f,
+            FileData::Partial(p) => {
+                p.flush_pending()?;
+                &p.upper
+            }
+            FileData::Lower(_) | FileData::Unopened(..) => return Ok(()),
+        };
+        if datasync {
+            f.datasync()?;
+        } else {
+            f.sync()?;
+        }
+        self.stats.fsyncs_to_disk.add(1);
+        Ok(())
+    }
+
+    pub fn fsyncdir(&self, ino: Ino) -> Result<()> {
+        if self.config.skip_fsync || !self.layers.has_upper {
+            return Ok(());
+        }
+        let node = self.node(ino)?;
+        if !node.state().upper {
+            return Ok(());
+        }
+        self.upper_fd(&node)?.sync()
+    }
+}
+
+/// Where the privileges a write by an unprivileged caller clears are kept: the mode (on the
+/// inode, or in the upper layer's owner-and-mode xattr) and the file capability's xattr name.
+pub struct PrivsOf<'a> {
+    overlay: &'a Overlay,
+    in_xattr: bool,
+    capability: &'static str,
+}
+
+impl PrivsOf<'_> {
+    /// Permission, set-id and sticky bits of the upper file `f`.
+    fn mode(&self, f: &UpperFile) -> Result<u32> {
+        if self.in_xattr
+            && let Some(v) = self.overlay.override_at(UPPER, f.object()?.view(), None)
+        {
+            return Ok(v.mode);
+        }
+        Ok(f.stat()?.mode & 0o7777)
+    }
+}
+
+impl Overlay {
+    pub fn privs_of(&self) -> PrivsOf<'_> {
+        PrivsOf {
+            overlay: self,
+            in_xattr: self.upper_overrides(),
+            capability: self.config.xattr_permissions.capability_name(),
+        }
+    }
+}
+
+impl Overlay {
+    /// Starts the copy-after-write workers (`caw_workers=0`: blocks are filled only when
+    /// something needs them, at fsync, truncate, completion or close).
+    pub fn start_caw_workers(self: &Arc<Self>) {
+        let Some(caw) = self.caw.clone() else { return };
+        for i in 0..self.config.caw_workers {
+            let me = self.clone();
+            let caw = caw.clone();
+            let _ = std::thread::Builder::new()
+                .name(format!("mosaicfs-caw-{i}"))
+                .spawn(move || {
+                    while let Some((file, blk)) = caw.next() {
+                        let Some(file) = file.upgrade() else { continue };
+                        // A panic (logged by the hook) loses this job only: the block stays
+                        // pending, and close, fsync or unmount fill it.
+                        let filled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            file.fill_pending(blk)
+                        }));
+                        let Ok(filled) = filled else { continue };
+                        match filled {
+                            Ok(true) => me.stats.blocks_filled.add(1),
+                            Ok(false) => {}
+                            Err(e) => log::warn!(
+                                "copy-after-write of inode {} block {blk}: {e}",
+                                file.ino()
+                            ),
+                        }
+                    }
+                });
+        }
+    }
+}
