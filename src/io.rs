@@ -609,12 +609,11 @@ impl Overlay {
         }
         if mode != before {
             if self.upper_overrides() {
-                let object = f.object()?;
                 let mut v = self
-                    .override_at(UPPER, object.view(), None)
+                    .override_at(UPPER, f.view(), None)
                     .ok_or_else(|| errno(libc::EIO))?;
                 v.mode = mode;
-                self.set_override(&object, None, &v, libc::S_IFREG)?;
+                self.set_override(&f.object()?, None, &v, libc::S_IFREG)?;
             } else {
                 f.chmod(mode)?;
             }
@@ -761,7 +760,7 @@ impl PrivsOf<'_> {
     /// Permission, set-id and sticky bits of the upper file `f`.
     fn mode(&self, f: &UpperFile) -> Result<u32> {
         if self.in_xattr
-            && let Some(v) = self.overlay.override_at(UPPER, f.object()?.view(), None)
+            && let Some(v) = self.overlay.override_at(UPPER, f.view(), None)
         {
             return Ok(v.mode);
         }

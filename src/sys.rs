@@ -456,15 +456,53 @@ pub fn chown_at(
     })
 }
 
-/// chmod of `name` in `dir`. Symlinks have no mode of their own on Linux: callers skip them.
+/// chmod of `name` in `dir` (of `dir` itself with `None`), never through a symlink: a symlink
+/// has no mode of its own on Linux, and its name answers EOPNOTSUPP. One fchmodat2 with
+/// AT_SYMLINK_NOFOLLOW (Linux 6.6+; rustix does not pass that flag); before 6.6, a stat first.
 pub fn chmod_at(dir: BorrowedFd<'_>, name: Option<&OsStr>, mode: u32) -> Result<()> {
     change(Op::Chmod, || {
-        let mode = Mode::from_raw_mode(mode & 0o7777);
-        Ok(match name {
-            Some(name) => rustix::fs::chmodat(dir, name, mode, AtFlags::empty()),
-            None => rustix::fs::chmodat(CWD, &proc_path(dir, None).0, mode, AtFlags::empty()),
-        }?)
+        let m = Mode::from_raw_mode(mode & 0o7777);
+        let Some(name) = name else {
+            return Ok(rustix::fs::chmodat(
+                CWD,
+                &proc_path(dir, None).0,
+                m,
+                AtFlags::empty(),
+            )?);
+        };
+        match fchmodat2_nofollow(dir, name, mode & 0o7777) {
+            Err(rustix::io::Errno::NOSYS) => {
+                if stat_at(dir, name)?.is_symlink() {
+                    return Err(errno(libc::EOPNOTSUPP));
+                }
+                Ok(rustix::fs::chmodat(dir, name, m, AtFlags::empty())?)
+            }
+            r => Ok(r?),
+        }
     })
+}
+
+fn fchmodat2_nofollow(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> rustix::io::Result<()> {
+    let name = CString::new(name.as_bytes()).map_err(|_| rustix::io::Errno::INVAL)?;
+    // SAFETY: fchmodat2(2) reads the NUL-terminated path, which outlives the call, and uses
+    // the descriptor only during it; it writes no memory of this process.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_fchmodat2,
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            mode as libc::mode_t,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    match r {
+        0 => Ok(()),
+        _ => Err(rustix::io::Errno::from_raw_os_error(
+            std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO),
+        )),
+    }
 }
 
 #[derive(Debug, Clone, Copy)]

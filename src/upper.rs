@@ -557,14 +557,7 @@ impl UpperDir {
     /// Linux: EOPNOTSUPP, as fchmodat(AT_SYMLINK_NOFOLLOW) answers (the call never follows it).
     pub fn chmod(&self, name: Option<&OsStr>, mode: u32) -> Result<()> {
         match self {
-            UpperDir::Disk(fd) => {
-                if let Some(name) = name
-                    && sys::stat_at(fd.as_fd(), name)?.is_symlink()
-                {
-                    return Err(errno(libc::EOPNOTSUPP));
-                }
-                sys::chmod_at(fd.as_fd(), name, mode)
-            }
+            UpperDir::Disk(fd) => sys::chmod_at(fd.as_fd(), name, mode),
             UpperDir::Memory(m, dir) => {
                 let node = Self::node_of(m, dir, name)?;
                 if node.file_type() == libc::S_IFLNK {
@@ -628,6 +621,14 @@ impl UpperFile {
         match self {
             UpperFile::Disk(fd) => sys::ioctl_ficlone(fd, src),
             UpperFile::Memory(..) => Err(rustix::io::Errno::XDEV),
+        }
+    }
+
+    /// This file as the reads every layer shares see it (no descriptor duplicated).
+    pub fn view(&self) -> LayerDir<'_> {
+        match self {
+            UpperFile::Disk(fd) => LayerDir::Disk(fd.as_fd()),
+            UpperFile::Memory(m, node) => LayerDir::Memory(m, node),
         }
     }
 

@@ -325,26 +325,6 @@ fn hundreds_of_unmounts_under_load_let_go_of_the_layers_at_once() {
                                     .next()
                                     .unwrap_or("gone")
                             ));
-                            let tasks = std::fs::read_dir(format!("/proc/{}/task", daemon.id()))
-                                .into_iter()
-                                .flatten()
-                                .flatten()
-                                .map(|t| {
-                                    let w = std::fs::read_to_string(t.path().join("wchan"))
-                                        .unwrap_or_default();
-                                    let c = std::fs::read_to_string(t.path().join("comm"))
-                                        .unwrap_or_default();
-                                    format!("{}:{}", c.trim(), w)
-                                })
-                                .collect::<Vec<_>>();
-                            busy_seen.push(format!("daemon tasks: {tasks:?}"));
-                            let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-                            for l in mounts
-                                .lines()
-                                .filter(|l| l.contains(layers.to_str().unwrap()))
-                            {
-                                busy_seen.push(format!("mount: {l}"));
-                            }
                         }
                         std::thread::sleep(Duration::from_millis(1))
                     }
