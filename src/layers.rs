@@ -82,6 +82,9 @@ pub struct DirFlags {
     /// Entries may carry `mosaicfs.origin` although the directory has no lower part (a
     /// copied-up object was moved in).
     pub origins: bool,
+    /// The directory itself carries `mosaicfs.origin` (a copy-up keeping its lower inode
+    /// number): only then is the value worth reading.
+    pub origin: bool,
     /// The directory was renamed: where its lower part is (the value of `mosaicfs.redirect`,
     /// or of kernel overlayfs' `trusted.overlay.redirect` / `user.overlay.redirect`).
     pub redirect: Option<Vec<u8>>,
@@ -688,6 +691,7 @@ impl LayerStack {
         let has = |key: &str| names.iter().any(|n| n.as_bytes() == key.as_bytes());
         let mut flags = DirFlags {
             origins: has(&self.xattr.origins),
+            origin: has(&self.xattr.origin),
             ..DirFlags::default()
         };
         let own = [self.xattr.redirect.as_str()];

@@ -134,20 +134,21 @@ impl Overlay {
             let dir = up.view();
             let slot = self.upper_slot(dir, name, view.lower.is_some())?;
             if let UpperSlot::Object(attr) = slot {
-                // Only a copy-up carries an origin: in a directory without lower parts (and not
-                // marked as holding moved copy-ups) there is nothing to read.
-                let origin = if view.origins {
-                    self.origin_ino(dir, name)?
-                } else {
-                    None
-                };
-                let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
                 let flags = if attr.is_dir() {
                     self.layers
                         .dir_flags(dir, Some(name), view.lower.is_some())?
                 } else {
                     crate::layers::DirFlags::default()
                 };
+                // Only a copy-up carries an origin: in a directory without lower parts (and not
+                // marked as holding moved copy-ups) there is nothing to read, nor in a
+                // directory whose xattr names (`dir_flags`) hold none.
+                let origin = if view.origins && (!attr.is_dir() || flags.origin) {
+                    self.origin_ino(dir, name)?
+                } else {
+                    None
+                };
+                let ino = origin.unwrap_or_else(|| self.map_ino(UPPER, attr.ino));
                 let lower = if !attr.is_dir() || flags.opaque {
                     None
                 } else if let Some(redirect) = flags.redirect.as_deref().and_then(Redirect::parse) {

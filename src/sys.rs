@@ -184,24 +184,174 @@ pub fn link_open_file(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &OsStr) -> 
     })
 }
 
-fn getxattr_at(
-    path: &CString,
-    follow: bool,
-    key: &OsStr,
-    buf: &mut [u8],
-) -> rustix::io::Result<usize> {
-    if follow {
-        rustix::fs::getxattr(path.as_c_str(), key, buf)
-    } else {
-        rustix::fs::lgetxattr(path.as_c_str(), key, buf)
-    }
+/// The `*xattrat` system calls (Linux 6.13). New system calls have one number on every
+/// architecture; libc does not name these yet.
+const SYS_SETXATTRAT: libc::c_long = 463;
+const SYS_GETXATTRAT: libc::c_long = 464;
+const SYS_LISTXATTRAT: libc::c_long = 465;
+const SYS_REMOVEXATTRAT: libc::c_long = 466;
+
+/// Cleared at the first ENOSYS: this kernel predates the `*xattrat` calls.
+static XATTRAT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `struct xattr_args` of the `*xattrat` calls (VER0, 16 bytes).
+#[repr(C)]
+struct XattrArgs {
+    value: u64,
+    size: u32,
+    flags: u32,
 }
 
-fn listxattr_at(path: &CString, follow: bool, buf: &mut [u8]) -> rustix::io::Result<usize> {
-    if follow {
-        rustix::fs::listxattr(path.as_c_str(), buf)
-    } else {
-        rustix::fs::llistxattr(path.as_c_str(), buf)
+/// The object an xattr call is about: `name` in the directory `dir`, or with `name` `None` the
+/// object `dir` itself (a directory, or an unnamed open file that no name reaches).
+///
+/// One `*xattrat` call reaches it (`AT_SYMLINK_NOFOLLOW`, relative to `dir`; a directory
+/// itself as `.`). The other way, the `l*xattr` calls on `proc_path`, walks four more path
+/// components through /proc: 3.6 µs against 1.0 µs a call here, and a lookup of an upper
+/// directory makes two such calls. It stays for an unnamed file that is not a directory (the
+/// `*xattrat` calls refuse an `O_PATH` descriptor with EBADF, so `.` it is, which ENOTDIR
+/// refuses), for kernels before 6.13 (ENOSYS), and after an EPERM, which a seccomp filter that
+/// does not know these calls may give: the /proc call then says what the file system says.
+#[derive(Clone, Copy)]
+struct XattrTarget<'a> {
+    dir: BorrowedFd<'a>,
+    name: Option<&'a OsStr>,
+}
+
+impl XattrTarget<'_> {
+    /// Runs one `*xattrat` call with the path it takes (`name`, or `.` for the object itself:
+    /// right when that is a directory); `None` when the /proc path is to be taken instead.
+    fn at_call(
+        &self,
+        call: impl FnOnce(&CStr) -> libc::c_long,
+    ) -> Option<rustix::io::Result<usize>> {
+        if !XATTRAT.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let name = CString::new(self.name.unwrap_or(OsStr::new(".")).as_bytes())
+            .expect("file names hold no NUL");
+        let r = call(&name);
+        if r >= 0 {
+            return Some(Ok(r as usize));
+        }
+        let e =
+            rustix::io::Errno::from_raw_os_error(std::io::Error::last_os_error().raw_os_error()?);
+        match e {
+            rustix::io::Errno::NOSYS => {
+                XATTRAT.store(false, std::sync::atomic::Ordering::Relaxed);
+                None
+            }
+            rustix::io::Errno::PERM => None,
+            // `.` in an object that is not a directory (an unnamed open file), or in a
+            // directory its caller may not search, which its magic link does not ask.
+            rustix::io::Errno::NOTDIR | rustix::io::Errno::ACCESS if self.name.is_none() => None,
+            e => Some(Err(e)),
+        }
+    }
+
+    fn get(&self, key: &OsStr, buf: &mut [u8]) -> rustix::io::Result<usize> {
+        let key = CString::new(key.as_bytes()).map_err(|_| rustix::io::Errno::INVAL)?;
+        let mut args = XattrArgs {
+            value: buf.as_mut_ptr() as u64,
+            size: buf.len() as u32,
+            flags: 0,
+        };
+        let at = self.at_call(|name| unsafe {
+            libc::syscall(
+                SYS_GETXATTRAT,
+                self.dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+                key.as_ptr(),
+                &mut args as *mut XattrArgs,
+                std::mem::size_of::<XattrArgs>(),
+            )
+        });
+        at.unwrap_or_else(|| {
+            let (path, follow) = proc_path(self.dir, self.name);
+            if follow {
+                rustix::fs::getxattr(path.as_c_str(), key.as_c_str(), buf)
+            } else {
+                rustix::fs::lgetxattr(path.as_c_str(), key.as_c_str(), buf)
+            }
+        })
+    }
+
+    fn list(&self, buf: &mut [u8]) -> rustix::io::Result<usize> {
+        let at = self.at_call(|name| unsafe {
+            libc::syscall(
+                SYS_LISTXATTRAT,
+                self.dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        });
+        at.unwrap_or_else(|| {
+            let (path, follow) = proc_path(self.dir, self.name);
+            if follow {
+                rustix::fs::listxattr(path.as_c_str(), buf)
+            } else {
+                rustix::fs::llistxattr(path.as_c_str(), buf)
+            }
+        })
+    }
+
+    fn set(&self, key: &OsStr, value: &[u8], flags: i32) -> rustix::io::Result<()> {
+        let key = CString::new(key.as_bytes()).map_err(|_| rustix::io::Errno::INVAL)?;
+        let args = XattrArgs {
+            value: value.as_ptr() as u64,
+            size: value.len() as u32,
+            flags: flags as u32,
+        };
+        let at = self.at_call(|name| unsafe {
+            libc::syscall(
+                SYS_SETXATTRAT,
+                self.dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+                key.as_ptr(),
+                &args as *const XattrArgs,
+                std::mem::size_of::<XattrArgs>(),
+            )
+        });
+        match at {
+            Some(r) => r.map(drop),
+            None => {
+                let (path, follow) = proc_path(self.dir, self.name);
+                let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
+                if follow {
+                    rustix::fs::setxattr(path.as_c_str(), key.as_c_str(), value, flags)
+                } else {
+                    rustix::fs::lsetxattr(path.as_c_str(), key.as_c_str(), value, flags)
+                }
+            }
+        }
+    }
+
+    fn remove(&self, key: &OsStr) -> rustix::io::Result<()> {
+        let key = CString::new(key.as_bytes()).map_err(|_| rustix::io::Errno::INVAL)?;
+        let at = self.at_call(|name| unsafe {
+            libc::syscall(
+                SYS_REMOVEXATTRAT,
+                self.dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+                key.as_ptr(),
+            )
+        });
+        match at {
+            Some(r) => r.map(drop),
+            None => {
+                let (path, follow) = proc_path(self.dir, self.name);
+                if follow {
+                    rustix::fs::removexattr(path.as_c_str(), key.as_c_str())
+                } else {
+                    rustix::fs::lremovexattr(path.as_c_str(), key.as_c_str())
+                }
+            }
+        }
     }
 }
 
@@ -236,16 +386,16 @@ pub fn get_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &str) -> Result
 
 /// Reads one extended attribute, passing every error through (for the merged view's getxattr).
 pub fn get_xattr_raw(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &OsStr) -> Result<Vec<u8>> {
-    let (path, follow) = proc_path(dir, name);
+    let target = XattrTarget { dir, name };
     let mut buf = vec![0u8; 256];
     loop {
-        match getxattr_at(&path, follow, key, &mut buf[..]) {
+        match target.get(key, &mut buf[..]) {
             Ok(n) => {
                 buf.truncate(n);
                 return Ok(buf);
             }
             Err(rustix::io::Errno::RANGE) => {
-                let n = getxattr_at(&path, follow, key, &mut [])?;
+                let n = target.get(key, &mut [])?;
                 buf.resize(n.max(buf.len() * 2), 0);
             }
             Err(e) => return Err(e.into()),
@@ -261,14 +411,7 @@ pub fn set_xattr(
     flags: i32,
 ) -> Result<()> {
     change(Op::SetXattr, || {
-        let (path, follow) = proc_path(dir, name);
-        let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);
-        let (path, key) = (path.as_c_str(), key.as_ref());
-        Ok(if follow {
-            rustix::fs::setxattr(path, key, value, flags)
-        } else {
-            rustix::fs::lsetxattr(path, key, value, flags)
-        }?)
+        Ok(XattrTarget { dir, name }.set(key.as_ref(), value, flags)?)
     })
 }
 
@@ -278,25 +421,19 @@ pub fn remove_xattr(
     key: impl AsRef<OsStr>,
 ) -> Result<()> {
     change(Op::RemoveXattr, || {
-        let (path, follow) = proc_path(dir, name);
-        let (path, key) = (path.as_c_str(), key.as_ref());
-        Ok(if follow {
-            rustix::fs::removexattr(path, key)
-        } else {
-            rustix::fs::lremovexattr(path, key)
-        }?)
+        Ok(XattrTarget { dir, name }.remove(key.as_ref())?)
     })
 }
 
 /// All extended attribute names of a file. A file system without xattrs has none.
 pub fn list_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Vec<OsString>> {
-    let (path, follow) = proc_path(dir, name);
+    let target = XattrTarget { dir, name };
     let mut buf = vec![0u8; 1024];
     let n = loop {
-        match listxattr_at(&path, follow, &mut buf[..]) {
+        match target.list(&mut buf[..]) {
             Ok(n) => break n,
             Err(rustix::io::Errno::RANGE) => {
-                let n = listxattr_at(&path, follow, &mut [])?;
+                let n = target.list(&mut [])?;
                 buf.resize(n.max(buf.len() * 2), 0);
             }
             Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
@@ -799,4 +936,70 @@ pub fn fdatasync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
     check_io(Op::Fsync)
         .and_then(|()| rustix::fs::fdatasync(fd))
         .map_err(|e| note_failure(Op::Fsync, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    /// Every kind of object an xattr call reaches — a file by name, a directory by name, a
+    /// directory itself, an unnamed regular file (its O_PATH handle) and a symlink by name,
+    /// never followed — answers the same through the `*xattrat` calls and through /proc.
+    #[test]
+    fn xattr_calls_reach_the_same_objects_with_and_without_the_at_calls() {
+        let tmp = std::env::temp_dir().join(format!("mosaicfs-xattr-{}", std::process::id()));
+        std::fs::create_dir_all(tmp.join("sub")).unwrap();
+        std::fs::write(tmp.join("file"), b"x").unwrap();
+        std::os::unix::fs::symlink("file", tmp.join("link")).unwrap();
+        let dir = rustix::fs::open(&tmp, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
+        let file = rustix::fs::open(tmp.join("file"), OFlags::PATH, Mode::empty()).unwrap();
+        let sub = rustix::fs::open(tmp.join("sub"), OFlags::PATH, Mode::empty()).unwrap();
+        let targets: [(BorrowedFd, Option<&OsStr>); 4] = [
+            (dir.as_fd(), Some(OsStr::new("file"))),
+            (dir.as_fd(), Some(OsStr::new("sub"))),
+            (sub.as_fd(), None),
+            (file.as_fd(), None),
+        ];
+        for at_calls in [true, false] {
+            XATTRAT.store(at_calls, Ordering::Relaxed);
+            for (i, (d, name)) in targets.iter().enumerate() {
+                let key = format!("user.t{i}");
+                set_xattr(*d, *name, &key, b"v1", 0).unwrap();
+                let e = set_xattr(*d, *name, &key, b"v2", libc::XATTR_CREATE).unwrap_err();
+                assert!(
+                    e.is(libc::EEXIST),
+                    "{name:?}: XATTR_CREATE over a value: {e}"
+                );
+                set_xattr(*d, *name, &key, &[7u8; 2000], 0).unwrap();
+                assert_eq!(get_xattr(*d, *name, &key).unwrap(), Some(vec![7u8; 2000]));
+                assert!(
+                    list_xattr(*d, *name)
+                        .unwrap()
+                        .contains(&OsString::from(&key))
+                );
+                remove_xattr(*d, *name, &key).unwrap();
+                assert_eq!(get_xattr(*d, *name, &key).unwrap(), None, "{name:?}");
+                assert!(
+                    get_xattr_raw(*d, *name, OsStr::new(&key))
+                        .unwrap_err()
+                        .is(libc::ENODATA)
+                );
+            }
+            // The file's own value is never read through the symlink naming it.
+            set_xattr(dir.as_fd(), Some(OsStr::new("file")), "user.f", b"f", 0).unwrap();
+            let link = Some(OsStr::new("link"));
+            assert_eq!(get_xattr(dir.as_fd(), link, "user.f").unwrap(), None);
+            assert!(list_xattr(dir.as_fd(), link).unwrap().is_empty());
+            remove_xattr(dir.as_fd(), Some(OsStr::new("file")), "user.f").unwrap();
+            let missing = Some(OsStr::new("missing"));
+            assert!(
+                list_xattr(dir.as_fd(), missing)
+                    .unwrap_err()
+                    .is(libc::ENOENT)
+            );
+        }
+        XATTRAT.store(true, Ordering::Relaxed);
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
 }
