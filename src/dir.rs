@@ -408,6 +408,19 @@ impl Overlay {
             self.forget_name(entry.found.ino, pnode.ino, name);
             return Ok(());
         }
+        if !needs_whiteout {
+            // An empty directory goes in one atomic rmdir, as on kernel overlayfs. One that
+            // holds whiteouts (or the `.wh..wh..opq` mark) is not empty to the upper file
+            // system: it moves out to the work dir to be emptied there.
+            match udir.rmdir(name) {
+                Ok(()) => {
+                    self.forget_name(entry.found.ino, pnode.ino, name);
+                    return Ok(());
+                }
+                Err(e) if e.is(libc::ENOTEMPTY) || e.is(libc::EEXIST) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let tmp = temp_name("remove");
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
