@@ -718,6 +718,12 @@ impl LayerStack {
         Ok(flags)
     }
 
+    /// Whether the directory `name` in `dir` holds the `.wh..wh..opq` file, the opaque mark of
+    /// layers whose file system had no xattrs (`dir_flags` reads the xattr one).
+    pub fn has_opaque_file(&self, dir: LayerDir<'_>, name: &OsStr) -> Result<bool> {
+        dir.has_in(Some(name), OsStr::new(OPAQUE_WHITEOUT))
+    }
+
     /// Writes a whiteout for `name` in the upper directory `dir` (which must not hold `name`).
     pub fn make_whiteout(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
         crate::creds::act_as_daemon();

@@ -134,9 +134,10 @@ impl Overlay {
             let dir = up.view();
             let slot = self.upper_slot(dir, name, view.lower.is_some())?;
             if let UpperSlot::Object(attr) = slot {
+                // The `.wh..wh..opq` file is looked for below only where it would hide
+                // something: most directories a container makes have no lower part at all.
                 let flags = if attr.is_dir() {
-                    self.layers
-                        .dir_flags(dir, Some(name), view.lower.is_some())?
+                    self.layers.dir_flags(dir, Some(name), false)?
                 } else {
                     crate::layers::DirFlags::default()
                 };
@@ -168,6 +169,16 @@ impl Overlay {
                             .map(|(_, r)| r),
                         None => None,
                     }
+                };
+                // (`dir_flags` has looked already where a redirect leads.)
+                let lower = match lower {
+                    Some(_)
+                        if flags.redirect.is_none()
+                            && self.layers.has_opaque_file(dir, name)? =>
+                    {
+                        None
+                    }
+                    lower => lower,
                 };
                 let found = Found {
                     ino,

@@ -87,6 +87,35 @@ fn opaque_directories_of_every_format_hide_lower_contents() {
     assert!(xattrs.iter().all(|x| !x.contains("overlay")), "{xattrs:?}");
 }
 
+/// The same marks on directories of the upper layer (one written by another overlay): the
+/// `.wh..wh..opq` file is looked for only where a lower directory of that name lies below, and
+/// must hide it there.
+#[test]
+fn opaque_upper_directories_of_every_format_hide_lower_contents() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let mut m = Mount::new(1);
+    for d in ["t", "w"] {
+        write(m.lower(0).join(d).join("hidden"), "x");
+        write(m.upper.join(d).join("shown"), "y");
+    }
+    set_xattr(&m.upper.join("t"), "trusted.overlay.opaque", b"y");
+    write(m.upper.join("w/.wh..wh..opq"), "");
+    write(m.upper.join("only-upper/.wh..wh..opq"), "");
+    write(m.upper.join("only-upper/shown"), "y");
+    m.mount();
+    for d in ["t", "w", "only-upper"] {
+        assert_eq!(names(m.path(d)), ["shown"], "{d}");
+        assert_eq!(errno_of(fs::metadata(m.path(d).join("hidden"))), libc::ENOENT, "{d}");
+    }
+    // Still opaque once emptied: the lower file does not come back.
+    fs::remove_file(m.path("w/shown")).unwrap();
+    assert!(names(m.path("w")).is_empty());
+    fs::remove_dir(m.path("w")).unwrap();
+    assert_eq!(errno_of(fs::metadata(m.path("w"))), libc::ENOENT);
+}
+
 #[test]
 fn merged_directories_list_each_name_once() {
     if !runs_on_disk_upper_only() {
