@@ -21,6 +21,8 @@ pub struct Handle {
     pub writable: bool,
     /// O_SYNC or O_DSYNC: each write is on disk, whole blocks included, when it returns.
     pub sync: bool,
+    /// Opened by execve(2): counted in `NodeState::executing` while it lives.
+    pub exec: bool,
     pub(crate) io: Mutex<IoMode>,
 }
 
@@ -33,6 +35,10 @@ impl Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         self.node.io.end(self.io());
+        if self.exec {
+            let mut st = self.node.state();
+            st.executing = st.executing.saturating_sub(1);
+        }
     }
 }
 

@@ -102,6 +102,9 @@ pub struct NodeState {
     pub origins: bool,
     /// The shared state of open handles on this regular file, while any is open.
     pub open: Weak<OpenFile>,
+    /// Handles an execve(2) opened (`FMODE_EXEC`) and has not released: the file is a
+    /// running program's text, which the kernel keeps from being written (`io.rs` `open`).
+    pub executing: u32,
     /// For a merged directory: how many subdirectories its merged view has (its `st_nlink` is
     /// that plus 2), once counted. Reset by `subdirs_changed`.
     pub subdirs: Option<u64>,
@@ -223,6 +226,7 @@ impl NodeState {
             has_origin: found.origin,
             origins: found.origins,
             open: Weak::new(),
+            executing: 0,
             subdirs: None,
             subdirs_gen: 0,
             lower_names_gone: 0,

@@ -37,6 +37,10 @@ impl OpenFile {
     }
 }
 
+/// The open flag execve(2) opens its program with (the kernel's `__FMODE_EXEC`, passed on in
+/// FUSE_OPEN; never an open(2) flag, which the kernel masks off).
+const FMODE_EXEC: i32 = 0x20;
+
 impl Overlay {
     /// Opens the data of `node` in its current state.
     fn open_data(&self, node: &Node) -> Result<FileData> {
@@ -322,11 +326,21 @@ impl Overlay {
         let acc = flags & libc::O_ACCMODE;
         let writable = acc != libc::O_RDONLY;
         let truncate = flags & libc::O_TRUNC != 0;
+        let exec = flags & FMODE_EXEC != 0;
         if writable || truncate {
             self.check_writable()?;
         }
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
+        }
+        // The kernel refuses a writer of a running program (ETXTBSY) before it sends OPEN, but
+        // open(O_RDONLY | O_TRUNC) reaches here first and is refused only after this OPEN has
+        // truncated (FUSE_ATOMIC_O_TRUNC): the program would lose its text to an open that
+        // then fails. A local file system truncates nothing there. (Writable opens are the
+        // kernel's to judge: the RELEASE of a program that has just exited may still be on
+        // its way here, and `cp` over it must not fail.)
+        if truncate && !writable && node.state().executing > 0 {
+            return Err(errno(libc::ETXTBSY));
         }
         let file = if truncate {
             // Truncated to 0, the file is complete: no partial file for the reserve to count.
@@ -373,12 +387,16 @@ impl Overlay {
             return Err(self.rebind(&node));
         };
         let node_two_identities = node.has_two_identities();
+        if exec {
+            node.state().executing += 1;
+        }
         let fh = self.handles.insert(Handle {
             file,
             node,
             append: flags & libc::O_APPEND != 0,
             writable,
             sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
+            exec,
             io: Mutex::new(io),
         });
         let flushes = writable && self.caw.is_some();

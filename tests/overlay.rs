@@ -107,7 +107,11 @@ fn opaque_upper_directories_of_every_format_hide_lower_contents() {
     m.mount();
     for d in ["t", "w", "only-upper"] {
         assert_eq!(names(m.path(d)), ["shown"], "{d}");
-        assert_eq!(errno_of(fs::metadata(m.path(d).join("hidden"))), libc::ENOENT, "{d}");
+        assert_eq!(
+            errno_of(fs::metadata(m.path(d).join("hidden"))),
+            libc::ENOENT,
+            "{d}"
+        );
     }
     // Still opaque once emptied: the lower file does not come back.
     fs::remove_file(m.path("w/shown")).unwrap();
@@ -1492,4 +1496,82 @@ fn lsattr_reads_the_flags_of_the_layer_and_chattr_is_refused() {
         "{e}"
     );
     assert!(!flags(&m.path("new")).contains(IFlags::APPEND));
+}
+
+/// open(O_RDONLY | O_TRUNC) of a running program fails with ETXTBSY and truncates nothing, as
+/// on a local file system. The kernel checks for a running program only after FUSE_OPEN,
+/// which truncates (atomic O_TRUNC): the daemon must refuse it itself. Before, the program
+/// lost its text and, when its execve was still reading it, the open even succeeded
+/// (pjdfstest open::etxtbsy, now and then).
+#[test]
+fn a_running_program_is_not_truncated_by_an_open_that_fails() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut m = Mount::new(1);
+    let sleep = fs::read("/bin/sleep").unwrap();
+    fs::write(m.lower(0).join("lower-prog"), &sleep).unwrap();
+    fs::set_permissions(
+        m.lower(0).join("lower-prog"),
+        fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    m.mount();
+    fs::write(m.path("made-prog"), &sleep).unwrap();
+    fs::set_permissions(m.path("made-prog"), fs::Permissions::from_mode(0o755)).unwrap();
+    for name in ["made-prog", "lower-prog"] {
+        let prog = m.path(name);
+        let mut child = Command::new(&prog).arg("30").spawn().unwrap();
+        // Running once its executable is the program (execve has finished).
+        let exe = format!("/proc/{}/exe", child.id());
+        for _ in 0..500 {
+            if fs::read_link(&exe).is_ok_and(|p| p == prog) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        for (what, write, truncate) in
+            [("O_WRONLY", true, false), ("O_RDONLY|O_TRUNC", false, true)]
+        {
+            let r = fs::OpenOptions::new()
+                .read(!write)
+                .write(write)
+                .custom_flags(if truncate { libc::O_TRUNC } else { 0 })
+                .open(&prog);
+            assert_eq!(errno_of(r), libc::ETXTBSY, "{name}: {what}");
+        }
+        assert_eq!(
+            fs::read(&prog).unwrap(),
+            sleep,
+            "{name}: the running program was changed"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{name}: the program died"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Not running any more: the same opens truncate (O_WRONLY at once; O_RDONLY once the
+        // program's RELEASE, which the kernel sends after the exit, has arrived).
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&prog)
+            .unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 0, "{name}");
+        fs::write(&prog, b"x").unwrap();
+        let mut tries = 0;
+        let f = loop {
+            match fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_TRUNC)
+                .open(&prog)
+            {
+                Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 100 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                r => break r.unwrap(),
+            }
+        };
+        assert_eq!(f.metadata().unwrap().len(), 0, "{name}");
+    }
 }
