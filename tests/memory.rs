@@ -324,3 +324,41 @@ fn a_memory_upper_dir_given_as_a_lower_layer_is_refused_and_a_namesake_file_is_n
         "just a file of an image"
     );
 }
+
+/// A close of a complete file sends no FLUSH (nothing can wait in copy-after-write buffers for
+/// it): one request less per file a container writes, which a memory upper's files, never
+/// passed through, would otherwise pay. A partial file's close still sends one, and what the
+/// writes left pending is whole after it.
+#[test]
+fn closes_of_complete_files_send_no_flush_and_partial_files_still_do() {
+    let m = memory_mount(
+        |l| fs::write(l.join("lower"), vec![7u8; 4 << 20]).unwrap(),
+        &[],
+    );
+    for i in 0..20 {
+        fs::write(m.path(&format!("made{i}")), format!("file {i}")).unwrap();
+    }
+    assert_eq!(
+        requests(&m, "FLUSH"),
+        0,
+        "closes of files made in the mount"
+    );
+    {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("lower"))
+            .unwrap();
+        f.write_all_at(b"abc", 5000).unwrap();
+    }
+    assert!(requests(&m, "FLUSH") >= 1, "the close of a partial file");
+    let data = fs::read(m.path("lower")).unwrap();
+    assert_eq!(data.len(), 4 << 20);
+    assert_eq!(&data[5000..5003], b"abc");
+    assert!(data[..5000].iter().chain(&data[5003..]).all(|&b| b == 7));
+    for i in 0..20 {
+        assert_eq!(
+            fs::read_to_string(m.path(&format!("made{i}"))).unwrap(),
+            format!("file {i}")
+        );
+    }
+}
