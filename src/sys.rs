@@ -221,8 +221,11 @@ struct XattrTarget<'a> {
 impl XattrTarget<'_> {
     /// Runs one `*xattrat` call with the path it takes (`name`, or `.` for the object itself:
     /// right when that is a directory); `None` when the /proc path is to be taken instead.
+    /// `changes`: a set or remove, which a file system may refuse with EPERM itself; a get or
+    /// a list never gets EPERM but from a filter, which then keeps answering so.
     fn at_call(
         &self,
+        changes: bool,
         call: impl FnOnce(&CStr) -> libc::c_long,
     ) -> Option<rustix::io::Result<usize>> {
         if !XATTRAT.load(std::sync::atomic::Ordering::Relaxed) {
@@ -241,7 +244,12 @@ impl XattrTarget<'_> {
                 XATTRAT.store(false, std::sync::atomic::Ordering::Relaxed);
                 None
             }
-            rustix::io::Errno::PERM => None,
+            rustix::io::Errno::PERM => {
+                if !changes {
+                    XATTRAT.store(false, std::sync::atomic::Ordering::Relaxed);
+                }
+                None
+            }
             // `.` in an object that is not a directory (an unnamed open file), or in a
             // directory its caller may not search, which its magic link does not ask.
             rustix::io::Errno::NOTDIR | rustix::io::Errno::ACCESS if self.name.is_none() => None,
@@ -256,7 +264,7 @@ impl XattrTarget<'_> {
             size: buf.len() as u32,
             flags: 0,
         };
-        let at = self.at_call(|name| unsafe {
+        let at = self.at_call(false, |name| unsafe {
             libc::syscall(
                 SYS_GETXATTRAT,
                 self.dir.as_raw_fd(),
@@ -278,7 +286,7 @@ impl XattrTarget<'_> {
     }
 
     fn list(&self, buf: &mut [u8]) -> rustix::io::Result<usize> {
-        let at = self.at_call(|name| unsafe {
+        let at = self.at_call(false, |name| unsafe {
             libc::syscall(
                 SYS_LISTXATTRAT,
                 self.dir.as_raw_fd(),
@@ -305,7 +313,7 @@ impl XattrTarget<'_> {
             size: value.len() as u32,
             flags: flags as u32,
         };
-        let at = self.at_call(|name| unsafe {
+        let at = self.at_call(true, |name| unsafe {
             libc::syscall(
                 SYS_SETXATTRAT,
                 self.dir.as_raw_fd(),
@@ -332,7 +340,7 @@ impl XattrTarget<'_> {
 
     fn remove(&self, key: &OsStr) -> rustix::io::Result<()> {
         let key = CString::new(key.as_bytes()).map_err(|_| rustix::io::Errno::INVAL)?;
-        let at = self.at_call(|name| unsafe {
+        let at = self.at_call(true, |name| unsafe {
             libc::syscall(
                 SYS_REMOVEXATTRAT,
                 self.dir.as_raw_fd(),
