@@ -191,7 +191,8 @@ const SYS_GETXATTRAT: libc::c_long = 464;
 const SYS_LISTXATTRAT: libc::c_long = 465;
 const SYS_REMOVEXATTRAT: libc::c_long = 466;
 
-/// Cleared at the first ENOSYS: this kernel predates the `*xattrat` calls.
+/// Cleared at the first ENOSYS (this kernel predates the `*xattrat` calls) or EPERM on a get
+/// or list (a seccomp filter refuses them).
 static XATTRAT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// `struct xattr_args` of the `*xattrat` calls (VER0, 16 bytes).
