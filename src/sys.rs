@@ -364,23 +364,36 @@ impl XattrTarget<'_> {
     }
 }
 
+/// The value a size-query call (`*getxattr`, `*listxattr`) gives, whatever its length: `call`
+/// fills the buffer it is given, and a buffer too small (ERANGE) is grown to the size a call
+/// with an empty one reports.
+fn read_sized(
+    initial: usize,
+    mut call: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>,
+) -> rustix::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; initial];
+    loop {
+        match call(&mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(buf);
+            }
+            Err(rustix::io::Errno::RANGE) => {
+                let n = call(&mut [])?;
+                buf.resize(n.max(buf.len() * 2), 0);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Reads one extended attribute of an open file (not `O_PATH`), whatever its length; `Ok(None)`
 /// when it is absent or the file cannot carry it.
 pub fn fget_xattr(fd: BorrowedFd<'_>, key: &str) -> Result<Option<Vec<u8>>> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        match rustix::fs::fgetxattr(fd, key, &mut buf[..]) {
-            Ok(n) => {
-                buf.truncate(n);
-                return Ok(Some(buf));
-            }
-            Err(rustix::io::Errno::RANGE) => {
-                let n: usize = rustix::fs::fgetxattr(fd, key, &mut [0u8; 0][..])?;
-                buf.resize(n.max(buf.len() * 2), 0);
-            }
-            Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        }
+    match read_sized(256, |buf| rustix::fs::fgetxattr(fd, key, buf)) {
+        Ok(v) => Ok(Some(v)),
+        Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -396,20 +409,7 @@ pub fn get_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &str) -> Result
 /// Reads one extended attribute, passing every error through (for the merged view's getxattr).
 pub fn get_xattr_raw(dir: BorrowedFd<'_>, name: Option<&OsStr>, key: &OsStr) -> Result<Vec<u8>> {
     let target = XattrTarget { dir, name };
-    let mut buf = vec![0u8; 256];
-    loop {
-        match target.get(key, &mut buf[..]) {
-            Ok(n) => {
-                buf.truncate(n);
-                return Ok(buf);
-            }
-            Err(rustix::io::Errno::RANGE) => {
-                let n = target.get(key, &mut [])?;
-                buf.resize(n.max(buf.len() * 2), 0);
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
+    Ok(read_sized(256, |buf| target.get(key, buf))?)
 }
 
 pub fn set_xattr(
@@ -437,19 +437,12 @@ pub fn remove_xattr(
 /// All extended attribute names of a file. A file system without xattrs has none.
 pub fn list_xattr(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Vec<OsString>> {
     let target = XattrTarget { dir, name };
-    let mut buf = vec![0u8; 1024];
-    let n = loop {
-        match target.list(&mut buf[..]) {
-            Ok(n) => break n,
-            Err(rustix::io::Errno::RANGE) => {
-                let n = target.list(&mut [])?;
-                buf.resize(n.max(buf.len() * 2), 0);
-            }
-            Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
-            Err(e) => return Err(e.into()),
-        }
+    let buf = match read_sized(1024, |buf| target.list(buf)) {
+        Ok(buf) => buf,
+        Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
+        Err(e) => return Err(e.into()),
     };
-    Ok(buf[..n]
+    Ok(buf
         .split(|b| *b == 0)
         .filter(|s| !s.is_empty())
         .map(|s| OsString::from_vec(s.to_vec()))
