@@ -228,15 +228,7 @@ impl UpperDir {
 
     /// The attributes of `name` here, not following a symlink.
     pub fn stat_at(&self, name: &OsStr) -> Result<Attr> {
-        match self {
-            UpperDir::Disk(fd) => sys::stat_at(fd.as_fd(), name),
-            UpperDir::Memory(m, dir) => {
-                let ino = m
-                    .lookup(dir.ino(), name)?
-                    .ok_or_else(|| errno(libc::ENOENT))?;
-                m.stat(ino)
-            }
-        }
+        self.view().stat(Some(name))
     }
 
     /// The directory `name` here.
@@ -478,25 +470,12 @@ impl UpperDir {
     }
 
     pub fn read_link(&self, name: &OsStr) -> Result<OsString> {
-        match self {
-            UpperDir::Disk(fd) => sys::read_link_at(fd.as_fd(), name),
-            UpperDir::Memory(m, dir) => m.read_link(
-                m.lookup(dir.ino(), name)?
-                    .ok_or_else(|| errno(libc::ENOENT))?,
-            ),
-        }
+        self.view().read_link(Some(name))
     }
 
     /// The names here (not `.` and `..`), in no particular order.
     pub fn read_dir(&self) -> Result<Vec<RawDirEntry>> {
-        match self {
-            UpperDir::Disk(fd) => sys::read_dir(fd.as_fd(), Path::new("")),
-            UpperDir::Memory(m, dir) => Ok(m
-                .read_dir(dir.ino())?
-                .into_iter()
-                .map(|(name, ino, kind)| RawDirEntry { name, ino, kind })
-                .collect()),
-        }
+        self.view().read_dir()
     }
 
     /// The memory node `name` names in `dir` (or `dir` itself), for the calls below.
@@ -512,12 +491,7 @@ impl UpperDir {
 
     /// An xattr of `name` here (of this directory with `None`); `None` when it is absent.
     pub fn get_xattr(&self, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
-        match self {
-            UpperDir::Disk(fd) => sys::get_xattr(fd.as_fd(), name, key),
-            UpperDir::Memory(m, dir) => {
-                Ok(m.get_xattr(&*Self::node_of(m, dir, name)?, OsStr::new(key)))
-            }
-        }
+        self.view().get_xattr(name, key)
     }
 
     pub fn set_xattr(
@@ -543,10 +517,7 @@ impl UpperDir {
     }
 
     pub fn list_xattr(&self, name: Option<&OsStr>) -> Result<Vec<OsString>> {
-        match self {
-            UpperDir::Disk(fd) => sys::list_xattr(fd.as_fd(), name),
-            UpperDir::Memory(m, dir) => Ok(m.list_xattr(&*Self::node_of(m, dir, name)?)),
-        }
+        self.view().list_xattr(name)
     }
 
     pub fn chown(&self, name: Option<&OsStr>, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
