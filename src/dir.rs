@@ -393,8 +393,6 @@ impl Overlay {
         let udir = self.upper_dir(pnode)?;
         let work = self.layers.work()?;
         let _changing = pnode.entries.write();
-        // A directory moves to the work dir to be removed: paths below it change.
-        let _moving = entry.attr.is_dir().then(|| self.moves.write());
         if !entry.found.upper {
             self.layers.make_whiteout(&udir, name)?;
             self.forget_name(entry.found.ino, pnode.ino, name);
@@ -414,6 +412,8 @@ impl Overlay {
             // system: it moves out to the work dir to be emptied there.
             match udir.rmdir(name) {
                 Ok(()) => {
+                    // Its descriptors in the directory cache are stale now (dircache.rs).
+                    self.moves.record();
                     self.forget_name(entry.found.ino, pnode.ino, name);
                     return Ok(());
                 }
@@ -421,6 +421,10 @@ impl Overlay {
                 Err(e) => return Err(e),
             }
         }
+        // A directory moves to the work dir to be removed: paths below it change. (An empty
+        // one removed in place above has nothing below it: readers of `moves` all over the
+        // mount need not wait for that.)
+        let _moving = entry.attr.is_dir().then(|| self.moves.write());
         let tmp = temp_name("remove");
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.

@@ -33,6 +33,13 @@ impl ChangeSeq {
         ChangeGuard(self)
     }
 
+    /// Records a change that was made in one atomic step (an `rmdir`): no reader can have seen
+    /// it half done, so none waits for it, but every token taken before it is no longer
+    /// `unchanged`.
+    pub fn record(&self) {
+        self.0.fetch_add(CHANGE, Ordering::SeqCst);
+    }
+
     /// A token for `unchanged`, taken when no change is in progress (waits for one to end).
     pub fn read(&self) -> u64 {
         let mut spins = 0u32;
@@ -72,6 +79,16 @@ mod tests {
         assert!(!s.unchanged(t), "a finished change");
         let t = s.read();
         assert!(s.unchanged(t));
+    }
+
+    #[test]
+    fn a_recorded_change_is_seen_and_keeps_nobody_waiting() {
+        let s = ChangeSeq::default();
+        let t = s.read();
+        s.record();
+        assert!(!s.unchanged(t));
+        let t = s.read();
+        assert!(s.unchanged(t), "read returned: no change in progress");
     }
 
     #[test]
