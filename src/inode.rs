@@ -325,7 +325,11 @@ impl InodeTable {
                 self.forget(node.ino, 1);
                 return None;
             }
-            if !node.is_alias() && (st.unlinked || st.kind != found.kind) {
+            // A lower-only object under a number is always the same object (lower layers do
+            // not change): found unlinked, it is another name of a lower hard link, and the
+            // kernel inode of the removed name, still open perhaps, must stay good.
+            let reused = st.kind != found.kind || st.unlinked && found.upper;
+            if !node.is_alias() && reused {
                 // A new object under a number the old one left behind.
                 node.generation.fetch_add(1, Ordering::Relaxed);
                 st.open = Weak::new();

@@ -996,6 +996,22 @@ fn open_unlinked_file_has_no_links_and_keeps_its_data() {
 }
 
 #[test]
+fn a_lower_hard_link_open_under_a_removed_name_stays_readable_after_its_other_name_is_seen() {
+    let m = Mount::with(|l| {
+        write(l.join("d/x"), "content");
+        fs::hard_link(l.join("d/x"), l.join("d/y")).unwrap();
+    });
+    let f = fs::File::open(m.path("d/x")).unwrap();
+    fs::remove_file(m.path("d/x")).unwrap();
+    // The lookup of the other name finds the object the kernel still has open.
+    assert_eq!(fs::metadata(m.path("d/y")).unwrap().nlink(), 1);
+    let mut buf = [0u8; 16];
+    let n = f.read_at(&mut buf, 0).expect("the open file reads on");
+    assert_eq!(&buf[..n], b"content");
+    assert_eq!(f.metadata().unwrap().nlink(), 1, "y is still a name of it");
+}
+
+#[test]
 fn overlong_names_give_enametoolong() {
     let m = Mount::with(|_| {});
     let long = "x".repeat(256);
