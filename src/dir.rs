@@ -7,15 +7,16 @@
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 
 use std::ffi::{OsStr, OsString};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use rustix::fs::RenameFlags;
+use rustix::fs::{Mode, OFlags, RenameFlags};
 
 use crate::copy_up::{Xattrs, temp_name};
 use crate::error::{Result, errno};
-use crate::inode::{Found, Ino, Node};
+use crate::inode::{Found, Ino, Node, Pin};
 use crate::layers::{UPPER, is_reserved_name, wh_name};
 use crate::namei::{Entry, UpperSlot, check_name};
 use crate::overlay::{Caller, DirView, Overlay};
@@ -399,6 +400,7 @@ impl Overlay {
             return Ok(());
         }
         crate::creds::act_as_daemon();
+        self.pin_removed(&udir, name, entry.found.ino);
         if !needs_whiteout && !entry.attr.is_dir() {
             // A non-directory goes in one atomic step. Only a directory, whose contents go one
             // by one, is first moved out to the work dir (or a whiteout put in its place).
@@ -448,6 +450,23 @@ impl Overlay {
         drop(_moving);
         drop(_changing);
         work.remove_tree(&tmp)
+    }
+
+    /// Before the upper object `name` in `udir`, whose node is `ino`, loses that name: pins it
+    /// while the kernel knows the node (inode.rs `Pin`). A memory upper never gives a number
+    /// twice and needs none.
+    fn pin_removed(&self, udir: &UpperDir, name: &OsStr, ino: Ino) {
+        let (UpperDir::Disk(dir), Some(node)) = (udir, self.inodes.get(ino)) else {
+            return;
+        };
+        if node.state().pin.is_some() {
+            return;
+        }
+        let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let open = || crate::sys::openat(dir.as_fd(), name, flags, Mode::empty()).ok();
+        if let Some(pin) = Pin::take(&self.pins, open) {
+            node.state().pin.get_or_insert(pin);
+        }
     }
 
     fn forget_name(&self, ino: Ino, parent: Ino, name: &OsStr) {
@@ -639,6 +658,9 @@ impl Overlay {
         }
         let moves_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
         let _changing = (pnode.entries.write(), npnode.entries.write());
+        if let Some(d) = dst.as_ref().filter(|d| d.found.upper && !exchange) {
+            self.pin_removed(ddir, newname, d.found.ino);
+        }
         let _moving = moves_dir.then(|| self.moves.write());
         if let Some(d) = &dst
             && !exchange
@@ -758,7 +780,10 @@ impl Overlay {
                 Ok(()) => {}
                 Err(e) if e.is(libc::EEXIST) => {} // that name is in the upper layer already
                 Err(e) => {
-                    log::warn!("hard link {n:?} not kept on copy-up: {e}");
+                    // ENOENT: the name (or its directory) was removed meanwhile.
+                    if !e.is(libc::ENOENT) {
+                        log::warn!("hard link {n:?} not kept on copy-up: {e}");
+                    }
                     node.state().links.retain(|l| !(l.0 == p && l.1 == n));
                 }
             }

@@ -117,6 +117,52 @@ pub struct NodeState {
     /// For an object only a lower layer on a store's client holds (`Layer::on_store`): its
     /// layer `stat` and when it was taken (`Overlay::stat_layer`).
     pub store_attr: Option<(crate::sys::Attr, std::time::Instant)>,
+    /// The upper object itself, held once a removal took its last known name while the kernel
+    /// still knew the node (`Overlay::pin_removed`).
+    pub pin: Option<Pin>,
+}
+
+/// An `O_PATH` descriptor of a removed upper object whose node the kernel still holds. While
+/// it is open the upper file system cannot give the object's inode number to a new object:
+/// the number stays this node's, a new object made meanwhile gets another (and so another
+/// node id), and the kernel never sees a number come back as something else — which it would
+/// answer by failing every call still on its way to the old inode with EIO. An open that
+/// looked the name up before the removal opens the object through it, as a local file system
+/// would. Dropped with the node, once the kernel forgets it; at most `PINS_MAX` at a time.
+#[derive(Debug)]
+pub struct Pin {
+    pub fd: std::os::fd::OwnedFd,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Pins held at once, at most: far inside the descriptor reserve (file.rs `FdReserve`).
+pub const PINS_MAX: usize = 1024;
+
+impl Pin {
+    /// A pin, unless `PINS_MAX` are held (`held` counts them).
+    pub fn take(
+        held: &Arc<std::sync::atomic::AtomicUsize>,
+        open: impl FnOnce() -> Option<std::os::fd::OwnedFd>,
+    ) -> Option<Pin> {
+        if held.fetch_add(1, Ordering::Relaxed) >= PINS_MAX {
+            held.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let held = held.clone();
+        match open() {
+            Some(fd) => Some(Pin { fd, held }),
+            None => {
+                held.fetch_sub(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.held.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl NodeState {
@@ -231,6 +277,7 @@ impl NodeState {
             subdirs_gen: 0,
             lower_names_gone: 0,
             store_attr: None,
+            pin: None,
         }
     }
 }
@@ -325,10 +372,17 @@ impl InodeTable {
                 self.forget(node.ino, 1);
                 return None;
             }
-            // A lower-only object under a number is always the same object (lower layers do
-            // not change): found unlinked, it is another name of a lower hard link, and the
-            // kernel inode of the removed name, still open perhaps, must stay good.
-            let reused = st.kind != found.kind || st.unlinked && found.upper;
+            // Found unlinked, the number names a new object, except where it cannot: a
+            // lower-only object that was lower-only before (lower layers do not change: this
+            // is another name of a lower hard link), or a pinned upper one (its number cannot
+            // have been given to another). The kernel inode of the removed name, still open
+            // perhaps, must then stay good.
+            let same = if found.upper {
+                st.pin.is_some()
+            } else {
+                !st.upper
+            };
+            let reused = st.kind != found.kind || st.unlinked && !same;
             if !node.is_alias() && reused {
                 // A new object under a number the old one left behind.
                 node.generation.fetch_add(1, Ordering::Relaxed);

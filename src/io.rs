@@ -44,12 +44,12 @@ const FMODE_EXEC: i32 = 0x20;
 impl Overlay {
     /// Opens the data of `node` in its current state.
     fn open_data(&self, node: &Node) -> Result<FileData> {
-        let (upper, lower) = {
+        let (upper, lower, has_origin) = {
             let st = node.state();
             if st.kind != libc::S_IFREG {
                 return Err(errno(libc::EINVAL));
             }
-            (st.upper, st.lower.clone())
+            (st.upper, st.lower.clone(), st.has_origin)
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
@@ -60,12 +60,26 @@ impl Overlay {
                 self.open_lower_source(lower.top(), &lower.path)?,
             ));
         }
-        let file = self.settled(|| {
+        // The object's number is its upper inode's, unless a copy-up gave it its origin's
+        // (then the type is all there is to check without reading the origin xattr).
+        let is_node = |raw: u64| has_origin || self.map_ino(UPPER, raw) == node.st_ino;
+        let opened = self.settled(|| {
             let (dir, name) = self.upper_entry(node)?;
-            dir.open_known_file(&name, !self.config.read_only)
-        })?;
+            dir.open_known_file(&name, !self.config.read_only, is_node)
+        });
+        let file = match opened {
+            Ok((file, _)) => file,
+            // Removed, or another object renamed over it, since the kernel looked it up: a
+            // pinned object is still there to open (inode.rs `Pin`), as on a local file system.
+            Err(e) if e.is(libc::ESTALE) || e.is(libc::ENOENT) => {
+                self.open_pinned(node)?.ok_or(e)?
+            }
+            Err(e) => return Err(e),
+        };
         // For messages only: a concurrent rename may change it, the descriptor stays right.
-        let path = self.upper_path(node.ino)?;
+        let path = self
+            .upper_path(node.ino)
+            .unwrap_or_else(|_| std::path::PathBuf::from("(a removed file)"));
         match self.read_mark(&file, UPPER, &path)? {
             None => Ok(FileData::Upper(file)),
             Some(mark) => {
@@ -92,6 +106,21 @@ impl Overlay {
                 )?))
             }
         }
+    }
+
+    /// The upper file of `node` opened through its pin, if it has one.
+    fn open_pinned(&self, node: &Node) -> Result<Option<UpperFile>> {
+        let st = node.state();
+        let Some(pin) = &st.pin else {
+            return Ok(None);
+        };
+        let access = if self.config.read_only {
+            OFlags::RDONLY
+        } else {
+            OFlags::RDWR
+        };
+        let fd = sys::reopen(pin.fd.as_fd(), access | OFlags::CLOEXEC)?;
+        Ok(Some(UpperFile::Disk(fd)))
     }
 
     /// The data of `file`, its lower file opened if that was deferred (`FileData::Unopened`).

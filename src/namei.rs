@@ -59,7 +59,11 @@ impl Overlay {
                 .ok_or_else(|| errno(libc::ENOENT))?;
             if let Some(node) = self.copied_up_link_of(&entry) {
                 match self.join_copied_up_link(&node, parent, name) {
+                    // Joined, or joined by a lookup beside this one: look again.
                     Ok(()) => continue,
+                    Err(e) if e.is(libc::EEXIST) => continue,
+                    // The copied-up name was removed meanwhile: this one stays the lower file.
+                    Err(e) if e.is(libc::ENOENT) => {}
                     Err(e) => {
                         log::warn!("hard link {name:?} not joined to its copied-up inode: {e}")
                     }

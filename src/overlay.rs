@@ -123,6 +123,8 @@ pub struct Overlay {
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
     /// request never acts on a path that a concurrent rename of an ancestor made wrong.
     pub moves: ChangeSeq,
+    /// Pins of removed upper objects held now (inode.rs `Pin`).
+    pub pins: Arc<std::sync::atomic::AtomicUsize>,
     /// The descriptors open files may not take (file.rs).
     pub fd_reserve: crate::file::FdReserve,
     /// Per layer id: copy-up may clone this lower layer's files into the upper layer
@@ -222,6 +224,7 @@ impl Overlay {
             caw,
             control_socket: Default::default(),
             moves: ChangeSeq::default(),
+            pins: Default::default(),
             fd_reserve: crate::file::FdReserve::from_rlimit(),
             reflink,
             shut_down: Default::default(),

@@ -133,7 +133,12 @@ impl Overlay {
             hidden.extend(whiteouts);
             for (e, kind) in objects {
                 let origin = if view.origins {
-                    self.origin_ino(dir.view(), &e.name)?
+                    match self.origin_ino(dir.view(), &e.name) {
+                        Ok(origin) => origin,
+                        // Removed since the directory was read (see `entry_kind`).
+                        Err(err) if err.is(libc::ENOENT) => continue,
+                        Err(err) => return Err(err),
+                    }
                 } else {
                     None
                 };
@@ -202,13 +207,16 @@ impl Overlay {
         match e.kind {
             libc::S_IFREG if !xwhiteouts => Ok(Some(libc::S_IFREG)),
             libc::S_IFCHR | libc::S_IFREG | 0 => {
+                // An entry removed since the directory was read is left out, like a whiteout:
+                // a listing taken while others change the directory is not an error.
                 let Some(attr) = dir.stat_opt(&e.name)? else {
                     return Ok(None);
                 };
-                if self.layers.is_whiteout(dir, &e.name, &attr)? {
-                    Ok(None)
-                } else {
-                    Ok(Some(attr.file_type()))
+                match self.layers.is_whiteout(dir, &e.name, &attr) {
+                    Ok(false) => Ok(Some(attr.file_type())),
+                    Ok(true) => Ok(None),
+                    Err(err) if err.is(libc::ENOENT) => Ok(None),
+                    Err(err) => Err(err),
                 }
             }
             k => Ok(Some(k)),

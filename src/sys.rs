@@ -184,6 +184,13 @@ pub fn link_open_file(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &OsStr) -> 
     })
 }
 
+/// Opens the object `fd` (an `O_PATH` descriptor, say) anew with `flags`, through its /proc
+/// magic link: reaches an object no name leads to any more.
+pub fn reopen(fd: BorrowedFd<'_>, flags: OFlags) -> Result<OwnedFd> {
+    let (path, _) = proc_path(fd, None);
+    Ok(rustix::fs::openat(CWD, &path, flags, Mode::empty())?)
+}
+
 /// The `*xattrat` system calls (Linux 6.13). New system calls have one number on every
 /// architecture; libc does not name these yet.
 const SYS_SETXATTRAT: libc::c_long = 463;

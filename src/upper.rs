@@ -386,27 +386,51 @@ impl UpperDir {
         }
     }
 
-    /// Opens `name`, known to be a regular file, for the data path: read-write, or read-only
-    /// when `writable` is false. One openat on disk — what the hot open path can afford; a
-    /// caller that cannot trust the type uses `open_file`.
-    pub fn open_known_file(&self, name: &OsStr, writable: bool) -> Result<UpperFile> {
-        match self {
+    /// Opens `name`, which the kernel knows as the regular file `expect_ino` names (`None`:
+    /// any regular file), for the data path: read-write, or read-only when `writable` is
+    /// false; returns it with its attributes. One openat and one fstat on disk.
+    ///
+    /// The kernel looked the name up before it sent the open, and nothing stops another
+    /// caller from removing the file (leaving a whiteout, a char device) or renaming another
+    /// object over it in between. What the name holds then is not the file asked for: the
+    /// answer is ESTALE, on which the kernel looks the name up again and retries the open,
+    /// as after a change on a network file system. (Opening the whiteout gave ENXIO; opening
+    /// another file would have served its data under the old inode.)
+    pub fn open_known_file(
+        &self,
+        name: &OsStr,
+        writable: bool,
+        expect_ino: impl Fn(u64) -> bool,
+    ) -> Result<(UpperFile, Attr)> {
+        // A device, a symlink or a directory where the file was.
+        let not_the_file = |e: crate::error::Error| match e.errno() {
+            libc::ENXIO | libc::ELOOP | libc::EISDIR => errno(libc::ESTALE),
+            _ => e,
+        };
+        let file = match self {
             UpperDir::Disk(fd) => {
                 let access = if writable {
                     OFlags::RDWR
                 } else {
-                    OFlags::RDONLY
+                    // A FIFO renamed over the name must not hold the open.
+                    OFlags::RDONLY | OFlags::NONBLOCK
                 };
                 let flags = access | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-                Ok(UpperFile::Disk(sys::openat(
-                    fd.as_fd(),
-                    name,
-                    flags,
-                    Mode::empty(),
-                )?))
+                UpperFile::Disk(
+                    sys::openat(fd.as_fd(), name, flags, Mode::empty())
+                        .map_err(|e| not_the_file(e.into()))?,
+                )
             }
-            UpperDir::Memory(..) => self.open_file(name),
+            UpperDir::Memory(..) => self.open_file(name).map_err(not_the_file)?,
+        };
+        let attr = file.stat()?;
+        if attr.file_type() != libc::S_IFREG || !expect_ino(attr.ino) {
+            return Err(errno(libc::ESTALE));
         }
+        if !writable && let UpperFile::Disk(f) = &file {
+            rustix::fs::fcntl_setfl(f, OFlags::empty())?;
+        }
+        Ok((file, attr))
     }
 
     /// A new name `to` in `to_dir` for the object `name` here (no directories).

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 
@@ -438,4 +439,141 @@ fn a_new_file_on_the_number_a_rename_just_freed_is_a_new_inode() {
         }
         stop.store(true, Ordering::Relaxed);
     });
+}
+
+/// The kernel looks a name up and then sends the open; another caller may remove the file in
+/// between (leaving a whiteout, a char device 0/0, where a lower file had the name) or rename
+/// another file over it. The open must then give ENOENT or the file the name holds now, never
+/// an error of the object it found (ENXIO from the whiteout) nor the new file's data under the
+/// old file's inode. Each file here holds its own inode number, so a reader tells the two apart.
+#[test]
+fn opens_racing_a_removal_or_a_rename_over_the_name_get_a_whole_file_or_enoent() {
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let m = Mount::with(|l| write(l.join("d/f"), "lower"));
+    let (name, tmp) = (m.path("d/f"), m.path("d/tmp"));
+    let stop = AtomicBool::new(false);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    std::thread::scope(|s| {
+        let readers: Vec<_> = [false, true]
+            .into_iter()
+            .map(|writable| {
+                let (name, stop) = (&name, &stop);
+                s.spawn(move || {
+                    let (mut opened, mut mismatched) = (0u64, Vec::new());
+                    while !stop.load(Ordering::Relaxed) {
+                        let f = match std::fs::OpenOptions::new()
+                            .read(true)
+                            .write(writable)
+                            .open(name)
+                        {
+                            Ok(f) => f,
+                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                            Err(e) => panic!("open (writable: {writable}): {e}"),
+                        };
+                        let mut text = String::new();
+                        std::io::Read::read_to_string(&mut &f, &mut text).unwrap();
+                        let ino = f.metadata().unwrap().ino().to_string();
+                        if text != "lower" && text != ino {
+                            mismatched.push((text, ino));
+                        }
+                        opened += 1;
+                    }
+                    (opened, mismatched)
+                })
+            })
+            .collect();
+        let mut round = 0u64;
+        while std::time::Instant::now() < deadline {
+            let f = std::fs::File::create(&tmp).unwrap();
+            std::io::Write::write_all(&mut &f, f.metadata().unwrap().ino().to_string().as_bytes())
+                .unwrap();
+            drop(f);
+            std::fs::rename(&tmp, &name).unwrap();
+            if round % 2 == 1 {
+                std::fs::remove_file(&name).unwrap();
+            }
+            round += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            let (opened, mismatched) = r.join().unwrap();
+            assert!(opened > 0, "no open got through in {round} rounds");
+            assert!(
+                mismatched.is_empty(),
+                "{} of {opened} opens read another file's data than their inode's \
+                 (data, inode): {:?}",
+                mismatched.len(),
+                &mismatched[..mismatched.len().min(5)]
+            );
+        }
+    });
+}
+
+/// The upper file system gives a removed file's inode number to the next file made; the
+/// kernel, shown that number as a new object while it still has the old one, fails every call
+/// on its way to the old inode with EIO. Calls on a name that is being removed and made again
+/// must see the file or ENOENT, as on a local file system.
+#[test]
+fn calls_racing_the_removal_and_remaking_of_a_name_never_fail_with_eio() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let m = Mount::new(1);
+    let mut m = m;
+    m.mount();
+    let name = m.path("f");
+    let stop = AtomicBool::new(false);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    std::thread::scope(|s| {
+        let callers: Vec<_> = (0..2)
+            .map(|kind| {
+                let (name, stop) = (&name, &stop);
+                s.spawn(move || {
+                    let mut done = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let r = if kind == 0 {
+                            std::fs::set_permissions(name, std::fs::Permissions::from_mode(0o600))
+                        } else {
+                            xattr_set(name, "user.k", b"v")
+                        };
+                        match r {
+                            Ok(()) => done += 1,
+                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                            Err(e) => {
+                                stop.store(true, Ordering::Relaxed);
+                                panic!("call {kind} after {done} others: {e}");
+                            }
+                        }
+                    }
+                    done
+                })
+            })
+            .collect();
+        while std::time::Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+            std::fs::write(&name, b"x").unwrap();
+            std::fs::remove_file(&name).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        for c in callers {
+            assert!(c.join().unwrap() > 0, "no call found the file");
+        }
+    });
+}
+
+fn xattr_set(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    let r = unsafe {
+        libc::setxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
