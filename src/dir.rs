@@ -7,12 +7,11 @@
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use rustix::fs::{Mode, OFlags, RenameFlags};
+use rustix::fs::RenameFlags;
 
 use crate::copy_up::{Xattrs, temp_name};
 use crate::error::{Result, errno};
@@ -453,18 +452,15 @@ impl Overlay {
     }
 
     /// Before the upper object `name` in `udir`, whose node is `ino`, loses that name: pins it
-    /// while the kernel knows the node (inode.rs `Pin`). A memory upper never gives a number
-    /// twice and needs none.
+    /// while the kernel knows the node (inode.rs `Pin`).
     fn pin_removed(&self, udir: &UpperDir, name: &OsStr, ino: Ino) {
-        let (UpperDir::Disk(dir), Some(node)) = (udir, self.inodes.get(ino)) else {
+        let Some(node) = self.inodes.get(ino) else {
             return;
         };
         if node.state().pin.is_some() {
             return;
         }
-        let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let open = || crate::sys::openat(dir.as_fd(), name, flags, Mode::empty()).ok();
-        if let Some(pin) = Pin::take(&self.pins, open) {
+        if let Some(pin) = Pin::take(&self.pins, || udir.object(name).ok()) {
             node.state().pin.get_or_insert(pin);
         }
     }

@@ -122,16 +122,16 @@ pub struct NodeState {
     pub pin: Option<Pin>,
 }
 
-/// An `O_PATH` descriptor of a removed upper object whose node the kernel still holds. While
-/// it is open the upper file system cannot give the object's inode number to a new object:
-/// the number stays this node's, a new object made meanwhile gets another (and so another
-/// node id), and the kernel never sees a number come back as something else — which it would
-/// answer by failing every call still on its way to the old inode with EIO. An open that
-/// looked the name up before the removal opens the object through it, as a local file system
-/// would. Dropped with the node, once the kernel forgets it; at most `PINS_MAX` at a time.
-#[derive(Debug)]
+/// A removed upper object whose node the kernel still holds, kept: an `O_PATH` descriptor of
+/// it on a disk upper, its node on a memory upper. While it is kept the upper file system
+/// cannot give the object's inode number to a new object: the number stays this node's, a new
+/// object made meanwhile gets another (and so another node id), and the kernel never sees a
+/// number come back as something else — which it would answer by failing every call still on
+/// its way to the old inode with EIO. A call that looked the name up before the removal
+/// reaches the object through it, as on a local file system. Dropped with the node, once the
+/// kernel forgets it; at most `PINS_MAX` at a time. (ROBUSTNESS.md.)
 pub struct Pin {
-    pub fd: std::os::fd::OwnedFd,
+    pub object: crate::upper::UpperFile,
     held: Arc<std::sync::atomic::AtomicUsize>,
 }
 
@@ -139,10 +139,10 @@ pub struct Pin {
 pub const PINS_MAX: usize = 1024;
 
 impl Pin {
-    /// A pin, unless `PINS_MAX` are held (`held` counts them).
+    /// A pin of what `open` gives, unless `PINS_MAX` are held (`held` counts them).
     pub fn take(
         held: &Arc<std::sync::atomic::AtomicUsize>,
-        open: impl FnOnce() -> Option<std::os::fd::OwnedFd>,
+        open: impl FnOnce() -> Option<crate::upper::UpperFile>,
     ) -> Option<Pin> {
         if held.fetch_add(1, Ordering::Relaxed) >= PINS_MAX {
             held.fetch_sub(1, Ordering::Relaxed);
@@ -150,12 +150,18 @@ impl Pin {
         }
         let held = held.clone();
         match open() {
-            Some(fd) => Some(Pin { fd, held }),
+            Some(object) => Some(Pin { object, held }),
             None => {
                 held.fetch_sub(1, Ordering::Relaxed);
                 None
             }
         }
+    }
+}
+
+impl std::fmt::Debug for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pin")
     }
 }
 

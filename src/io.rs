@@ -110,17 +110,21 @@ impl Overlay {
 
     /// The upper file of `node` opened through its pin, if it has one.
     fn open_pinned(&self, node: &Node) -> Result<Option<UpperFile>> {
-        let st = node.state();
-        let Some(pin) = &st.pin else {
+        let Some(object) = self.pinned(&node.state()) else {
             return Ok(None);
         };
-        let access = if self.config.read_only {
-            OFlags::RDONLY
-        } else {
-            OFlags::RDWR
-        };
-        let fd = sys::reopen(pin.fd.as_fd(), access | OFlags::CLOEXEC)?;
-        Ok(Some(UpperFile::Disk(fd)))
+        match object {
+            UpperFile::Disk(fd) => {
+                let access = if self.config.read_only {
+                    OFlags::RDONLY
+                } else {
+                    OFlags::RDWR
+                };
+                let f = sys::reopen(fd.as_fd(), access | OFlags::CLOEXEC)?;
+                Ok(Some(UpperFile::Disk(f)))
+            }
+            memory => Ok(Some(memory)),
+        }
     }
 
     /// The data of `file`, its lower file opened if that was deferred (`FileData::Unopened`).
@@ -261,21 +265,29 @@ impl Overlay {
         self.layer_source(fd, layer, &mark.path)
     }
 
-    /// `node`'s upper file when the file has no name any more (or never had one: O_TMPFILE)
-    /// and is still open: the only way left to reach it.
+    /// `node`'s upper object when it has no name any more (or never had one: O_TMPFILE) and
+    /// is still open or pinned (inode.rs `Pin`): the only way left to reach it.
     pub fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
         let file = {
             let st = node.state();
             if !st.links.is_empty() || !st.upper {
                 return None;
             }
-            st.open.upgrade()?
+            match st.open.upgrade() {
+                Some(file) => file,
+                None => return self.pinned(&st),
+            }
         };
         match &*file.read_data() {
             FileData::Upper(f) => f.try_clone().ok(),
             FileData::Partial(p) => p.upper.try_clone().ok(),
             FileData::Lower(_) | FileData::Unopened(..) => None,
         }
+    }
+
+    /// The pinned upper object of a node (inode.rs `Pin`), if any.
+    pub fn pinned(&self, st: &crate::inode::NodeState) -> Option<UpperFile> {
+        st.pin.as_ref()?.object.try_clone().ok()
     }
 
     /// The shared open state of `node`, opened if no handle has it yet.

@@ -471,8 +471,28 @@ impl Overlay {
         }
         let _waiting = self.waiting_on(node)?;
         let attr = self.at_top_entry(node, |dir, name| dir.stat(name))?;
+        if !self.is_upper_object_of(node, &attr) {
+            // Removed, or another object moved there, since the kernel looked the name up
+            // (ROBUSTNESS.md, "Calls racing the removal of their object").
+            let pinned = self.pinned(&node.state());
+            return pinned.map_or(Err(errno(libc::ESTALE)), |f| f.stat());
+        }
         self.keep_store_attr(node, attr);
         Ok(attr)
+    }
+
+    /// Whether `attr`, found at the path of `node`, is `node`'s object: of its type, and with
+    /// its number unless a copy-up gave the node its origin's. Always for lower-only nodes
+    /// (lower layers do not change under a name).
+    pub fn is_upper_object_of(&self, node: &Node, attr: &Attr) -> bool {
+        let st = node.state();
+        if !st.upper {
+            return true;
+        }
+        attr.file_type() == st.kind
+            && (st.has_origin
+                || node.ino == ROOT_INO
+                || self.map_ino(UPPER, attr.ino) == node.st_ino)
     }
 
     /// The `stat` of an object only a lower layer on a store's client holds, as taken within

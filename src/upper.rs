@@ -433,6 +433,28 @@ impl UpperDir {
         Ok((file, attr))
     }
 
+    /// The object `name` here, of any kind, held without being opened for I/O: an `O_PATH`
+    /// descriptor on disk, the node in memory (a pin, inode.rs `Pin`).
+    pub fn object(&self, name: &OsStr) -> Result<UpperFile> {
+        match self {
+            UpperDir::Disk(fd) => {
+                let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+                Ok(UpperFile::Disk(sys::openat(
+                    fd.as_fd(),
+                    name,
+                    flags,
+                    Mode::empty(),
+                )?))
+            }
+            UpperDir::Memory(m, dir) => {
+                let ino = m
+                    .lookup(dir.ino(), name)?
+                    .ok_or_else(|| errno(libc::ENOENT))?;
+                Ok(UpperFile::Memory(m.clone(), m.node(ino)?))
+            }
+        }
+    }
+
     /// A new name `to` in `to_dir` for the object `name` here (no directories).
     pub fn link(&self, name: &OsStr, to_dir: &UpperDir, to: &OsStr) -> Result<()> {
         match (self, to_dir) {
