@@ -512,51 +512,55 @@ fn opens_racing_a_removal_or_a_rename_over_the_name_get_a_whole_file_or_enoent()
 
 /// The upper file system gives a removed file's inode number to the next file made; the
 /// kernel, shown that number as a new object while it still has the old one, fails every call
-/// on its way to the old inode with EIO. Calls on a name that is being removed and made again
-/// must see the file or ENOENT, as on a local file system.
+/// on its way to the old inode with EIO. And where a lower file has the name, a removal leaves
+/// a whiteout (a char device) at the path the daemon stats. Calls on a name that is being
+/// removed and made again must see the file or ENOENT, as on a local file system.
 #[test]
 fn calls_racing_the_removal_and_remaking_of_a_name_never_fail_with_eio() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let m = Mount::new(1);
-    let mut m = m;
-    m.mount();
-    let name = m.path("f");
-    let stop = AtomicBool::new(false);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
-    std::thread::scope(|s| {
-        let callers: Vec<_> = (0..2)
-            .map(|kind| {
-                let (name, stop) = (&name, &stop);
-                s.spawn(move || {
-                    let mut done = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        let r = if kind == 0 {
-                            std::fs::set_permissions(name, std::fs::Permissions::from_mode(0o600))
-                        } else {
-                            xattr_set(name, "user.k", b"v")
-                        };
-                        match r {
-                            Ok(()) => done += 1,
-                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                            Err(e) => {
-                                stop.store(true, Ordering::Relaxed);
-                                panic!("call {kind} after {done} others: {e}");
+    let m = Mount::with(|l| write(l.join("lower-has-it"), "lower"));
+    for name in ["upper-only", "lower-has-it"] {
+        let name = m.path(name);
+        let stop = AtomicBool::new(false);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+        std::thread::scope(|s| {
+            let callers: Vec<_> = (0..3)
+                .map(|kind| {
+                    let (name, stop) = (&name, &stop);
+                    s.spawn(move || {
+                        let mut done = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            let r = match kind {
+                                0 => std::fs::set_permissions(
+                                    name,
+                                    std::fs::Permissions::from_mode(0o600),
+                                ),
+                                1 => xattr_set(name, "user.k", b"v"),
+                                _ => std::fs::metadata(name).map(drop),
+                            };
+                            match r {
+                                Ok(()) => done += 1,
+                                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                                Err(e) => {
+                                    stop.store(true, Ordering::Relaxed);
+                                    panic!("call {kind} on {name:?} after {done} others: {e}");
+                                }
                             }
                         }
-                    }
-                    done
+                        done
+                    })
                 })
-            })
-            .collect();
-        while std::time::Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-            std::fs::write(&name, b"x").unwrap();
-            std::fs::remove_file(&name).unwrap();
-        }
-        stop.store(true, Ordering::Relaxed);
-        for c in callers {
-            assert!(c.join().unwrap() > 0, "no call found the file");
-        }
-    });
+                .collect();
+            while std::time::Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                std::fs::write(&name, b"x").unwrap();
+                std::fs::remove_file(&name).unwrap();
+            }
+            stop.store(true, Ordering::Relaxed);
+            for c in callers {
+                assert!(c.join().unwrap() > 0, "no call found {name:?}");
+            }
+        });
+    }
 }
 
 fn xattr_set(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
