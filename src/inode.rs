@@ -380,11 +380,12 @@ impl InodeTable {
             }
             // Found unlinked, the number names a new object, except where it cannot: a
             // lower-only object that was lower-only before (lower layers do not change: this
-            // is another name of a lower hard link), or a pinned upper one (its number cannot
-            // have been given to another). The kernel inode of the removed name, still open
-            // perhaps, must then stay good.
+            // is another name of a lower hard link), or a pinned upper one numbered by the
+            // upper layer (its number cannot have been given to another; one numbered by its
+            // origin may be another copy of that lower file). The kernel inode of the removed
+            // name, still open perhaps, must then stay good.
             let same = if found.upper {
-                st.pin.is_some()
+                st.pin.is_some() && !found.origin
             } else {
                 !st.upper
             };
