@@ -4,7 +4,8 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 
@@ -580,4 +581,158 @@ fn xattr_set(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
     } else {
         Err(std::io::Error::last_os_error())
     }
+}
+
+/// Threads sharing a small pool of names in a few directories (lower files among them, one a
+/// lower hard link), each doing any namespace or data call on any of them: every call must end
+/// as on a local file system (the call's own errors only, never EIO, ESTALE, ENXIO or EXDEV),
+/// the daemon must not complain, and a remount must show the tree the mount showed.
+/// (mosaicfs-fsstress gives each process a subtree of its own; here they collide.)
+#[test]
+fn threads_colliding_on_shared_names_get_only_local_file_system_errors() {
+    use rand::{Rng, SeedableRng};
+    let mut m = Mount::with(|l| {
+        for n in ["x", "y", "z"] {
+            write(l.join("lower").join(n), vec![b'l'; 20000]);
+            write(l.join("lower/sub").join(n), b"sub");
+        }
+        std::fs::hard_link(l.join("lower/x"), l.join("lower/sub/f")).unwrap();
+        write(l.join("a/x"), "ax");
+    });
+    let dirs = ["", "a", "b", "a/c", "lower", "lower/sub"];
+    for d in &dirs[1..] {
+        std::fs::create_dir_all(m.path(d)).unwrap();
+    }
+    let names: Vec<std::path::PathBuf> = dirs
+        .iter()
+        .flat_map(|d| ["x", "y", "z", "c", "sub", "f"].map(|n| m.path("").join(d).join(n)))
+        .collect();
+    let allowed = [
+        libc::ENOENT,
+        libc::EEXIST,
+        libc::ENOTEMPTY,
+        libc::ENOTDIR,
+        libc::EISDIR,
+        libc::EINVAL,
+        libc::ELOOP,
+        libc::ENODATA,
+        libc::EPERM,
+        libc::EBUSY,
+    ];
+    let seed: u64 = rand::random();
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..8u64)
+            .map(|t| {
+                let (names, dirs) = (&names, &dirs);
+                let m = &m;
+                s.spawn(move || {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed + t);
+                    let mut bad = Vec::new();
+                    for _ in 0..4000 {
+                        let p = &names[rng.gen_range(0..names.len())];
+                        let q = &names[rng.gen_range(0..names.len())];
+                        let op = rng.gen_range(0..16);
+                        let r: std::io::Result<()> = (|| match op {
+                            0 => std::fs::write(p, vec![b'c'; rng.gen_range(1..9000)]),
+                            1 => {
+                                let f = std::fs::OpenOptions::new().write(true).open(p)?;
+                                f.write_all_at(b"pwrite", rng.gen_range(0..25000))
+                            }
+                            2 => {
+                                let f = std::fs::OpenOptions::new().append(true).open(p)?;
+                                (&f).write_all(b"appended")
+                            }
+                            3 => std::fs::OpenOptions::new()
+                                .write(true)
+                                .open(p)?
+                                .set_len(rng.gen_range(0..30000)),
+                            4 => std::fs::rename(p, q),
+                            5 => std::fs::hard_link(p, q),
+                            6 => std::fs::remove_file(p),
+                            7 => std::fs::create_dir(p),
+                            8 => std::fs::remove_dir(p),
+                            9 => std::os::unix::fs::symlink("x", p),
+                            10 => {
+                                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o640))
+                            }
+                            11 => xattr_set(p, "user.k", b"v"),
+                            12 => std::fs::read(p).map(drop),
+                            13 => std::fs::symlink_metadata(p).map(drop),
+                            14 => {
+                                let d = m.path(dirs[rng.gen_range(0..dirs.len())]);
+                                for e in std::fs::read_dir(d)? {
+                                    let _ = std::fs::symlink_metadata(e?.path());
+                                }
+                                Ok(())
+                            }
+                            _ => std::fs::OpenOptions::new()
+                                .write(true)
+                                .truncate(true)
+                                .open(p)
+                                .map(drop),
+                        })();
+                        if let Err(e) = r
+                            && !allowed.contains(&e.raw_os_error().unwrap_or(0))
+                        {
+                            bad.push(format!("op {op} on {p:?} ({q:?}): {e}"));
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        let bad: Vec<String> = threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "seed {seed}: errors a local file system would not give: {bad:#?}"
+        );
+    });
+    let snapshot = |m: &Mount| {
+        let mut out = Vec::new();
+        let mut todo = vec![m.path("")];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                let meta = std::fs::symlink_metadata(&p).unwrap();
+                let what = if meta.is_dir() {
+                    todo.push(p.clone());
+                    format!("dir {:o}", meta.mode())
+                } else if meta.is_symlink() {
+                    format!("-> {:?}", std::fs::read_link(&p).unwrap())
+                } else {
+                    let data = std::fs::read(&p).unwrap();
+                    let sum = data
+                        .iter()
+                        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(*b as u64));
+                    format!(
+                        "{:o} {} {sum:x} {:?}",
+                        meta.mode(),
+                        data.len(),
+                        get_xattr(&p, "user.k")
+                    )
+                };
+                out.push((
+                    p.strip_prefix(m.path("")).unwrap().display().to_string(),
+                    what,
+                ));
+            }
+        }
+        out.sort();
+        out
+    };
+    let before = snapshot(&m);
+    let log = m.unmount();
+    assert!(
+        !log.contains("warn"),
+        "seed {seed}: the daemon complained:\n{log}"
+    );
+    m.mount();
+    assert_eq!(
+        snapshot(&m),
+        before,
+        "seed {seed}: the remount shows another tree"
+    );
 }
