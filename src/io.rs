@@ -44,12 +44,12 @@ const FMODE_EXEC: i32 = 0x20;
 impl Overlay {
     /// Opens the data of `node` in its current state.
     fn open_data(&self, node: &Node) -> Result<FileData> {
-        let (upper, lower, has_origin) = {
+        let (upper, lower) = {
             let st = node.state();
             if st.kind != libc::S_IFREG {
                 return Err(errno(libc::EINVAL));
             }
-            (st.upper, st.lower.clone(), st.has_origin)
+            (st.upper, st.lower.clone())
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
@@ -60,15 +60,14 @@ impl Overlay {
                 self.open_lower_source(lower.top(), &lower.path)?,
             ));
         }
-        // The object's number is its upper inode's, unless a copy-up gave it its origin's
-        // (then the type is all there is to check without reading the origin xattr).
-        let is_node = |raw: u64| has_origin || self.map_ino(UPPER, raw) == node.st_ino;
         let opened = self.settled(|| {
             let (dir, name) = self.upper_entry(node)?;
-            dir.open_known_file(&name, !self.config.read_only, is_node)
+            dir.open_known_file(&name, !self.config.read_only, |a| {
+                self.is_upper_object_of(node, a)
+            })
         });
         let file = match opened {
-            Ok((file, _)) => file,
+            Ok(file) => file,
             // Removed, or another object renamed over it, since the kernel looked it up: a
             // pinned object is still there to open (inode.rs `Pin`), as on a local file system.
             Err(e) if e.is(libc::ESTALE) || e.is(libc::ENOENT) => {

@@ -386,9 +386,9 @@ impl UpperDir {
         }
     }
 
-    /// Opens `name`, which the kernel knows as the regular file `expect_ino` names (`None`:
-    /// any regular file), for the data path: read-write, or read-only when `writable` is
-    /// false; returns it with its attributes. One openat and one fstat on disk.
+    /// Opens `name`, which the kernel knows as a regular file that `is_it` recognises by its
+    /// attributes, for the data path: read-write, or read-only when `writable` is false. One
+    /// openat and one fstat on disk.
     ///
     /// The kernel looked the name up before it sent the open, and nothing stops another
     /// caller from removing the file (leaving a whiteout, a char device) or renaming another
@@ -400,8 +400,8 @@ impl UpperDir {
         &self,
         name: &OsStr,
         writable: bool,
-        expect_ino: impl Fn(u64) -> bool,
-    ) -> Result<(UpperFile, Attr)> {
+        is_it: impl Fn(&Attr) -> bool,
+    ) -> Result<UpperFile> {
         // A device, a symlink or a directory where the file was.
         let not_the_file = |e: crate::error::Error| match e.errno() {
             libc::ENXIO | libc::ELOOP | libc::EISDIR => errno(libc::ESTALE),
@@ -424,13 +424,13 @@ impl UpperDir {
             UpperDir::Memory(..) => self.open_file(name).map_err(not_the_file)?,
         };
         let attr = file.stat()?;
-        if attr.file_type() != libc::S_IFREG || !expect_ino(attr.ino) {
+        if attr.file_type() != libc::S_IFREG || !is_it(&attr) {
             return Err(errno(libc::ESTALE));
         }
         if !writable && let UpperFile::Disk(f) = &file {
             rustix::fs::fcntl_setfl(f, OFlags::empty())?;
         }
-        Ok((file, attr))
+        Ok(file)
     }
 
     /// The object `name` here, of any kind, held without being opened for I/O: an `O_PATH`
