@@ -207,7 +207,18 @@ fn size_caps_the_layer_with_enospc_and_keeps_what_was_written() {
     assert_eq!(st.f_blocks * st.f_frsize, 1 << 20, "df shows the cap");
     fs::remove_file(m.path("kept")).unwrap();
     sync(&m);
-    write(m.path("after"), pattern(768 << 10, 3));
+    // The removed file's data is held until the kernel lets go of its inode, milliseconds
+    // after the unlink (ROBUSTNESS.md, "Calls racing the removal of their object").
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while let Err(e) = fs::write(m.path("after"), pattern(768 << 10, 3)) {
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no room 2 s after the removal"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(fs::read(m.path("after")).unwrap() == pattern(768 << 10, 3));
 }
 
 #[test]
