@@ -124,6 +124,7 @@ impl Overlay {
             lower: None,
             origin: false,
             origins: false,
+            upper_ino: Some(attr.ino),
         };
         let node = self.inodes.remember_new(parent, name, &found);
         let attr = self.present(&node, attr);
@@ -326,6 +327,7 @@ impl Overlay {
             lower: None,
             origin: false,
             origins: false,
+            upper_ino: Some(attr.ino),
         };
         let node = self.inodes.remember_unnamed(&found);
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
@@ -377,6 +379,7 @@ impl Overlay {
                 lower: st.lower.clone(),
                 origin: st.has_origin,
                 origins: st.origins,
+                upper_ino: None,
             }
         };
         let node = self.inodes.remember(newparent, newname, &found);

@@ -132,6 +132,8 @@ pub struct NodeState {
 /// kernel forgets it; at most `PINS_MAX` at a time. (ROBUSTNESS.md.)
 pub struct Pin {
     pub object: crate::upper::UpperFile,
+    /// The object's own inode number in the upper layer.
+    pub upper_ino: u64,
     held: Arc<std::sync::atomic::AtomicUsize>,
 }
 
@@ -149,8 +151,13 @@ impl Pin {
             return None;
         }
         let held = held.clone();
-        match open() {
-            Some(object) => Some(Pin { object, held }),
+        let pinned = open().and_then(|object| Some((object.stat().ok()?.ino, object)));
+        match pinned {
+            Some((upper_ino, object)) => Some(Pin {
+                object,
+                upper_ino,
+                held,
+            }),
             None => {
                 held.fetch_sub(1, Ordering::Relaxed);
                 None
@@ -299,6 +306,9 @@ pub struct Found {
     pub origin: bool,
     /// For a directory: its upper part is marked `mosaicfs.origins` (see layers::DirFlags).
     pub origins: bool,
+    /// The upper object's own inode number in the upper layer, where known (`ino` is its
+    /// origin's for a copy-up): tells a pinned object from another copy of the same origin.
+    pub upper_ino: Option<u64>,
 }
 
 const SHARDS: usize = 64;
@@ -324,6 +334,7 @@ impl InodeTable {
             lower: root_lower,
             origin: false,
             origins: root_origins,
+            upper_ino: None,
         });
         state.links.push((ROOT_INO, OsString::new()));
         let root = Node::new(ROOT_INO, 0, state);
@@ -380,12 +391,14 @@ impl InodeTable {
             }
             // Found unlinked, the number names a new object, except where it cannot: a
             // lower-only object that was lower-only before (lower layers do not change: this
-            // is another name of a lower hard link), or a pinned upper one numbered by the
-            // upper layer (its number cannot have been given to another; one numbered by its
-            // origin may be another copy of that lower file). The kernel inode of the removed
-            // name, still open perhaps, must then stay good.
+            // is another name of a lower hard link), or the pinned upper object itself (its
+            // upper number cannot have been given to another; a copy-up numbered by its origin
+            // may be another copy of that lower file, with another upper number). The kernel
+            // inode of the removed name, still open perhaps, must then stay good.
             let same = if found.upper {
-                st.pin.is_some() && !found.origin
+                st.pin
+                    .as_ref()
+                    .is_some_and(|p| Some(p.upper_ino) == found.upper_ino)
             } else {
                 !st.upper
             };
@@ -608,6 +621,7 @@ mod tests {
             lower: Some(LowerRef::new(PathBuf::from("f"), 1)),
             origin: false,
             origins: false,
+            upper_ino: None,
         }
     }
 

@@ -191,6 +191,7 @@ impl Overlay {
                     lower,
                     origin: origin.is_some(),
                     origins: flags.origins,
+                    upper_ino: Some(attr.ino),
                 };
                 return Ok(Some(Entry { found, attr }));
             }
@@ -209,6 +210,7 @@ impl Overlay {
                 lower: Some(lower),
                 origin: false,
                 origins: false,
+                upper_ino: None,
             },
             attr,
         }))

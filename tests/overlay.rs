@@ -1535,7 +1535,18 @@ fn a_running_program_is_not_truncated_by_an_open_that_fails() {
     fs::set_permissions(m.path("made-prog"), fs::Permissions::from_mode(0o755)).unwrap();
     for name in ["made-prog", "lower-prog"] {
         let prog = m.path(name);
-        let mut child = Command::new(&prog).arg("30").spawn().unwrap();
+        // A sibling test thread that forks while the program's write descriptor was open
+        // holds a copy until its child execs: ETXTBSY for a moment, as on any file system.
+        let mut tries = 0;
+        let mut child = loop {
+            match Command::new(&prog).arg("30").spawn() {
+                Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 100 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                r => break r.unwrap(),
+            }
+        };
         // Running once its executable is the program (execve has finished).
         let exe = format!("/proc/{}/exe", child.id());
         for _ in 0..500 {

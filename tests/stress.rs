@@ -591,13 +591,6 @@ fn xattr_set(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
 #[test]
 fn threads_colliding_on_shared_names_get_only_local_file_system_errors() {
     use rand::{Rng, SeedableRng};
-    if !disk_upper() {
-        // Known, not fixed yet: on a memory upper a call on one name of a copied-up lower
-        // hard link still fails with EIO now and then (about 1 run in 10 of this test), when
-        // a lookup finds the other name while the removed one is in flight (ROBUSTNESS.md).
-        eprintln!("skipped in the memory run: a known EIO with lower hard links");
-        return;
-    }
     let mut m = Mount::with(|l| {
         for n in ["x", "y", "z"] {
             write(l.join("lower").join(n), vec![b'l'; 20000]);
