@@ -365,13 +365,7 @@ fn closes_of_complete_files_send_no_flush_and_partial_files_still_do() {
         0,
         "closes of files made in the mount"
     );
-    {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .open(m.path("lower"))
-            .unwrap();
-        f.write_all_at(b"abc", 5000).unwrap();
-    }
+    write_at(m.path("lower"), 5000, b"abc");
     assert!(requests(&m, "FLUSH") >= 1, "the close of a partial file");
     let data = fs::read(m.path("lower")).unwrap();
     assert_eq!(data.len(), 4 << 20);

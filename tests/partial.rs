@@ -674,12 +674,7 @@ fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
         warning.contains("does not report holes") && warning.contains("copied up whole"),
         "{warning}"
     );
-    let f = fs::OpenOptions::new()
-        .write(true)
-        .open(p.join("mnt/f"))
-        .unwrap();
-    f.write_all_at(b"edge", 4094).unwrap();
-    drop(f);
+    write_at(p.join("mnt/f"), 4094, b"edge");
     let mut want = base.clone();
     want[4094..4098].copy_from_slice(b"edge");
     assert!(fs::read(p.join("mnt/f")).unwrap() == want);
