@@ -62,6 +62,27 @@ impl ReplySender {
         }
     }
 
+    /// mosaicfs patch: send a reply whose payload may lie in a shared mapping of a file that
+    /// another process could truncate, so that touching it in the daemon could raise SIGBUS.
+    /// Only the kernel copies it: over /dev/fuse `writev` reads it (a fault there ends the
+    /// request with EIO and `writev` fails with EFAULT), over io_uring `process_vm_readv`
+    /// copies it into the reply (EFAULT, nothing sent). EFAULT: the caller still has to
+    /// answer if `answered_on_fault` says the kernel did not.
+    pub(crate) fn send_mapped(&self, data: &[IoSlice<'_>]) -> std::io::Result<()> {
+        match self {
+            ReplySender::Channel(sender) => sender.send(data),
+            ReplySender::Ring(slot, _) => slot.send_copied_by_kernel(data),
+            #[cfg(test)]
+            _ => self.send(data),
+        }
+    }
+
+    /// Whether a reply that failed with EFAULT in `send_mapped` was answered by the kernel
+    /// (/dev/fuse ends the request with EIO when it cannot copy a reply).
+    fn answered_on_fault(&self) -> bool {
+        matches!(self, ReplySender::Channel(_))
+    }
+
     /// Open a backing file
     pub(crate) fn open_backing(&self, fd: BorrowedFd<'_>) -> std::io::Result<BackingId> {
         match self {
@@ -150,6 +171,28 @@ impl ReplyRaw {
     pub(crate) fn error(self, err: ll::Errno) {
         self.send_ll(&ll::ResponseErrno(err));
     }
+
+    /// mosaicfs patch: reply with `parts`, which only the kernel may copy
+    /// (`ReplySender::send_mapped`). A part the kernel cannot read ends the request with EIO,
+    /// and the EFAULT is returned.
+    pub(crate) fn send_mapped(mut self, parts: &[IoSlice<'_>]) -> std::io::Result<()> {
+        let sender = self.sender.take().unwrap();
+        let res = ll::ResponseParts(parts).with_iovec(self.unique, |iov| sender.send_mapped(iov));
+        match res {
+            Err(err) if err.raw_os_error() == Some(libc::EFAULT) => {
+                if !sender.answered_on_fault() {
+                    self.sender = Some(sender);
+                    self.send_ll_mut(&ll::ResponseErrno(ll::Errno::EIO));
+                }
+                Err(err)
+            }
+            Err(err) => {
+                error!("Failed to send FUSE reply: {err}");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
 }
 
 impl Drop for ReplyRaw {
@@ -212,6 +255,14 @@ impl ReplyData {
     /// Reply to a request with the given data
     pub fn data(self, data: &[u8]) {
         self.reply.send_ll(&ll::ResponseSlice(data));
+    }
+
+    /// mosaicfs patch: reply with the concatenation of `parts`, which may lie in a shared
+    /// mapping of a file another process could truncate. The daemon never touches them: the
+    /// kernel copies them, and a part it cannot read (past the file's end) answers the request
+    /// with EIO instead of killing the daemon with SIGBUS: that is the `Err` (EFAULT).
+    pub fn data_mapped(self, parts: &[IoSlice<'_>]) -> std::io::Result<()> {
+        self.reply.send_mapped(parts)
     }
 
     /// Reply to a request with the given error code

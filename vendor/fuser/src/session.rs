@@ -891,7 +891,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
 
     /// mosaicfs patch: serves one io_uring entry of queue `qid` (uring.rs).
     fn ring_loop(&self, qid: u16, payload: usize) -> io::Result<()> {
-        use crate::uring::{Fetched, ReplySlot, RingEntry};
+        use crate::uring::{Fetched, ReplySlot, RingEntry, Taken};
         crate::uring::pin_to_queue_cpu(qid);
         let mut entry = RingEntry::new(self.ch.as_fd(), qid, payload)?;
         let slot = Arc::new(ReplySlot::default());
@@ -914,6 +914,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 }
                 Err(e) => return Err(e),
             }
+            slot.arm(entry.reply_area());
             let Some(req) = RequestWithSender::new(self.ch.sender(), Some(slot.clone()), entry.request())
             else {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "Invalid request"));
@@ -926,7 +927,10 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 self.serve(&req);
             }
             drop(req);
-            slot.take(|reply| entry.set_reply(reply));
+            slot.take(|reply| match reply {
+                Taken::Bytes(bytes) => entry.set_reply(bytes),
+                Taken::InPlace(payload) => entry.set_reply_in_place(payload),
+            });
             if destroy {
                 return entry.commit_only(unique);
             }

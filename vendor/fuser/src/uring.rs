@@ -447,6 +447,22 @@ impl RingEntry {
         &self.buf[self.request.0..self.request.1]
     }
 
+    /// Where the reply to the current request may be written in place: the out-header and the
+    /// payload buffer, if the request has no payload of its own (it ends at `PREFIX`).
+    pub(crate) fn reply_area(&mut self) -> Option<ReplyArea> {
+        (self.request.1 <= PREFIX).then(|| ReplyArea {
+            header: self.header.in_out.as_mut_ptr(),
+            // SAFETY: inside `buf`, which is never reallocated.
+            payload: unsafe { self.buf.as_mut_ptr().add(PREFIX) },
+            cap: self.buf.len() - PREFIX,
+        })
+    }
+
+    /// The reply was written in place (`ReplyArea`), with `payload` bytes.
+    pub(crate) fn set_reply_in_place(&mut self, payload: usize) {
+        self.header.ent.payload_sz = payload as u32;
+    }
+
     /// Puts a reply (`fuse_out_header` and arguments, as written to /dev/fuse) into the
     /// entry's buffers. A reply larger than the payload buffer becomes EIO.
     pub(crate) fn set_reply(&mut self, reply: &[u8]) {
@@ -477,9 +493,10 @@ impl RingEntry {
     }
 }
 
-/// Where a request's reply goes when it came over io_uring: kept here until the worker that
-/// owns the entry copies it in and commits it (`RingEntry::set_reply`). A reply may be sent
-/// from another thread; the worker waits for it.
+/// Where a request's reply goes when it came over io_uring: written in place into the entry's
+/// buffers when the worker armed the slot with a `ReplyArea`, else kept here until the worker
+/// copies it in (`RingEntry::set_reply`); either way the worker commits it. A reply may be
+/// sent from another thread; the worker waits for it.
 #[derive(Debug, Default)]
 pub(crate) struct ReplySlot {
     reply: Mutex<SlotState>,
@@ -492,18 +509,84 @@ struct SlotState {
     /// The worker waits for a reply sent from another thread: wake it (only then, a wake-up
     /// is a futex call).
     waiting: bool,
+    /// Where the reply to the request being served may be written in place.
+    area: Option<ReplyArea>,
+    /// The reply went in place, with this many payload bytes.
+    in_place: Option<usize>,
     bytes: Vec<u8>,
 }
 
+/// An entry's out-header and payload buffer, handed to the reply of a request that has no
+/// payload of its own (`RingEntry::reply_area`): nothing the handler still reads lies there,
+/// and the worker does not touch the entry until the reply is sent. Saves a copy of every
+/// reply's payload (a READ's data).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReplyArea {
+    header: *mut u8,
+    payload: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: the area is written by whichever thread sends the reply, under the slot's lock,
+// while the owning worker waits for it (`ReplySlot::take`).
+unsafe impl Send for ReplyArea {}
+
+/// What `ReplySlot::take` hands the worker.
+pub(crate) enum Taken<'a> {
+    /// The reply, to copy into the entry.
+    Bytes(&'a [u8]),
+    /// The reply is in the entry already, with this many payload bytes.
+    InPlace(usize),
+}
+
 impl ReplySlot {
+    /// Before a request is served: where its reply may be written in place (`None`: here).
+    pub(crate) fn arm(&self, area: Option<ReplyArea>) {
+        self.reply.lock().unwrap_or_else(|e| e.into_inner()).area = area;
+    }
+
     pub(crate) fn send(&self, data: &[io::IoSlice<'_>]) -> io::Result<()> {
+        self.put(data, false)
+    }
+
+    /// `send` for parts the daemon must not touch (`ReplySender::send_mapped`): the kernel
+    /// copies them into the reply with `process_vm_readv` on this process, so a part it cannot
+    /// read fails the copy with EFAULT instead of raising SIGBUS. Nothing is sent then.
+    pub(crate) fn send_copied_by_kernel(&self, data: &[io::IoSlice<'_>]) -> io::Result<()> {
+        self.put(data, true)
+    }
+
+    fn put(&self, data: &[io::IoSlice<'_>], by_kernel: bool) -> io::Result<()> {
         let mut r = self.reply.lock().unwrap_or_else(|e| e.into_inner());
         if r.sent {
             return Err(io::Error::other("a second reply to one io_uring request"));
         }
-        r.bytes.clear();
-        for d in data {
-            r.bytes.extend_from_slice(d);
+        let total: usize = data.iter().map(|d| d.len()).sum();
+        let in_place = r.area.filter(|a| {
+            data.first().is_some_and(|h| h.len() == FUSE_OUT_HEADER_SZ)
+                && total - FUSE_OUT_HEADER_SZ <= a.cap
+        });
+        match in_place {
+            Some(a) => {
+                let payload = total - FUSE_OUT_HEADER_SZ;
+                let dst = [
+                    libc::iovec { iov_base: a.header.cast(), iov_len: FUSE_OUT_HEADER_SZ },
+                    libc::iovec { iov_base: a.payload.cast(), iov_len: payload },
+                ];
+                copy_into(&dst, data, by_kernel)?;
+                r.in_place = Some(payload);
+            }
+            None => {
+                r.bytes.clear();
+                r.bytes.reserve(total);
+                let dst = [libc::iovec {
+                    iov_base: r.bytes.spare_capacity_mut().as_mut_ptr().cast(),
+                    iov_len: total,
+                }];
+                copy_into(&dst, data, by_kernel)?;
+                // SAFETY: `copy_into` wrote all `total` bytes.
+                unsafe { r.bytes.set_len(total) };
+            }
         }
         r.sent = true;
         if r.waiting {
@@ -513,17 +596,68 @@ impl ReplySlot {
     }
 
     /// Waits for the reply, hands it to `f`, and makes the slot ready for the next request.
-    pub(crate) fn take(&self, f: impl FnOnce(&[u8])) {
+    pub(crate) fn take(&self, f: impl FnOnce(Taken<'_>)) {
         let mut r = self.reply.lock().unwrap_or_else(|e| e.into_inner());
         while !r.sent {
             r.waiting = true;
             r = self.sent.wait(r).unwrap_or_else(|e| e.into_inner());
         }
-        f(&r.bytes);
+        match r.in_place.take() {
+            Some(n) => f(Taken::InPlace(n)),
+            None => f(Taken::Bytes(&r.bytes)),
+        }
         r.sent = false;
         r.waiting = false;
+        r.area = None;
         if r.bytes.capacity() > 1 << 20 {
             r.bytes = Vec::new();
         }
     }
+}
+
+/// Copies the bytes of `src` into `dst`, which holds exactly as many: with `memcpy`, or, if
+/// `by_kernel`, with `process_vm_readv` on this process (EFAULT where a part of `src` cannot be
+/// read, nothing of it ever touched by the daemon).
+fn copy_into(dst: &[libc::iovec], src: &[io::IoSlice<'_>], by_kernel: bool) -> io::Result<()> {
+    let total: usize = src.iter().map(|d| d.len()).sum();
+    if by_kernel {
+        if src.len() > 1024 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: `dst` is writable memory of `total` bytes; the kernel reads `src` (an
+        // `IoSlice` is an `iovec`), in this process.
+        let n = unsafe {
+            libc::process_vm_readv(
+                libc::getpid(),
+                dst.as_ptr(),
+                dst.len() as libc::c_ulong,
+                src.as_ptr().cast(),
+                src.len() as libc::c_ulong,
+                0,
+            )
+        };
+        return match n {
+            n if n < 0 => Err(io::Error::last_os_error()),
+            n if n as usize != total => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+            _ => Ok(()),
+        };
+    }
+    let mut out = dst.iter().map(|d| (d.iov_base.cast::<u8>(), d.iov_len));
+    let (mut at, mut room) = out.next().unwrap_or((std::ptr::null_mut(), 0));
+    for part in src {
+        let mut part: &[u8] = part;
+        while !part.is_empty() {
+            while room == 0 {
+                (at, room) = out.next().expect("dst holds as many bytes as src");
+            }
+            let n = room.min(part.len());
+            // SAFETY: `at` has `room` writable bytes, which never overlap `src`.
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), at, n) };
+            // SAFETY: still within the same `dst` iovec.
+            at = unsafe { at.add(n) };
+            room -= n;
+            part = &part[n..];
+        }
+    }
+    Ok(())
 }

@@ -61,6 +61,15 @@ impl Response for ResponseSlice<'_> {
     }
 }
 
+/// mosaicfs patch: a payload in several parts (`ReplyData::data_mapped`).
+pub(crate) struct ResponseParts<'a>(pub(crate) &'a [IoSlice<'a>]);
+
+impl Response for ResponseParts<'_> {
+    fn payload(&self) -> &[IoSlice<'_>] {
+        self.0
+    }
+}
+
 pub(crate) struct ResponseEmpty;
 
 impl Response for ResponseEmpty {
