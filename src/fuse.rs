@@ -19,6 +19,7 @@ use crate::error::Error;
 use crate::file::IoMode;
 use crate::overlay::{Caller, Overlay};
 use crate::sys::{Attr, Time};
+use crate::upper::ReadData;
 
 pub struct MosaicFs {
     pub core: Arc<Overlay>,
@@ -486,7 +487,7 @@ impl Filesystem for MosaicFs {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -495,7 +496,18 @@ impl Filesystem for MosaicFs {
         reply: ReplyData,
     ) {
         self.core.read(fh.0, offset, size, |r| match r {
-            Ok(data) => reply.data(data),
+            Ok(ReadData::Bytes(data)) => reply.data(data),
+            Ok(ReadData::Mapped(parts)) => {
+                if let Err(e) = reply.data_mapped(parts) {
+                    log::error!(
+                        "read of node {}: the memory upper's filestore could not be read where \
+                         the file's blocks are ({e}): was it truncated or replaced under the \
+                         daemon? Answered EIO. Unmount, and restore the upper dir from a copy \
+                         if its files matter",
+                        ino.0
+                    );
+                }
+            }
             Err(e) => reply.error(errno(e)),
         });
     }

@@ -20,6 +20,7 @@ use crate::overlay::Overlay;
 use crate::partial::{BlockMap, PartialMark};
 use crate::partial_file::{PartialFile, Source};
 use crate::sys::{self};
+use crate::upper::ReadData;
 use crate::upper::UpperFile;
 
 impl OpenFile {
@@ -532,29 +533,46 @@ impl Overlay {
         self.handles.get(fh).ok_or_else(|| errno(libc::EBADF))
     }
 
-    /// Reads `size` bytes at `off` and hands them to `reply` (fewer only at end of file).
-    /// Whole-file reads go into a buffer each thread reuses, never zeroed: no allocation and
+    /// Reads `size` bytes at `off` and hands them to `reply` (fewer only at end of file), for
+    /// the kernel: a memory upper's file hands over its filestore mapping (`ReadData::Mapped`),
+    /// other files go into a buffer each thread reuses, never zeroed — no allocation and at most
     /// one copy on the daemon's read path.
     pub fn read<R>(
         &self,
         fh: u64,
         off: u64,
         size: u32,
-        reply: impl FnOnce(Result<&[u8]>) -> R,
+        reply: impl FnOnce(Result<ReadData<'_>>) -> R,
     ) -> R {
         match self.handle(fh) {
-            Ok(h) => self.read_file(&h.file, off, size, reply),
+            Ok(h) => self.read_data(&h.file, off, size, true, reply),
             Err(e) => reply(Err(e)),
         }
     }
 
-    /// `read` on an open file rather than a handle (in-process readers: export.rs).
+    /// `read` on an open file rather than a handle, as bytes (in-process readers: export.rs).
     pub fn read_file<R>(
         &self,
         file: &OpenFile,
         off: u64,
         size: u32,
         reply: impl FnOnce(Result<&[u8]>) -> R,
+    ) -> R {
+        self.read_data(file, off, size, false, |r| match r {
+            Ok(ReadData::Bytes(b)) => reply(Ok(b)),
+            Ok(ReadData::Mapped(_)) => unreachable!("asked for bytes"),
+            Err(e) => reply(Err(e)),
+        })
+    }
+
+    /// `read`'s work: `mapped` lets a memory file answer with iovecs into its filestore.
+    fn read_data<R>(
+        &self,
+        file: &OpenFile,
+        off: u64,
+        size: u32,
+        mapped: bool,
+        reply: impl FnOnce(Result<ReadData<'_>>) -> R,
     ) -> R {
         thread_local! {
             static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -568,8 +586,11 @@ impl Overlay {
         match &*data {
             FileData::Upper(f) => BUF.with(|buf| {
                 let mut buf = buf.borrow_mut();
+                if mapped {
+                    return f.read_for_reply(&mut buf, size as usize, off, reply);
+                }
                 match f.read_into(&mut buf, size as usize, off) {
-                    Ok(()) => reply(Ok(&buf)),
+                    Ok(()) => reply(Ok(ReadData::Bytes(&buf))),
                     Err(e) => reply(Err(e)),
                 }
             }),
@@ -577,14 +598,14 @@ impl Overlay {
                 let mut buf = buf.borrow_mut();
                 let waiting = crate::lower_wait::enter(crate::lower_wait::DATA);
                 match waiting.and_then(|_w| src.pread_into(&mut buf, size as usize, off)) {
-                    Ok(()) => reply(Ok(&buf)),
+                    Ok(()) => reply(Ok(ReadData::Bytes(&buf))),
                     Err(e) => reply(Err(e)),
                 }
             }),
             FileData::Partial(p) => match crate::lower_wait::enter(crate::lower_wait::DATA)
                 .and_then(|_w| p.read(off, size as usize))
             {
-                Ok(bytes) => reply(Ok(&bytes)),
+                Ok(bytes) => reply(Ok(ReadData::Bytes(&bytes))),
                 Err(e) => reply(Err(e)),
             },
             FileData::Unopened(..) => unreachable!("opened_data opens it"),

@@ -509,6 +509,31 @@ pub fn seek_hole(fd: BorrowedFd<'_>, offset: u64) -> Result<u64> {
     Ok(rustix::fs::seek(fd, rustix::fs::SeekFrom::Hole(offset))?)
 }
 
+/// Whether `process_vm_readv` on this process works (a seccomp filter may refuse it): the
+/// io_uring transport copies replies out of the memory upper's filestore mapping with it.
+pub fn kernel_can_copy_own_memory() -> bool {
+    let src = [1u8];
+    let mut dst = [0u8];
+    let local = libc::iovec {
+        iov_base: dst.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let remote = libc::iovec {
+        iov_base: src.as_ptr().cast_mut().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: both iovecs describe one byte of this frame's own arrays.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    n == 1 && dst[0] == 1
+}
+
+/// `iovecs` as `IoSlice`s, without making a `&[u8]` of memory the daemon must not read (a
+/// shared mapping of a file someone may truncate): `IoSlice` is an `iovec` on Unix.
+pub fn iovecs_as_io_slices(iovecs: &[libc::iovec]) -> &[std::io::IoSlice<'_>] {
+    // SAFETY: std guarantees `IoSlice` is ABI compatible with `iovec` on Unix platforms.
+    unsafe { std::slice::from_raw_parts(iovecs.as_ptr().cast(), iovecs.len()) }
+}
+
 /// Reads exactly `buf.len()` bytes at `offset`, or fewer at end of file.
 pub fn pread_full(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> Result<usize> {
     let mut done = 0;

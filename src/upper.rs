@@ -44,6 +44,13 @@ pub enum UpperFile {
     Memory(Arc<MemoryUpper>, Arc<Node>),
 }
 
+/// What a read hands to its reply: bytes in the daemon's memory, or iovecs into the memory
+/// upper's filestore mapping, which only the kernel may copy (`ReplyData::data_mapped`).
+pub enum ReadData<'a> {
+    Bytes(&'a [u8]),
+    Mapped(&'a [std::io::IoSlice<'a>]),
+}
+
 /// Who makes a new object, and with what mode (type bits included) and umask.
 #[derive(Clone, Copy, Debug)]
 pub struct Creation {
@@ -691,6 +698,26 @@ impl UpperFile {
                 buf.truncate(n);
                 Ok(())
             }
+        }
+    }
+
+    /// `read_into` for a reply to the kernel: a memory file whose filestore is mapped hands over
+    /// iovecs into the mapping instead of copying into `buf`.
+    pub fn read_for_reply<R>(
+        &self,
+        buf: &mut Vec<u8>,
+        len: usize,
+        off: u64,
+        reply: impl FnOnce(Result<ReadData<'_>>) -> R,
+    ) -> R {
+        match self {
+            UpperFile::Memory(m, node) if m.reads_mapped() => {
+                m.read_mapped(node, off, len, |r| reply(r.map(ReadData::Mapped)))
+            }
+            _ => match self.read_into(buf, len, off) {
+                Ok(()) => reply(Ok(ReadData::Bytes(buf))),
+                Err(e) => reply(Err(e)),
+            },
         }
     }
 

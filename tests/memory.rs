@@ -45,6 +45,27 @@ fn filestore_bytes(m: &Mount) -> u64 {
     allocated(&m.upper.join(FILESTORE))
 }
 
+/// The whole of `p` read with O_DIRECT: every byte from the daemon, none from the page cache.
+fn read_direct(p: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(p)?;
+    let len = f.metadata()?.len() as usize;
+    let mut raw = vec![0u8; len + 8192];
+    let start = raw.as_ptr().align_offset(4096);
+    let buf = &mut raw[start..start + len.next_multiple_of(4096)];
+    let mut done = 0;
+    while done < len {
+        match f.read_at(&mut buf[done..], done as u64)? {
+            0 => break,
+            n => done += n,
+        }
+    }
+    Ok(buf[..done].to_vec())
+}
+
 #[test]
 fn first_write_to_a_lower_file_stores_only_its_block_in_the_filestore() {
     let data = pattern(16 << 20, 3);
@@ -274,6 +295,41 @@ fn removed_data_leaves_the_filestore_after_the_next_sync() {
         );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+}
+
+/// Reads are answered from a mapping of the filestore, copied by the kernel alone (filestore.rs,
+/// `Mapping`). A filestore truncated under the daemon by someone else must cost each read of
+/// what it held an EIO — not the daemon (SIGBUS in a copy of its own), and not zeros passed
+/// off as the file's data (what a pread past the end gives).
+#[test]
+fn reads_of_a_filestore_truncated_under_the_daemon_fail_with_eio_and_the_mount_lives() {
+    let mut m = memory_mount(|_| {}, &[]);
+    // Two written ranges with a hole between them, which reads as zeros.
+    let mut want = vec![0u8; 1 << 20];
+    want[..300_000].copy_from_slice(&pattern(300_000, 6));
+    want[700_000..].copy_from_slice(&pattern((1 << 20) - 700_000, 7));
+    write(m.path("f"), &want[..300_000]);
+    write_at(m.path("f"), 700_000, &want[700_000..]);
+    assert!(
+        read_direct(&m.path("f")).unwrap() == want,
+        "content, hole included"
+    );
+
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.upper.join(FILESTORE))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    assert_eq!(errno_of(read_direct(&m.path("f"))), libc::EIO);
+
+    write(m.path("g"), "written after");
+    assert_eq!(read_direct(&m.path("g")).unwrap(), b"written after");
+    let log = m.unmount();
+    assert!(
+        log.contains("filestore could not be read"),
+        "the daemon says why: {log}"
+    );
 }
 
 #[test]

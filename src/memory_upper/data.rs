@@ -9,6 +9,7 @@
 //! error leaves the file as it was.
 
 use std::collections::BTreeMap;
+use std::io::IoSlice;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,6 +17,12 @@ use super::filestore::{BLOCK, Filestore};
 use super::{MemoryUpper, Node, now};
 use crate::error::{Result, errno};
 use crate::sys;
+
+/// What holes of a file are read from by the kernel (`FileBody::read_mapped`).
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+/// The most parts a reply from the mapping has: one header more stays within IOV_MAX (1,024).
+const MAX_PARTS: usize = 1000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Extent {
@@ -145,6 +152,83 @@ impl FileBody {
             done += len;
         }
         Ok(n)
+    }
+
+    /// `read` for the kernel: `reply` gets the iovecs of the file's bytes `off..off+len` (fewer
+    /// at its end) while the caller holds the body, so no block can change or be freed under
+    /// them — parts of the filestore's mapping for mapped blocks, zeros for holes. The daemon
+    /// copies nothing (a block past the mapping is read into a buffer of its own).
+    fn read_mapped<R>(
+        &self,
+        off: u64,
+        len: usize,
+        reply: impl FnOnce(Result<&[IoSlice<'_>]>) -> R,
+    ) -> R {
+        let n = if off >= self.size {
+            0
+        } else {
+            len.min((self.size - off) as usize)
+        };
+        let mut iov: Vec<libc::iovec> = Vec::new();
+        // Buffers of blocks past the mapping; each Vec's heap data stays put as this grows.
+        let mut read: Vec<Vec<u8>> = Vec::new();
+        let mut done = 0;
+        while done < n {
+            let pos = off + done as u64;
+            let k = pos / BLOCK;
+            let inner = pos % BLOCK;
+            let mut run = ((BLOCK - inner) as usize).min(n - done);
+            match self.extents.get(&k) {
+                Some(e) => {
+                    let mut next = k + 1;
+                    while done + run < n {
+                        match self.extents.get(&next) {
+                            Some(f) if f.block == e.block + (next - k) => {
+                                run = (run + BLOCK as usize).min(n - done);
+                                next += 1;
+                            }
+                            _ => break,
+                        }
+                    }
+                    let at = e.block * BLOCK + inner;
+                    match self.store.mapped(at) {
+                        Some((p, avail)) if avail >= run as u64 => iov.push(libc::iovec {
+                            iov_base: p.cast_mut().cast(),
+                            iov_len: run,
+                        }),
+                        _ => {
+                            let mut buf = vec![0u8; run];
+                            if let Err(e) = sys::pread_full(self.store.fd(), &mut buf, at) {
+                                return reply(Err(e));
+                            }
+                            iov.push(libc::iovec {
+                                iov_base: buf.as_mut_ptr().cast(),
+                                iov_len: run,
+                            });
+                            read.push(buf);
+                        }
+                    }
+                }
+                None => {
+                    for chunk in (0..run).step_by(ZEROS.len()) {
+                        iov.push(libc::iovec {
+                            iov_base: ZEROS.as_ptr().cast_mut().cast(),
+                            iov_len: ZEROS.len().min(run - chunk),
+                        });
+                    }
+                }
+            }
+            done += run;
+        }
+        if iov.len() > MAX_PARTS {
+            // More parts than one writev takes: one buffer instead.
+            let mut buf = vec![0u8; n];
+            return match self.read(&mut buf, off) {
+                Ok(_) => reply(Ok(&[IoSlice::new(&buf)])),
+                Err(e) => reply(Err(e)),
+            };
+        }
+        reply(Ok(sys::iovecs_as_io_slices(&iov)))
     }
 
     /// Writes `data` at `off`. Blocks not mapped, or frozen, get fresh filestore blocks, all
@@ -417,6 +501,26 @@ fn zero_range(store: &Filestore, pos: u64, len: u64) -> Result<()> {
 impl MemoryUpper {
     pub fn read(&self, node: &Node, buf: &mut [u8], off: u64) -> Result<usize> {
         node.file()?.read().unwrap().read(buf, off)
+    }
+
+    /// Whether reads can be answered from the filestore's mapping (`read_mapped`).
+    pub fn reads_mapped(&self) -> bool {
+        self.store.mapped(0).is_some()
+    }
+
+    /// `read` for the kernel to copy: `reply` gets iovecs into the filestore's mapping (and
+    /// zeros), valid while it runs; only the kernel may read them (filestore.rs, `Mapping`).
+    pub fn read_mapped<R>(
+        &self,
+        node: &Node,
+        off: u64,
+        len: usize,
+        reply: impl FnOnce(Result<&[IoSlice<'_>]>) -> R,
+    ) -> R {
+        match node.file() {
+            Ok(f) => f.read().unwrap().read_mapped(off, len, reply),
+            Err(e) => reply(Err(e)),
+        }
     }
 
     /// pwrite: the whole of `data` or nothing (ENOSPC past the layer's size, EFBIG).

@@ -14,6 +14,14 @@
 //!
 //! `state` is the only lock here; it is taken for the allocation or release of blocks, never
 //! around I/O, and always last (docs/ROBUSTNESS.md, "Lock order").
+//!
+//! Reads are answered from `Mapping`, one shared read-only mapping of the filestore's first
+//! `MAP_SPAN` bytes made at open: the kernel copies the reply straight from it, the daemon
+//! never touches it (a filestore truncated under the daemon by someone else would make such a
+//! touch a SIGBUS that ends every container on the mount; the kernel's copy fails with EFAULT
+//! instead, and the request with EIO). Every block a file maps lies below the file's end
+//! (a fresh block is written whole or zeroed, an image's blocks are checked against the length
+//! at mount), so an honest read never faults.
 
 use std::collections::BTreeSet;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -29,6 +37,9 @@ pub const BLOCK: u64 = 4096;
 
 pub struct Filestore {
     fd: OwnedFd,
+    /// Where reads are copied from; `None` if the kernel refused the mapping (or it is not
+    /// needed: a read-only store of an export).
+    map: Option<Mapping>,
     /// The most blocks the layer may hold (`size=`); `None`: as many as the disk takes.
     limit: Option<u64>,
     state: Mutex<Allocation>,
@@ -57,8 +68,10 @@ impl Filestore {
             free.extend(next..b);
             next = b + 1;
         }
+        let map = Mapping::new(fd.as_fd());
         let store = Filestore {
             fd,
+            map,
             limit,
             state: Mutex::new(Allocation {
                 free,
@@ -78,6 +91,7 @@ impl Filestore {
     pub fn read_only(fd: OwnedFd) -> Filestore {
         Filestore {
             fd,
+            map: None,
             limit: Some(0),
             state: Mutex::new(Allocation {
                 free: BTreeSet::new(),
@@ -90,6 +104,19 @@ impl Filestore {
 
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+
+    /// The address of filestore byte `pos` and how many bytes from there the mapping holds, if
+    /// reads may be answered from it. Only for the kernel to read (`Mapping`).
+    pub fn mapped(&self, pos: u64) -> Option<(*const u8, u64)> {
+        let m = self.map.as_ref()?;
+        (pos < m.len as u64).then(|| {
+            // SAFETY: `pos` is within the mapping.
+            (
+                unsafe { m.base.add(pos as usize) }.cast_const(),
+                m.len as u64 - pos,
+            )
+        })
     }
 
     /// The most blocks the layer may hold, if `size=` set one.
@@ -187,6 +214,66 @@ impl Filestore {
     /// Makes every block written so far durable (before an image that refers to them is).
     pub fn sync(&self) -> Result<()> {
         Ok(rustix::fs::fdatasync(&self.fd)?)
+    }
+}
+
+/// Bytes of the filestore the mapping covers: 8 TiB of address space (of 128 TiB), reserved
+/// once and never remapped as the file grows. Blocks past it are read with `pread`.
+const MAP_SPAN: usize = 1 << 43;
+
+/// A shared read-only mapping of the filestore, for the kernel to copy replies from. Never
+/// read through in the daemon (no `&[u8]` over it is ever dereferenced): pages past the
+/// file's end would raise SIGBUS.
+struct Mapping {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and only its address is shared between threads.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// `None` where the kernel refuses the mapping (an address-space limit, a file system
+    /// without mmap) or `process_vm_readv` (a seccomp filter), which the io_uring transport
+    /// copies replies with: reads then go by `pread`.
+    fn new(fd: BorrowedFd<'_>) -> Option<Mapping> {
+        // SAFETY: a fresh mapping of our own descriptor, at an address the kernel chooses.
+        let base = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                MAP_SPAN,
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::SHARED | rustix::mm::MapFlags::NORESERVE,
+                fd,
+                0,
+            )
+        };
+        let base = match base {
+            Ok(b) => b.cast::<u8>(),
+            Err(e) => {
+                log::info!("memory upper: filestore not mapped ({e}); reads use pread");
+                return None;
+            }
+        };
+        let map = Mapping {
+            base,
+            len: MAP_SPAN,
+        };
+        crate::sys::kernel_can_copy_own_memory()
+            .then_some(map)
+            .or_else(|| {
+                log::info!("memory upper: process_vm_readv refused; reads use pread");
+                None
+            })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our mapping, unmapped once; no reply refers to it any more (replies are
+        // sent while the file's body is locked, and the store outlives every file).
+        let _ = unsafe { rustix::mm::munmap(self.base.cast(), self.len) };
     }
 }
 
