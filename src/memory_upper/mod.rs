@@ -143,8 +143,13 @@ pub struct MemoryUpper {
     /// Held by a rename between two directories, so that no two of them change the tree's
     /// shape at once: the ancestor check and the order of the directory locks depend on it.
     rename_lock: Mutex<()>,
-    /// One image written at a time.
+    /// One image or journal entry written at a time.
     commit_lock: Mutex<()>,
+    /// Commits (images, journal entries) that took their snapshot of the tree, and the last of
+    /// them known durable. An fsync needs a commit that took its snapshot after the fsync was
+    /// called: fsyncs that arrive while one commit runs share the next (group commit).
+    commits_started: AtomicU64,
+    commits_durable: AtomicU64,
     persist: Option<Persist>,
     /// Set when the store is dropped: dropping the nodes then frees no blocks (they are the
     /// last image's data).
@@ -262,6 +267,8 @@ impl MemoryUpper {
             quiesce: Quiesce::default(),
             rename_lock: Mutex::new(()),
             commit_lock: Mutex::new(()),
+            commits_started: AtomicU64::new(0),
+            commits_durable: AtomicU64::new(0),
             persist,
             closing: Arc::new(AtomicBool::new(false)),
             generation: AtomicU64::new(0),
@@ -352,8 +359,9 @@ impl MemoryUpper {
 
     fn write_image(&self, persist: &Persist) -> Result<()> {
         let generation = self.generation.load(Ordering::Relaxed) + 1;
-        let (bytes, deferred, removed) = {
+        let (bytes, deferred, removed, commit) = {
             let _all = self.quiesce.write_all();
+            let commit = self.commits_started.fetch_add(1, Ordering::SeqCst) + 1;
             for shard in &self.nodes.shards {
                 for n in shard.read().unwrap().values() {
                     n.dirty.store(false, Ordering::Relaxed);
@@ -362,7 +370,7 @@ impl MemoryUpper {
             let bytes = image::encode(self, generation);
             // Blocks freed before this image are not in it: they go when it is durable.
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
-            (bytes, self.store.take_deferred(), removed)
+            (bytes, self.store.take_deferred(), removed, commit)
         };
         let written = self
             .store
@@ -374,6 +382,7 @@ impl MemoryUpper {
             return Err(e);
         }
         self.generation.store(generation, Ordering::Relaxed);
+        self.commits_durable.fetch_max(commit, Ordering::SeqCst);
         self.store.free(&deferred)?;
         // The journal of the old image is ignored from now on; a new one follows this image.
         match journal::reset(&persist.dir, generation) {
@@ -391,19 +400,28 @@ impl MemoryUpper {
 
     /// What an fsync needs: every change so far durable, cheaply. Appends the nodes changed
     /// since the last image or entry to the journal (a full image when there is no usable
-    /// journal or it has grown past `JOURNAL_LIMIT`).
+    /// journal or it has grown past `JOURNAL_LIMIT`) — unless, while this call waited for the
+    /// commit lock, a commit that started after it was called became durable: that one holds
+    /// every change this call must make durable.
     pub fn sync_changes(&self) -> Result<()> {
         let Some(persist) = &self.persist else {
             return Ok(());
         };
+        // A commit numbered past the ones started now takes its snapshot after this point,
+        // so after every change the caller made (its quiesce read ended before this call).
+        let covering = self.commits_started.load(Ordering::SeqCst) + 1;
         let _one = self.commit_lock.lock().unwrap();
+        if self.commits_durable.load(Ordering::SeqCst) >= covering {
+            return Ok(());
+        }
         if self.journal_stale.load(Ordering::Relaxed)
             || self.journal_len.load(Ordering::Relaxed) > JOURNAL_LIMIT
         {
             return self.write_image(persist);
         }
-        let (entry, changed, removed) = {
+        let (entry, changed, removed, commit) = {
             let _all = self.quiesce.write_all();
+            let commit = self.commits_started.fetch_add(1, Ordering::SeqCst) + 1;
             let mut changed = Vec::new();
             for shard in &self.nodes.shards {
                 for n in shard.read().unwrap().values() {
@@ -415,7 +433,12 @@ impl MemoryUpper {
             changed.sort_by_key(|n| n.ino);
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
             let next = self.next_ino.load(Ordering::Relaxed);
-            (journal::encode(next, &removed, &changed), changed, removed)
+            (
+                journal::encode(next, &removed, &changed),
+                changed,
+                removed,
+                commit,
+            )
         };
         let appended = self
             .store
@@ -424,6 +447,7 @@ impl MemoryUpper {
         match appended {
             Ok(len) => {
                 self.journal_len.store(len, Ordering::Relaxed);
+                self.commits_durable.fetch_max(commit, Ordering::SeqCst);
                 Ok(())
             }
             Err(e) => {

@@ -721,6 +721,43 @@ fn images_written_under_concurrent_changes_load() {
     assert_eq!(describe(&place.open(None).unwrap()), want);
 }
 
+/// Group commit: fsyncs that arrive while a commit runs are served by one commit after it, and
+/// each finds its own change durable after a "crash".
+#[test]
+fn fsyncs_waiting_for_a_commit_share_the_next_one() {
+    let place = Place::new();
+    let up = Arc::new(place.open(None).unwrap());
+    let before = up.commits_started.load(Ordering::SeqCst);
+    let running = up.commit_lock.lock().unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let up = up.clone();
+            s.spawn(move || {
+                let ino = up.make(ROOT, n(&format!("f{t}")), &reg(0o644)).unwrap();
+                up.write(&up.node(ino).unwrap(), format!("data {t}").as_bytes(), 0)
+                    .unwrap();
+                up.sync_changes().unwrap();
+            });
+        }
+        // Every fsync is waiting behind the commit "running" now.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(running);
+    });
+    assert_eq!(
+        up.commits_started.load(Ordering::SeqCst) - before,
+        1,
+        "eight waiting fsyncs, one commit"
+    );
+    let want = describe(&up);
+    drop(up); // the daemon dies: no sync
+    let up = place.open(None).unwrap();
+    assert_eq!(describe(&up), want);
+    for t in 0..8 {
+        let ino = up.lookup(ROOT, n(&format!("f{t}"))).unwrap().unwrap();
+        assert_eq!(read_all(&up, ino), format!("data {t}").as_bytes());
+    }
+}
+
 #[test]
 fn cross_directory_renames_on_many_threads_keep_one_tree() {
     let up = Arc::new(volatile(None));
