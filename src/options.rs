@@ -116,6 +116,9 @@ pub struct Options {
     /// Copy-after-write memory bound in bytes; `None` turns it off.
     pub caw_memory: Option<usize>,
     pub caw_workers: usize,
+    /// Copy-after-write also for blocks whose lower data is in the page cache
+    /// (`copy_after_write=always`); by default those are filled at once.
+    pub caw_always: bool,
     /// Readahead of the mount's FUSE bdi in KiB (`read_ahead_kb=`; 0 keeps the kernel's 128).
     pub read_ahead_kb: u32,
     /// Where the daemon serves Prometheus metrics over HTTP (`metrics=ADDR:PORT`).
@@ -188,6 +191,7 @@ impl Default for Options {
             timeout_given: false,
             caw_memory: Some(64 << 20),
             caw_workers: 2,
+            caw_always: false,
             uring: Uring::Auto,
             upper_kind: UpperKind::Disk,
             filestore: None,
@@ -684,7 +688,16 @@ impl Options {
             "fsname" => self.fsname = need(value)?,
             "remount" => self.remount = true,
             "copy_after_write" => {
-                if parse_bool(name, value)? {
+                self.caw_always = value == Some("always");
+                let on = self.caw_always
+                    || parse_bool(name, value).map_err(|_| {
+                        format!(
+                            "option 'copy_after_write' takes 1 (defer blocks the lower layer must \
+                             read from disk), always (defer every block) or 0, not '{}'",
+                            value.unwrap_or_default()
+                        )
+                    })?;
+                if on {
                     self.caw_memory.get_or_insert(64 << 20);
                 } else {
                     self.caw_memory = None;
@@ -979,6 +992,19 @@ mod tests {
         assert_eq!(o.upperdir, Some("/u".into()));
         assert_eq!(o.mountpoint, PathBuf::from("/mnt"));
         assert!(!o.read_only);
+    }
+
+    #[test]
+    fn copy_after_write_is_on_off_or_always() {
+        let o = |v: &str| parse(&["-o", &format!("lowerdir=/a,{v}"), "/mnt"]);
+        let d = o("ro").unwrap();
+        assert_eq!((d.caw_memory, d.caw_always), (Some(64 << 20), false));
+        let a = o("copy_after_write=always").unwrap();
+        assert_eq!((a.caw_memory, a.caw_always), (Some(64 << 20), true));
+        let off = o("copy_after_write=0").unwrap();
+        assert_eq!((off.caw_memory, off.caw_always), (None, false));
+        let bad = o("copy_after_write=sometimes").unwrap_err();
+        assert!(bad.contains("always") && bad.contains("sometimes"), "{bad}");
     }
 
     #[test]

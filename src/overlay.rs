@@ -61,6 +61,8 @@ pub struct Config {
     pub caw_memory: Option<usize>,
     /// Threads that fill pending blocks (0: only when something needs them).
     pub caw_workers: usize,
+    /// Defer blocks whose lower data is in the page cache too (`copy_after_write=always`).
+    pub caw_always: bool,
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
     pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
@@ -91,6 +93,7 @@ impl Config {
             completion: o.completion,
             caw_memory: o.caw_memory,
             caw_workers: o.caw_workers,
+            caw_always: o.caw_always,
             reflink: o.reflink,
         }
     }
@@ -202,7 +205,7 @@ impl Overlay {
         let caw = config
             .caw_memory
             .filter(|_| layers.work.is_some())
-            .map(|limit| Arc::new(crate::caw::CawShared::new(limit)));
+            .map(|limit| Arc::new(crate::caw::CawShared::new(limit, config.caw_always)));
         Ok(Overlay {
             inodes: InodeTable::new(
                 layers.has_upper,

@@ -63,6 +63,15 @@ impl Source {
     }
 
     /// Reads exactly `buf.len()` bytes at `off`, or fewer at end of file.
+    /// Whether reading `len` bytes at `off` now costs no I/O (sys::is_cached). A partial file
+    /// below cannot tell cheaply: no.
+    pub fn is_cached(&self, off: u64, len: usize) -> bool {
+        match self {
+            Source::File(fd) => sys::is_cached(fd.as_fd(), off, len),
+            Source::Partial(_) => false,
+        }
+    }
+
     pub fn pread_full(&self, buf: &mut [u8], off: u64) -> Result<usize> {
         match self {
             Source::File(fd) => sys::pread_full(fd.as_fd(), buf, off),
@@ -258,7 +267,16 @@ impl PartialFile {
                 push_run(&mut runs, pos, Cow::Borrowed(seg));
             } else if let Some(pb) = self.pending.get_mut(&blk) {
                 pb.put((pos - bstart) as usize, seg);
-            } else if defer && self.caw.as_ref().is_some_and(|c| c.reserve(bs as usize)) {
+            } else if defer
+                && self.caw.as_ref().is_some_and(|c| {
+                    // A block in the page cache is filled at once below (caw.rs).
+                    (c.always
+                        || !self
+                            .lower
+                            .is_cached(bstart, (bend.min(self.mark.valid) - bstart) as usize))
+                        && c.reserve(bs as usize)
+                })
+            {
                 let mut pb = PendingBlock::new(bs as usize);
                 pb.put((pos - bstart) as usize, seg);
                 self.pending.insert(blk, pb);

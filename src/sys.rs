@@ -534,6 +534,36 @@ pub fn iovecs_as_io_slices(iovecs: &[libc::iovec]) -> &[std::io::IoSlice<'_>] {
     unsafe { std::slice::from_raw_parts(iovecs.as_ptr().cast(), iovecs.len()) }
 }
 
+/// Whether `len` bytes at `offset` of `fd` (fewer at end of file) are in the page cache, so
+/// that reading them costs no I/O: `preadv2(RWF_NOWAIT)`, which fails with EAGAIN (or reads
+/// short) where a page is missing. A file system without non-blocking reads says no.
+pub fn is_cached(fd: BorrowedFd<'_>, offset: u64, len: usize) -> bool {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        s.resize(len.max(1), 0);
+        let mut done = 0;
+        while done < len {
+            let buf = [std::io::IoSliceMut::new(&mut s[done..len])];
+            match rustix::io::preadv2(
+                fd,
+                &mut { buf },
+                offset + done as u64,
+                rustix::io::ReadWriteFlags::NOWAIT,
+            ) {
+                // End of file: what there is, is cached.
+                Ok(0) => return true,
+                Ok(n) => done += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => return false,
+            }
+        }
+        true
+    })
+}
+
 /// Reads exactly `buf.len()` bytes at `offset`, or fewer at end of file.
 pub fn pread_full(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> Result<usize> {
     let mut done = 0;

@@ -14,15 +14,22 @@ fn has_data(p: &std::path::Path) -> bool {
     rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(0)).is_ok()
 }
 
-/// A mount whose pending blocks are filled only when something needs them.
+/// A mount whose pending blocks are filled only when something needs them. Every partial-block
+/// write is deferred (`copy_after_write=always`): the lower file the test just wrote is in the
+/// page cache, and by default such blocks are filled at once.
 fn lazy_mount(data: &[u8], extra: &[&str]) -> Mount {
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), data);
-    m.extra = ["caw_workers=0", "complete_after=0", "copy_whole=0"]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect();
+    m.extra = [
+        "caw_workers=0",
+        "complete_after=0",
+        "copy_whole=0",
+        "copy_after_write=always",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect();
     m.mount();
     m
 }
@@ -65,6 +72,55 @@ fn a_partial_block_write_is_deferred_and_reads_see_it_merged() {
     assert_eq!(served(&log, "blocks-deferred"), 1, "{log}");
 }
 
+/// Drops `p`'s pages from the page cache, as if nobody had read it for long.
+fn evict(p: &std::path::Path) {
+    let f = fs::File::open(p).unwrap();
+    f.sync_all().unwrap();
+    rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+}
+
+/// By default only a block whose lower data must be read from the disk is deferred; one in the
+/// page cache is filled at once, which costs less than the hand-off (caw.rs).
+#[test]
+fn a_block_whose_lower_data_is_cached_is_filled_at_once_and_a_cold_one_is_deferred() {
+    let base = pattern(4 << 20, 12);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    m.extra = opts(&["caw_workers=0", "complete_after=0", "copy_whole=0"]);
+    m.mount();
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(b"warm", 3 * 4096 + 10).unwrap();
+    assert_eq!(
+        counter(&m, "blocks_deferred"),
+        0,
+        "a cached block is filled"
+    );
+    if disk_upper() {
+        assert!(
+            has_data(&m.upper.join("f")),
+            "the whole block is in the upper file"
+        );
+    }
+
+    evict(&m.lower(0).join("f"));
+    f.write_all_at(b"cold", 900 * 4096 + 10).unwrap();
+    assert_eq!(
+        counter(&m, "blocks_deferred"),
+        1,
+        "a cold block is deferred"
+    );
+    drop(f);
+    let mut want = base;
+    want[3 * 4096 + 10..3 * 4096 + 14].copy_from_slice(b"warm");
+    want[900 * 4096 + 10..900 * 4096 + 14].copy_from_slice(b"cold");
+    assert!(fs::read(m.path("f")).unwrap() == want);
+    m.remount();
+    assert!(fs::read(m.path("f")).unwrap() == want, "after a remount");
+}
+
 #[test]
 fn workers_fill_pending_blocks_in_the_background() {
     if !runs_on_disk_upper_only() {
@@ -73,7 +129,11 @@ fn workers_fill_pending_blocks_in_the_background() {
     let base = pattern(1 << 20, 2);
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), &base);
-    m.extra = vec!["complete_after=0".into(), "copy_whole=0".into()];
+    m.extra = opts(&[
+        "complete_after=0",
+        "copy_whole=0",
+        "copy_after_write=always",
+    ]);
     m.mount();
     let f = fs::OpenOptions::new()
         .write(true)

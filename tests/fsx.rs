@@ -342,16 +342,18 @@ impl Drop for FuseStore {
 
 /// `run_seed` with the layers in a new directory below `base`; returns the finished run.
 fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) -> Run {
-    run_seed_with(base, seed, ops, options, false)
+    run_seed_with(base, seed, ops, options, false, false)
 }
 
-/// `run_seed_in`, with the lower layer read through a FUSE mount of it if `on_store`.
+/// `run_seed_in`, with the lower layer read through a FUSE mount of it if `on_store`, and its
+/// files dropped from the page cache every 100 operations if `cold`.
 fn run_seed_with(
     base: &std::path::Path,
     seed: u64,
     ops: usize,
     options: &[&str],
     on_store: bool,
+    cold: bool,
 ) -> Run {
     let model = initial_lower(seed);
     let mut m = Mount::new_in(base, 1);
@@ -382,6 +384,13 @@ fn run_seed_with(
         log: vec![format!("seed {seed}")],
     };
     for i in 0..ops {
+        if cold && i % 100 == 0 {
+            for name in initial_lower(seed).keys() {
+                let f = fs::File::open(run.m.lower(0).join(name)).unwrap();
+                f.sync_all().unwrap(); // dirty pages would stay
+                rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+            }
+        }
         run.step(i);
         if i % 250 == 249 {
             run.check_all();
@@ -462,8 +471,32 @@ fn fsx_with_lazy_copy_after_write_matches_the_model() {
     let ops = fsx_ops();
     let seed = fsx_seed().unwrap_or(5);
     eprintln!("fsx (lazy copy-after-write): seed {seed}, {ops} operations");
-    let (_, deferred) = run_seed(seed, ops, &["caw_workers=0", "complete_after=0"]);
+    let lazy = [
+        "caw_workers=0",
+        "complete_after=0",
+        "copy_after_write=always",
+    ];
+    let (_, deferred) = run_seed(seed, ops, &lazy);
     assert!(deferred > 0, "no write was deferred");
+}
+
+/// The default policy with lower files that keep leaving the page cache: a write to a block
+/// whose lower data is cached fills it at once, one to a cold block defers it — both kinds
+/// of block in the same files.
+#[test]
+fn fsx_with_cold_lower_files_defers_some_blocks_and_fills_others_at_once() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(13);
+    eprintln!("fsx (cold lower files): seed {seed}, {ops} operations");
+    let base = std::path::Path::new("/tmp");
+    let opts = [
+        "caw_workers=1",
+        "complete_after=0",
+        "copy_whole=0",
+        "complete_on_reopen=0",
+    ];
+    let run = run_seed_with(base, seed, ops, &opts, false, true);
+    assert!(run.deferred > 0, "no write was deferred");
 }
 
 /// The same with owners and modes kept in xattrs (`xattr_permissions=2`): every chmod is an
@@ -486,7 +519,7 @@ fn fsx_with_the_lower_layer_on_a_store_matches_the_model() {
     let ops = fsx_ops();
     let seed = fsx_seed().unwrap_or(2);
     eprintln!("fsx (lower layer on a FUSE store): seed {seed}, {ops} operations");
-    let run = run_seed_with(std::path::Path::new("/tmp"), seed, ops, &[], true);
+    let run = run_seed_with(std::path::Path::new("/tmp"), seed, ops, &[], true, false);
     assert!(run.lower_opens > 0, "no lower file was opened");
 }
 
