@@ -62,7 +62,6 @@ impl Source {
         matches!(self, Source::File(_))
     }
 
-    /// Reads exactly `buf.len()` bytes at `off`, or fewer at end of file.
     /// Whether reading `len` bytes at `off` now costs no I/O (sys::is_cached). A partial file
     /// below cannot tell cheaply: no.
     pub fn is_cached(&self, off: u64, len: usize) -> bool {
@@ -72,6 +71,7 @@ impl Source {
         }
     }
 
+    /// Reads exactly `buf.len()` bytes at `off`, or fewer at end of file.
     pub fn pread_full(&self, buf: &mut [u8], off: u64) -> Result<usize> {
         match self {
             Source::File(fd) => sys::pread_full(fd.as_fd(), buf, off),
