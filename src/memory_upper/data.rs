@@ -497,6 +497,25 @@ fn zero_range(store: &Filestore, pos: u64, len: u64) -> Result<()> {
     }
 }
 
+#[cfg(test)]
+impl FileBody {
+    pub(super) fn write_for_test(&mut self, data: &[u8], off: u64) {
+        self.write(data, off).unwrap();
+    }
+
+    pub(super) fn read_for_test(&self, buf: &mut [u8], off: u64) -> usize {
+        self.read(buf, off).unwrap()
+    }
+
+    /// What `read_mapped` hands the kernel, copied out (the test's filestore is never
+    /// truncated, so reading the mapping here is safe).
+    pub(super) fn read_mapped_for_test(&self, off: u64, len: usize) -> Vec<u8> {
+        self.read_mapped(off, len, |r| {
+            r.unwrap().iter().flat_map(|p| p.to_vec()).collect()
+        })
+    }
+}
+
 /// Data operations on an open regular file of the layer (the handle is its `Node`).
 impl MemoryUpper {
     pub fn read(&self, node: &Node, buf: &mut [u8], off: u64) -> Result<usize> {

@@ -61,6 +61,16 @@ impl Filestore {
     /// other block below the highest used one is free, and is punched out now in case it holds
     /// data written after the last image (that write was lost with the daemon).
     pub fn open(fd: OwnedFd, used: &[u64], limit: Option<u64>) -> Result<Filestore> {
+        Filestore::open_mapping(fd, used, limit, MAP_SPAN)
+    }
+
+    /// `open`, with the first `span` bytes mapped for reads.
+    fn open_mapping(
+        fd: OwnedFd,
+        used: &[u64],
+        limit: Option<u64>,
+        span: usize,
+    ) -> Result<Filestore> {
         let end = used.last().map_or(0, |b| b + 1);
         let mut free = BTreeSet::new();
         let mut next = 0;
@@ -68,7 +78,7 @@ impl Filestore {
             free.extend(next..b);
             next = b + 1;
         }
-        let map = Mapping::new(fd.as_fd());
+        let map = Mapping::new(fd.as_fd(), span);
         let store = Filestore {
             fd,
             map,
@@ -217,9 +227,10 @@ impl Filestore {
     }
 }
 
-/// Bytes of the filestore the mapping covers: 8 TiB of address space (of 128 TiB), reserved
-/// once and never remapped as the file grows. Blocks past it are read with `pread`.
-const MAP_SPAN: usize = 1 << 43;
+/// Bytes of the filestore the mapping covers: 1 TiB of address space (of 128 TiB; it shows in
+/// the daemon's VSZ, not its memory), reserved once and never remapped as the file grows.
+/// Blocks past it are read with `pread`.
+const MAP_SPAN: usize = 1 << 40;
 
 /// A shared read-only mapping of the filestore, for the kernel to copy replies from. Never
 /// read through in the daemon (no `&[u8]` over it is ever dereferenced): pages past the
@@ -237,12 +248,12 @@ impl Mapping {
     /// `None` where the kernel refuses the mapping (an address-space limit, a file system
     /// without mmap) or `process_vm_readv` (a seccomp filter), which the io_uring transport
     /// copies replies with: reads then go by `pread`.
-    fn new(fd: BorrowedFd<'_>) -> Option<Mapping> {
+    fn new(fd: BorrowedFd<'_>, span: usize) -> Option<Mapping> {
         // SAFETY: a fresh mapping of our own descriptor, at an address the kernel chooses.
         let base = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
-                MAP_SPAN,
+                span,
                 rustix::mm::ProtFlags::READ,
                 rustix::mm::MapFlags::SHARED | rustix::mm::MapFlags::NORESERVE,
                 fd,
@@ -256,10 +267,7 @@ impl Mapping {
                 return None;
             }
         };
-        let map = Mapping {
-            base,
-            len: MAP_SPAN,
-        };
+        let map = Mapping { base, len: span };
         crate::sys::kernel_can_copy_own_memory()
             .then_some(map)
             .or_else(|| {
@@ -289,6 +297,7 @@ fn push_run(runs: &mut Vec<(u64, u64)>, first: u64, count: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn store(used: &[u64], limit: Option<u64>) -> Filestore {
         let fd =
@@ -325,6 +334,36 @@ mod tests {
         let d = s.take_deferred();
         s.free(&d).unwrap();
         assert_eq!(s.alloc(1).unwrap(), vec![(1, 1)]);
+    }
+
+    /// Reads from the mapping hand the kernel the same bytes a pread gives: mapped blocks,
+    /// blocks past the mapping (read into a buffer), holes (zeros), the end of the file.
+    #[test]
+    fn reads_from_the_mapping_and_past_it_give_the_file_s_bytes() {
+        use crate::memory_upper::data::FileBody;
+        let fd =
+            rustix::fs::memfd_create("filestore-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        // Three blocks mapped: the file's blocks land below and above the mapping's end.
+        let s = Arc::new(Filestore::open_mapping(fd, &[], None, 3 * BLOCK as usize).unwrap());
+        let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut f = FileBody::new(s.clone(), closing);
+        let data: Vec<u8> = (0..6 * BLOCK as usize).map(|i| (i % 251) as u8).collect();
+        f.write_for_test(&data[..2 * BLOCK as usize], 0);
+        f.write_for_test(&data[3 * BLOCK as usize..], 3 * BLOCK); // block 2 stays a hole
+        f.write_for_test(b"tail", 6 * BLOCK + 10);
+        let size = 6 * BLOCK as usize + 14;
+        for (off, len) in [
+            (0, size),
+            (100, 3 * BLOCK as usize),
+            (4 * BLOCK + 7, 9000),
+            (0, 1 << 20),
+        ] {
+            let mut want = vec![0u8; len];
+            let n = f.read_for_test(&mut want, off);
+            want.truncate(n);
+            let got = f.read_mapped_for_test(off, len);
+            assert!(got == want, "{len} bytes at {off}");
+        }
     }
 
     #[test]
