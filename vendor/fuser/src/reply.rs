@@ -66,8 +66,8 @@ impl ReplySender {
     /// another process could truncate, so that touching it in the daemon could raise SIGBUS.
     /// Only the kernel copies it: over /dev/fuse `writev` reads it (a fault there ends the
     /// request with EIO and `writev` fails with EFAULT), over io_uring `process_vm_readv`
-    /// copies it into the reply (EFAULT, nothing sent). EFAULT: the caller still has to
-    /// answer if `answered_on_fault` says the kernel did not.
+    /// copies it into the reply (EFAULT, nothing sent). On an error the caller still has to
+    /// answer if `answered_on_failure` says the kernel did not.
     pub(crate) fn send_mapped(&self, data: &[IoSlice<'_>]) -> std::io::Result<()> {
         match self {
             ReplySender::Channel(sender) => sender.send(data),
@@ -77,9 +77,10 @@ impl ReplySender {
         }
     }
 
-    /// Whether a reply that failed with EFAULT in `send_mapped` was answered by the kernel
-    /// (/dev/fuse ends the request with EIO when it cannot copy a reply).
-    fn answered_on_fault(&self) -> bool {
+    /// Whether a request whose reply failed in `send_mapped` is answered or gone in the kernel
+    /// (/dev/fuse ends the request with EIO when it cannot copy a reply; ENOENT: it was
+    /// interrupted). Over io_uring nothing was sent, and the entry waits for a reply.
+    fn answered_on_failure(&self) -> bool {
         matches!(self, ReplySender::Channel(_))
     }
 
@@ -178,20 +179,16 @@ impl ReplyRaw {
     pub(crate) fn send_mapped(mut self, parts: &[IoSlice<'_>]) -> std::io::Result<()> {
         let sender = self.sender.take().unwrap();
         let res = ll::ResponseParts(parts).with_iovec(self.unique, |iov| sender.send_mapped(iov));
-        match res {
-            Err(err) if err.raw_os_error() == Some(libc::EFAULT) => {
-                if !sender.answered_on_fault() {
-                    self.sender = Some(sender);
-                    self.send_ll_mut(&ll::ResponseErrno(ll::Errno::EIO));
-                }
-                Err(err)
-            }
-            Err(err) => {
-                error!("Failed to send FUSE reply: {err}");
-                Ok(())
-            }
-            Ok(()) => Ok(()),
+        let Err(err) = res else { return Ok(()) };
+        let fault = err.raw_os_error() == Some(libc::EFAULT);
+        if !fault {
+            error!("Failed to send FUSE reply: {err}");
         }
+        if !sender.answered_on_failure() {
+            self.sender = Some(sender);
+            self.send_ll_mut(&ll::ResponseErrno(ll::Errno::EIO));
+        }
+        if fault { Err(err) } else { Ok(()) }
     }
 }
 
