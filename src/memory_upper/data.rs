@@ -115,39 +115,57 @@ impl FileBody {
         }
     }
 
-    fn read(&self, buf: &mut [u8], off: u64) -> Result<usize> {
+    /// How many of `len` bytes at `off` lie within the file.
+    fn within(&self, off: u64, len: usize) -> usize {
         if off >= self.size {
-            return Ok(0);
+            0
+        } else {
+            len.min((self.size - off) as usize)
         }
-        let n = buf.len().min((self.size - off) as usize);
+    }
+
+    /// Bytes `off..off + n` of the file as runs, in order: `(len, Some(pos))` for blocks mapped
+    /// to neighbouring filestore blocks from filestore byte `pos` (one I/O each), `(len, None)`
+    /// for a hole.
+    fn runs(&self, off: u64, n: usize) -> Vec<(usize, Option<u64>)> {
+        let mut runs = Vec::new();
         let mut done = 0;
         while done < n {
             let pos = off + done as u64;
             let k = pos / BLOCK;
             let inner = pos % BLOCK;
-            // A run of blocks mapped to neighbouring filestore blocks is one pread.
             let mut len = ((BLOCK - inner) as usize).min(n - done);
-            match self.extents.get(&k) {
-                Some(e) => {
-                    let mut next = k + 1;
-                    while done + len < n {
-                        match self.extents.get(&next) {
-                            Some(f) if f.block == e.block + (next - k) => {
-                                len = (len + BLOCK as usize).min(n - done);
-                                next += 1;
-                            }
-                            _ => break,
+            let at = self.extents.get(&k).map(|e| {
+                let mut next = k + 1;
+                while done + len < n {
+                    match self.extents.get(&next) {
+                        Some(f) if f.block == e.block + (next - k) => {
+                            len = (len + BLOCK as usize).min(n - done);
+                            next += 1;
                         }
+                        _ => break,
                     }
-                    let got = sys::pread_full(
-                        self.store.fd(),
-                        &mut buf[done..done + len],
-                        e.block * BLOCK + inner,
-                    )?;
-                    // Past the filestore's end reads as zeros (a block allocated, never written).
-                    buf[done + got..done + len].fill(0);
                 }
-                None => buf[done..done + len].fill(0),
+                e.block * BLOCK + inner
+            });
+            runs.push((len, at));
+            done += len;
+        }
+        runs
+    }
+
+    fn read(&self, buf: &mut [u8], off: u64) -> Result<usize> {
+        let n = self.within(off, buf.len());
+        let mut done = 0;
+        for (len, at) in self.runs(off, n) {
+            let dst = &mut buf[done..done + len];
+            match at {
+                Some(pos) => {
+                    let got = sys::pread_full(self.store.fd(), dst, pos)?;
+                    // Past the filestore's end reads as zeros (a block allocated, never written).
+                    dst[got..].fill(0);
+                }
+                None => dst.fill(0),
             }
             done += len;
         }
@@ -164,61 +182,37 @@ impl FileBody {
         len: usize,
         reply: impl FnOnce(Result<&[IoSlice<'_>]>) -> R,
     ) -> R {
-        let n = if off >= self.size {
-            0
-        } else {
-            len.min((self.size - off) as usize)
-        };
+        let n = self.within(off, len);
         let mut iov: Vec<libc::iovec> = Vec::new();
         // Buffers of blocks past the mapping; each Vec's heap data stays put as this grows.
         let mut read: Vec<Vec<u8>> = Vec::new();
-        let mut done = 0;
-        while done < n {
-            let pos = off + done as u64;
-            let k = pos / BLOCK;
-            let inner = pos % BLOCK;
-            let mut run = ((BLOCK - inner) as usize).min(n - done);
-            match self.extents.get(&k) {
-                Some(e) => {
-                    let mut next = k + 1;
-                    while done + run < n {
-                        match self.extents.get(&next) {
-                            Some(f) if f.block == e.block + (next - k) => {
-                                run = (run + BLOCK as usize).min(n - done);
-                                next += 1;
-                            }
-                            _ => break,
-                        }
-                    }
-                    let at = e.block * BLOCK + inner;
-                    match self.store.mapped(at) {
-                        Some((p, avail)) if avail >= run as u64 => iov.push(libc::iovec {
-                            iov_base: p.cast_mut().cast(),
-                            iov_len: run,
-                        }),
-                        _ => {
-                            let mut buf = vec![0u8; run];
-                            if let Err(e) = sys::pread_full(self.store.fd(), &mut buf, at) {
-                                return reply(Err(e));
-                            }
-                            iov.push(libc::iovec {
-                                iov_base: buf.as_mut_ptr().cast(),
-                                iov_len: run,
-                            });
-                            read.push(buf);
-                        }
-                    }
+        for (run, at) in self.runs(off, n) {
+            let Some(at) = at else {
+                for chunk in (0..run).step_by(ZEROS.len()) {
+                    iov.push(libc::iovec {
+                        iov_base: ZEROS.as_ptr().cast_mut().cast(),
+                        iov_len: ZEROS.len().min(run - chunk),
+                    });
                 }
-                None => {
-                    for chunk in (0..run).step_by(ZEROS.len()) {
-                        iov.push(libc::iovec {
-                            iov_base: ZEROS.as_ptr().cast_mut().cast(),
-                            iov_len: ZEROS.len().min(run - chunk),
-                        });
+                continue;
+            };
+            match self.store.mapped(at) {
+                Some((p, avail)) if avail >= run as u64 => iov.push(libc::iovec {
+                    iov_base: p.cast_mut().cast(),
+                    iov_len: run,
+                }),
+                _ => {
+                    let mut buf = vec![0u8; run];
+                    if let Err(e) = sys::pread_full(self.store.fd(), &mut buf, at) {
+                        return reply(Err(e));
                     }
+                    iov.push(libc::iovec {
+                        iov_base: buf.as_mut_ptr().cast(),
+                        iov_len: run,
+                    });
+                    read.push(buf);
                 }
             }
-            done += run;
         }
         if iov.len() > MAX_PARTS {
             // More parts than one writev takes: one buffer instead.
