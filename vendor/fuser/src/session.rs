@@ -865,7 +865,19 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) ring: Option<(u16, usize)>,
 }
 
+/// mosaicfs patch: how long the /dev/fuse reader beside the io_uring queues waits after a
+/// FORGET before it reads again. Over io_uring nearly all it reads are FORGETs, one read and
+/// one wake-up each; nobody waits for them, and the kernel hands the ones queued meanwhile
+/// over in one BATCH_FORGET. Metadata mix with 4 processes on 2 CPUs (bench/uring.py):
+/// 74k -> 77k ops/s. An INTERRUPT arriving in the pause waits for its end.
+const FORGET_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
+
 impl<FS: Filesystem> SessionEventLoop<FS> {
+    /// Whether this is the /dev/fuse reader beside the io_uring queues (`WorkerKind::Reader`).
+    fn is_side_reader(&self) -> bool {
+        self.busy.is_none() && self.ring.is_none()
+    }
+
     fn run(&self) -> io::Result<()> {
         if let Some((busy, _)) = &self.busy {
             busy.thread.store(nix::unistd::gettid().as_raw(), std::sync::atomic::Ordering::Relaxed);
@@ -957,7 +969,14 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                             // mosaicfs patch: a panic in one request ends that request, not the
                             // worker thread: its unsent reply answers EIO as it unwinds, and
                             // the thread goes on serving (the file system logs the panic).
+                            let forget = matches!(
+                                req.request.operation(),
+                                Ok(Operation::Forget(_)) | Ok(Operation::BatchForget(_))
+                            );
                             self.serve(&req);
+                            if forget && self.is_side_reader() {
+                                thread::sleep(FORGET_PAUSE);
+                            }
                         }
                     }
                     // Quit loop on illegal request
