@@ -1602,3 +1602,35 @@ fn a_running_program_is_not_truncated_by_an_open_that_fails() {
         assert_eq!(f.metadata().unwrap().len(), 0, "{name}");
     }
 }
+
+/// A lookup that revalidates a directory this mount made takes what it needs from the
+/// directory's node (namei.rs `known_upper_dir`) instead of reading its marks and the lower
+/// layers again: with `timeout=0` each path walk revalidates every component. What the marks
+/// say still holds: an opaque directory made over a removed lower one keeps hiding it.
+#[test]
+fn revalidating_a_known_upper_directory_reads_no_lower_layer() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("o/x"), "lower");
+    m.extra.push("timeout=0".into());
+    m.mount();
+    fs::create_dir(m.path("d")).unwrap();
+    write(m.path("d/f"), "upper");
+    fs::remove_dir_all(m.path("o")).unwrap();
+    fs::create_dir(m.path("o")).unwrap();
+    let walks: u64 = 300;
+    let trace = syscalls_during(m.pid(), || {
+        for _ in 0..walks {
+            assert_eq!(fs::metadata(m.path("d/f")).unwrap().len(), 5);
+            assert_eq!(errno_of(fs::metadata(m.path("o/x"))), libc::ENOENT);
+        }
+    });
+    // One failed stat per walk: "x" in the upper "o". Reading the layers again added one of
+    // "d" in the lower layer per walk.
+    let failed = failed_calls(&trace, "newfstatat");
+    assert!(failed < walks * 3 / 2, "{failed} failed stats:\n{trace}");
+    assert!(names(&m.path("o")).is_empty());
+    // A directory moved inside the mount is found at its new name, with its entries.
+    fs::rename(m.path("d"), m.path("e")).unwrap();
+    assert_eq!(fs::read_to_string(m.path("e/f")).unwrap(), "upper");
+    assert_eq!(errno_of(fs::metadata(m.path("d/f"))), libc::ENOENT);
+}

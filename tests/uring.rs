@@ -48,36 +48,6 @@ fn status(mnt: &Path) -> String {
     run(Command::new(BIN).arg("status").arg(mnt))
 }
 
-/// The daemon's io_uring_enter calls so far (its threads' syscall counters are not
-/// available; /proc/PID/task/*/syscall is a snapshot): counted with strace over a short run.
-fn syscalls_during(pid: u32, work: impl FnOnce()) -> String {
-    let out = std::env::temp_dir().join(format!("mosaicfs-uring-strace-{pid}"));
-    let mut tracer = Command::new("strace")
-        .args(["-f", "-c", "-o"])
-        .arg(&out)
-        .args(["-p", &pid.to_string()])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("strace");
-    std::thread::sleep(Duration::from_millis(500));
-    work();
-    std::thread::sleep(Duration::from_millis(200));
-    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
-    tracer.wait().unwrap();
-    let s = fs::read_to_string(&out).unwrap_or_default();
-    let _ = fs::remove_file(&out);
-    s
-}
-
-fn calls(strace: &str, syscall: &str) -> u64 {
-    strace
-        .lines()
-        .find(|l| l.split_whitespace().last() == Some(syscall))
-        .and_then(|l| l.split_whitespace().nth(3))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn requests_travel_over_io_uring_and_data_is_exact() {
     let Some(_u) = Uring::set(true) else { return };

@@ -511,3 +511,47 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
         })
         .collect()
 }
+
+/// The system calls the daemon `pid` makes while `work` runs, as `strace -f -c` sums them
+/// (its threads' syscall counters are not available; /proc/PID/task/*/syscall is a snapshot).
+pub fn syscalls_during(pid: u32, work: impl FnOnce()) -> String {
+    let out = std::env::temp_dir().join(format!("mosaicfs-strace-{pid}"));
+    let mut tracer = Command::new("strace")
+        .args(["-f", "-c", "-o"])
+        .arg(&out)
+        .args(["-p", &pid.to_string()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("strace");
+    std::thread::sleep(Duration::from_millis(500));
+    work();
+    std::thread::sleep(Duration::from_millis(200));
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    tracer.wait().unwrap();
+    let s = fs::read_to_string(&out).unwrap_or_default();
+    let _ = fs::remove_file(&out);
+    s
+}
+
+/// The `strace -c` line of `syscall`: `% time, seconds, usecs/call, calls[, errors], syscall`.
+fn strace_line<'a>(strace: &'a str, syscall: &str) -> Option<Vec<&'a str>> {
+    strace
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.last() == Some(&syscall))
+}
+
+/// How many calls of `syscall` a `syscalls_during` summary counts.
+pub fn calls(strace: &str, syscall: &str) -> u64 {
+    strace_line(strace, syscall)
+        .and_then(|f| f.get(3)?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// How many of them failed.
+pub fn failed_calls(strace: &str, syscall: &str) -> u64 {
+    strace_line(strace, syscall)
+        .filter(|f| f.len() == 6)
+        .and_then(|f| f[4].parse().ok())
+        .unwrap_or(0)
+}
