@@ -1628,7 +1628,7 @@ fn revalidating_a_known_upper_directory_reads_no_lower_layer() {
     // "d" in the lower layer per walk.
     let failed = failed_calls(&trace, "newfstatat");
     assert!(failed < walks * 3 / 2, "{failed} failed stats:\n{trace}");
-    assert!(names(&m.path("o")).is_empty());
+    assert!(names(m.path("o")).is_empty());
     // A directory moved inside the mount is found at its new name, with its entries.
     fs::rename(m.path("d"), m.path("e")).unwrap();
     assert_eq!(fs::read_to_string(m.path("e/f")).unwrap(), "upper");
