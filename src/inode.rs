@@ -416,7 +416,10 @@ impl InodeTable {
             st.upper = found.upper;
             st.lower = found.lower.clone();
             st.has_origin = found.origin;
-            st.origins = found.origins;
+            // The mark is only ever added, and a move into the directory adds it while this
+            // lookup may have read the layers or the node before (dir.rs
+            // `note_origin_moved_into`): keep it unless the number names a new object.
+            st.origins = found.origins || st.origins && !reused;
             st.unlinked = false;
             let link = (parent, name.to_os_string());
             if let Some(pos) = st.links.iter().position(|l| *l == link) {

@@ -736,3 +736,51 @@ fn threads_colliding_on_shared_names_get_only_local_file_system_errors() {
         "seed {seed}: the remount shows another tree"
     );
 }
+
+/// A lookup of a directory racing with a move into it of a copied-up file: the move marks the
+/// directory as holding entries with origins (dir.rs `note_origin_moved_into`), and a lookup
+/// that read the directory before must not take the mark back when it records what it found.
+/// Without the mark, lookups inside the directory stop reading origins and the moved file
+/// shows its upper inode number instead of the one it had.
+#[test]
+fn a_file_moved_into_a_directory_being_looked_up_keeps_its_inode_number() {
+    let rounds = 200;
+    let mut m = Mount::new(1);
+    for i in 0..rounds {
+        write(m.lower(0).join(format!("a{i}")), b"lower");
+    }
+    m.extra.push("timeout=0".into());
+    m.mount();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for i in 0..rounds {
+        let dir = m.path(&format!("e{i}"));
+        std::fs::create_dir(&dir).unwrap();
+        let a = m.path(&format!("a{i}"));
+        // chmod copies the metadata up: the upper file gets an origin.
+        std::fs::set_permissions(&a, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let ino = std::fs::metadata(&a).unwrap().ino();
+        stop.store(false, std::sync::atomic::Ordering::Relaxed);
+        let lookers: Vec<_> = (0..2)
+            .map(|_| {
+                let (dir, stop) = (dir.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let _ = std::fs::metadata(&dir);
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_micros(200));
+        std::fs::rename(&a, dir.join("a")).unwrap();
+        std::thread::sleep(std::time::Duration::from_micros(200));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for l in lookers {
+            l.join().unwrap();
+        }
+        assert_eq!(
+            std::fs::metadata(dir.join("a")).unwrap().ino(),
+            ino,
+            "round {i}: the moved file changed its inode number"
+        );
+    }
+}
