@@ -63,11 +63,13 @@ impl Overlay {
             if st.upper {
                 return Ok(());
             }
+            // No name left: removed or renamed over since the kernel looked it up. ESTALE, as
+            // below, sends a call by path back to look the name up again.
             let (p, n) = st
                 .links
                 .first()
                 .cloned()
-                .ok_or_else(|| errno(libc::ENOENT))?;
+                .ok_or_else(|| errno(libc::ESTALE))?;
             (p, n, st.lower.clone().ok_or_else(|| errno(libc::ENOENT))?)
         };
         let pnode = self.node(parent)?;
@@ -97,6 +99,13 @@ impl Overlay {
             let _changing = pnode.entries.write();
             if let Err(e) = work.rename(&tmp, &udir, &name, RenameFlags::NOREPLACE) {
                 let _ = work.remove_tree(&tmp);
+                // Another object took the name since this one was looked up (renamed over
+                // it, or made after its removal): this one has left the merged view. ESTALE
+                // makes the kernel look the name up again for a call by path, so an open
+                // finds what the name holds now, as on a local file system, not EEXIST.
+                if e.is(libc::EEXIST) {
+                    return Err(errno(libc::ESTALE));
+                }
                 return Err(e);
             }
             let mut st = node.state();

@@ -784,3 +784,42 @@ fn a_file_moved_into_a_directory_being_looked_up_keeps_its_inode_number() {
         );
     }
 }
+
+/// A writable open copies the lower file up under the name the kernel looked up; a rename
+/// over that name meanwhile took it. The open must find what the name holds now (ESTALE
+/// makes the kernel look it up again), not fail with the copy-up's EEXIST.
+#[test]
+fn a_writable_open_racing_a_rename_over_a_lower_file_gets_a_file_not_eexist() {
+    let rounds = 300;
+    let m = Mount::with(|l| {
+        for i in 0..rounds {
+            write(l.join(format!("d/f{i}")), "lower");
+        }
+    });
+    let mut opened = 0;
+    for i in 0..rounds {
+        let (f, t) = (m.path(&format!("d/f{i}")), m.path(&format!("d/t{i}")));
+        // Looked up before the race, as the kernel does before it sends OPEN.
+        assert!(f.exists());
+        write(&t, "upper");
+        let start = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            let opener = s.spawn(|| {
+                start.wait();
+                std::fs::OpenOptions::new().read(true).write(true).open(&f)
+            });
+            start.wait();
+            std::fs::rename(&t, &f).unwrap();
+            match opener.join().unwrap() {
+                Ok(file) => {
+                    let mut text = String::new();
+                    std::io::Read::read_to_string(&mut &file, &mut text).unwrap();
+                    assert!(text == "lower" || text == "upper", "round {i}: {text:?}");
+                    opened += 1;
+                }
+                Err(e) => panic!("round {i}: writable open racing a rename over it: {e}"),
+            }
+        });
+    }
+    assert_eq!(opened, rounds);
+}
