@@ -676,15 +676,15 @@ impl Overlay {
         if let Some(m) = &self.layers.memory {
             // Before the work dir's lock goes with the daemon: the next mount waits for it.
             let started = std::time::Instant::now();
-            match m.sync() {
+            match m.sync_at_unmount() {
                 Ok(()) => log::info!(
-                    "memory upper: image written ({} objects, {:.1} ms)",
+                    "memory upper: layer durable ({} objects, {:.1} ms)",
                     m.node_count(),
                     started.elapsed().as_secs_f64() * 1e3
                 ),
                 Err(e) => log::error!(
-                    "memory upper: the image could not be written at unmount ({e}); the next \
-                     mount shows the layer as of the last sync or fsync"
+                    "memory upper: the last changes could not be made durable at unmount \
+                     ({e}); the next mount shows the layer as of the last sync or fsync"
                 ),
             }
         }

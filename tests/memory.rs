@@ -434,3 +434,67 @@ fn closes_of_complete_files_send_no_flush_and_partial_files_still_do() {
         );
     }
 }
+
+/// Names made or moved into `dir` while `during` runs, as inotify reports them.
+fn names_made_in(dir: &std::path::Path, during: impl FnOnce()) -> Vec<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+    assert!(fd >= 0);
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    let mask = libc::IN_CREATE | libc::IN_MOVED_TO;
+    assert!(unsafe { libc::inotify_add_watch(fd, path.as_ptr(), mask) } >= 0);
+    during();
+    let mut names = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n <= 0 {
+            break;
+        }
+        let mut at = 0;
+        while at < n as usize {
+            // struct inotify_event: wd, mask, cookie, len (4 bytes each), then the name.
+            let len = u32::from_ne_bytes(buf[at + 12..at + 16].try_into().unwrap()) as usize;
+            let name = &buf[at + 16..at + 16 + len];
+            let end = name.iter().position(|&b| b == 0).unwrap_or(len);
+            names.push(String::from_utf8_lossy(&name[..end]).into_owned());
+            at += 16 + len;
+        }
+    }
+    unsafe { libc::close(fd) };
+    names
+}
+
+/// umount(2) does not wait for a FUSE daemon, and containers/storage removes a layer's
+/// directory right after unmounting it (podman build deletes each step's container). A name
+/// the daemon made in the upper dir while making the last changes durable (the image it
+/// wrote, `.mosaicfs-tree.new` renamed over `.mosaicfs-tree`) failed that removal with
+/// ENOTEMPTY: "error deleting build container". An unmount writes into files already there.
+#[test]
+fn an_unmount_makes_no_name_in_the_upper_dir_and_the_next_mount_sees_every_change() {
+    let mut m = memory_mount(|l| write(l.join("lower"), "from the image"), &[]);
+    write(m.path("new"), "made");
+    fs::create_dir(m.path("dir")).unwrap();
+    write(m.path("dir/inner"), "inner");
+    fs::remove_file(m.path("lower")).unwrap();
+    let upper = m.upper.clone();
+    let made = names_made_in(&upper, || {
+        m.unmount();
+    });
+    assert_eq!(made, Vec::<String>::new(), "names made by the unmount");
+    let before: Vec<_> = names(&upper);
+    // The next mount folds what the unmount wrote into an image; an unmount of a layer in
+    // which nothing changed writes nothing at all (the image and journal keep their bytes).
+    m.mount();
+    assert_eq!(fs::read_to_string(m.path("new")).unwrap(), "made");
+    assert_eq!(fs::read_to_string(m.path("dir/inner")).unwrap(), "inner");
+    assert!(!m.path("lower").exists(), "the whiteout survived");
+    let files = files_of(&upper);
+    let made = names_made_in(&upper, || {
+        assert_eq!(names(&m.mnt), ["dir", "new"]);
+        m.unmount();
+    });
+    assert_eq!(made, Vec::<String>::new());
+    assert_eq!(files_of(&upper), files, "an unmount with no change wrote");
+    assert_eq!(names(&upper), before);
+}

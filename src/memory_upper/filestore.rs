@@ -189,6 +189,11 @@ impl Filestore {
             .extend_from_slice(blocks);
     }
 
+    /// Whether freed blocks wait for an image (`take_deferred`).
+    pub fn has_deferred(&self) -> bool {
+        !self.state.lock().unwrap().deferred.is_empty()
+    }
+
     /// The blocks freed while the image being written was the durable one's successor-to-be:
     /// taken when a new image is collected, so that blocks freed after it wait for the one after.
     pub fn take_deferred(&self) -> Vec<u64> {

@@ -21,7 +21,7 @@ pub(super) const JOURNAL_NAME: &str = ".mosaicfs-journal";
 const JOURNAL_NEW: &str = ".mosaicfs-journal.new";
 const MAGIC: &[u8; 8] = b"MOSAICJR";
 const VERSION: u32 = 1;
-const HEADER: usize = 8 + 4 + 8;
+pub(super) const HEADER: usize = 8 + 4 + 8;
 
 /// One entry, decoded.
 pub(super) struct Delta {

@@ -211,8 +211,7 @@ impl MemoryUpper {
                 let store =
                     Filestore::open(filestore, &used, limit_blocks).map_err(ImageError::io)?;
                 // Entries go on after the last whole one (the image and the journal so far
-                // are the tree as it is now); without a journal of this image, the first
-                // fsync writes an image.
+                // are the tree as it is now).
                 if let Some(len) = journal_len {
                     journal::truncate(&dir, len).map_err(ImageError::io)?;
                 }
@@ -224,6 +223,14 @@ impl MemoryUpper {
                     .store(journal_len.is_none(), Ordering::Relaxed);
                 for node in nodes {
                     up.insert(up.node_from_image(node));
+                }
+                // A journal with entries (an unmount writes one) or none at all is folded
+                // into a new image now, while nobody else uses the layer directory: the
+                // journal starts each mount empty, and an unmount has one to append to.
+                if journal_len.is_none_or(|len| len > journal::HEADER as u64) {
+                    let _one = up.commit_lock.lock().unwrap();
+                    let persist = up.persist.as_ref().expect("opened with a directory");
+                    up.write_image(persist).map_err(ImageError::io)?;
                 }
                 Ok(up)
             }
@@ -348,13 +355,38 @@ impl MemoryUpper {
     // ---- durability --------------------------------------------------------------------
 
     /// Writes an image of the tree as it is now; after it returns, a crash or an unmount
-    /// leaves the layer as it was at this call. Nothing to do for a volatile layer.
+    /// leaves the layer as it was at this call. Nothing to do for a volatile layer, nor when
+    /// nothing changed since the last image or journal entry: those already hold the tree.
+    ///
+    /// The unmount of a layer nothing changed in (containers/storage mounts a container's
+    /// layer afresh to compute its diff, then unmounts and deletes it) so writes nothing: the
+    /// daemon's last writes run after umount(2) has returned, and files it made again in a
+    /// layer directory being removed failed the removal with ENOTEMPTY.
     pub fn sync(&self) -> Result<()> {
         let Some(persist) = &self.persist else {
             return Ok(());
         };
         let _one = self.commit_lock.lock().unwrap();
+        if self.unchanged() {
+            return Ok(());
+        }
         self.write_image(persist)
+    }
+
+    /// No change since the last durable image or journal entry: no node dirty, none removed,
+    /// no freed block waiting for an image. Under the commit lock; the quiesce lock keeps a
+    /// change from running half-seen.
+    fn unchanged(&self) -> bool {
+        let _all = self.quiesce.write_all();
+        self.removed.lock().unwrap().is_empty()
+            && !self.store.has_deferred()
+            && self.nodes.shards.iter().all(|shard| {
+                shard
+                    .read()
+                    .unwrap()
+                    .values()
+                    .all(|n| !n.dirty.load(Ordering::Relaxed))
+            })
     }
 
     fn write_image(&self, persist: &Persist) -> Result<()> {
@@ -419,6 +451,33 @@ impl MemoryUpper {
         {
             return self.write_image(persist);
         }
+        self.append_entry(persist)
+    }
+
+    /// What an unmount needs: every change so far durable, without making a name in the upper
+    /// dir. The daemon's last writes run after umount(2) has returned (FUSE sends no DESTROY
+    /// but to fuseblk), when containers/storage may already be removing the layer directory:
+    /// an image (`.mosaicfs-tree.new`, renamed) made in it then failed that removal with
+    /// ENOTEMPTY. A journal entry is written into the journal that is there, whatever its
+    /// length; the next mount folds it into an image (`open`). Nothing at all is written when
+    /// nothing changed since the last image or entry.
+    pub fn sync_at_unmount(&self) -> Result<()> {
+        let Some(persist) = &self.persist else {
+            return Ok(());
+        };
+        let _one = self.commit_lock.lock().unwrap();
+        if self.unchanged() {
+            return Ok(());
+        }
+        if self.journal_stale.load(Ordering::Relaxed) {
+            return self.write_image(persist);
+        }
+        self.append_entry(persist)
+    }
+
+    /// Appends the nodes changed and removed since the last image or entry to the journal.
+    /// Under the commit lock.
+    fn append_entry(&self, persist: &Persist) -> Result<()> {
         let (entry, changed, removed, commit) = {
             let _all = self.quiesce.write_all();
             let commit = self.commits_started.fetch_add(1, Ordering::SeqCst) + 1;
