@@ -498,3 +498,76 @@ fn an_unmount_makes_no_name_in_the_upper_dir_and_the_next_mount_sees_every_chang
     assert_eq!(files_of(&upper), files, "an unmount with no change wrote");
     assert_eq!(names(&upper), before);
 }
+
+/// A mount folds the journal the last unmount wrote into a new image. On a full disk it
+/// cannot: that must not refuse the mount nor lose a change (the image and journal are the
+/// layer), and the fold happens at the next mount with room.
+#[test]
+fn a_mount_that_cannot_fold_the_journal_on_a_full_disk_serves_the_layer() {
+    let dir = tempfile::Builder::new()
+        .prefix("mosaicfs-full")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let p = dir.path();
+    for d in ["lower", "up", "mnt"] {
+        fs::create_dir(p.join(d)).unwrap();
+    }
+    sh(&format!(
+        "mount -t tmpfs -o size=4m tmpfs {}",
+        p.join("up").display()
+    ));
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _up = Unmount(p.join("up"));
+    fs::create_dir(p.join("up/u")).unwrap();
+    fs::create_dir(p.join("up/w")).unwrap();
+    let opts = format!(
+        "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w,upper=memory",
+        p.display()
+    );
+    let mut m = Mount::new(0);
+    m.mnt = p.join("mnt");
+    m.mount_with(&opts);
+    for i in 0..300 {
+        write(
+            m.path(&format!("file-with-a-long-name-{i}")),
+            format!("{i}"),
+        );
+    }
+    m.unmount();
+    let journal = p.join("up/u/.mosaicfs-journal");
+    assert!(
+        fs::metadata(&journal).unwrap().len() > 20,
+        "the unmount's entry"
+    );
+    // Fill the file system.
+    let mut filler = fs::File::create(p.join("up/filler")).unwrap();
+    while std::io::Write::write_all(&mut filler, &[7u8; 4096]).is_ok() {}
+    drop(filler);
+    m.mount_with(&opts);
+    assert_eq!(names(&m.mnt).len(), 300);
+    assert_eq!(
+        fs::read_to_string(m.path("file-with-a-long-name-299")).unwrap(),
+        "299"
+    );
+    fs::remove_file(p.join("up/filler")).unwrap();
+    write(m.path("after"), "after");
+    let log = m.unmount();
+    assert!(
+        log.contains("could not be folded into a new image") && log.contains("free space"),
+        "{log}"
+    );
+    m.mount_with(&opts);
+    assert_eq!(names(&m.mnt).len(), 301);
+    assert_eq!(fs::read_to_string(m.path("after")).unwrap(), "after");
+    assert_eq!(
+        fs::metadata(&journal).unwrap().len(),
+        20,
+        "folded at this mount"
+    );
+    m.unmount();
+}

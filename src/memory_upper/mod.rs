@@ -227,10 +227,19 @@ impl MemoryUpper {
                 // A journal with entries (an unmount writes one) or none at all is folded
                 // into a new image now, while nobody else uses the layer directory: the
                 // journal starts each mount empty, and an unmount has one to append to.
+                // Not a reason to refuse the mount (a full disk): the image and journal there
+                // are the layer, and the failed image left every node to the next entry.
                 if journal_len.is_none_or(|len| len > journal::HEADER as u64) {
                     let _one = up.commit_lock.lock().unwrap();
                     let persist = up.persist.as_ref().expect("opened with a directory");
-                    up.write_image(persist).map_err(ImageError::io)?;
+                    if let Err(e) = up.write_image(persist) {
+                        log::warn!(
+                            "memory upper: the journal could not be folded into a new image \
+                             ({e}); the layer is served as the image and journal hold it, and \
+                             the unmount adds to the journal (free space in the upper dir's \
+                             file system, then 'mosaicfs sync' or the next mount folds it)"
+                        );
+                    }
                 }
                 Ok(up)
             }
