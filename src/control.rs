@@ -42,11 +42,24 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         r += &match MemoryFigures::of(overlay) {
             None => "upper store: disk\n".to_string(),
             Some(m) => format!(
-                "upper store: memory, {} objects, {} bytes of file data{}\n",
+                "upper store: memory, {} objects, {} bytes of file data{}\n\
+                 upper durability: {}\n",
                 m.objects,
                 m.data_bytes,
                 m.limit_bytes
-                    .map_or(String::new(), |l| format!(" of size={l}"))
+                    .map_or(String::new(), |l| format!(" of size={l}")),
+                match m.changes_pending {
+                    None => "none (filestore=memory: the layer ends with the mount)".to_string(),
+                    Some(pending) => format!(
+                        "journal {} bytes; changes since the last image or journal entry: {}",
+                        m.journal_bytes,
+                        if pending {
+                            "yes (durable at the next fsync, 'mosaicfs sync' or unmount)"
+                        } else {
+                            "none"
+                        }
+                    ),
+                }
             ),
         };
     }
@@ -122,6 +135,9 @@ struct MemoryFigures {
     objects: u64,
     data_bytes: u64,
     limit_bytes: Option<u64>,
+    journal_bytes: u64,
+    /// Changes a crash would lose (not yet in the image or journal); `None`: never written.
+    changes_pending: Option<bool>,
 }
 
 impl MemoryFigures {
@@ -133,6 +149,8 @@ impl MemoryFigures {
             objects: (m.node_count() as u64).saturating_sub(1),
             data_bytes: m.live_blocks() * block,
             limit_bytes: m.size_limit().map(|l| l * block),
+            journal_bytes: m.journal_bytes(),
+            changes_pending: m.changes_pending(),
         })
     }
 }
@@ -182,10 +200,13 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
     let upper_store = match MemoryFigures::of(overlay) {
         None => "{\"kind\": \"disk\"}".to_string(),
         Some(m) => format!(
-            "{{\"kind\": \"memory\", \"objects\": {}, \"data_bytes\": {}, \"size_limit_bytes\": {}}}",
+            "{{\"kind\": \"memory\", \"objects\": {}, \"data_bytes\": {}, \"size_limit_bytes\": {}, \
+             \"journal_bytes\": {}, \"changes_pending\": {}}}",
             m.objects,
             m.data_bytes,
-            m.limit_bytes.map_or("null".into(), |l| l.to_string())
+            m.limit_bytes.map_or("null".into(), |l| l.to_string()),
+            m.journal_bytes,
+            m.changes_pending.map_or("null".into(), |p| p.to_string())
         ),
     };
     let counters: Vec<String> = overlay
@@ -273,6 +294,19 @@ pub fn report_prometheus(overlay: &Overlay) -> String {
             "Bytes of file data the memory upper layer holds in its filestore.",
             m.data_bytes,
         );
+        gauge(
+            "memory_upper_journal_bytes",
+            "Bytes of the memory upper's journal (replayed and folded at the next mount).",
+            m.journal_bytes,
+        );
+        if let Some(pending) = m.changes_pending {
+            gauge(
+                "memory_upper_changes_pending",
+                "1 while the memory upper has changes a crash would lose (none since the last \
+                 image or journal entry: 0).",
+                pending as u64,
+            );
+        }
     }
     gauge(
         "partial_blocks_present",

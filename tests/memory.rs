@@ -79,12 +79,23 @@ fn first_write_to_a_lower_file_stores_only_its_block_in_the_filestore() {
     let mut want = data;
     want[5 << 20] = b'X';
     assert!(fs::read(m.path("big")).unwrap() == want, "merged content");
+    let status = run(Command::new(BIN).arg("status").arg(&m.mnt));
+    assert!(
+        status.contains("changes since the last image or journal entry: yes"),
+        "{status}"
+    );
     sync(&m);
     let status = run(Command::new(BIN).arg("status").arg(&m.mnt));
     assert!(
         status.contains("upper store: memory, 2 objects, 4096 bytes of file data"),
         "{status}"
     );
+    assert!(
+        status.contains("changes since the last image or journal entry: none"),
+        "{status}"
+    );
+    let json = run(Command::new(BIN).args(["status", "--json"]).arg(&m.mnt));
+    assert!(json.contains("\"changes_pending\": false"), "{json}");
     assert!(
         filestore_bytes(&m) <= 8192,
         "one block, not the file: {} bytes in the filestore",

@@ -387,15 +387,32 @@ impl MemoryUpper {
     /// change from running half-seen.
     fn unchanged(&self) -> bool {
         let _all = self.quiesce.write_all();
-        self.removed.lock().unwrap().is_empty()
-            && !self.store.has_deferred()
-            && self.nodes.shards.iter().all(|shard| {
+        !self.changed_since_durable()
+    }
+
+    fn changed_since_durable(&self) -> bool {
+        !self.removed.lock().unwrap().is_empty()
+            || self.store.has_deferred()
+            || self.nodes.shards.iter().any(|shard| {
                 shard
                     .read()
                     .unwrap()
                     .values()
-                    .all(|n| !n.dirty.load(Ordering::Relaxed))
+                    .any(|n| n.dirty.load(Ordering::Relaxed))
             })
+    }
+
+    /// What a crash would lose now (`mosaicfs status`): `None` for a layer that is never
+    /// written (`filestore=memory`), else whether anything changed since the last image or
+    /// journal entry. A glance, not a commit: changes running meanwhile may or may not count.
+    pub fn changes_pending(&self) -> Option<bool> {
+        self.persist.as_ref()?;
+        Some(self.changed_since_durable())
+    }
+
+    /// The journal's length in bytes: what the next mount replays and folds into an image.
+    pub fn journal_bytes(&self) -> u64 {
+        self.journal_len.load(Ordering::Relaxed)
     }
 
     fn write_image(&self, persist: &Persist) -> Result<()> {
