@@ -390,8 +390,10 @@ impl MemoryUpper {
         !self.changed_since_durable()
     }
 
+    /// Each lock is let go before the next is taken (none nests in another here).
     fn changed_since_durable(&self) -> bool {
-        !self.removed.lock().unwrap().is_empty()
+        let removed = !self.removed.lock().unwrap().is_empty();
+        removed
             || self.store.has_deferred()
             || self.nodes.shards.iter().any(|shard| {
                 shard
