@@ -171,7 +171,11 @@ impl MosaicFs {
             .io
             .backing(
                 &h.file,
-                |fd| open_backing(fd).map(|b| Arc::new(b) as Arc<dyn std::any::Any + Send + Sync>),
+                |fd| {
+                    let b = open_backing(fd)?;
+                    self.core.stats.backings.add(1);
+                    Ok(Arc::new(b) as Arc<dyn std::any::Any + Send + Sync>)
+                },
                 || std::io::Error::other("the file was copied up meanwhile"),
             )
             .map_err(|e| refused(e.to_string()))

@@ -46,6 +46,9 @@ pub struct Stats {
     pub write_bytes: Counter,
     pub opens_passthrough: Counter,
     pub opens_daemon: Counter,
+    /// Backing files registered for passthrough (`FUSE_DEV_IOC_BACKING_OPEN`); a complete
+    /// file's registration serves every open of its inode (file.rs, `NodeIo`).
+    pub backings: Counter,
     /// Opens that found their kernel inode bound to a lower file and moved the object to a new
     /// node id (file.rs, `IoMode`).
     pub rebinds: Counter,
@@ -79,6 +82,7 @@ impl Stats {
             ("write_bytes", self.write_bytes.get()),
             ("opens_passthrough", self.opens_passthrough.get()),
             ("opens_daemon", self.opens_daemon.get()),
+            ("backings", self.backings.get()),
             ("rebinds", self.rebinds.get()),
             ("copy_ups", self.copy_ups.get()),
             ("reflinks", self.reflinks.get()),
@@ -96,13 +100,14 @@ impl Stats {
 
     pub fn summary(&self) -> String {
         format!(
-            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} rebinds={} lower-opens={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={} at-open={}; fsyncs={} to-disk={}",
+            "requests: read={} ({} bytes) write={} ({} bytes); opens: passthrough={} daemon={} backings={} rebinds={} lower-opens={}; copy-ups={} reflinks={} blocks-deferred={} blocks-filled={} completions={} at-open={}; fsyncs={} to-disk={}",
             self.reads.get(),
             self.read_bytes.get(),
             self.writes.get(),
             self.write_bytes.get(),
             self.opens_passthrough.get(),
             self.opens_daemon.get(),
+            self.backings.get(),
             self.rebinds.get(),
             self.lower_opens.get(),
             self.copy_ups.get(),

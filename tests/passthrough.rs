@@ -323,3 +323,112 @@ fn an_open_of_the_first_kernel_inode_after_a_rebind_sees_the_latest_writes() {
     drop(writer);
     assert_eq!(&fs::read(m.path("f")).unwrap()[..4], b"BBBB");
 }
+
+/// The passthrough registration of a complete upper file outlives its last handle, so later
+/// opens and closes need no FUSE_DEV_IOC_BACKING_OPEN/CLOSE; it goes with the kernel inode,
+/// so an unlinked file's blocks are freed as soon as nothing holds the file open.
+#[test]
+fn a_complete_files_registration_serves_every_open_and_goes_with_its_inode() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("mosaicfs-idle")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let p = dir.path();
+    for d in ["lower", "up", "mnt"] {
+        fs::create_dir(p.join(d)).unwrap();
+    }
+    sh(&format!(
+        "mount -t tmpfs -o size=64m tmpfs {}",
+        p.join("up").display()
+    ));
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _up = Unmount(p.join("up"));
+    fs::create_dir(p.join("up/u")).unwrap();
+    fs::create_dir(p.join("up/w")).unwrap();
+    let used = || {
+        let s = rustix::fs::statvfs(p.join("up")).unwrap();
+        (s.f_blocks - s.f_bfree) * s.f_frsize
+    };
+    let mut m = Mount::new(0);
+    m.mnt = p.join("mnt");
+    m.mount_with(&format!(
+        "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w",
+        p.display()
+    ));
+    let empty = used();
+    let data = pattern(16 << 20, 23);
+    write(m.path("big"), &data);
+    for i in 0..50 {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(i % 2 == 0)
+            .open(m.path("big"))
+            .unwrap();
+        let mut b = [0u8; 4096];
+        f.read_exact_at(&mut b, 4096 * i).unwrap();
+        assert_eq!(b[..], data[4096 * i as usize..][..4096]);
+    }
+    assert!(used() >= empty + (16 << 20));
+    fs::remove_file(m.path("big")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while used() > empty + (1 << 20) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the unlinked file's blocks are still held: {} bytes used",
+            used() - empty
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let log = m.unmount();
+    assert_eq!(served(&log, "passthrough"), 51, "{log}");
+    assert_eq!(
+        served(&log, "backings"),
+        1,
+        "one registration for 51 opens: {log}"
+    );
+}
+
+/// A lower file's registration kept after its last reader closed must not serve the file once
+/// it was copied up: a reader after the write, passing through on the upper file, sees it.
+#[test]
+fn a_reader_after_a_copy_up_never_reads_through_the_lower_files_old_registration() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let mut m = Mount::new(1);
+    let data = pattern(64 << 10, 29);
+    write(m.lower(0).join("f"), &data);
+    m.extra = vec!["copy_whole=1M".into()];
+    m.mount();
+    for _ in 0..3 {
+        assert!(fs::read(m.path("f")).unwrap() == data);
+    }
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(b"NEW", 4096).unwrap();
+    drop(f);
+    for _ in 0..3 {
+        let got = fs::read(m.path("f")).unwrap();
+        assert_eq!(&got[4096..4099], b"NEW");
+        assert!(got[..4096] == data[..4096]);
+    }
+    assert!(
+        fs::read(m.lower(0).join("f")).unwrap() == data,
+        "the lower file is untouched"
+    );
+    let log = m.unmount();
+    assert!(served(&log, "backings") >= 2, "{log}");
+}
