@@ -523,17 +523,7 @@ fn a_mount_that_cannot_fold_the_journal_on_a_full_disk_serves_the_layer() {
     for d in ["lower", "up", "mnt"] {
         fs::create_dir(p.join(d)).unwrap();
     }
-    sh(&format!(
-        "mount -t tmpfs -o size=4m tmpfs {}",
-        p.join("up").display()
-    ));
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _up = Unmount(p.join("up"));
+    let _up = Tmpfs::mount(&p.join("up"), "4m");
     fs::create_dir(p.join("up/u")).unwrap();
     fs::create_dir(p.join("up/w")).unwrap();
     let opts = format!(

@@ -701,20 +701,7 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
     let base = pattern(8 << 20, 19);
     write(p.join("lower/big"), &base);
     write(p.join("lower/small"), b"small");
-    sh(&format!(
-        "mount -t tmpfs -o size=1m tmpfs {}",
-        p.join("up").display()
-    ));
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .status();
-        }
-    }
-    let _up = Unmount(p.join("up"));
+    let _up = Tmpfs::mount(&p.join("up"), "1m");
     fs::create_dir(p.join("up/u")).unwrap();
     fs::create_dir(p.join("up/w")).unwrap();
     let mut m = Mount::new(0);

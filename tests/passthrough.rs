@@ -340,20 +340,7 @@ fn a_complete_files_registration_serves_every_open_and_goes_with_its_inode() {
     for d in ["lower", "up", "mnt"] {
         fs::create_dir(p.join(d)).unwrap();
     }
-    sh(&format!(
-        "mount -t tmpfs -o size=64m tmpfs {}",
-        p.join("up").display()
-    ));
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .status();
-        }
-    }
-    let _up = Unmount(p.join("up"));
+    let _up = Tmpfs::mount(&p.join("up"), "64m");
     fs::create_dir(p.join("up/u")).unwrap();
     fs::create_dir(p.join("up/w")).unwrap();
     let used = || {

@@ -555,3 +555,23 @@ pub fn failed_calls(strace: &str, syscall: &str) -> u64 {
         .and_then(|f| f[4].parse().ok())
         .unwrap_or(0)
 }
+
+/// A tmpfs of `size` (e.g. "4m") mounted on `dir` for as long as the value lives: a small
+/// file system a test can fill, or watch the space of.
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        sh(&format!(
+            "mount -t tmpfs -o size={size} tmpfs {}",
+            dir.display()
+        ));
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
