@@ -46,7 +46,7 @@ fn offset(rng: &mut StdRng, limit: usize) -> usize {
 
 struct Run {
     m: Mount,
-    /// The read-only FUSE mount the lower layer is read through, if any (dropped after `m`).
+    /// The read-only FUSE mount the lower layer is read through, if any (`Drop for Run`).
     _store: Option<FuseStore>,
     /// Partial files the daemon completed, summed over remounts.
     completions: u64,
@@ -330,6 +330,23 @@ impl FuseStore {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         panic!("{} not mounted", at.display());
+    }
+}
+
+impl Drop for Run {
+    /// The mount on top goes first, then the store under it, and only then the layers'
+    /// directory, which holds the store's mount point: dropping `m` whole first left that
+    /// directory in /tmp after every run, its removal stopped by the store still mounted in it.
+    fn drop(&mut self) {
+        let Some(store) = self._store.take() else {
+            return;
+        };
+        if std::thread::panicking() {
+            self.m.kill9();
+        } else {
+            self.m.unmount();
+        }
+        drop(store);
     }
 }
 
