@@ -515,60 +515,45 @@ fn an_unmount_makes_no_name_in_the_upper_dir_and_the_next_mount_sees_every_chang
 /// layer), and the fold happens at the next mount with room.
 #[test]
 fn a_mount_that_cannot_fold_the_journal_on_a_full_disk_serves_the_layer() {
-    let dir = tempfile::Builder::new()
-        .prefix("mosaicfs-full")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let p = dir.path();
-    for d in ["lower", "up", "mnt"] {
-        fs::create_dir(p.join(d)).unwrap();
-    }
-    let _up = Tmpfs::mount(&p.join("up"), "4m");
-    fs::create_dir(p.join("up/u")).unwrap();
-    fs::create_dir(p.join("up/w")).unwrap();
-    let opts = format!(
-        "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w,upper=memory",
-        p.display()
-    );
-    let mut m = Mount::new(0);
-    m.mnt = p.join("mnt");
-    m.mount_with(&opts);
+    let mut s = SmallUpper::new("4m");
+    s.mount(",upper=memory");
     for i in 0..300 {
         write(
-            m.path(&format!("file-with-a-long-name-{i}")),
+            s.m.path(&format!("file-with-a-long-name-{i}")),
             format!("{i}"),
         );
     }
-    m.unmount();
-    let journal = p.join("up/u/.mosaicfs-journal");
+    s.m.unmount();
+    let journal = s.upper().join(".mosaicfs-journal");
     assert!(
         fs::metadata(&journal).unwrap().len() > 20,
         "the unmount's entry"
     );
     // Fill the file system.
-    let mut filler = fs::File::create(p.join("up/filler")).unwrap();
-    while std::io::Write::write_all(&mut filler, &[7u8; 4096]).is_ok() {}
-    drop(filler);
-    m.mount_with(&opts);
-    assert_eq!(names(&m.mnt).len(), 300);
+    let filler = s.upper().parent().unwrap().join("filler");
+    let mut f = fs::File::create(&filler).unwrap();
+    while std::io::Write::write_all(&mut f, &[7u8; 4096]).is_ok() {}
+    drop(f);
+    s.mount(",upper=memory");
+    assert_eq!(names(&s.m.mnt).len(), 300);
     assert_eq!(
-        fs::read_to_string(m.path("file-with-a-long-name-299")).unwrap(),
+        fs::read_to_string(s.m.path("file-with-a-long-name-299")).unwrap(),
         "299"
     );
-    fs::remove_file(p.join("up/filler")).unwrap();
-    write(m.path("after"), "after");
-    let log = m.unmount();
+    fs::remove_file(&filler).unwrap();
+    write(s.m.path("after"), "after");
+    let log = s.m.unmount();
     assert!(
         log.contains("could not be folded into a new image") && log.contains("free space"),
         "{log}"
     );
-    m.mount_with(&opts);
-    assert_eq!(names(&m.mnt).len(), 301);
-    assert_eq!(fs::read_to_string(m.path("after")).unwrap(), "after");
+    s.mount(",upper=memory");
+    assert_eq!(names(&s.m.mnt).len(), 301);
+    assert_eq!(fs::read_to_string(s.m.path("after")).unwrap(), "after");
     assert_eq!(
         fs::metadata(&journal).unwrap().len(),
         20,
         "folded at this mount"
     );
-    m.unmount();
+    s.m.unmount();
 }

@@ -690,29 +690,14 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
     if !runs_on_disk_upper_only() {
         return;
     }
-    let dir = tempfile::Builder::new()
-        .prefix("mosaicfs-full")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let p = dir.path();
-    for d in ["lower", "up", "mnt"] {
-        fs::create_dir(p.join(d)).unwrap();
-    }
+    let mut s = SmallUpper::new("1m");
     let base = pattern(8 << 20, 19);
-    write(p.join("lower/big"), &base);
-    write(p.join("lower/small"), b"small");
-    let _up = Tmpfs::mount(&p.join("up"), "1m");
-    fs::create_dir(p.join("up/u")).unwrap();
-    fs::create_dir(p.join("up/w")).unwrap();
-    let mut m = Mount::new(0);
-    m.mnt = p.join("mnt");
-    m.mount_with(&format!(
-        "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w",
-        p.display()
-    ));
+    write(s.lower().join("big"), &base);
+    write(s.lower().join("small"), b"small");
+    s.mount("");
     let f = fs::OpenOptions::new()
         .write(true)
-        .open(m.path("big"))
+        .open(s.m.path("big"))
         .unwrap();
     let n = f.write_at(&vec![b'y'; 2 << 20], 0).unwrap();
     assert!(n < 2 << 20, "the disk cannot hold 2 MiB: a short write");
@@ -720,10 +705,10 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
     assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
     drop(f);
     assert_eq!(
-        errno_of(fs::write(m.path("new"), vec![0u8; 1 << 20])),
+        errno_of(fs::write(s.m.path("new"), vec![0u8; 1 << 20])),
         libc::ENOSPC
     );
-    let got = fs::read(m.path("big")).unwrap();
+    let got = fs::read(s.m.path("big")).unwrap();
     assert!(
         got[..n].iter().all(|b| *b == b'y'),
         "what was written is there"
@@ -732,13 +717,13 @@ fn a_full_upper_file_system_fails_writes_cleanly_and_loses_nothing() {
         got[n..] == base[n..],
         "everything else is the lower file, nothing zeroed"
     );
-    assert_eq!(fs::read(m.path("small")).unwrap(), b"small");
+    assert_eq!(fs::read(s.m.path("small")).unwrap(), b"small");
     assert_eq!(
-        fs::read(p.join("lower/big")).unwrap(),
+        fs::read(s.lower().join("big")).unwrap(),
         base,
         "lower untouched"
     );
-    m.unmount();
+    s.m.unmount();
 }
 
 #[test]

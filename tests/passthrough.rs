@@ -332,52 +332,33 @@ fn a_complete_files_registration_serves_every_open_and_goes_with_its_inode() {
     if !runs_on_disk_upper_only() {
         return;
     }
-    let dir = tempfile::Builder::new()
-        .prefix("mosaicfs-idle")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let p = dir.path();
-    for d in ["lower", "up", "mnt"] {
-        fs::create_dir(p.join(d)).unwrap();
-    }
-    let _up = Tmpfs::mount(&p.join("up"), "64m");
-    fs::create_dir(p.join("up/u")).unwrap();
-    fs::create_dir(p.join("up/w")).unwrap();
-    let used = || {
-        let s = rustix::fs::statvfs(p.join("up")).unwrap();
-        (s.f_blocks - s.f_bfree) * s.f_frsize
-    };
-    let mut m = Mount::new(0);
-    m.mnt = p.join("mnt");
-    m.mount_with(&format!(
-        "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w",
-        p.display()
-    ));
-    let empty = used();
+    let mut s = SmallUpper::new("64m");
+    s.mount("");
+    let empty = s.used();
     let data = pattern(16 << 20, 23);
-    write(m.path("big"), &data);
+    write(s.m.path("big"), &data);
     for i in 0..50 {
         let f = fs::OpenOptions::new()
             .read(true)
             .write(i % 2 == 0)
-            .open(m.path("big"))
+            .open(s.m.path("big"))
             .unwrap();
         let mut b = [0u8; 4096];
         f.read_exact_at(&mut b, 4096 * i).unwrap();
         assert_eq!(b[..], data[4096 * i as usize..][..4096]);
     }
-    assert!(used() >= empty + (16 << 20));
-    fs::remove_file(m.path("big")).unwrap();
+    assert!(s.used() >= empty + (16 << 20));
+    fs::remove_file(s.m.path("big")).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while used() > empty + (1 << 20) {
+    while s.used() > empty + (1 << 20) {
         assert!(
             std::time::Instant::now() < deadline,
             "the unlinked file's blocks are still held: {} bytes used",
-            used() - empty
+            s.used() - empty
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let log = m.unmount();
+    let log = s.m.unmount();
     assert_eq!(served(&log, "passthrough"), 51, "{log}");
     assert_eq!(
         served(&log, "backings"),

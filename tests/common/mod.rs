@@ -556,22 +556,70 @@ pub fn failed_calls(strace: &str, syscall: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// A tmpfs of `size` (e.g. "4m") mounted on `dir` for as long as the value lives: a small
-/// file system a test can fill, or watch the space of.
-pub struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
-        sh(&format!(
-            "mount -t tmpfs -o size={size} tmpfs {}",
-            dir.display()
-        ));
-        Tmpfs(dir.to_path_buf())
-    }
-}
+/// A tmpfs mounted for as long as the value lives.
+struct Tmpfs(PathBuf);
 
 impl Drop for Tmpfs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Layers whose upper and work dirs sit on a tmpfs of `size` (e.g. "4m"), a small file system
+/// a test can fill or watch the space of: fill `lower()`, then `mount(extra)`. Fields go in
+/// order: the mount, the tmpfs, the directory holding both.
+pub struct SmallUpper {
+    pub m: Mount,
+    _tmpfs: Tmpfs,
+    dir: tempfile::TempDir,
+}
+
+impl SmallUpper {
+    pub fn new(size: &str) -> SmallUpper {
+        let dir = tempfile::Builder::new()
+            .prefix("mosaicfs-small")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let p = dir.path();
+        for d in ["lower", "up", "mnt"] {
+            fs::create_dir(p.join(d)).unwrap();
+        }
+        sh(&format!(
+            "mount -t tmpfs -o size={size} tmpfs {}",
+            p.join("up").display()
+        ));
+        let tmpfs = Tmpfs(p.join("up"));
+        fs::create_dir(p.join("up/u")).unwrap();
+        fs::create_dir(p.join("up/w")).unwrap();
+        let mut m = Mount::new(0);
+        m.mnt = p.join("mnt");
+        SmallUpper {
+            m,
+            _tmpfs: tmpfs,
+            dir,
+        }
+    }
+
+    pub fn lower(&self) -> PathBuf {
+        self.dir.path().join("lower")
+    }
+
+    /// The upper dir, on the tmpfs.
+    pub fn upper(&self) -> PathBuf {
+        self.dir.path().join("up/u")
+    }
+
+    /// What the tmpfs holds, in bytes.
+    pub fn used(&self) -> u64 {
+        let s = rustix::fs::statvfs(self.dir.path().join("up")).unwrap();
+        (s.f_blocks - s.f_bfree) * s.f_frsize
+    }
+
+    /// Mounts with `extra` after the layer options ("" or ",opt=value,...").
+    pub fn mount(&mut self, extra: &str) {
+        self.m.mount_with(&format!(
+            "lowerdir={0}/lower,upperdir={0}/up/u,workdir={0}/up/w{extra}",
+            self.dir.path().display()
+        ));
     }
 }
