@@ -363,23 +363,12 @@ impl MemoryUpper {
 
     // ---- durability --------------------------------------------------------------------
 
-    /// Writes an image of the tree as it is now; after it returns, a crash or an unmount
-    /// leaves the layer as it was at this call. Nothing to do for a volatile layer, nor when
-    /// nothing changed since the last image or journal entry: those already hold the tree.
-    ///
-    /// The unmount of a layer nothing changed in (containers/storage mounts a container's
-    /// layer afresh to compute its diff, then unmounts and deletes it) so writes nothing: the
-    /// daemon's last writes run after umount(2) has returned, and files it made again in a
-    /// layer directory being removed failed the removal with ENOTEMPTY.
+    /// Writes an image of the tree as it is now (`mosaicfs sync`); after it returns, a crash
+    /// or an unmount leaves the layer as it was at this call. Nothing to do for a volatile
+    /// layer, nor when nothing changed since the last image or journal entry: those already
+    /// hold the tree.
     pub fn sync(&self) -> Result<()> {
-        let Some(persist) = &self.persist else {
-            return Ok(());
-        };
-        let _one = self.commit_lock.lock().unwrap();
-        if self.unchanged() {
-            return Ok(());
-        }
-        self.write_image(persist)
+        self.make_durable(false)
     }
 
     /// No change since the last durable image or journal entry: no node dirty, none removed,
@@ -490,6 +479,13 @@ impl MemoryUpper {
     /// length; the next mount folds it into an image (`open`). Nothing at all is written when
     /// nothing changed since the last image or entry.
     pub fn sync_at_unmount(&self) -> Result<()> {
+        self.make_durable(true)
+    }
+
+    /// `sync` (`to_journal` false) and `sync_at_unmount` (true, unless the journal is unusable).
+    /// Nothing at all is written when nothing changed since the last image or entry: the
+    /// unmount of a layer mounted only to read it (containers/storage's diff) writes nothing.
+    fn make_durable(&self, to_journal: bool) -> Result<()> {
         let Some(persist) = &self.persist else {
             return Ok(());
         };
@@ -497,10 +493,10 @@ impl MemoryUpper {
         if self.unchanged() {
             return Ok(());
         }
-        if self.journal_stale.load(Ordering::Relaxed) {
-            return self.write_image(persist);
+        if to_journal && !self.journal_stale.load(Ordering::Relaxed) {
+            return self.append_entry(persist);
         }
-        self.append_entry(persist)
+        self.write_image(persist)
     }
 
     /// Appends the nodes changed and removed since the last image or entry to the journal.
