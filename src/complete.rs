@@ -8,8 +8,9 @@
 //! leaves either a valid partial file or a complete one. Afterwards the file is a plain upper
 //! file: kernel overlayfs reads it correctly and mosaicfs serves it with passthrough.
 //!
-//! Completion follows use: a partial file that has been written and is opened for writing
-//! again is in sustained use (a database, a log, an image being edited) and is due at once,
+//! Completion follows use: a partial file that has been written, or opened for writing
+//! before, and is opened for writing again is in sustained use (a database, a log, an image
+//! being edited) and is due at once,
 //! since each later open of a complete file is served by passthrough; up to
 //! `complete_on_reopen=` bytes to copy it is even completed before that open returns
 //! (io.rs). The share-of-blocks trigger waits until the file has had no write for `SETTLE`,
@@ -48,7 +49,7 @@ impl CompletionPolicy {
         }
         if self.on_reopen_below > 0 && p.reopened {
             return Some(format!(
-                "written, then opened for writing again ({} opens)",
+                "opened for writing again after a write or an earlier writable open ({} opens)",
                 p.writer_opens
             ));
         }
@@ -71,7 +72,7 @@ impl CompletionPolicy {
             w.push(format!("no write for {:.0} s", d.as_secs_f64()));
         }
         if self.on_reopen_below > 0 {
-            w.push("an open for writing after a write".to_string());
+            w.push("an open for writing after a write or a writable open".to_string());
         }
         if self.ratio > 0.0 {
             w.push(format!(

@@ -110,7 +110,8 @@ pub struct OpenFile {
     data: RwLock<FileData>,
     /// Opens for writing since this state was made (completion follows use, complete.rs).
     pub(crate) writer_opens: std::sync::atomic::AtomicU32,
-    /// Opened for writing when it already held blocks of its own: in sustained use.
+    /// Opened for writing when it already held blocks of its own, or after an earlier open
+    /// for writing: in sustained use.
     pub(crate) reopened: std::sync::atomic::AtomicBool,
 }
 

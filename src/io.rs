@@ -397,10 +397,11 @@ impl Overlay {
             // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
             // open for writing finds the file there (a partial file with no blocks: no data).
             self.ensure_upper(&node, &file)?;
-            file.writer_opens
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            // Written before this open: in sustained use (completion follows use, complete.rs).
-            let reopened = file.has_blocks_of_its_own();
+            // Written before, or opened for writing before: in sustained use (completion
+            // follows use, complete.rs). Only opens that returned a handle count: one the
+            // kernel retries after ESTALE (`rebind`) is the same open.
+            let earlier_writers = file.writer_opens.load(std::sync::atomic::Ordering::Relaxed);
+            let reopened = earlier_writers > 0 || file.has_blocks_of_its_own();
             if reopened {
                 file.reopened
                     .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -434,6 +435,10 @@ impl Overlay {
         let flushes = writable && self.caw.is_some() && file.is_partial();
         if exec {
             node.state().executing += 1;
+        }
+        if writable {
+            file.writer_opens
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let fh = self.handles.insert(Handle {
             file,
@@ -470,11 +475,12 @@ impl Overlay {
     /// upper layer can clone came up complete, in O(1), copy_up.rs); a partial file is
     /// completed here when it is
     /// - small (`copy_whole=`; the copy costs about what a partial file's first write costs);
-    /// - written before and opened for writing again (`complete_on_reopen=`): a file written,
-    ///   closed and reopened — a database, a log, an image being edited — would otherwise send
-    ///   every later read and write to the daemon, and completion copies it anyway once it
-    ///   goes idle. A partial file with no blocks of its own (chown, chmod, an open for
-    ///   writing: a metadata-only copy-up) keeps block-level copy-up for its first write.
+    /// - opened for writing again (`complete_on_reopen=`): a file written, or opened for
+    ///   writing, closed and reopened for writing — a database, a log, an image being edited,
+    ///   a file a job opens read-write at every run — would otherwise send every later read
+    ///   and write to the daemon, and completion copies it anyway once it goes idle. The first
+    ///   writable open, and the first after a metadata-only copy-up (chown, chmod), keeps
+    ///   block-level copy-up for the file's first write.
     ///
     /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
     /// so a crash at any point leaves a valid file.

@@ -217,8 +217,8 @@ pub enum PassthroughPolicy {
 /// (docs/PERFORMANCE.md, "Whole copies of small files").
 pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
 
-/// Default `complete_on_reopen=`: a file reopened for writing after it was written is in
-/// sustained use; completing it then costs what kernel overlayfs pays at the first open, up to
+/// Default `complete_on_reopen=`: a file opened for writing again after it was written or
+/// opened for writing is in sustained use; completing it then costs what kernel overlayfs pays at the first open, up to
 /// this size (docs/PERFORMANCE.md, "Completion follows use").
 pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
 
@@ -231,9 +231,10 @@ pub struct CompletionPolicy {
     /// A file with at most this many bytes to copy is made complete when it is opened for
     /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
     pub at_open_below: u64,
-    /// A partial file that has been written (it holds blocks of its own) and is opened for
-    /// writing again is completed before that open returns when at most this many bytes are
-    /// left to copy, else in the background at once; 0: neither (`complete_on_reopen=`).
+    /// A partial file that has been written (it holds blocks of its own) or opened for writing
+    /// before, and is opened for writing again, is completed before that open returns when at
+    /// most this many bytes are left to copy, else in the background at once; 0: neither
+    /// (`complete_on_reopen=`).
     pub on_reopen_below: u64,
 }
 

@@ -133,6 +133,48 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
 }
 
 #[test]
+fn a_file_opened_for_writing_before_is_completed_by_its_next_writable_open() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    // An open for writing that wrote nothing (a database opened read-write and only read, a
+    // job's `open(O_WRONLY)` before its writer starts) copies up a partial file with no
+    // blocks; the next writable open finds a file in sustained use and completes it, so that
+    // the writes after it are passthrough.
+    let base = pattern(4 << 20, 9);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("db"), &base);
+    write(m.lower(0).join("once"), &base);
+    m.extra = opts(&["complete_after=600", "complete_ratio=0"]);
+    m.mount();
+    drop(
+        fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("db"))
+            .unwrap(),
+    );
+    assert!(
+        is_partial(&m.upper.join("db")),
+        "the first writable open copies up a partial file, no data"
+    );
+    assert!(
+        !reopen_and_write(&m, "db", 1 << 20, b"sustained"),
+        "complete as soon as the second writable open returned"
+    );
+    let mut want = base.clone();
+    want[1 << 20..(1 << 20) + 9].copy_from_slice(b"sustained");
+    assert!(
+        fs::read(m.upper.join("db")).unwrap() == want,
+        "the upper file alone"
+    );
+    // One writable open is not sustained use: its write copies blocks, not the file.
+    assert!(reopen_and_write(&m, "once", 0, b"x"));
+    assert!(is_partial(&m.upper.join("once")));
+    let log = m.unmount();
+    assert_eq!(served(&log, "at-open"), 1, "{log}");
+}
+
+#[test]
 fn a_reopened_file_above_complete_on_reopen_is_completed_in_the_background() {
     if !runs_on_disk_upper_only() {
         return;
