@@ -400,8 +400,8 @@ impl Overlay {
             // Written before, or opened for writing before: in sustained use (completion
             // follows use, complete.rs). Only opens that returned a handle count: one the
             // kernel retries after ESTALE (`rebind`) is the same open.
-            let earlier_writers = file.writer_opens.load(std::sync::atomic::Ordering::Relaxed);
-            let reopened = earlier_writers > 0 || file.has_blocks_of_its_own();
+            let reopened = file.writer_opens.load(std::sync::atomic::Ordering::Relaxed) > 0
+                || file.has_blocks_of_its_own();
             if reopened {
                 file.reopened
                     .store(true, std::sync::atomic::Ordering::Relaxed);

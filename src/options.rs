@@ -218,8 +218,8 @@ pub enum PassthroughPolicy {
 pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
 
 /// Default `complete_on_reopen=`: a file opened for writing again after it was written or
-/// opened for writing is in sustained use; completing it then costs what kernel overlayfs pays at the first open, up to
-/// this size (docs/PERFORMANCE.md, "Completion follows use").
+/// opened for writing is in sustained use; completing it then costs what kernel overlayfs pays
+/// at the first open, up to this size (docs/PERFORMANCE.md, "Completion follows use").
 pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Copy)]

@@ -87,6 +87,19 @@ fn reopen_and_write(m: &Mount, name: &str, off: u64, data: &[u8]) -> bool {
     partial
 }
 
+/// A mount whose lower layer holds `names`, each a 4 MiB file of `pattern(.., seed)`, where
+/// only a reopen completes a file (neither idleness nor the share of blocks would).
+fn mounted_for_reopens(names: &[&str], seed: u64) -> (Mount, Vec<u8>) {
+    let base = pattern(4 << 20, seed);
+    let mut m = Mount::new(1);
+    for name in names {
+        write(m.lower(0).join(name), &base);
+    }
+    m.extra = opts(&["complete_after=600", "complete_ratio=0"]);
+    m.mount();
+    (m, base)
+}
+
 #[test]
 fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
     if !runs_on_disk_upper_only() {
@@ -95,12 +108,7 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
     // Completion follows use: a file written, closed and opened for writing again (a database,
     // a log) is completed by that open, which is then served by passthrough. Neither idleness
     // nor the share of blocks would complete it here.
-    let base = pattern(4 << 20, 6);
-    let mut m = Mount::new(1);
-    write(m.lower(0).join("log"), &base);
-    write(m.lower(0).join("owned"), &base);
-    m.extra = opts(&["complete_after=600", "complete_ratio=0"]);
-    m.mount();
+    let (mut m, base) = mounted_for_reopens(&["log", "owned"], 6);
     assert!(
         reopen_and_write(&m, "log", 4096, b"one"),
         "the first open copies up a partial file with no blocks of its own"
@@ -141,12 +149,7 @@ fn a_file_opened_for_writing_before_is_completed_by_its_next_writable_open() {
     // job's `open(O_WRONLY)` before its writer starts) copies up a partial file with no
     // blocks; the next writable open finds a file in sustained use and completes it, so that
     // the writes after it are passthrough.
-    let base = pattern(4 << 20, 9);
-    let mut m = Mount::new(1);
-    write(m.lower(0).join("db"), &base);
-    write(m.lower(0).join("once"), &base);
-    m.extra = opts(&["complete_after=600", "complete_ratio=0"]);
-    m.mount();
+    let (mut m, base) = mounted_for_reopens(&["db", "once"], 9);
     drop(
         fs::OpenOptions::new()
             .write(true)
