@@ -444,6 +444,10 @@ fn serve(
         core: overlay,
         max_write: opts.max_write,
         panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
+        slow_release: std::env::var("MOSAICFS_TEST_SLOW_RELEASE")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .map(std::time::Duration::from_millis),
     };
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;

@@ -8,8 +8,8 @@
 
 use std::any::Any;
 use std::os::fd::BorrowedFd;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 use crate::error::{Result, errno};
 use crate::layers::LayerId;
@@ -150,7 +150,11 @@ pub enum IoMode {
 /// no handle is of the lower kind again. At most `MAX_IDLE_BACKINGS` are idle at once: each
 /// holds an open file in the kernel.
 #[derive(Default)]
-pub struct NodeIo(Mutex<IoState>);
+pub struct NodeIo {
+    state: Mutex<IoState>,
+    /// Signalled when the last passthrough handle goes, for an open waiting on it (`begin`).
+    unbound: Condvar,
+}
 
 #[derive(Default)]
 struct IoState {
@@ -163,6 +167,9 @@ struct IoState {
     backing_upper: bool,
     /// `backing` is kept with no passthrough handle open (counted in `IDLE_BACKINGS`).
     idle: bool,
+    /// Opens waiting for the last passthrough handle to go (`NodeIo::begin`): only then does
+    /// `end` signal, so a close pays no wake-up call when nobody waits.
+    waiting: usize,
 }
 
 /// How many upper registrations are idle in this daemon (`IoState::idle`).
@@ -196,15 +203,11 @@ pub(crate) enum DataKind {
     Merged,
 }
 
-impl NodeIo {
-    fn state(&self) -> std::sync::MutexGuard<'_, IoState> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
+impl IoState {
     /// Picks and counts the I/O mode of a new handle; None when the kernel inode is bound to a
     /// backing file this handle may not use.
-    pub(crate) fn begin(
-        &self,
+    fn begin(
+        &mut self,
         data: DataKind,
         writable: bool,
         policy: PassthroughPolicy,
@@ -214,14 +217,13 @@ impl NodeIo {
         // A second identity exists because a handle could not use the lower file: never bind
         // it to one (a writer may be on its way).
         let lower = data == DataKind::PlainLower && !writable && !alias;
-        let mut io = self.state();
-        if io.passthrough > 0 {
+        if self.passthrough > 0 {
             // The inode is bound to its backing file until the last passthrough handle closes.
-            let fits = if io.backing_upper { upper } else { lower };
+            let fits = if self.backing_upper { upper } else { lower };
             if !fits {
                 return None;
             }
-            io.passthrough += 1;
+            self.passthrough += 1;
             return Some(IoMode::Passthrough);
         }
         let eligible = match policy {
@@ -229,20 +231,61 @@ impl NodeIo {
             PassthroughPolicy::Upper => upper,
             PassthroughPolicy::All => upper || lower,
         };
-        let passthrough = eligible && io.cached == 0;
+        let passthrough = eligible && self.cached == 0;
         // An idle registration serves this handle only if the handle passes through on the
         // same kind of file: a lower file's registration ends with its copy-up.
-        io.wake();
-        if !(passthrough && upper == io.backing_upper) {
-            io.backing = None;
+        self.wake();
+        if !(passthrough && upper == self.backing_upper) {
+            self.backing = None;
         }
         if passthrough {
-            io.passthrough += 1;
-            io.backing_upper = upper;
+            self.passthrough += 1;
+            self.backing_upper = upper;
             Some(IoMode::Passthrough)
         } else {
-            io.cached += 1;
+            self.cached += 1;
             Some(IoMode::Cached)
+        }
+    }
+}
+
+impl NodeIo {
+    fn state(&self) -> std::sync::MutexGuard<'_, IoState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Picks and counts the I/O mode of a new handle; None when the kernel inode is bound to a
+    /// backing file this handle may not use, and stays bound for `patience`.
+    ///
+    /// The kernel unbinds an inode when its last passthrough handle is closed, but tells the
+    /// daemon only by the RELEASE it sends afterwards, which another worker thread may still be
+    /// serving when an open that follows the close arrives: `patience` waits for it.
+    pub(crate) fn begin(
+        &self,
+        data: DataKind,
+        writable: bool,
+        policy: PassthroughPolicy,
+        alias: bool,
+        patience: Duration,
+    ) -> Option<IoMode> {
+        let mut io = self.state();
+        let mut deadline = None;
+        loop {
+            if let Some(mode) = io.begin(data, writable, policy, alias) {
+                return Some(mode);
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + patience);
+            let left = deadline.checked_duration_since(Instant::now())?;
+            if left.is_zero() {
+                return None;
+            }
+            io.waiting += 1;
+            io = self
+                .unbound
+                .wait_timeout(io, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            io.waiting -= 1;
         }
     }
 
@@ -264,6 +307,9 @@ impl NodeIo {
                         io.idle = true;
                     } else {
                         io.backing = None;
+                    }
+                    if io.waiting > 0 {
+                        self.unbound.notify_all();
                     }
                 }
             }

@@ -27,6 +27,9 @@ pub struct MosaicFs {
     /// A name whose lookup panics, from `MOSAICFS_TEST_PANIC`: how the tests check the panic
     /// policy (daemon.rs, `log_panics`) on a real mount.
     pub panic_on_lookup: Option<std::ffi::OsString>,
+    /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
+    /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
+    pub slow_release: Option<Duration>,
 }
 
 fn errno(e: Error) -> Errno {
@@ -556,6 +559,9 @@ impl Filesystem for MosaicFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        if let Some(pause) = self.slow_release {
+            std::thread::sleep(pause);
+        }
         self.core.release(fh.0);
         reply.ok();
     }

@@ -267,6 +267,13 @@ impl Node {
         self.ino != self.st_ino
     }
 
+    /// Whether lookups of this object name another node id now (`retire`): opens still made
+    /// through this one come through a descriptor, not a name (/proc/self/fd,
+    /// open_by_handle_at), so the kernel cannot retry them under a new inode.
+    pub fn is_retired(&self) -> bool {
+        !self.is_alias() && self.current.load(Ordering::Relaxed) != SELF
+    }
+
     /// Whether the object has had another kernel inode besides this one (`retire`): each has
     /// a page cache of its own, and a write through one does not reach the other's.
     pub fn has_two_identities(&self) -> bool {

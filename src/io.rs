@@ -6,7 +6,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::fs::{FallocateFlags, OFlags};
 
@@ -41,6 +41,13 @@ impl OpenFile {
 /// The open flag execve(2) opens its program with (the kernel's `__FMODE_EXEC`, passed on in
 /// FUSE_OPEN; never an open(2) flag, which the kernel masks off).
 const FMODE_EXEC: i32 = 0x20;
+
+/// How long an open of a retired inode waits for its last passthrough handle's RELEASE before
+/// it fails with ESTALE. The RELEASE of a handle closed before the open is already queued and
+/// takes microseconds to serve; the wait is long only when a reader really holds the inode
+/// bound (a passthrough reader of the lower file still open while the file is reopened
+/// through /proc/self/fd), where no answer but ESTALE is right.
+const RELEASE_PATIENCE: Duration = Duration::from_millis(500);
 
 impl Overlay {
     /// Opens the data of `node` in its current state.
@@ -422,9 +429,16 @@ impl Overlay {
         } else {
             self.config.passthrough
         };
+        // An open of a retired inode cannot be retried under a new one: one that finds it
+        // bound waits for the RELEASE that may be on its way (`NodeIo::begin`).
+        let patience = if node.is_retired() {
+            RELEASE_PATIENCE
+        } else {
+            Duration::ZERO
+        };
         let Some(io) = node
             .io
-            .begin(file.kind(), writable, policy, node.is_alias())
+            .begin(file.kind(), writable, policy, node.is_alias(), patience)
         else {
             return Err(self.rebind(&node));
         };
@@ -505,11 +519,13 @@ impl Overlay {
         h.node.io.end(*io);
         let kind = h.file.kind();
         let alias = h.node.is_alias();
-        *io = match h
-            .node
-            .io
-            .begin(kind, h.writable, PassthroughPolicy::Off, alias)
-        {
+        *io = match h.node.io.begin(
+            kind,
+            h.writable,
+            PassthroughPolicy::Off,
+            alias,
+            Duration::ZERO,
+        ) {
             Some(io) => io,
             None => return Err(self.rebind(&h.node)),
         };

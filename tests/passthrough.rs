@@ -6,6 +6,7 @@ mod common;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -294,8 +295,33 @@ fn concurrent_readers_and_writers_of_lower_files_all_succeed() {
 /// data the writer has since overwritten through the second inode.
 #[test]
 fn an_open_of_the_first_kernel_inode_after_a_rebind_sees_the_latest_writes() {
+    let log = reopen_the_first_kernel_inode_after_a_rebind(None);
+    assert!(served(&log, "rebinds") >= 1, "{log}");
+}
+
+/// The same, with every RELEASE served 200 ms late, as one is when the worker thread that read
+/// it is preempted: the reader's close has unbound the first inode in the kernel before its
+/// RELEASE reaches the daemon, and the open through /proc that follows must wait for it, not
+/// fail with ESTALE (which the kernel cannot retry for an open made through a descriptor).
+#[test]
+fn an_open_of_a_retired_kernel_inode_waits_for_a_release_on_its_way() {
+    let start = Instant::now();
+    reopen_the_first_kernel_inode_after_a_rebind(Some(200));
+    assert!(start.elapsed() >= Duration::from_millis(200));
+}
+
+/// Opens a writer while a passthrough reader of the lower file is open (a rebind), closes the
+/// reader and reopens the first kernel inode through /proc after each of two writes; returns
+/// the daemon's log. `slow_release`: milliseconds each RELEASE waits in the daemon.
+fn reopen_the_first_kernel_inode_after_a_rebind(slow_release: Option<u64>) -> String {
     use std::os::fd::AsRawFd;
-    let m = Mount::with(|l| write(l.join("f"), pattern(4 << 20, 3)));
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(4 << 20, 3));
+    if let Some(ms) = slow_release {
+        m.env
+            .push(("MOSAICFS_TEST_SLOW_RELEASE".into(), ms.to_string()));
+    }
+    m.mount();
     let first = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_PATH)
@@ -312,7 +338,7 @@ fn an_open_of_the_first_kernel_inode_after_a_rebind_sees_the_latest_writes() {
     let read_first = || {
         let mut buf = [0u8; 4];
         fs::File::open(&via_first)
-            .unwrap()
+            .expect("an open through the first kernel inode")
             .read_exact(&mut buf)
             .unwrap();
         buf
@@ -322,6 +348,8 @@ fn an_open_of_the_first_kernel_inode_after_a_rebind_sees_the_latest_writes() {
     assert_eq!(&read_first(), b"BBBB", "a new open shows the second write");
     drop(writer);
     assert_eq!(&fs::read(m.path("f")).unwrap()[..4], b"BBBB");
+    drop(first);
+    m.unmount()
 }
 
 /// The passthrough registration of a complete upper file outlives its last handle, so later
@@ -349,14 +377,14 @@ fn a_complete_files_registration_serves_every_open_and_goes_with_its_inode() {
     }
     assert!(s.used() >= empty + (16 << 20));
     fs::remove_file(s.m.path("big")).unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(5);
     while s.used() > empty + (1 << 20) {
         assert!(
-            std::time::Instant::now() < deadline,
+            Instant::now() < deadline,
             "the unlinked file's blocks are still held: {} bytes used",
             s.used() - empty
         );
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(20));
     }
     let log = s.m.unmount();
     assert_eq!(served(&log, "passthrough"), 51, "{log}");
