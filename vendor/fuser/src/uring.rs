@@ -85,6 +85,10 @@ const IORING_SETUP_SQE128: u32 = 1 << 10;
 const IORING_SETUP_SINGLE_ISSUER: u32 = 1 << 12;
 const IORING_SETUP_DEFER_TASKRUN: u32 = 1 << 13;
 const IORING_ENTER_GETEVENTS: u32 = 1;
+const IORING_ENTER_REGISTERED_RING: u32 = 1 << 4;
+const IORING_REGISTER_FILES: u32 = 2;
+const IORING_REGISTER_RING_FDS: u32 = 20;
+const IOSQE_FIXED_FILE: u8 = 1;
 const IORING_OP_URING_CMD: u8 = 46;
 const IORING_OFF_SQ_RING: libc::off_t = 0;
 const IORING_OFF_CQ_RING: libc::off_t = 0x800_0000;
@@ -186,6 +190,29 @@ struct Ring {
     sq_off: SqringOffsets,
     cq_off: CqringOffsets,
     fd: OwnedFd,
+    /// How `io_uring_enter` names the ring: its index among the thread's registered rings
+    /// (`IORING_REGISTER_RING_FDS`), so that no enter looks the descriptor up, or else `fd`.
+    enter_fd: i32,
+    enter_flags: u32,
+}
+
+/// `struct io_uring_rsrc_update`.
+#[repr(C)]
+struct RsrcUpdate {
+    offset: u32,
+    resv: u32,
+    data: u64,
+}
+
+/// `io_uring_register(2)` on `ring`.
+fn register(ring: BorrowedFd<'_>, op: u32, arg: *const libc::c_void, n: u32) -> io::Result<i64> {
+    // SAFETY: `arg` points at `n` items of the layout `op` takes, alive for the call.
+    let r = unsafe { libc::syscall(libc::SYS_io_uring_register, ring.as_raw_fd(), op, arg, n) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
 }
 
 // SAFETY: the ring is used by the one thread that owns it; the raw pointers are into its own
@@ -222,6 +249,19 @@ impl Ring {
             p.sq_entries as usize * SQE_SIZE,
             IORING_OFF_SQES,
         )?;
+        // Registered for this thread (Linux 5.18+; without it the plain descriptor serves):
+        // each enter then skips a descriptor lookup, one per request.
+        let mut slot = RsrcUpdate {
+            offset: u32::MAX,
+            resv: 0,
+            data: fd.as_raw_fd() as u64,
+        };
+        let slot_ptr = (&mut slot as *mut RsrcUpdate).cast();
+        let (enter_fd, enter_flags) =
+            match register(fd.as_fd(), IORING_REGISTER_RING_FDS, slot_ptr, 1) {
+                Ok(1) => (slot.offset as i32, IORING_ENTER_REGISTERED_RING),
+                _ => (fd.as_raw_fd(), 0),
+            };
         Ok(Ring {
             sq,
             cq,
@@ -229,7 +269,17 @@ impl Ring {
             sq_off: p.sq_off,
             cq_off: p.cq_off,
             fd,
+            enter_fd,
+            enter_flags,
         })
+    }
+
+    /// Registers `file` as the ring's fixed file 0: a command naming it (`IOSQE_FIXED_FILE`)
+    /// then skips a descriptor lookup and reference per submission. False if the kernel refused.
+    fn register_file(&self, file: BorrowedFd<'_>) -> bool {
+        let fds = [file.as_raw_fd()];
+        let ring = self.fd.as_fd();
+        register(ring, IORING_REGISTER_FILES, fds.as_ptr().cast(), 1).is_ok()
     }
 
     /// Queues `sqe` and enters the kernel: submits it and, with `wait`, waits for one
@@ -261,10 +311,10 @@ impl Ring {
             let r = unsafe {
                 libc::syscall(
                     libc::SYS_io_uring_enter,
-                    self.fd.as_raw_fd(),
+                    self.enter_fd,
                     1u32,
                     min,
-                    flags,
+                    flags | self.enter_flags,
                     std::ptr::null::<libc::c_void>(),
                     0usize,
                 )
@@ -306,10 +356,10 @@ impl Ring {
             let r = unsafe {
                 libc::syscall(
                     libc::SYS_io_uring_enter,
-                    self.fd.as_raw_fd(),
+                    self.enter_fd,
                     0u32,
                     1u32,
-                    IORING_ENTER_GETEVENTS,
+                    IORING_ENTER_GETEVENTS | self.enter_flags,
                     std::ptr::null::<libc::c_void>(),
                     0usize,
                 )
@@ -346,7 +396,9 @@ pub(crate) struct RingEntry {
     /// `PREFIX` bytes, then the payload buffer registered with the kernel.
     buf: Vec<u8>,
     iov: Box<[libc::iovec; 2]>,
+    /// How commands name the /dev/fuse descriptor: the ring's fixed file 0, or the descriptor.
     dev: i32,
+    dev_flags: u8,
     qid: u16,
     /// Where the current request starts in `buf`, and where it ends.
     request: (usize, usize),
@@ -365,6 +417,11 @@ impl RingEntry {
     /// bytes (at least the kernel's `max_payload_sz`). Not registered yet: `fetch` does that.
     pub(crate) fn new(dev: BorrowedFd<'_>, qid: u16, payload: usize) -> io::Result<RingEntry> {
         let ring = Ring::new()?;
+        let (dev, dev_flags) = if ring.register_file(dev) {
+            (0, IOSQE_FIXED_FILE)
+        } else {
+            (dev.as_raw_fd(), 0)
+        };
         let mut header = Box::new(ReqHeader {
             in_out: [0; IN_OUT_HEADER_SZ],
             op_in: [0; OP_IN_OUT_SZ],
@@ -387,7 +444,8 @@ impl RingEntry {
             header,
             buf,
             iov,
-            dev: dev.as_raw_fd(),
+            dev,
+            dev_flags,
             qid,
             request: (0, 0),
         })
@@ -396,6 +454,7 @@ impl RingEntry {
     fn command(&self, cmd_op: u32, commit_id: u64) -> [u8; SQE_SIZE] {
         let mut sqe = [0u8; SQE_SIZE];
         sqe[0] = IORING_OP_URING_CMD;
+        sqe[1] = self.dev_flags;
         sqe[4..8].copy_from_slice(&self.dev.to_ne_bytes());
         sqe[8..12].copy_from_slice(&cmd_op.to_ne_bytes());
         sqe[16..24].copy_from_slice(&(self.iov.as_ptr() as u64).to_ne_bytes());
