@@ -231,6 +231,50 @@ fn a_panic_kill_9_and_unmount_over_io_uring_leave_a_working_next_mount() {
     assert_eq!(fs::read(m.path("f")).unwrap(), b"lower");
 }
 
+/// Once the daemon has exited after an unmount, nothing holds the upper layer's file system:
+/// containers/storage unmounts or removes it right away. The kernel's passthrough backing
+/// files live as long as the /dev/fuse file; a ring holding that file (a fixed file) keeps it
+/// until the ring's asynchronous teardown, and an unmount of the upper file system then failed
+/// with EBUSY for about 100 ms.
+#[test]
+fn the_upper_file_system_is_free_as_soon_as_the_daemon_has_exited() {
+    let Some(_u) = Uring::set(true) else { return };
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), b"lower");
+    let fs_dir = m.dir.path().join("fs");
+    fs::create_dir(&fs_dir).unwrap();
+    rustix::mount::mount(
+        "tmpfs",
+        &fs_dir,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .unwrap();
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = rustix::mount::unmount(self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+    let _tmpfs = Unmount(&fs_dir);
+    m.upper = fs_dir.join("upper");
+    m.work = fs_dir.join("work");
+    for d in [&m.upper, &m.work] {
+        fs::create_dir(d).unwrap();
+    }
+    m.extra.push("uring=on".into());
+    m.mount();
+    for i in 0..4 {
+        write(m.path(&format!("new{i}")), b"upper");
+        assert_eq!(fs::read(m.path(&format!("new{i}"))).unwrap(), b"upper");
+    }
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"lower");
+    m.unmount();
+    rustix::mount::unmount(&fs_dir, rustix::mount::UnmountFlags::empty())
+        .expect("the upper layer's file system is busy after the daemon exited");
+}
+
 #[test]
 fn uring_on_says_how_to_enable_it_and_auto_falls_back() {
     let Some(_u) = Uring::set(false) else { return };

@@ -86,9 +86,7 @@ const IORING_SETUP_SINGLE_ISSUER: u32 = 1 << 12;
 const IORING_SETUP_DEFER_TASKRUN: u32 = 1 << 13;
 const IORING_ENTER_GETEVENTS: u32 = 1;
 const IORING_ENTER_REGISTERED_RING: u32 = 1 << 4;
-const IORING_REGISTER_FILES: u32 = 2;
 const IORING_REGISTER_RING_FDS: u32 = 20;
-const IOSQE_FIXED_FILE: u8 = 1;
 const IORING_OP_URING_CMD: u8 = 46;
 const IORING_OFF_SQ_RING: libc::off_t = 0;
 const IORING_OFF_CQ_RING: libc::off_t = 0x800_0000;
@@ -249,8 +247,8 @@ impl Ring {
             p.sq_entries as usize * SQE_SIZE,
             IORING_OFF_SQES,
         )?;
-        // Registered for this thread (Linux 5.18+; without it the plain descriptor serves):
-        // each enter then skips a descriptor lookup, one per request.
+        // Registered for the calling thread, the one that uses the ring (Linux 5.18+; without
+        // it the plain descriptor serves): each enter then skips a descriptor lookup.
         let mut slot = RsrcUpdate {
             offset: u32::MAX,
             resv: 0,
@@ -272,14 +270,6 @@ impl Ring {
             enter_fd,
             enter_flags,
         })
-    }
-
-    /// Registers `file` as the ring's fixed file 0: a command naming it (`IOSQE_FIXED_FILE`)
-    /// then skips a descriptor lookup and reference per submission. False if the kernel refused.
-    fn register_file(&self, file: BorrowedFd<'_>) -> bool {
-        let fds = [file.as_raw_fd()];
-        let ring = self.fd.as_fd();
-        register(ring, IORING_REGISTER_FILES, fds.as_ptr().cast(), 1).is_ok()
     }
 
     /// Queues `sqe` and enters the kernel: submits it and, with `wait`, waits for one
@@ -396,9 +386,10 @@ pub(crate) struct RingEntry {
     /// `PREFIX` bytes, then the payload buffer registered with the kernel.
     buf: Vec<u8>,
     iov: Box<[libc::iovec; 2]>,
-    /// How commands name the /dev/fuse descriptor: the ring's fixed file 0, or the descriptor.
+    /// The /dev/fuse descriptor. Not a fixed file of the ring: the ring would hold the file
+    /// (and with it the kernel's passthrough backing files) until its asynchronous teardown,
+    /// after the daemon has exited, and the upper layer's file system would stay busy.
     dev: i32,
-    dev_flags: u8,
     qid: u16,
     /// Where the current request starts in `buf`, and where it ends.
     request: (usize, usize),
@@ -417,11 +408,6 @@ impl RingEntry {
     /// bytes (at least the kernel's `max_payload_sz`). Not registered yet: `fetch` does that.
     pub(crate) fn new(dev: BorrowedFd<'_>, qid: u16, payload: usize) -> io::Result<RingEntry> {
         let ring = Ring::new()?;
-        let (dev, dev_flags) = if ring.register_file(dev) {
-            (0, IOSQE_FIXED_FILE)
-        } else {
-            (dev.as_raw_fd(), 0)
-        };
         let mut header = Box::new(ReqHeader {
             in_out: [0; IN_OUT_HEADER_SZ],
             op_in: [0; OP_IN_OUT_SZ],
@@ -444,8 +430,7 @@ impl RingEntry {
             header,
             buf,
             iov,
-            dev,
-            dev_flags,
+            dev: dev.as_raw_fd(),
             qid,
             request: (0, 0),
         })
@@ -454,7 +439,6 @@ impl RingEntry {
     fn command(&self, cmd_op: u32, commit_id: u64) -> [u8; SQE_SIZE] {
         let mut sqe = [0u8; SQE_SIZE];
         sqe[0] = IORING_OP_URING_CMD;
-        sqe[1] = self.dev_flags;
         sqe[4..8].copy_from_slice(&self.dev.to_ne_bytes());
         sqe[8..12].copy_from_slice(&cmd_op.to_ne_bytes());
         sqe[16..24].copy_from_slice(&(self.iov.as_ptr() as u64).to_ne_bytes());
