@@ -12,11 +12,13 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_mosaicfs");
 
 /// Held (shared) while a test thread forks a process. A fork copies every open descriptor of
 /// the test binary, and the child's exec closes them again: each close of a descriptor of a
-/// mosaicfs file sends the daemon a FLUSH, which fills pending copy-after-write blocks. A test
-/// that counts those takes it exclusively (`no_forks`) so that sibling tests cannot.
+/// mosaicfs file sends the daemon a FLUSH, which fills pending copy-after-write blocks, and until
+/// then the copy keeps the mount busy (an unmount fails with EBUSY). A test that counts those
+/// FLUSHes, or unmounts without retrying, takes it exclusively (`no_forks`) so that sibling
+/// tests cannot.
 static FORKS: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
-fn forking() -> std::sync::RwLockReadGuard<'static, ()> {
+pub fn forking() -> std::sync::RwLockReadGuard<'static, ()> {
     FORKS.read().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -213,6 +215,7 @@ impl Mount {
     /// Starts the daemon with `opts` and expects it to refuse the mount: returns what it
     /// printed on stderr.
     pub fn refused(&self, opts: &str) -> String {
+        let _forking = forking();
         let out = Command::new(BIN)
             .args(["-f", "-o", opts])
             .arg(&self.mnt)
@@ -463,6 +466,7 @@ pub fn served(log: &str, what: &str) -> u64 {
 /// The value of metric line `key` (its name and labels) in `mosaicfs status --prometheus` of
 /// `m`, if the report has it.
 fn metric(m: &Mount, key: &str) -> Option<u64> {
+    let _forking = forking();
     let out = Command::new(BIN)
         .args(["status", "--prometheus"])
         .arg(&m.mnt)
