@@ -243,21 +243,7 @@ fn the_upper_file_system_is_free_as_soon_as_the_daemon_has_exited() {
     write(m.lower(0).join("f"), b"lower");
     let fs_dir = m.dir.path().join("fs");
     fs::create_dir(&fs_dir).unwrap();
-    rustix::mount::mount(
-        "tmpfs",
-        &fs_dir,
-        "tmpfs",
-        rustix::mount::MountFlags::empty(),
-        None,
-    )
-    .unwrap();
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = rustix::mount::unmount(self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-    let _tmpfs = Unmount(&fs_dir);
+    let tmpfs = Tmpfs::mount(&fs_dir, "64m");
     m.upper = fs_dir.join("upper");
     m.work = fs_dir.join("work");
     for d in [&m.upper, &m.work] {
@@ -271,7 +257,8 @@ fn the_upper_file_system_is_free_as_soon_as_the_daemon_has_exited() {
     }
     assert_eq!(fs::read(m.path("f")).unwrap(), b"lower");
     m.unmount();
-    rustix::mount::unmount(&fs_dir, rustix::mount::UnmountFlags::empty())
+    tmpfs
+        .unmount()
         .expect("the upper layer's file system is busy after the daemon exited");
 }
 

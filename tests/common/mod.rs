@@ -561,7 +561,23 @@ pub fn failed_calls(strace: &str, syscall: &str) -> u64 {
 }
 
 /// A tmpfs mounted for as long as the value lives.
-struct Tmpfs(PathBuf);
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (e.g. "4m") on the existing directory `at`.
+    pub fn mount(at: &Path, size: &str) -> Tmpfs {
+        sh(&format!(
+            "mount -t tmpfs -o size={size} tmpfs {}",
+            at.display()
+        ));
+        Tmpfs(at.to_path_buf())
+    }
+
+    /// Unmounts it now; fails if anything still holds it (EBUSY).
+    pub fn unmount(self) -> rustix::io::Result<()> {
+        rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::empty())
+    }
+}
 
 impl Drop for Tmpfs {
     fn drop(&mut self) {
@@ -588,11 +604,7 @@ impl SmallUpper {
         for d in ["lower", "up", "mnt"] {
             fs::create_dir(p.join(d)).unwrap();
         }
-        sh(&format!(
-            "mount -t tmpfs -o size={size} tmpfs {}",
-            p.join("up").display()
-        ));
-        let tmpfs = Tmpfs(p.join("up"));
+        let tmpfs = Tmpfs::mount(&p.join("up"), size);
         fs::create_dir(p.join("up/u")).unwrap();
         fs::create_dir(p.join("up/w")).unwrap();
         let mut m = Mount::new(0);
