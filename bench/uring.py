@@ -7,12 +7,14 @@ All with entry and attribute timeouts 0 (every stat is a request). Workloads: a 
 with attribute and entry timeouts 0 (LOOKUP + GETATTR per call), open+close of a lower file
 (read-only: OPEN with passthrough, FLUSH, RELEASE), the metadata mix of iobench with 1, 2 and 4
 processes, write-many (open, 410-byte write, close per 4 KiB block of a lower file), and 4 KiB
-random reads of a partial file (every read goes through the daemon).
+random reads of a partial file (every read goes through the daemon). A second table gives the
+context switches per request of the metadata mix over each transport.
 
 Usage: bench/uring.py [--quick]   (root; turns fuse.enable_uring on and restores it)
 """
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -92,7 +94,20 @@ def metamix(m, iobench, procs, n):
     return ops / total
 
 
-def run_once(m, iobench, q):
+def context_switches():
+    for line in open("/proc/stat"):
+        if line.startswith("ctxt "):
+            return int(line.split()[1])
+
+
+def requests(m):
+    out = subprocess.run([BIN, "status", "--json", m.mnt], check=True, capture_output=True, text=True).stdout
+    return sum(v["count"] for v in json.loads(out)["requests"].values())
+
+
+def run_once(m, iobench, q, switches):
+    """One run of every workload on mount `m`; `switches[procs]` gets the context switches per
+    request (the whole machine's, over the requests the daemon counted) of the metadata mix."""
     r = {}
     n = 5000 if q else 20000
     r["null round trip, getxattr ENODATA (µs)"] = field(sh(f"{iobench} nullrt {m.path('small')} {n}"), "avg_us")
@@ -102,7 +117,9 @@ def run_once(m, iobench, q):
     r["stat, timeouts 0: LOOKUP + GETATTR (µs)"] = (time.perf_counter() - t) / (n // 4) * 1e6
     r["open + close of a lower file (µs)"] = field(sh(f"{iobench} openclose {m.path('ro')} {n // 2} RDONLY"), "avg_us")
     for procs in (1, 2, 4):
+        before = (context_switches(), requests(m))
         r[f"metadata mix, {procs} process{'es' if procs > 1 else ''} (ops/s)"] = metamix(m, iobench, procs, 300 if q else 1000)
+        switches.setdefault(procs, []).append((context_switches() - before[0]) / (requests(m) - before[1]))
     r["write-many over 16 MiB: open, 410 B write, close per 4 KiB (µs/op)"] = field(
         sh(f"{iobench} writemany {m.path('wmany')} 4096 410"), "avg_us")
     # A partial file: one block written, read at random through the daemon.
@@ -130,6 +147,7 @@ def main():
         with open(os.path.join(lower, name), "wb") as f:
             f.write(os.urandom(size))
     results = {"/dev/fuse": [], "io_uring": []}
+    switches = {"/dev/fuse": {}, "io_uring": {}}
     try:
         with open(PARAM, "w") as f:
             f.write("Y")
@@ -137,7 +155,7 @@ def main():
             for transport in (["/dev/fuse", "io_uring"] if i % 2 == 0 else ["io_uring", "/dev/fuse"]):
                 key = "io_uring" if transport == "io_uring" else "dev"
                 with Mount(root, key, "") as m:
-                    results[transport].append(run_once(m, iobench, a.quick))
+                    results[transport].append(run_once(m, iobench, a.quick, switches[transport]))
     finally:
         with open(PARAM, "w") as f:
             f.write(before)
@@ -152,6 +170,12 @@ def main():
         ur = statistics.median(r[row] for r in results["io_uring"])
         speedup = ur / dev if "ops/s" in row else dev / ur
         print(f"| {row} | {dev:,.1f} | {ur:,.1f} | {speedup:.2f}x |")
+    print("\nContext switches per request in the metadata mix (median):\n")
+    print("| processes | /dev/fuse | io_uring |")
+    print("|---|---|---|")
+    for procs in sorted(switches["io_uring"]):
+        print(f"| {procs} | {statistics.median(switches['/dev/fuse'][procs]):.2f} | "
+              f"{statistics.median(switches['io_uring'][procs]):.2f} |")
 
 
 if __name__ == "__main__":
