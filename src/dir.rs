@@ -645,18 +645,21 @@ impl Overlay {
         }
         // Nothing below changes what either name shows until the one rename(2) that does the
         // move: if that fails, both names show what they showed before (as in kernel overlayfs).
+        let moves_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
+        let _changing = (pnode.entries.write(), npnode.entries.write());
         let mut wh_file_after = false;
         let mut dir_over_whiteout = false;
+        let mut over_whiteout = false;
         if !exchange {
+            // Read under `_changing`: no request of this mount changes the slot before the move.
             match self.upper_slot(ddir.view(), newname, nview.lower.is_some())? {
                 // rename(2) will not put a directory over a whiteout: exchange them instead.
                 UpperSlot::Whiteout if src.attr.is_dir() => dir_over_whiteout = true,
+                UpperSlot::Whiteout => over_whiteout = true,
                 UpperSlot::WhFile => wh_file_after = true,
                 _ => {}
             }
         }
-        let moves_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
-        let _changing = (pnode.entries.write(), npnode.entries.write());
         if let Some(d) = dst.as_ref().filter(|d| d.found.upper && !exchange) {
             self.pin_removed(ddir, newname, d.found.ino);
         }
@@ -673,7 +676,9 @@ impl Overlay {
         if exchange {
             rflags |= RenameFlags::EXCHANGE;
         }
-        if noreplace {
+        // The merged view has no `newname` (checked above), but its whiteout in the upper layer
+        // is a name to rename(2): NOREPLACE would refuse to replace it (EEXIST).
+        if noreplace && !over_whiteout {
             rflags |= RenameFlags::NOREPLACE;
         }
         if dir_over_whiteout {

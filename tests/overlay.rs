@@ -707,6 +707,40 @@ fn rename_noreplace_and_exchange() {
 }
 
 #[test]
+fn rename_noreplace_onto_a_removed_lower_name() {
+    // The removed names are whiteouts in the upper layer: nothing there to the merged view, so
+    // RENAME_NOREPLACE moves onto them (it gave EEXIST, the whiteout's).
+    let mut m = Mount::with(|l| {
+        write(l.join("a"), "A");
+        write(l.join("b"), "B");
+        write(l.join("d/in"), "in");
+        write(l.join("e/in"), "e");
+    });
+    fs::remove_file(m.path("b")).unwrap();
+    fs::remove_dir_all(m.path("e")).unwrap();
+    let noreplace = rustix::fs::RenameFlags::NOREPLACE;
+    renameat2(&m.path("a"), &m.path("b"), noreplace).unwrap();
+    renameat2(&m.path("d"), &m.path("e"), noreplace).unwrap();
+    write(m.path("new"), "N");
+    fs::remove_file(m.path("b")).unwrap();
+    renameat2(&m.path("new"), &m.path("b"), noreplace).unwrap();
+    let check = |m: &Mount| {
+        assert_eq!(names(&m.mnt), ["b", "e"]);
+        assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "N");
+        assert_eq!(names(&m.path("e")), ["in"]);
+        assert_eq!(fs::read_to_string(m.path("e/in")).unwrap(), "in");
+    };
+    check(&m);
+    assert_eq!(
+        errno_of(renameat2(&m.path("e"), &m.path("b"), noreplace)),
+        libc::EEXIST,
+        "an existing name still refuses"
+    );
+    m.remount();
+    check(&m);
+}
+
+#[test]
 fn setattr_changes_mode_owner_times_and_size() {
     let m = Mount::with(|l| write(l.join("f"), "0123456789"));
     let f = m.path("f");
