@@ -195,6 +195,50 @@ fn a_mount_right_after_an_unmount_sees_every_change() {
 }
 
 #[test]
+fn blocks_reserved_past_the_end_of_a_file_survive_a_remount_and_a_crash() {
+    // fallocate(FALLOC_FL_KEEP_SIZE) maps blocks past the end; the image and the journal
+    // hold them, and the next mount refused both as damaged ("maps blocks past its end").
+    let keep_size = rustix::fs::FallocateFlags::KEEP_SIZE;
+    let mut m = memory_mount(|_| {}, &[]);
+    let reserve = |name: &str, len: u64| {
+        let f = fs::File::create(m.path(name)).unwrap();
+        f.write_all_at(b"data", 0).unwrap();
+        rustix::fs::fallocate(&f, keep_size, 0, len).unwrap();
+        f.sync_all().unwrap(); // into the journal
+    };
+    reserve("imaged", 1 << 20);
+    sync(&m); // into the image
+    reserve("journaled", 256 << 10);
+    m.kill9();
+    m.mount();
+    for (name, len) in [("imaged", 1u64 << 20), ("journaled", 256 << 10)] {
+        let md = fs::metadata(m.path(name)).unwrap();
+        assert_eq!(md.len(), 4, "{name}: the size stays");
+        assert!(
+            md.blocks() * 512 >= len,
+            "{name}: {} blocks reserved",
+            md.blocks()
+        );
+        assert_eq!(fs::read(m.path(name)).unwrap(), b"data");
+        fs::File::options()
+            .write(true)
+            .open(m.path(name))
+            .unwrap()
+            .set_len(8192)
+            .unwrap();
+        let mut want = b"data".to_vec();
+        want.resize(8192, 0);
+        assert_eq!(
+            fs::read(m.path(name)).unwrap(),
+            want,
+            "{name}: reserved blocks read as zeros"
+        );
+    }
+    m.remount();
+    assert_eq!(fs::metadata(m.path("imaged")).unwrap().len(), 8192);
+}
+
+#[test]
 fn a_damaged_image_is_refused_naming_the_upper_dir_and_what_to_do() {
     let mut m = memory_mount(|_| {}, &[]);
     write(m.path("f"), "data");

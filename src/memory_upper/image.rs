@@ -31,6 +31,8 @@ const KIND_DIR: u8 = 1;
 const KIND_FILE: u8 = 2;
 const KIND_SYMLINK: u8 = 3;
 const KIND_SPECIAL: u8 = 4;
+/// Blocks in a file of the largest size (`i64::MAX` bytes): no extent of a sound image ends later.
+const MAX_FILE_BLOCKS: u64 = (i64::MAX as u64).div_ceil(BLOCK);
 
 /// Why a layer could not be loaded.
 #[derive(Debug)]
@@ -317,11 +319,10 @@ fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
             let mut extents = BTreeMap::new();
             for _ in 0..r.u32()? {
                 let (k, b, n) = (r.u64()?, r.u64()?, r.u64()?);
-                if n == 0
-                    || n > u64::MAX / BLOCK
-                    || k.checked_add(n).is_none_or(|e| e > size.div_ceil(BLOCK))
-                {
-                    return damaged(format!("file {ino} maps blocks past its end"));
+                // Blocks past the end are legitimate: fallocate(FALLOC_FL_KEEP_SIZE) reserves
+                // them (zeroed) without changing the size. None lies past the largest size.
+                if n == 0 || k.checked_add(n).is_none_or(|e| e > MAX_FILE_BLOCKS) {
+                    return damaged(format!("file {ino} maps blocks past the largest file size"));
                 }
                 for i in 0..n {
                     if extents.insert(k + i, b + i).is_some() {
