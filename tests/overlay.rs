@@ -727,7 +727,7 @@ fn rename_noreplace_onto_a_removed_lower_name() {
     let check = |m: &Mount| {
         assert_eq!(names(&m.mnt), ["b", "e"]);
         assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "N");
-        assert_eq!(names(&m.path("e")), ["in"]);
+        assert_eq!(names(m.path("e")), ["in"]);
         assert_eq!(fs::read_to_string(m.path("e/in")).unwrap(), "in");
     };
     check(&m);
