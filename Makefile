@@ -28,6 +28,9 @@ test: install
 	$(CARGO) test --release -- --test-threads=2
 	tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
+	# The same random operations on kernel overlayfs and on mosaicfs, results and trees compared.
+	tests/differential.py target/release/mosaicfs 1,2,3,4,5,6 2000
+	tests/differential.py target/release/mosaicfs 1,2,3,4,5,6 2000 ,upper=memory
 	tests/podman/run.sh target/release/mosaicfs
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
