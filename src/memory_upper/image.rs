@@ -320,8 +320,10 @@ fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
             for _ in 0..r.u32()? {
                 let (k, b, n) = (r.u64()?, r.u64()?, r.u64()?);
                 // Blocks past the end are legitimate: fallocate(FALLOC_FL_KEEP_SIZE) reserves
-                // them (zeroed) without changing the size. None lies past the largest size.
-                if n == 0 || k.checked_add(n).is_none_or(|e| e > MAX_FILE_BLOCKS) {
+                // them (zeroed) without changing the size. None lies past the largest size, in
+                // the file or in the filestore (a file too).
+                let past = |first: u64| first.checked_add(n).is_none_or(|e| e > MAX_FILE_BLOCKS);
+                if n == 0 || past(k) || past(b) {
                     return damaged(format!("file {ino} maps blocks past the largest file size"));
                 }
                 for i in 0..n {

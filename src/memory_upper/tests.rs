@@ -669,6 +669,11 @@ fn a_damaged_image_is_refused_with_a_reason() {
             "version 9",
         ),
         (b"not an image".to_vec(), "header"),
+        (forged_extent(&good, 0, Some(u64::MAX)), "largest file size"),
+        (
+            forged_extent(&good, u64::MAX - 1, None),
+            "largest file size",
+        ),
     ];
     for (bytes, why) in cases {
         std::fs::write(&image, &bytes).unwrap();
@@ -690,6 +695,29 @@ fn a_damaged_image_is_refused_with_a_reason() {
         Err(ImageError::Damaged(msg)) => assert!(msg.contains("filestore"), "{msg}"),
         other => panic!("accepted: {:?}", other.err()),
     }
+}
+
+/// `image` (one 4-byte file "f", one block) with that file's extent moved to block `k` of the
+/// file and, given `b`, to block `b` of the filestore, and a checksum that fits: a forgery only
+/// the bounds can refuse (a block number near 2^64 wrapped around in the filestore check).
+fn forged_extent(image: &[u8], k: u64, b: Option<u64>) -> Vec<u8> {
+    const HEADER: usize = 52;
+    // size 4, one extent, block 0 of the file: the file's extent follows.
+    let mut at = [0u8; 20];
+    at[..8].copy_from_slice(&4u64.to_le_bytes());
+    at[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let i = image
+        .windows(at.len())
+        .position(|w| w == at)
+        .expect("the file's extent");
+    let mut out = image.to_vec();
+    out[i + 12..i + 20].copy_from_slice(&k.to_le_bytes());
+    if let Some(b) = b {
+        out[i + 20..i + 28].copy_from_slice(&b.to_le_bytes());
+    }
+    let sum = image::crc(&out[HEADER..]);
+    out[HEADER - 4..HEADER].copy_from_slice(&sum.to_le_bytes());
+    out
 }
 
 /// Changes on many threads while images are written: every image is one consistent tree
