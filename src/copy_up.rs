@@ -144,7 +144,7 @@ impl Overlay {
                         let block = self.sparse.block;
                         let mark =
                             PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
-                        match mark.store(fd, &self.layers.xattr.partial) {
+                        match mark.store(fd, &self.layers.xattr) {
                             Ok(()) => {}
                             // The mark names the lower path, and a path deep enough does not
                             // fit in one xattr (ext4 holds about 4 KiB): copy the whole file.

@@ -547,7 +547,7 @@ impl OpenFile {
         if !skip_fsync {
             p.upper.datasync()?;
         }
-        PartialMark::remove(&p.upper, &names.partial)?;
+        PartialMark::remove(&p.upper, names)?;
         let upper = p.upper.try_clone()?;
         *data = FileData::Upper(upper);
         Ok(true)

@@ -17,7 +17,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
-use crate::layers::LayerId;
+use crate::layers::{LayerId, XattrNames};
 use crate::sys::{self, Attr};
 use crate::upper::UpperFile;
 
@@ -37,6 +37,31 @@ pub struct PartialMark {
     /// at this grain. `None` for a v1 mark, made in the block size of its mount (4 KiB, or the
     /// upper file system's allocation grain if larger), which reads it in its own.
     pub block: Option<u64>,
+}
+
+/// What kernel overlayfs would do with a partial file if it were handed the layer (a user who
+/// drops `mount_program`, or mounts the layers with `mount -t overlay`): read its holes as
+/// zeros, silently. So every partial file also carries kernel overlayfs' metacopy xattr, which
+/// it refuses to follow (EPERM) unless mounted with `metacopy=on`, and then finds its data
+/// through the redirect, a path no layer can hold (its one component is longer than NAME_MAX),
+/// and fails the lookup (EIO). Under `userxattr` metacopy is never allowed: EPERM. Rootless
+/// daemons can set only the `user.` form. docs/FORMAT.md, "The guard of a partial file".
+const GUARD_REDIRECT: &[u8] = b"/mosaicfs-partial-file.this-layer-holds-files-that-only-mosaicfs-\
+reads.run-mosaicfs-complete-on-it-before-mounting-it-with-another-overlay.a-name-longer-than-name\
+-max-so-that-no-layer-can-hold-it.a-name-longer-than-name-max-so-that-no-layer-can-hold-it.end";
+
+/// The guard's xattrs for a layer written with `names`, each with its value.
+pub fn guard(names: &XattrNames) -> &'static [(&'static str, &'static [u8])] {
+    if names.prefix == "trusted." {
+        &[
+            ("trusted.overlay.metacopy", b""),
+            ("user.overlay.metacopy", b""),
+            // Last: what tells this guard from a kernel overlayfs metacopy file's xattrs.
+            ("trusted.overlay.redirect", GUARD_REDIRECT),
+        ]
+    } else {
+        &[("user.overlay.metacopy", b"")]
+    }
 }
 
 /// Marks are written in v2; v1 (no block size) is read.
@@ -85,14 +110,34 @@ impl PartialMark {
         }
     }
 
-    /// Writes the mark on the open file `file`.
-    pub fn store(&self, file: &UpperFile, key: &str) -> Result<()> {
-        file.set_xattr(key, &self.encode(), 0)
+    /// Writes the mark on the open file `file`, and the guard that makes other overlays refuse
+    /// the file (`OTHER_OVERLAYS_GUARD`) before it: a mark never stands without its guard.
+    pub fn store(&self, file: &UpperFile, names: &XattrNames) -> Result<()> {
+        for (key, value) in guard(names) {
+            match file.set_xattr(key, value, 0) {
+                Ok(()) => {}
+                // An upper file system without user xattrs: only the trusted guard stands.
+                Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {
+                    log::debug!("partial-file guard {key} not set: {e}");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        file.set_xattr(&names.partial, &self.encode(), 0)
     }
 
-    /// Removes the mark from `file`: the file is complete.
-    pub fn remove(file: &UpperFile, key: &str) -> Result<()> {
-        file.remove_xattr(key)
+    /// Removes the mark from `file`: the file is complete. The guard goes after the mark, so
+    /// a crash in between leaves a complete file other overlays refuse, never a partial one
+    /// they read.
+    pub fn remove(file: &UpperFile, names: &XattrNames) -> Result<()> {
+        file.remove_xattr(&names.partial)?;
+        for (key, _) in guard(names) {
+            match file.remove_xattr(key) {
+                Err(e) if !(e.is(libc::ENODATA) || e.is(libc::EOPNOTSUPP)) => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Parses a mark. Anything malformed is an error: a damaged mark must never be guessed at.
@@ -461,6 +506,18 @@ mod fuzz {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_guard_redirect_names_a_path_no_layer_can_hold() {
+        let path = GUARD_REDIRECT.strip_prefix(b"/").expect("absolute");
+        assert!(!path.contains(&b'/'), "one component");
+        assert!(path.len() > 255, "longer than NAME_MAX");
+        assert!(
+            guard(&XattrNames::new(false))
+                .iter()
+                .all(|(k, _)| k.starts_with("user."))
+        );
+    }
 
     #[test]
     fn mark_round_trips() {

@@ -359,7 +359,7 @@ impl PartialFile {
     }
 
     fn save_mark(&self, names: &crate::layers::XattrNames) -> Result<()> {
-        self.mark.store(&self.upper, &names.partial)
+        self.mark.store(&self.upper, names)
     }
 
     /// Changes the size. Shrinking below `valid` shortens the valid lower prefix, so that bytes
@@ -379,7 +379,7 @@ impl PartialFile {
         if new < self.mark.valid {
             self.mark.valid = new;
             if new == 0 {
-                PartialMark::remove(&self.upper, &names.partial)?;
+                PartialMark::remove(&self.upper, names)?;
                 return Ok(true);
             }
             self.save_mark(names)?;

@@ -222,14 +222,27 @@ impl Completion {
     }
 
     /// Removes mosaicfs' own xattrs (origin, origins) from an upper object: other overlays
-    /// would show them. The mark and the redirect are gone already.
+    /// would show them. The mark and the redirect are gone already, and so is the guard of a
+    /// partial file, unless a crash came between the mark's removal and the guard's.
     fn strip(&mut self, node: &crate::inode::Node, path: &Path) -> Result<(), String> {
         let ov = self.overlay.clone();
         let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
         let (dir, name) = ov.upper_entry(node).map_err(at)?;
         let names = &ov.layers.xattr;
-        for key in [&names.origin, &names.origins] {
-            match dir.remove_xattr(Some(&name), OsStr::new(key)) {
+        let guard = crate::partial::guard(names);
+        let (witness, value) = guard[guard.len() - 1];
+        // Only our own guard: a kernel overlayfs metacopy file holds the same names.
+        let left = dir.view().get_xattr(Some(&name), witness).ok().flatten();
+        let guard_left = left.is_some_and(|v| v == value && node.state().kind == libc::S_IFREG);
+        let guard_keys = guard
+            .iter()
+            .map(|(k, _)| k.to_string())
+            .filter(|_| guard_left);
+        for key in [names.origin.clone(), names.origins.clone()]
+            .into_iter()
+            .chain(guard_keys)
+        {
+            match dir.remove_xattr(Some(&name), OsStr::new(&key)) {
                 Ok(()) => self.done.xattrs += 1,
                 // Symlinks and devices cannot carry user.* xattrs at all.
                 Err(e) if e.is(libc::ENODATA) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
@@ -266,6 +279,8 @@ enum Repair {
     DropXattr(PathBuf, String),
     /// Remove this entry of the work dir's scratch space.
     RemoveOrphan(OsString),
+    /// Give the partial file at `rel` the guard that makes other overlays refuse it.
+    Guard(PathBuf),
 }
 
 struct Check {
@@ -502,6 +517,15 @@ impl Check {
             }
         };
         self.partial_files += 1;
+        let (guard_key, _) = crate::partial::guard(&self.names)[0];
+        if let Ok(None) = sys::get_xattr(dir, Some(name), guard_key) {
+            self.problem(
+                rel,
+                format!("a partial file without {guard_key} (written before mosaicfs guarded partial files): kernel overlayfs given this layer reads its holes as zeros"),
+                "run 'mosaicfs complete' before mounting the layer with another overlay; --repair adds the guard",
+                Some(Repair::Guard(rel.to_owned())),
+            );
+        }
         let mark = match PartialMark::decode(&raw) {
             Ok(m) => m,
             Err(why) => {
@@ -651,6 +675,15 @@ impl Check {
                 };
                 let dir = sys::open_dir(self.upper.as_fd(), parent)?;
                 sys::remove_xattr(dir.as_fd(), Some(name), key)
+            }
+            Repair::Guard(rel) => {
+                let parent = rel.parent().unwrap_or(Path::new(""));
+                let name = rel.file_name().unwrap_or_default();
+                let dir = sys::open_dir(self.upper.as_fd(), parent)?;
+                for (key, value) in crate::partial::guard(&self.names) {
+                    sys::set_xattr(dir.as_fd(), Some(name), key, value, 0)?;
+                }
+                Ok(())
             }
             Repair::RemoveOrphan(name) => match work {
                 Some(w) => w.remove_tree(name),

@@ -117,13 +117,14 @@ fn container_changes(m: &mut Mount) {
     write(m.path("newdir/f"), b"f");
 }
 
-/// Every xattr of mosaicfs' own left anywhere in the upper layer.
+/// Every xattr of mosaicfs' own left anywhere in the upper layer, and the guard of a partial
+/// file (`overlay.metacopy`), which would make kernel overlayfs refuse a complete file.
 fn own_xattrs(upper: &Path) -> Vec<String> {
     let mut left = Vec::new();
     let mut todo = vec![upper.to_path_buf()];
     while let Some(d) = todo.pop() {
         for k in list_xattr(&d) {
-            if k.contains("mosaicfs.") {
+            if is_own(&k) {
                 left.push(format!("{}: {k}", d.display()));
             }
         }
@@ -133,7 +134,7 @@ fn own_xattrs(upper: &Path) -> Vec<String> {
                 todo.push(p);
             } else {
                 for k in list_xattr(&p) {
-                    if k.contains("mosaicfs.") {
+                    if is_own(&k) {
                         left.push(format!("{}: {k}", p.display()));
                     }
                 }
@@ -141,6 +142,10 @@ fn own_xattrs(upper: &Path) -> Vec<String> {
         }
     }
     left
+}
+
+fn is_own(key: &str) -> bool {
+    key.contains("mosaicfs.") || key.ends_with("overlay.metacopy")
 }
 
 /// Mounts the layers of `m` with another overlay (`kind`: "overlay" or "fuse-overlayfs", with
@@ -244,6 +249,125 @@ fn complete_makes_a_layer_kernel_overlayfs_and_fuse_overlayfs_show_as_mosaicfs_d
             "{out}"
         );
     }
+}
+
+/// The bytes kernel overlayfs gives for `rel` over the layers of `m` mounted with `extra`
+/// options: `Err(errno)` when it refuses the file.
+fn kernel_overlayfs_reads(m: &Mount, rel: &str, extra: &str) -> Result<Vec<u8>, i32> {
+    let work = m.dir.path().join("work-kernel");
+    let mnt = m.dir.path().join("mnt-kernel");
+    let _ = fs::remove_dir_all(&work);
+    fs::create_dir_all(&work).unwrap();
+    fs::create_dir_all(&mnt).unwrap();
+    let lowers: Vec<String> = m.lowers.iter().map(|l| l.display().to_string()).collect();
+    sh(&format!(
+        "mount -t overlay overlay -o lowerdir={},upperdir={},workdir={}{extra} {}",
+        lowers.join(":"),
+        m.upper.display(),
+        work.display(),
+        mnt.display()
+    ));
+    let read = fs::read(mnt.join(rel)).map_err(|e| e.raw_os_error().unwrap_or(0));
+    sh(&format!("umount {}", mnt.display()));
+    read
+}
+
+#[test]
+fn kernel_overlayfs_refuses_a_partial_file_instead_of_reading_zeros() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let base = pattern(8 << 20, 5);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    write(m.lower(0).join("chowned"), &base);
+    m.mount();
+    write_at(m.path("f"), 4_000_000, b"x");
+    std::os::unix::fs::chown(m.path("chowned"), Some(7), Some(7)).unwrap();
+    m.unmount();
+    let mut want = base.clone();
+    want[4_000_000] = b'x';
+    // Every way kernel overlayfs can be mounted on these layers: right bytes or an error.
+    for extra in ["", ",metacopy=on", ",redirect_dir=follow", ",userxattr"] {
+        for (rel, content) in [("f", &want), ("chowned", &base)] {
+            match kernel_overlayfs_reads(&m, rel, extra) {
+                Ok(bytes) => assert!(
+                    bytes == *content,
+                    "kernel overlayfs ({extra}) read wrong bytes of {rel}: {} of {} differ",
+                    bytes
+                        .iter()
+                        .zip(content.iter())
+                        .filter(|(a, b)| a != b)
+                        .count(),
+                    content.len()
+                ),
+                Err(errno) => assert!(
+                    errno == libc::EPERM || errno == libc::EIO,
+                    "{rel} ({extra}): errno {errno}"
+                ),
+            }
+        }
+    }
+    assert_eq!(
+        kernel_overlayfs_reads(&m, "f", "").map(|_| ()),
+        Err(libc::EPERM),
+        "refused, not read"
+    );
+    // What the README says to run before switching: then kernel overlayfs reads the file.
+    let (status, out) = run_tool("complete", &m, &[]);
+    assert_eq!(status, 0, "{out}");
+    for extra in ["", ",metacopy=on"] {
+        assert!(
+            kernel_overlayfs_reads(&m, "f", extra).unwrap() == want,
+            "{extra}"
+        );
+        assert!(
+            kernel_overlayfs_reads(&m, "chowned", extra).unwrap() == base,
+            "{extra}"
+        );
+    }
+}
+
+#[test]
+fn fsck_finds_a_partial_file_without_its_guard_and_repair_adds_it() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(8 << 20, 6));
+    m.mount();
+    write_at(m.path("f"), 4096, b"y");
+    m.unmount();
+    assert_eq!(run_tool("fsck", &m, &[]).0, 0);
+    // As a layer written before partial files were guarded.
+    for key in [
+        "trusted.overlay.metacopy",
+        "trusted.overlay.redirect",
+        "user.overlay.metacopy",
+    ] {
+        assert!(get_xattr(&m.upper.join("f"), key).is_some(), "{key} set");
+        sh(&format!(
+            "setfattr -x {key} {}",
+            m.upper.join("f").display()
+        ));
+    }
+    assert!(
+        kernel_overlayfs_reads(&m, "f", "").is_ok(),
+        "unguarded: read (wrongly)"
+    );
+    let (status, out) = run_tool("fsck", &m, &[]);
+    assert_eq!(status, 4, "{out}");
+    assert!(
+        out.contains("upper /f: a partial file without trusted.overlay.metacopy"),
+        "{out}"
+    );
+    let (status, out) = run_tool("fsck", &m, &["--repair"]);
+    assert_eq!(status, 1, "repaired: {out}");
+    assert_eq!(run_tool("fsck", &m, &[]).0, 0);
+    assert_eq!(
+        kernel_overlayfs_reads(&m, "f", "").map(|_| ()),
+        Err(libc::EPERM)
+    );
 }
 
 /// `line` without the value of `field` (the word after it).
