@@ -290,6 +290,11 @@ impl Filesystem for MosaicFs {
             let _ = config.set_max_write(1 << 20);
         }
         let _ = config.set_max_background(64);
+        // Counted before the reply leaves: whoever sees a reply sees its request counted.
+        let requests = self.core.stats.requests.clone();
+        if !fuser::on_request_served(Box::new(move |op, took| requests.record(op, took))) {
+            log::warn!("request metrics already go to another mount of this process");
+        }
         // Injected faults (tests) count from the first request on, past the mount's probes.
         crate::fault::arm();
         Ok(())
@@ -297,10 +302,6 @@ impl Filesystem for MosaicFs {
 
     fn destroy(&mut self) {
         self.core.shutdown();
-    }
-
-    fn request_served(&self, opcode: u32, elapsed: Duration) {
-        self.core.stats.requests.record(opcode, elapsed);
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

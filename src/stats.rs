@@ -38,8 +38,9 @@ impl Counter {
 /// What the daemon has served.
 #[derive(Default)]
 pub struct Stats {
-    /// Every request, by opcode, with its time in the daemon.
-    pub requests: RequestMetrics,
+    /// Every request, by opcode, with its time in the daemon (shared with the transport,
+    /// which counts each request just before its reply goes out).
+    pub requests: std::sync::Arc<RequestMetrics>,
     pub reads: Counter,
     pub writes: Counter,
     pub read_bytes: Counter,

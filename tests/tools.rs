@@ -881,6 +881,18 @@ fn metrics_option_serves_prometheus_text_over_http() {
     );
     assert!(page.contains("mosaicfs_partial_files 1"), "{page}");
     assert!(http_get(&addr, "/nothing").starts_with("HTTP/1.1 404"));
+    // A request is counted before its reply leaves the daemon: a scrape right after each
+    // mkdir returns counts it (it once raced the count and missed the series).
+    for i in 1..=300 {
+        fs::create_dir(m.path(&format!("d{i}"))).unwrap();
+        let page = http_get(&addr, "/metrics");
+        assert!(
+            page.contains(&format!(
+                "mosaicfs_request_duration_seconds_count{{op=\"MKDIR\"}} {i}\n"
+            )),
+            "mkdir {i} not counted when it returned: {page}"
+        );
+    }
     // A second mount asking for the same address is refused, nothing mounted.
     let mut other = Mount::new(1);
     let opts = format!("{},metrics={addr}", other.options());

@@ -35,6 +35,7 @@ pub use crate::access_flags::AccessFlags;
 pub use crate::bsd_file_flags::BsdFileFlags;
 use crate::forget_one::ForgetOne;
 pub use crate::ll::Errno;
+pub use crate::request::on_request_served;
 pub use crate::ll::Generation;
 pub use crate::ll::RequestId;
 pub use crate::ll::TimeOrNow;
@@ -417,10 +418,6 @@ pub trait Filesystem: Send + Sync + 'static {
     /// Clean up filesystem.
     /// Called on filesystem exit.
     fn destroy(&mut self) {}
-
-    /// Called after each request was dispatched (its method returned), with the FUSE opcode
-    /// and how long the dispatch took. mosaicfs patch to fuser 0.18, for request metrics.
-    fn request_served(&self, _opcode: u32, _elapsed: std::time::Duration) {}
 
     /// Look up a directory entry by name and get its attributes.
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

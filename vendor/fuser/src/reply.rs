@@ -159,6 +159,7 @@ impl ReplyRaw {
     pub(crate) fn send_ll_mut(&mut self, response: &impl Response) {
         assert!(self.sender.is_some());
         let sender = self.sender.take().unwrap();
+        crate::request::replying(self.unique.0);
         let res = response.with_iovec(self.unique, |iov| sender.send(iov));
         if let Err(err) = res {
             error!("Failed to send FUSE reply: {err}");
@@ -178,6 +179,7 @@ impl ReplyRaw {
     /// and the EFAULT is returned.
     pub(crate) fn send_mapped(mut self, parts: &[IoSlice<'_>]) -> std::io::Result<()> {
         let sender = self.sender.take().unwrap();
+        crate::request::replying(self.unique.0);
         let res = ll::ResponseParts(parts).with_iovec(self.unique, |iov| sender.send_mapped(iov));
         let Err(err) = res else { return Ok(()) };
         let fault = err.raw_os_error() == Some(libc::EFAULT);

@@ -29,6 +29,36 @@ use crate::reply::ReplySender;
 use crate::session::SessionACL;
 use crate::session::SessionEventLoop;
 
+/// mosaicfs patch: what `on_request_served` registered.
+type ServedHook = Box<dyn Fn(u32, std::time::Duration) + Send + Sync>;
+static SERVED: std::sync::OnceLock<ServedHook> = std::sync::OnceLock::new();
+
+std::thread_local! {
+    /// The request this thread is dispatching (unique, opcode, start), until it is counted.
+    static DISPATCHING: std::cell::Cell<Option<(u64, u32, std::time::Instant)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// mosaicfs patch: `hook(opcode, elapsed)` runs once per request, just before its reply is
+/// sent when the dispatching thread sends it, so that whoever sees the reply also sees the
+/// request counted (a metrics scrape right after a write shows it); else when its dispatch
+/// returns. One hook per process (one process serves one mount); false if one is set already.
+pub fn on_request_served(hook: ServedHook) -> bool {
+    SERVED.set(hook).is_ok()
+}
+
+/// Called by a reply about to be sent for request `unique`.
+pub(crate) fn replying(unique: u64) {
+    if let Some((current, opcode, start)) = DISPATCHING.get()
+        && current == unique
+    {
+        DISPATCHING.set(None);
+        if let Some(hook) = SERVED.get() {
+            hook(opcode, start.elapsed());
+        }
+    }
+}
+
 /// Request data structure
 #[derive(Debug)]
 pub(crate) struct RequestWithSender<'a> {
@@ -63,14 +93,18 @@ impl<'a> RequestWithSender<'a> {
     /// request and sends back the returned reply to the kernel
     pub(crate) fn dispatch<FS: Filesystem>(&self, se: &SessionEventLoop<FS>) {
         debug!("{} thread={}", self.request, se.thread_name);
-        let start = std::time::Instant::now();
+        let header = self.request.header();
+        DISPATCHING.set(Some((header.unique, header.opcode, std::time::Instant::now())));
         match self.dispatch_req(se) {
             Ok(Some(resp)) => self.reply::<ReplyRaw>().send_ll(&resp),
             Ok(None) => {}
             Err(errno) => self.reply::<ReplyRaw>().send_ll(&ResponseErrno(errno)),
         }
-        if let Some(fs) = &se.filesystem.fs {
-            fs.request_served(self.request.header().opcode, start.elapsed());
+        // No reply on this thread (FORGET, or a reply another thread sends): served now.
+        if let Some((_, opcode, start)) = DISPATCHING.take()
+            && let Some(hook) = SERVED.get()
+        {
+            hook(opcode, start.elapsed());
         }
     }
 
