@@ -96,6 +96,9 @@ impl Overlay {
         let _changing = pnode.entries.write();
         make(target_dir, &target, &creation)?;
         let finish = || -> Result<()> {
+            if !std::ptr::eq(target_dir, &udir) && self.config.acl {
+                self.inherit_default_acl(target_dir, &target, &udir, mode, umask)?;
+            }
             if in_xattr {
                 self.own_new_in_xattr(target_dir, Some(&target), caller, &udir)?;
             } else if !as_caller {
@@ -129,6 +132,39 @@ impl Overlay {
         let node = self.inodes.remember_new(parent, name, &found);
         let attr = self.present(&node, attr);
         Ok((node, attr))
+    }
+
+    /// An object built in the work dir took the umask, not its parent's default ACL: gives it
+    /// what it would have had if made in `parent` (mode `mode` asked, `umask` the caller's).
+    fn inherit_default_acl(
+        &self,
+        dir: &UpperDir,
+        name: &OsStr,
+        parent: &UpperDir,
+        mode: u32,
+        umask: u32,
+    ) -> Result<()> {
+        let Some(default) = parent.view().get_xattr(None, crate::acl::DEFAULT)? else {
+            return Ok(());
+        };
+        let made = dir.stat_at(name)?;
+        let kind = made.file_type();
+        if kind == libc::S_IFLNK {
+            return Ok(());
+        }
+        let got = crate::acl::inherit(kind | (mode & 0o7777), umask, Some(&default))?;
+        crate::creds::act_as_daemon();
+        // Set-id bits as made (a setgid parent's), permissions as the ACL says.
+        dir.chmod(Some(name), (made.mode & 0o7000) | (got.mode & 0o777))?;
+        for (key, value) in [
+            (crate::acl::ACCESS, got.access),
+            (crate::acl::DEFAULT, got.default),
+        ] {
+            if let Some(v) = value {
+                dir.set_xattr(Some(name), OsStr::new(key), &v, 0)?;
+            }
+        }
+        Ok(())
     }
 
     /// Gives a new object its owner: the caller, with the group of a setgid parent.

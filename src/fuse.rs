@@ -271,7 +271,11 @@ impl Filesystem for MosaicFs {
             // lower or partial file opened with O_TRUNC is passthrough at once.
             | InitFlags::FUSE_ATOMIC_O_TRUNC;
         if self.core.config.acl {
-            wanted |= InitFlags::FUSE_POSIX_ACL;
+            // DONT_MASK: the kernel hands over the mode unmasked with the umask, and the
+            // creation applies the umask only where the parent has no default ACL (the upper
+            // file system does that with the worker's umask; the memory store in acl.rs).
+            // Masked by the kernel, a default ACL's group bits were cut by the umask.
+            wanted |= InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK;
         }
         if self.core.config.passthrough != crate::options::PassthroughPolicy::Off {
             if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {

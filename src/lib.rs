@@ -1,6 +1,7 @@
 //! mosaicfs: a userspace overlay filesystem for container storage with block-level
 //! copy-on-write. The overlay core (everything but `fuse` and `daemon`) knows nothing of FUSE.
 
+pub mod acl;
 pub mod attr;
 pub mod caw;
 pub mod complete;

@@ -893,6 +893,51 @@ fn posix_acls_are_stored_and_enforced() {
     assert!(!out.status.success(), "no ACL entry, mode 600: denied");
 }
 
+/// generic/319: in a directory with a default ACL, the ACL decides a new object's group bits
+/// and the umask plays no part, also for a name that held a lower file (built in the work dir,
+/// away from the ACL), as on kernel overlayfs. Without a default ACL the umask applies.
+#[test]
+fn a_default_acl_decides_new_objects_modes_not_the_umask() {
+    let m = Mount::with(|l| {
+        fs::create_dir_all(l.join("acl")).unwrap();
+        write(l.join("acl/was_file"), b"");
+        fs::create_dir(l.join("acl/was_dir")).unwrap();
+    });
+    let d = m.path("acl");
+    sh(&format!(
+        "setfacl -d -m u::rwx,g::rwx,o::- {0} && cd {0} && umask 022 && \
+         rm -r was_file was_dir && mkdir sub was_dir && touch file was_file && mkfifo fifo && \
+         mkdir ../plain && touch ../plainf",
+        d.display()
+    ));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &str| {
+        fs::symlink_metadata(m.path(p))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    for (p, want) in [
+        ("acl/sub", 0o770),
+        ("acl/was_dir", 0o770),
+        ("acl/file", 0o660),
+        ("acl/was_file", 0o660),
+        ("acl/fifo", 0o660),
+        ("plain", 0o755),
+        ("plainf", 0o644),
+    ] {
+        assert_eq!(mode(p), want, "{p}: {:o}", mode(p));
+    }
+    for dir in ["acl/sub", "acl/was_dir"] {
+        let acl = sh(&format!("getfacl -c {}", m.path(dir).display()));
+        assert!(
+            acl.contains("default:group::rwx"),
+            "{dir} inherits the default: {acl}"
+        );
+    }
+}
+
 use std::os::unix::process::CommandExt;
 
 #[test]

@@ -23,7 +23,8 @@
 //! directories of a cross-directory rename by inode number, under `rename_lock`); then a
 //! file's data; then a node's `meta`; the node table's shards and the filestore last, alone.
 
-mod acl;
+use crate::acl;
+
 mod attrs;
 mod data;
 mod filestore;

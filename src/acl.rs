@@ -1,9 +1,10 @@
-//! POSIX ACL inheritance for objects made in the memory upper (what ext4 does in the kernel's
-//! `posix_acl_create`): a directory's default ACL becomes a new object's access ACL, its
-//! permissions cut by the mode asked for, and a new directory's default ACL too; the object's
-//! mode then follows from that ACL and the umask plays no part. Without a default ACL the
-//! umask applies. ACLs are kept as the xattrs the kernel hands a file system
-//! (`system.posix_acl_access`, `system.posix_acl_default`, format version 2).
+//! POSIX ACL inheritance (what ext4 does in the kernel's `posix_acl_create`), for objects made
+//! in the memory upper and for objects built in the work dir, away from their parent's ACL: a
+//! directory's default ACL becomes a new object's access ACL, its permissions cut by the mode
+//! asked for, and a new directory's default ACL too; the object's mode then follows from that
+//! ACL and the umask plays no part. Without a default ACL the umask applies. ACLs are kept as
+//! the xattrs the kernel hands a file system (`system.posix_acl_access`,
+//! `system.posix_acl_default`, format version 2).
 
 use crate::error::{Result, errno};
 
