@@ -789,7 +789,11 @@ impl Overlay {
 
     /// `lseek` on an open file rather than a handle.
     pub fn seek_file(&self, file: &OpenFile, offset: i64, whence: i32) -> Result<i64> {
-        let off = u64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
+        if whence != libc::SEEK_DATA && whence != libc::SEEK_HOLE {
+            return Err(errno(libc::EINVAL));
+        }
+        // No data or hole lies before the start: ENXIO, as on ext4 and kernel overlayfs.
+        let off = u64::try_from(offset).map_err(|_| errno(libc::ENXIO))?;
         let data = self.opened_data(file)?;
         let pos = match (&*data, whence) {
             (FileData::Upper(f), libc::SEEK_DATA) => {

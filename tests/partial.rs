@@ -616,6 +616,31 @@ fn seek_data_and_seek_hole_agree_with_the_merged_content() {
     assert_eq!(seek(&f, 600_000, true), None);
 }
 
+/// generic/448 (seek_sanity 18.01-18.04): SEEK_DATA and SEEK_HOLE from a negative offset give
+/// ENXIO, as on ext4 and kernel overlayfs, on every kind of open file.
+#[test]
+fn seek_data_and_hole_from_a_negative_offset_give_enxio() {
+    let m = Mount::with(|l| {
+        write(l.join("lower"), pattern(1 << 20, 3));
+        write(l.join("partial"), pattern(8 << 20, 4));
+    });
+    write(m.path("upper"), b"upper file");
+    write_at(m.path("partial"), 4096, b"p");
+    for name in ["lower", "partial", "upper"] {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(name != "lower")
+            .open(m.path(name))
+            .unwrap();
+        for whence in [libc::SEEK_DATA, libc::SEEK_HOLE] {
+            // SAFETY: lseek on an open descriptor.
+            let r = unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&f), -1, whence) };
+            let e = std::io::Error::last_os_error().raw_os_error();
+            assert_eq!((r, e), (-1, Some(libc::ENXIO)), "{name}, whence {whence}");
+        }
+    }
+}
+
 #[test]
 fn an_upper_file_system_without_holes_is_reported_and_still_correct() {
     // A FUSE file system reports no holes (the kernel answers SEEK_DATA with "all data"):
