@@ -803,7 +803,7 @@ fn export_offline<W: Write>(
                 rustix::fs::Mode::empty(),
             )
             .map_err(|e| format!("workdir '{}': {}", w.display(), std::io::Error::from(e)))?;
-            Some(lock_work_dir(fd.as_fd(), w, WorkLock::Fail).map_err(|e| {
+            Some(lock_work_dir(fd.as_fd(), w, WorkLock::Tool).map_err(|e| {
                 format!("{e}\n(to export a layer while it is mounted: mosaicfs export MOUNTPOINT)")
             })?)
         }
@@ -815,7 +815,7 @@ fn export_offline<W: Write>(
         o.workdir.as_deref(),
         true,
         o.xattr_permissions,
-        WorkLock::Fail,
+        WorkLock::Tool,
         None,
     )?;
     let mut config = Config::from_options(o);

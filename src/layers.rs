@@ -11,7 +11,8 @@
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -828,22 +829,24 @@ fn canonical(p: &Path, what: &str) -> std::result::Result<PathBuf, String> {
     })
 }
 
-/// Creates `workdir/mosaicfs-work` and empties it: whatever is there is left from a crash.
 /// What opening a writable stack does when another process holds the work dir's lock.
 ///
 /// One upper layer, one user: the daemon of a mount and the offline tools (tools.rs) each take
 /// an exclusive `flock` on `WORKDIR/mosaicfs-work` for as long as they use the layers. Two
 /// daemons on one upper layer would each empty the work dir at start, removing objects the
-/// other is building, and a tool would complete or convert files under a live mount. A new
-/// mount waits (the daemon of the previous mount of the same layers may still be writing
-/// pending blocks back after a lazy unmount); a tool fails at once.
+/// other is building, and a tool would complete or convert files under a live mount. Both wait
+/// for the previous user, with a bound: `umount` returns before the daemon of the mount has
+/// written its pending blocks back and exited, so a tool run right after it would otherwise
+/// fail. A tool fails at once when the holder is a daemon whose mount is still there.
 #[derive(Debug, Clone, Copy)]
 pub enum WorkLock {
+    /// A mount: wait this long.
     Wait(std::time::Duration),
-    Fail,
+    /// A tool: wait `MOUNT_LOCK_WAIT` unless the holder serves a live mount.
+    Tool,
 }
 
-/// How long a mount waits for the previous user of its work dir to let go.
+/// How long a mount, or a tool, waits for the previous user of its work dir to let go.
 pub const MOUNT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 pub fn lock_work_dir(
@@ -859,31 +862,43 @@ pub fn lock_work_dir(
         0,
     )
     .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
-    let deadline = match how {
-        WorkLock::Wait(d) => std::time::Instant::now() + d,
-        WorkLock::Fail => std::time::Instant::now(),
+    let wait = match how {
+        WorkLock::Wait(d) => d,
+        WorkLock::Tool => MOUNT_LOCK_WAIT,
     };
+    let deadline = std::time::Instant::now() + wait;
     let mut said = false;
     loop {
         match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => return Ok(fd),
-            Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let holders = lock_holders(fd.as_fd());
+                let live = holders.iter().find_map(|h| h.mount.clone());
+                if let (WorkLock::Tool, Some(mnt)) = (how, &live) {
+                    return Err(format!(
+                        "workdir '{}' is in use by the mosaicfs daemon serving '{}' ({}):                          unmount it first",
+                        path.display(),
+                        mnt.display(),
+                        described(&holders)
+                    ));
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(in_use(path, wait, &holders, live.is_some()));
+                }
                 if !said {
-                    log::info!(
-                        "workdir '{}' is still used by another mosaicfs process; waiting",
-                        path.display()
+                    let msg = format!(
+                        "workdir '{}' is still used by {}; waiting up to {} s for it to let go",
+                        path.display(),
+                        described(&holders),
+                        wait.as_secs()
                     );
+                    match how {
+                        WorkLock::Wait(_) => log::info!("{msg}"),
+                        WorkLock::Tool => eprintln!("mosaicfs: {msg}"),
+                    }
                     said = true;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            Err(rustix::io::Errno::WOULDBLOCK) => {
-                return Err(format!(
-                    "workdir '{}' is in use by another mosaicfs process (a mount of the same \
-                     upper layer, or 'mosaicfs complete' or 'fsck' on it): unmount that mount \
-                     or let the command finish, then try again",
-                    path.display()
-                ));
             }
             Err(e) => {
                 return Err(format!(
@@ -896,6 +911,122 @@ pub fn lock_work_dir(
     }
 }
 
+/// A process holding a work dir open: its pid, its command line, and the mount point of a
+/// live mosaicfs mount (in this mount namespace) among its arguments.
+struct Holder {
+    pid: u32,
+    cmdline: String,
+    mount: Option<PathBuf>,
+}
+
+/// The processes with the locked directory `locked` open: /proc/locks names the process that
+/// took a lock, which for a daemon is its parent, gone after the fork, so the descriptors of
+/// every process are looked at instead (only on this slow path).
+fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
+    let Ok(me) = sys::fstat(locked) else {
+        return Vec::new();
+    };
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mosaicfs_mounts: Vec<PathBuf> = mounts
+        .lines()
+        .filter(|l| l.contains(" - fuse.mosaicfs "))
+        .filter_map(|l| {
+            l.split(' ')
+                .nth(4)
+                .map(|p| PathBuf::from(unescape_mountinfo(p)))
+        })
+        .collect();
+    let own = std::process::id();
+    let mut out = Vec::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == own {
+            continue;
+        }
+        let holds = std::fs::read_dir(p.path().join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|fd| {
+                std::fs::metadata(fd.path()).is_ok_and(|m| m.ino() == me.ino && m.dev() == me.dev)
+            });
+        if !holds {
+            continue;
+        }
+        let raw = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = raw.split(|b| *b == 0).filter(|a| !a.is_empty()).collect();
+        let mount = args.iter().find_map(|a| {
+            let path = std::fs::canonicalize(OsStr::from_bytes(a)).ok()?;
+            mosaicfs_mounts.contains(&path).then_some(path)
+        });
+        let cmdline = args
+            .iter()
+            .map(|a| String::from_utf8_lossy(a))
+            .collect::<Vec<_>>()
+            .join(" ");
+        out.push(Holder {
+            pid,
+            cmdline,
+            mount,
+        });
+    }
+    out
+}
+
+/// A mountinfo path field, with its octal escapes (`\040` for a space) undone.
+fn unescape_mountinfo(field: &str) -> std::ffi::OsString {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && let Ok(v) = u8::from_str_radix(&field[i + 1..i + 4], 8)
+        {
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    std::ffi::OsString::from_vec(out)
+}
+
+fn described(holders: &[Holder]) -> String {
+    if holders.is_empty() {
+        return "another process (not visible from here: another PID namespace?)".into();
+    }
+    holders
+        .iter()
+        .map(|h| {
+            let cmd: String = h.cmdline.chars().take(120).collect();
+            format!("PID {} '{cmd}'", h.pid)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn in_use(path: &Path, waited: std::time::Duration, holders: &[Holder], live: bool) -> String {
+    let why = if live || holders.is_empty() {
+        "a mount of the same upper layer, or 'mosaicfs complete', 'fsck' or 'export' on it: \
+         unmount that mount or let the command finish, then try again"
+    } else {
+        "its mount is not in this mount namespace: a daemon whose mount lives on in another \
+         namespace ('unshare -m' or a container taken while it was mounted), or one still \
+         writing back after its unmount; unmount it in that namespace, or stop that process"
+    };
+    format!(
+        "workdir '{}' is in use by {} after waiting {} s ({why})",
+        path.display(),
+        described(holders),
+        waited.as_secs()
+    )
+}
+
+/// Creates `workdir/mosaicfs-work` and empties it: whatever is there is left from a crash.
 fn prepare_work_dir(
     work: BorrowedFd<'_>,
     path: &Path,

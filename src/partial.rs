@@ -48,7 +48,8 @@ pub struct PartialMark {
 /// daemons can set only the `user.` form. docs/FORMAT.md, "The guard of a partial file".
 const GUARD_REDIRECT: &[u8] = b"/mosaicfs-partial-file.this-layer-holds-files-that-only-mosaicfs-\
 reads.run-mosaicfs-complete-on-it-before-mounting-it-with-another-overlay.a-name-longer-than-name\
--max-so-that-no-layer-can-hold-it.a-name-longer-than-name-max-so-that-no-layer-can-hold-it.end";
+-max-so-that-no-layer-can-hold-it.a-name-longer-than-name-max-so-that-no-layer-can-hold-it.a-name\
+-longer-than-name-max-so-that-no-layer-can-hold-it.end";
 
 /// The guard's xattrs for a layer written with `names`, each with its value.
 pub fn guard(names: &XattrNames) -> &'static [(&'static str, &'static [u8])] {

@@ -50,7 +50,7 @@ pub fn complete(t: &ToolArgs) -> i32 {
         o.workdir.as_deref(),
         false,
         o.xattr_permissions,
-        WorkLock::Fail,
+        WorkLock::Tool,
         None,
     )
     .and_then(|layers| Overlay::new(layers, Config::from_options(o)))
@@ -323,7 +323,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         None,
         true,
         o.xattr_permissions,
-        WorkLock::Fail,
+        WorkLock::Tool,
         None,
     )?;
     // The work dir's lock, held while checking and repairing (a live mount changes the layer).
@@ -421,7 +421,7 @@ fn open_work(work: &Path) -> Result<Option<(OwnedFd, OwnedFd)>, String> {
     {
         return Ok(None);
     }
-    let lock = crate::layers::lock_work_dir(root.as_fd(), work, WorkLock::Fail)?;
+    let lock = crate::layers::lock_work_dir(root.as_fd(), work, WorkLock::Tool)?;
     let sub = sys::open_dir(root.as_fd(), Path::new(WORK_SUBDIR))
         .map_err(|e| format!("workdir '{}': {e}", work.display()))?;
     Ok(Some((sub, lock)))

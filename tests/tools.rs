@@ -506,11 +506,20 @@ fn fsck_reports_each_problem_with_its_path_and_repairs_what_it_can() {
 fn the_tools_refuse_layers_a_mount_is_using_and_bad_arguments() {
     let mut m = Mount::with(|l| write(l.join("f"), b"f"));
     for cmd in ["fsck", "complete"] {
+        let started = std::time::Instant::now();
         let (status, out) = run_tool(cmd, &m, &[]);
         assert_eq!(status, 8, "{cmd}: {out}");
+        let serving = format!(
+            "is in use by the mosaicfs daemon serving '{}' (PID {} ",
+            m.mnt.display(),
+            m.pid()
+        );
+        assert!(out.contains(&serving), "{out}");
+        assert!(out.contains("unmount it first"), "{out}");
+        // A live mount is no reason to wait: it will not go away by itself.
         assert!(
-            out.contains("is in use by another mosaicfs process"),
-            "{out}"
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{cmd} waited"
         );
     }
     m.unmount();
@@ -540,6 +549,46 @@ fn the_tools_refuse_layers_a_mount_is_using_and_bad_arguments() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `umount` returns before the daemon has written back and let go of the work dir: a tool run
+/// right after it waits for the daemon instead of failing ("is in use"), and one kept waiting
+/// by another process says which.
+#[test]
+fn the_tools_wait_for_a_daemon_that_is_letting_go_after_umount() {
+    if !disk_upper() {
+        return;
+    }
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), pattern(8 << 20, 8));
+    for round in 0..20 {
+        m.mount();
+        write_at(m.path("f"), round * 4096, b"w");
+        write(m.path(&format!("new{round}")), b"n");
+        let daemon = m.take_daemon();
+        sh(&format!("umount {}", m.mnt.display()));
+        let cmd = if round % 2 == 0 { "fsck" } else { "complete" };
+        let (status, out) = run_tool(cmd, &m, &[]);
+        assert_eq!(status, 0, "round {round}: {cmd} right after umount: {out}");
+        let out = daemon.wait_with_output().unwrap();
+        assert!(out.status.success(), "round {round}");
+    }
+    // Another process holds the lock for a moment: the tool names it, waits, then runs.
+    let lock = m.work.join("mosaicfs-work");
+    let holder = std::process::Command::new("flock")
+        .arg(&lock)
+        .args(["sleep", "1.5"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (status, out) = run_tool("fsck", &m, &[]);
+    assert_eq!(status, 0, "{out}");
+    assert!(
+        out.contains(&format!("is still used by PID {} 'flock ", holder.id())),
+        "{out}"
+    );
+    assert!(out.contains("waiting up to 15 s"), "{out}");
+    let _ = holder.wait_with_output();
 }
 
 /// `mosaicfs status --json` and `--prometheus`: requests by opcode with their times, errors by
