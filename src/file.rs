@@ -500,7 +500,7 @@ impl OpenFile {
                 continue;
             }
             let run = (blk..end).take_while(|&b| p.needs_fill(b)).count() as u64;
-            p.fill_blocks(blk, blk + run)?;
+            p.fill_blocks_keeping_holes(blk, blk + run)?;
             filled += run;
             blk += run;
         }

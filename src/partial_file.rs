@@ -222,6 +222,47 @@ impl PartialFile {
         Ok(())
     }
 
+    /// Completion's fill of blocks `first..end`, none of them present: like `fill_blocks`,
+    /// except that blocks wholly inside a hole of the lower file, with nothing pending, stay
+    /// holes and are only counted as present. They read as zeros whether the hole means
+    /// "lower" (a crash before the mark goes) or "zeros" (after), so a sparse lower file
+    /// completes to a sparse upper one, as kernel overlayfs' copy-up keeps holes.
+    pub fn fill_blocks_keeping_holes(&mut self, first: u64, end: u64) -> Result<()> {
+        let bs = self.block;
+        let mut blk = first;
+        while blk < end {
+            let pos = blk * bs;
+            let data = if pos < self.mark.valid {
+                self.lower.seek_data(pos)?.filter(|d| *d < self.mark.valid)
+            } else {
+                None
+            };
+            // The lower file's next data, as a block: every block before it is in a hole.
+            let data_blk = data.map_or(end, |d| (d / bs).min(end));
+            let mut b = blk;
+            while b < data_blk {
+                let run = (b..data_blk)
+                    .take_while(|x| !self.pending.contains_key(x))
+                    .count() as u64;
+                self.blocks.insert(b, b + run);
+                b += run;
+                if b < data_blk {
+                    self.fill_block(b)?;
+                    b += 1;
+                }
+            }
+            let Some(d) = data.filter(|_| data_blk < end) else {
+                break;
+            };
+            // From there to the block holding the lower file's next hole: data to copy.
+            let hole = self.lower.seek_hole(d)?;
+            let stop = hole.div_ceil(bs).clamp(data_blk + 1, end);
+            self.fill_blocks(data_blk, stop)?;
+            blk = stop;
+        }
+        Ok(())
+    }
+
     fn release_pending(&self, blocks: usize) {
         if let Some(caw) = &self.caw {
             caw.release(blocks * self.block as usize);

@@ -75,6 +75,50 @@ fn an_idle_partial_file_is_completed_and_kernel_overlayfs_reads_it() {
     );
 }
 
+/// Completion copies the lower file's data, not its holes: a sparse lower file completes to
+/// a sparse upper one (a 1 GiB file with 16 MiB of data became 1.1 GiB before), with the same
+/// content, also after a remount.
+#[test]
+fn completion_keeps_the_lower_files_holes() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let mut m = Mount::new(1);
+    let size: u64 = 64 << 20;
+    let lower = m.lower(0).join("sparse");
+    let f = fs::File::create(&lower).unwrap();
+    f.set_len(size).unwrap();
+    f.write_all_at(&pattern(1 << 20, 2), 0).unwrap();
+    f.write_all_at(&pattern(1 << 20, 3), 40 << 20).unwrap();
+    f.write_all_at(b"tail", size - 4).unwrap();
+    drop(f);
+    let mut want = fs::read(&lower).unwrap();
+    m.extra = vec!["complete_after=0.3".into()];
+    m.mount();
+    write_at(m.path("sparse"), 20 << 20, b"in a hole");
+    write_at(m.path("sparse"), 100, b"in data");
+    want[20 << 20..(20 << 20) + 9].copy_from_slice(b"in a hole");
+    want[100..107].copy_from_slice(b"in data");
+    wait_complete(&m.upper.join("sparse"), Duration::from_secs(20));
+    let upper = m.upper.join("sparse");
+    assert!(
+        fs::read(&upper).unwrap() == want,
+        "the upper file alone holds the content"
+    );
+    assert!(fs::read(m.path("sparse")).unwrap() == want, "merged view");
+    let used = allocated(&upper);
+    assert!(
+        used < 6 << 20,
+        "completed upper file allocates {used} bytes for 2 MiB of data and 3 written blocks"
+    );
+    m.unmount();
+    m.mount();
+    assert!(
+        fs::read(m.path("sparse")).unwrap() == want,
+        "after a remount"
+    );
+}
+
 /// Writes `data` at `off` through a new descriptor, reporting whether the upper file was
 /// partial right after the open returned (before the write).
 fn reopen_and_write(m: &Mount, name: &str, off: u64, data: &[u8]) -> bool {
