@@ -154,6 +154,7 @@ impl Completion {
             // Every entry is in the upper layer now: hide the lower parts, then drop the
             // redirect that pointed at them.
             ov.layers.make_opaque(&dir, &name).map_err(at)?;
+            self.drop_whiteouts(&dir, &name).map_err(at)?;
             for key in [names.redirect.clone(), kernel_redirect(names)] {
                 match dir.remove_xattr(Some(&name), OsStr::new(&key)) {
                     Err(e) if !e.is(libc::ENODATA) => return Err(at(e)),
@@ -166,6 +167,27 @@ impl Completion {
         }
         if ino == ROOT_INO {
             self.strip(&node, path)?;
+        }
+        Ok(())
+    }
+
+    /// Removes the whiteouts of the directory `name` in `dir`, made opaque: they hide nothing
+    /// there, and kernel overlayfs lists those of an opaque directory as entries it cannot
+    /// stat (`c?????????`). `.wh..wh..opq` stays: it may be what makes the directory opaque.
+    fn drop_whiteouts(
+        &mut self,
+        dir: &crate::upper::UpperDir,
+        name: &OsStr,
+    ) -> crate::error::Result<()> {
+        let d = dir.open_dir(name)?;
+        for e in d.read_dir()? {
+            let n = e.name.as_os_str();
+            let is_wh_file = n.as_bytes().starts_with(crate::layers::WHITEOUT_PREFIX)
+                && n != crate::layers::OPAQUE_WHITEOUT;
+            let attr = d.stat_at(n)?;
+            if is_wh_file || self.overlay.layers.is_whiteout(d.view(), n, &attr)? {
+                d.unlink(n)?;
+            }
         }
         Ok(())
     }

@@ -100,6 +100,7 @@ fn container_changes(m: &mut Mount) {
     write(l.join("chowned"), pattern(2 << 20, 2));
     write(l.join("d/a"), pattern(3 << 20, 3));
     write(l.join("d/sub/b"), b"bee");
+    write(l.join("d/sub/old"), b"removed in the renamed directory");
     write(l.join("gone"), b"to be deleted");
     write(l.join("x"), pattern(1 << 20, 4));
     std::os::unix::fs::symlink("d/a", l.join("link")).unwrap();
@@ -110,6 +111,7 @@ fn container_changes(m: &mut Mount) {
     fs::rename(m.path("d"), m.path("e")).unwrap();
     write(m.path("e/new"), b"new in a renamed directory");
     write_at(m.path("e/sub/b"), 0, b"B");
+    fs::remove_file(m.path("e/sub/old")).unwrap();
     fs::remove_file(m.path("gone")).unwrap();
     set_xattr(&m.path("x"), "user.k", b"v");
     fs::hard_link(m.path("e/a"), m.path("hard")).unwrap();
