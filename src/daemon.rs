@@ -65,8 +65,12 @@ pub fn main() -> i32 {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let args = strip_mount_helper_flags(args);
     let opts = match options::parse_args(args) {
-        Ok(Command::Help) => {
-            println!("{}", options::USAGE);
+        Ok(Command::Help(None)) => {
+            print!("{}", crate::help::mount_help(options::USAGE));
+            return 0;
+        }
+        Ok(Command::Help(Some(cmd))) => {
+            print!("{}", crate::help::command_help(&cmd).unwrap_or_default());
             return 0;
         }
         Ok(Command::Version) => {

@@ -18,6 +18,7 @@ pub mod fault;
 pub mod file;
 pub mod fuse;
 pub mod handles;
+pub mod help;
 pub mod inode;
 pub mod io;
 pub mod layers;

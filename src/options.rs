@@ -351,7 +351,8 @@ pub enum Command {
     Fsck(Box<ToolArgs>),
     /// `mosaicfs export`: the upper layer as an OCI layer tar (export.rs).
     Export(Box<ExportArgs>),
-    Help,
+    /// `--help`, or the help of one command.
+    Help(Option<String>),
     Version,
 }
 
@@ -366,11 +367,11 @@ usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=W
                          (offline: check the layer's marks, redirects and work dir)
        mosaicfs export [-o FILE] [--gzip|--zstd] [-q] (MOUNTPOINT | --lowerdir=L[:L...] --upperdir=U [--workdir=W])
                          (the upper layer as an OCI layer tar, live or offline)
-       mosaicfs --version | --help
+       mosaicfs --version | --help | help [CMD] | CMD --help
 
   -f            stay in the foreground
   -d, --debug   foreground, log every request to stderr
-  -o OPTIONS    comma-separated mount options (see README: option table)
+  -o OPTIONS    comma-separated mount options (below)
 
 Without upperdir the overlay is read-only.";
 
@@ -851,6 +852,27 @@ impl Options {
 /// Parses the whole command line (without argv[0]).
 pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, String> {
     let args: Vec<OsString> = args.into_iter().collect();
+    let first = args.first().and_then(|a| a.to_str());
+    if first == Some("help") {
+        return match args.get(1).and_then(|a| a.to_str()) {
+            None => Ok(Command::Help(None)),
+            Some(cmd) if crate::help::command_help(cmd).is_some() => {
+                Ok(Command::Help(Some(cmd.to_string())))
+            }
+            Some(other) => Err(format!(
+                "no help for '{other}': 'mosaicfs help' shows the mount options, and \
+                 'mosaicfs help CMD' a command: {}",
+                crate::help::COMMANDS.map(|(c, _)| c).join(", ")
+            )),
+        };
+    }
+    // `mosaicfs CMD --help` (a mount needs `-o`, so a subcommand word comes first).
+    if let Some(cmd) = first
+        && crate::help::command_help(cmd).is_some()
+        && args[1..].iter().any(|a| a == "--help" || a == "-h")
+    {
+        return Ok(Command::Help(Some(cmd.to_string())));
+    }
     if args.first().is_some_and(|a| a == "status") {
         return match args.get(1..) {
             Some([mnt]) => Ok(Command::Status(PathBuf::from(mnt), Format::Text)),
@@ -888,7 +910,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
     while let Some(arg) = args.next() {
         let s = arg.to_string_lossy().into_owned();
         match s.as_str() {
-            "-h" | "--help" => return Ok(Command::Help),
+            "-h" | "--help" => return Ok(Command::Help(None)),
             "-V" | "--version" => return Ok(Command::Version),
             "-f" => opts.foreground = true,
             "-d" | "--debug" => {

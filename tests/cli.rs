@@ -42,7 +42,39 @@ fn version_and_help() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("mosaicfs version"));
     let out = Command::new(BIN).arg("--help").output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("lowerdir"));
+    let help = String::from_utf8_lossy(&out.stdout);
+    // Every mount option, as the man page has it.
+    for option in [
+        "lowerdir=A:B:...",
+        "copy_whole=",
+        "upper=memory",
+        "uring=",
+        "metrics=",
+    ] {
+        assert!(help.contains(option), "{option} in --help:\n{help}");
+    }
+    // Each command's help, both ways of asking; an unknown one is an error.
+    for cmd in ["status", "sync", "complete", "fsck", "export"] {
+        for args in [vec!["help", cmd], vec![cmd, "--help"]] {
+            let out = Command::new(BIN).args(&args).output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{args:?}: {text}");
+            assert!(
+                text.starts_with(&format!("usage: mosaicfs {cmd}")),
+                "{args:?}: {text}"
+            );
+            assert!(text.lines().count() > 3, "{args:?}: {text}");
+        }
+    }
+    let out = Command::new(BIN).arg("help").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("lowerdir=A:B:..."));
+    let (code, err) = run(&["help", "bogus"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("no help for 'bogus'") && err.contains("fsck"),
+        "{err}"
+    );
 }
 
 #[test]
