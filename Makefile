@@ -9,9 +9,11 @@ CARGO ?= cargo
 build:
 	$(CARGO) build --release
 
-# The binary, the helper mount(8) runs for `mount -t fuse.mosaicfs`, and the man page.
+# The binary (stripped: target/release keeps the symbols for perf), the helper mount(8) runs
+# for `mount -t fuse.mosaicfs` (mount(8) looks in /sbin, which is /usr/sbin here, whatever PREFIX
+# is), and the man page.
 install: build
-	install -D -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
+	install -D -s -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
 	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
 	install -D -m 0644 docs/mosaicfs.1 $(DESTDIR)$(MANDIR)/man1/mosaicfs.1
 
