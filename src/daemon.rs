@@ -163,14 +163,34 @@ fn remount(opts: &Options) -> i32 {
 }
 
 fn check_mountpoint(opts: &Options) -> Result<(), String> {
-    match std::fs::metadata(&opts.mountpoint) {
+    // statfs reaches the daemon of a FUSE mount there (stat may be answered from the
+    // kernel's cache): ENOTCONN when that daemon is gone.
+    let dead = matches!(
+        rustix::fs::statfs(&opts.mountpoint),
+        Err(rustix::io::Errno::NOTCONN)
+    );
+    let seen = if dead {
+        Err(std::io::Error::from_raw_os_error(libc::ENOTCONN))
+    } else {
+        std::fs::metadata(&opts.mountpoint)
+    };
+    match seen {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(_) => Err(format!(
             "mount point '{}' is not a directory",
             opts.mountpoint.display()
         )),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Err(format!(
+            "mount point '{0}' holds a dead FUSE mount (its daemon exited or was killed): \
+             unmount it first ('umount {0}', or 'umount -l {0}' while it is busy)",
+            opts.mountpoint.display()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
+            "mount point '{}' does not exist: create it first",
+            opts.mountpoint.display()
+        )),
         Err(e) => Err(format!(
-            "mount point '{}' cannot be used: {e}; create it first",
+            "mount point '{}' cannot be used: {e}",
             opts.mountpoint.display()
         )),
     }

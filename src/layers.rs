@@ -170,6 +170,8 @@ pub struct LayerStack {
     pub work: Option<Arc<OwnedFd>>,
     /// Holds the work dir's lock while the stack lives (`WorkLock`).
     _work_lock: Option<OwnedFd>,
+    /// Holds the upper dir's lock while the stack lives (the same upper, another work dir).
+    _upper_lock: Option<OwnedFd>,
     pub xattr: XattrNames,
     /// Whether whiteouts can be char devices 0/0 (mknod works on the upper layer).
     pub whiteout_chardev: bool,
@@ -421,6 +423,7 @@ impl LayerStack {
         let mut trusted = rustix::process::geteuid().is_root();
         let mut work_fd = None;
         let mut work_lock = None;
+        let mut upper_lock = None;
         let mut has_upper = false;
         let mut whiteout_chardev = false;
         let mut memory = None;
@@ -456,8 +459,19 @@ impl LayerStack {
                     ));
                 }
                 if !read_only {
+                    check_writable(ufd.as_fd(), &upper, "upperdir")?;
+                    check_writable(wfd.as_fd(), &work, "workdir")?;
                     let (wsub, held) = prepare_work_dir(wfd.as_fd(), &work, lock)?;
                     work_lock = Some(held);
+                    // The upper dir too: the same upper layer with another work dir would
+                    // be two writers that do not see each other's work dir.
+                    let ulock = rustix::fs::open(
+                        &upper,
+                        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                        rustix::fs::Mode::empty(),
+                    )
+                    .map_err(|e| format!("upperdir '{}': {e}", upper.display()))?;
+                    upper_lock = Some(lock_dir(ulock, "upperdir", &upper, lock)?);
                     whiteout_chardev = probe_whiteout(wsub.as_fd());
                     let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
                     if trusted && probed.as_ref().is_err_and(|e| e.is(libc::EPERM)) {
@@ -545,6 +559,7 @@ impl LayerStack {
             has_upper,
             work: work_fd,
             _work_lock: work_lock,
+            _upper_lock: upper_lock,
             xattr: XattrNames::new(trusted),
             whiteout_chardev,
             dirs: Default::default(),
@@ -782,6 +797,35 @@ fn on_idmapped_mount(path: &Path) -> bool {
 /// Refuses a lower layer that is the upper or work dir or lies inside one: it would change
 /// under the mount with every copy-up (kernel overlayfs refuses it too: "overlapping lowerdir
 /// path"). An upper dir inside a lower layer is allowed, as the kernel allows it (`lowerdir=/`).
+/// A writable layer's dir (`what` '`path`'): on a read-write file system, and writable by the
+/// daemon. Mounted otherwise, every write through the mount would fail (EROFS, EACCES).
+fn check_writable(fd: BorrowedFd<'_>, path: &Path, what: &str) -> std::result::Result<(), String> {
+    if let Ok(st) = rustix::fs::fstatvfs(fd)
+        && st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY)
+    {
+        return Err(format!(
+            "{what} '{}' is on a read-only file system: remount it read-write, or mount the \
+             overlay without upperdir and workdir (read-only)",
+            path.display()
+        ));
+    }
+    let access = rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK;
+    match rustix::fs::accessat(rustix::fs::CWD, path, access, rustix::fs::AtFlags::EACCESS) {
+        Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::PERM) => {
+            let st = sys::fstat(fd).ok();
+            Err(format!(
+                "{what} '{}' is not writable by uid {} (it belongs to uid {}, mode {:o}): \
+                 mount as its owner, or give it to the user that mounts",
+                path.display(),
+                rustix::process::geteuid().as_raw(),
+                st.as_ref().map_or(0, |a| a.uid),
+                st.as_ref().map_or(0, |a| a.mode & 0o7777)
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn check_no_lower_inside(
     lowers: &[PathBuf],
     upper: &Path,
@@ -801,6 +845,15 @@ fn check_no_lower_inside(
                      the mount with every copy-up; use separate directories",
                     path.display(),
                     dir.display()
+                ));
+            }
+            if dir.starts_with(&path) {
+                return Err(format!(
+                    "{name} '{}' is inside {what} '{}': it would show inside the merged view, \
+                     and change it with every write (kernel overlayfs refuses overlapping \
+                     layers too); use separate directories",
+                    dir.display(),
+                    path.display()
                 ));
             }
         }
@@ -837,7 +890,7 @@ fn canonical(p: &Path, what: &str) -> std::result::Result<PathBuf, String> {
 /// other is building, and a tool would complete or convert files under a live mount. Both wait
 /// for the previous user, with a bound: `umount` returns before the daemon of the mount has
 /// written its pending blocks back and exited, so a tool run right after it would otherwise
-/// fail. A tool fails at once when the holder is a daemon whose mount is still there.
+/// fail. Both fail at once when the holder is a daemon whose mount is still there.
 #[derive(Debug, Clone, Copy)]
 pub enum WorkLock {
     /// A mount: wait this long.
@@ -854,7 +907,6 @@ pub fn lock_work_dir(
     path: &Path,
     how: WorkLock,
 ) -> std::result::Result<OwnedFd, String> {
-    use rustix::fs::FlockOperation;
     let fd = sys::open_beneath(
         work,
         Path::new(WORK_SUBDIR),
@@ -862,6 +914,18 @@ pub fn lock_work_dir(
         0,
     )
     .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    lock_dir(fd, "workdir", path, how)
+}
+
+/// Takes the exclusive `flock` on the open directory `fd` (`what` '`path`' in messages), as
+/// `how` says.
+fn lock_dir(
+    fd: OwnedFd,
+    what: &str,
+    path: &Path,
+    how: WorkLock,
+) -> std::result::Result<OwnedFd, String> {
+    use rustix::fs::FlockOperation;
     let wait = match how {
         WorkLock::Wait(d) => d,
         WorkLock::Tool => MOUNT_LOCK_WAIT,
@@ -874,20 +938,20 @@ pub fn lock_work_dir(
             Err(rustix::io::Errno::WOULDBLOCK) => {
                 let holders = lock_holders(fd.as_fd());
                 let live = holders.iter().find_map(|h| h.mount.clone());
-                if let (WorkLock::Tool, Some(mnt)) = (how, &live) {
+                if let Some(mnt) = &live {
                     return Err(format!(
-                        "workdir '{}' is in use by the mosaicfs daemon serving '{}' ({}):                          unmount it first",
+                        "{what} '{}' is in use by the mosaicfs daemon serving '{}' ({}): unmount it first",
                         path.display(),
                         mnt.display(),
                         described(&holders)
                     ));
                 }
                 if std::time::Instant::now() >= deadline {
-                    return Err(in_use(path, wait, &holders, live.is_some()));
+                    return Err(in_use(what, path, wait, &holders, live.is_some()));
                 }
                 if !said {
                     let msg = format!(
-                        "workdir '{}' is still used by {}; waiting up to {} s for it to let go",
+                        "{what} '{}' is still used by {}; waiting up to {} s for it to let go",
                         path.display(),
                         described(&holders),
                         wait.as_secs()
@@ -902,7 +966,7 @@ pub fn lock_work_dir(
             }
             Err(e) => {
                 return Err(format!(
-                    "workdir '{}': cannot lock {WORK_SUBDIR}: {}",
+                    "{what} '{}': cannot lock it: {}",
                     path.display(),
                     std::io::Error::from(e)
                 ));
@@ -1009,9 +1073,16 @@ fn described(holders: &[Holder]) -> String {
         .join(", ")
 }
 
-fn in_use(path: &Path, waited: std::time::Duration, holders: &[Holder], live: bool) -> String {
+fn in_use(
+    what: &str,
+    path: &Path,
+    waited: std::time::Duration,
+    holders: &[Holder],
+    live: bool,
+) -> String {
     let why = if live || holders.is_empty() {
-        "a mount of the same upper layer, or 'mosaicfs complete', 'fsck' or 'export' on it: \
+        "a mount of the same upper layer (with this or another workdir), or 'mosaicfs \
+         complete', 'fsck' or 'export' on it: \
          unmount that mount or let the command finish, then try again"
     } else {
         "its mount is not in this mount namespace: a daemon whose mount lives on in another \
@@ -1019,7 +1090,7 @@ fn in_use(path: &Path, waited: std::time::Duration, holders: &[Holder], live: bo
          writing back after its unmount; unmount it in that namespace, or stop that process"
     };
     format!(
-        "workdir '{}' is in use by {} after waiting {} s ({why})",
+        "{what} '{}' is in use by {} after waiting {} s ({why})",
         path.display(),
         described(holders),
         waited.as_secs()

@@ -77,6 +77,118 @@ fn version_and_help() {
     );
 }
 
+/// What kernel overlayfs refuses at mount, or what would fail every write after it, is refused
+/// before mounting with one line saying what to do.
+#[test]
+fn bad_layouts_are_refused_before_mounting() {
+    let (d, p) = layers();
+    fs::create_dir_all(format!("{p}/l/up")).unwrap();
+    fs::create_dir_all(format!("{p}/l/wk")).unwrap();
+    let refused = |opts: String, want: &str| {
+        let (code, err) = run(&["-f", "-o", &opts, &format!("{p}/m")]);
+        assert_ne!(code, 0, "{opts} must fail");
+        assert!(err.contains(want), "{opts}: expected '{want}' in: {err}");
+        assert!(err.trim().lines().count() <= 2, "short message: {err}");
+        assert!(!is_mounted(std::path::Path::new(&format!("{p}/m"))));
+    };
+    // An upper or work dir inside a lower layer (kernel overlayfs: "overlapping layers").
+    refused(
+        format!("lowerdir={p}/l,upperdir={p}/l/up,workdir={p}/w"),
+        "upperdir '",
+    );
+    refused(
+        format!("lowerdir={p}/l,upperdir={p}/l/up,workdir={p}/w"),
+        "is inside lowerdir #1",
+    );
+    refused(
+        format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/l/wk"),
+        "workdir '",
+    );
+
+    // The same upper dir with another work dir while it is mounted: at once, naming the mount.
+    let mut m = Mount::new(1);
+    m.mount();
+    let w2 = m.dir.path().join("work2");
+    fs::create_dir(&w2).unwrap();
+    let other = d.path().join("m");
+    let started = Instant::now();
+    let (code, err) = run(&[
+        "-f",
+        "-o",
+        &format!(
+            "lowerdir={},upperdir={},workdir={}",
+            m.lower(0).display(),
+            m.upper.display(),
+            w2.display()
+        ),
+        other.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains(&format!("upperdir '{}' is in use", m.upper.display()))
+            && err.contains(&format!("serving '{}'", m.mnt.display())),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited for a live mount"
+    );
+    assert!(!is_mounted(&other));
+
+    // A dead mount (its daemon killed) at the mount point. (In the background: a mount made
+    // wrongly returns instead of serving.)
+    let mut daemon = m.take_daemon();
+    daemon.kill().unwrap();
+    daemon.wait().unwrap();
+    let (code, err) = run(&["-o", &m.options(), m.mnt.to_str().unwrap()]);
+    if code == 0 {
+        sh(&format!("umount {}", m.mnt.display()));
+    }
+    assert_ne!(code, 0, "mounted over a dead mount");
+    assert!(
+        err.contains("holds a dead FUSE mount") && err.contains("umount"),
+        "{err}"
+    );
+    sh(&format!("umount -l {}", m.mnt.display()));
+
+    // An upper layer on a read-only file system.
+    let ro = d.path().join("ro");
+    fs::create_dir(&ro).unwrap();
+    let tmpfs = Tmpfs::mount(&ro, "4m");
+    for s in ["u", "w"] {
+        fs::create_dir(ro.join(s)).unwrap();
+    }
+    sh(&format!("mount -o remount,ro {}", ro.display()));
+    refused(
+        format!("lowerdir={p}/l,upperdir={0}/u,workdir={0}/w", ro.display()),
+        "is on a read-only file system",
+    );
+    sh(&format!("mount -o remount,rw {}", ro.display()));
+    tmpfs.unmount().unwrap();
+
+    // A root-owned upper layer mounted by another user.
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    fs::set_permissions(d.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "-f",
+            "-o",
+            &format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w"),
+        ])
+        .arg(format!("{p}/m"))
+        .uid(1000)
+        .gid(1000)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("upperdir '{p}/u' is not writable by uid 1000")),
+        "{err}"
+    );
+}
+
 #[test]
 fn bad_input_is_one_clear_line_and_mounts_nothing() {
     let (_d, p) = layers();
@@ -497,14 +609,26 @@ fn an_unprivileged_user_mounts_through_fusermount3() {
     // mounts, and mosaicfs' own xattrs are user.* ones. Distributions ship /dev/fuse as 0666;
     // this machine's is 0600, which keeps every unprivileged FUSE mount out.
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    // Put back as it was, however the test ends: later runs see the machine as it was.
+    struct DevFuseMode(u32);
+    impl Drop for DevFuseMode {
+        fn drop(&mut self) {
+            let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
+        }
+    }
+    let _restore = DevFuseMode(fs::metadata("/dev/fuse").unwrap().mode() & 0o7777);
     fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o666)).unwrap();
     let (d, p) = layers();
     fs::write(d.path().join("l/a"), "lower\n").unwrap();
     fs::write(d.path().join("l/gone"), "x").unwrap();
+    fs::create_dir(d.path().join("run")).unwrap();
     sh(&format!("chown -R nobody:nogroup {p}"));
+    // The control socket goes to the user's runtime dir: `status` works as the user.
     let script = format!(
-        "set -e; cd {p}; {BIN} -o lowerdir=l,upperdir=u,workdir=w m; echo more >> m/a; \
-         echo new > m/n; echo again >> m/n; rm m/gone; cat m/a m/n; ls m; fusermount3 -u m"
+        "set -e; cd {p}; export XDG_RUNTIME_DIR={p}/run; \
+         {BIN} -o lowerdir=l,upperdir=u,workdir=w m; echo more >> m/a; \
+         echo new > m/n; echo again >> m/n; rm m/gone; cat m/a m/n; ls m; \
+         {BIN} status m > status.txt; fusermount3 -u m"
     );
     let out = Command::new("setpriv")
         .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups"])
@@ -521,6 +645,11 @@ fn an_unprivileged_user_mounts_through_fusermount3() {
         "lower\nmore\nnew\nagain\na\nn\n"
     );
     wait_unmounted(&d.path().join("m"));
+    let status = fs::read_to_string(d.path().join("status.txt")).unwrap();
+    assert!(
+        status.starts_with("mount: m\n") && status.contains(&format!("upper: {p}/u\n")),
+        "{status}"
+    );
     let a = d.path().join("u/a");
     assert!(
         get_xattr(&a, "user.mosaicfs.origin").is_some(),
