@@ -1,10 +1,13 @@
 //! The control socket of a live mount: `mosaicfs status MNT [--json|--prometheus]` reads its
 //! counters, and `mosaicfs export MNT` the layer (export.rs).
 //!
-//! One Unix socket per mount at `/run/mosaicfs/MAJ-MIN.sock`, named after the mount's device
-//! number so a client finds it from the mount point alone. A client writes one line naming
-//! the format (`text`, `json` or `prometheus`; nothing means text) and gets one report; the
-//! socket is served by one thread and never touches the hot path.
+//! One Unix socket per mount at `DIR/MAJ-MIN.sock`, named after the mount's device number so a
+//! client finds it from the mount point alone. `DIR` is `/run/mosaicfs` for root, and for any
+//! other user (rootless Podman's daemons too) `$XDG_RUNTIME_DIR/mosaicfs`, or
+//! `/run/user/UID/mosaicfs`, or `/tmp/mosaicfs-run-UID` where no runtime dir exists; a client
+//! looks in each. A client writes one line naming the format (`text`, `json` or `prometheus`;
+//! nothing means text) and gets one report; the socket is served by one thread and never
+//! touches the hot path.
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -14,10 +17,68 @@ use std::sync::Arc;
 use crate::options::Format;
 use crate::overlay::Overlay;
 
-const DIR: &str = "/run/mosaicfs";
+const ROOT_DIR: &str = "/run/mosaicfs";
 
-fn socket_path(dev: &str) -> PathBuf {
-    Path::new(DIR).join(format!("{}.sock", dev.replace(':', "-")))
+fn socket_name(dev: &str) -> String {
+    format!("{}.sock", dev.replace(':', "-"))
+}
+
+/// Where this user's daemons put their sockets, in the order a daemon tries them.
+fn socket_dirs() -> Vec<PathBuf> {
+    let uid = rustix::process::geteuid().as_raw();
+    let mut dirs = Vec::new();
+    if uid == 0 {
+        dirs.push(PathBuf::from(ROOT_DIR));
+    }
+    if let Some(run) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        dirs.push(Path::new(&run).join("mosaicfs"));
+    }
+    dirs.push(PathBuf::from(format!("/run/user/{uid}/mosaicfs")));
+    dirs.push(PathBuf::from(format!("/tmp/mosaicfs-run-{uid}")));
+    dirs
+}
+
+/// The first of `socket_dirs` this daemon can make its own: created 0700 where missing, and
+/// used only when it belongs to this user and no one else may write in it (a directory in
+/// /tmp may have been made by someone else first).
+fn own_socket_dir() -> Option<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let uid = rustix::process::geteuid().as_raw();
+    socket_dirs().into_iter().find(|dir| {
+        let parent_ok = dir.parent().is_some_and(|p| p.is_dir());
+        if !parent_ok {
+            return false;
+        }
+        let _ = std::fs::DirBuilder::new().mode(0o700).create(dir);
+        std::fs::symlink_metadata(dir)
+            .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.mode() & 0o022 == 0)
+            && rustix::fs::access(dir, rustix::fs::Access::WRITE_OK).is_ok()
+    })
+}
+
+/// The socket of the mount on device `dev`, wherever its daemon put it: this user's dirs
+/// first, then (for root, who may ask about any user's mount) every user's runtime dir.
+fn find_socket(dev: &str) -> Option<PathBuf> {
+    let name = socket_name(dev);
+    let mut dirs = socket_dirs();
+    if rustix::process::geteuid().is_root() {
+        for e in std::fs::read_dir("/run/user")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            dirs.push(e.path().join("mosaicfs"));
+        }
+        for e in std::fs::read_dir("/tmp").into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("mosaicfs-run-") {
+                dirs.push(e.path());
+            }
+        }
+    }
+    dirs.into_iter().map(|d| d.join(&name)).find(|p| {
+        std::fs::symlink_metadata(p)
+            .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    })
 }
 
 /// The MAJ:MIN of the newest mount at `mountpoint`, from /proc/self/mountinfo (never stat(2):
@@ -368,8 +429,15 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
     let Some(dev) = mount_device(&mountpoint) else {
         return;
     };
-    let path = socket_path(&dev);
-    let _ = std::fs::create_dir_all(DIR);
+    let Some(dir) = own_socket_dir() else {
+        log::info!(
+            "no directory for a control socket (tried {:?}); 'mosaicfs status' will not reach \
+             this mount",
+            socket_dirs()
+        );
+        return;
+    };
+    let path = dir.join(socket_name(&dev));
     let _ = std::fs::remove_file(&path); // left by a daemon that was killed
     let listener = match UnixListener::bind(&path) {
         Ok(l) => l,
@@ -381,7 +449,7 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
             return;
         }
     };
-    // Root only: the socket hands out the layer's contents (export).
+    // Its owner only: the socket hands out the layer's contents (export).
     use std::os::unix::fs::PermissionsExt;
     if let Err(e) = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)) {
         log::info!("control socket {}: {e}; not served", path.display());
@@ -475,7 +543,19 @@ pub fn serve_metrics(overlay: Arc<Overlay>, listener: std::net::TcpListener) {
 pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
     let dev = mount_device(mountpoint)
         .ok_or_else(|| format!("'{}' is not a mount point", mountpoint.display()))?;
-    let path = socket_path(&dev);
+    let path = find_socket(&dev).ok_or_else(|| {
+        format!(
+            "no mosaicfs daemon answers for '{}' (no {} in {}); is it a mosaicfs mount, and \
+             yours (a rootless mount's socket is in its user's runtime dir)?",
+            mountpoint.display(),
+            socket_name(&dev),
+            socket_dirs()
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
     let mut conn = UnixStream::connect(&path).map_err(|e| {
         format!(
             "no mosaicfs daemon answers for '{}' ({}: {e}); is it a mosaicfs mount?",
