@@ -14,37 +14,6 @@ use crate::layers::{LayerStack, MemorySpec};
 use crate::options::{self, Command, Options};
 use crate::overlay::{Config, Overlay};
 
-struct StderrLogger {
-    level: log::LevelFilter,
-}
-
-impl log::Log for StderrLogger {
-    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
-        m.level() <= self.level
-    }
-    fn log(&self, r: &log::Record<'_>) {
-        if self.enabled(r.metadata()) && r.target().starts_with("mosaicfs") {
-            eprintln!(
-                "mosaicfs: {}: {}",
-                r.level().as_str().to_lowercase(),
-                r.args()
-            );
-        }
-    }
-    fn flush(&self) {}
-}
-
-fn init_log(debug: bool) {
-    let level = match std::env::var("MOSAICFS_LOG").ok().as_deref() {
-        Some("debug") => log::LevelFilter::Debug,
-        Some("info") => log::LevelFilter::Info,
-        _ if debug => log::LevelFilter::Debug,
-        _ => log::LevelFilter::Warn,
-    };
-    let _ = log::set_boxed_logger(Box::new(StderrLogger { level }));
-    log::set_max_level(level);
-}
-
 /// Arguments as mount(8) passes them to a `mount.fuse.mosaicfs` helper, reduced to ours.
 fn strip_mount_helper_flags(args: Vec<OsString>) -> Vec<OsString> {
     let mut out = Vec::new();
@@ -80,15 +49,15 @@ pub fn main() -> i32 {
         }
         Ok(Command::Mount(o)) => o,
         Ok(Command::Complete(t)) => {
-            init_log(false);
+            crate::logging::init(false);
             return crate::tools::complete(&t);
         }
         Ok(Command::Fsck(t)) => {
-            init_log(false);
+            crate::logging::init(false);
             return crate::tools::fsck(&t);
         }
         Ok(Command::Export(a)) => {
-            init_log(false);
+            crate::logging::init(false);
             return crate::export::run(&a);
         }
         Ok(Command::Remount(o)) => return remount(&o),
@@ -118,7 +87,7 @@ pub fn main() -> i32 {
             return 2;
         }
     };
-    init_log(opts.debug);
+    crate::logging::init(opts.debug);
     for w in &opts.warnings {
         eprintln!("mosaicfs: warning: {w}");
     }
@@ -211,6 +180,12 @@ fn raise_nofile_limit() {
 
 fn mount(opts: Options) -> Result<(), String> {
     check_mountpoint(&opts)?;
+    // Opened now: a file the daemon cannot write fails the mount, not the log later.
+    let log_file = opts
+        .log_file
+        .as_deref()
+        .map(crate::logging::open_log_file)
+        .transpose()?;
     crate::fault::init()?;
     // Bound before anything else: an address in use fails the mount, not a thread later.
     let metrics = opts
@@ -260,7 +235,7 @@ fn mount(opts: Options) -> Result<(), String> {
             }
         }
     }
-    let result = serve(overlay, &opts, &mut notify, metrics);
+    let result = serve(overlay, &opts, &mut notify, metrics, log_file);
     if let (Err(e), Some(w)) = (&result, notify) {
         let mut f = std::fs::File::from(w);
         let _ = f.write_all(e.as_bytes());
@@ -459,6 +434,7 @@ fn serve(
     opts: &Options,
     notify: &mut Option<OwnedFd>,
     metrics: Option<std::net::TcpListener>,
+    log_file: Option<std::fs::File>,
 ) -> Result<(), String> {
     overlay.start_completion();
     overlay.start_caw_workers();
@@ -509,6 +485,7 @@ fn serve(
         let mut f = std::fs::File::from(w);
         let _ = f.write_all(&[0]);
         drop(f);
+        crate::logging::to_background(log_file);
         detach_stdio();
     }
     let result = session.run();

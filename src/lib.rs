@@ -22,6 +22,7 @@ pub mod help;
 pub mod inode;
 pub mod io;
 pub mod layers;
+pub mod logging;
 pub mod lower_wait;
 pub mod memory_upper;
 pub mod namei;

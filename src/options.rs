@@ -123,6 +123,8 @@ pub struct Options {
     pub read_ahead_kb: u32,
     /// Where the daemon serves Prometheus metrics over HTTP (`metrics=ADDR:PORT`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// Where a daemon in the background logs (`log_file=PATH`); else the system log.
+    pub log_file: Option<PathBuf>,
     /// How long a request may wait on a lower layer before it is answered EIO
     /// (`lower_timeout=S`; lower_wait.rs). None: as long as the layer's store takes.
     pub lower_timeout: Option<Duration>,
@@ -186,6 +188,7 @@ impl Default for Options {
             reflink: true,
             read_ahead_kb: 4096,
             metrics: None,
+            log_file: None,
             lower_timeout: None,
             lower_cache: None,
             timeout_given: false,
@@ -732,6 +735,7 @@ impl Options {
                     )
                 })?);
             }
+            "log_file" => self.log_file = Some(PathBuf::from(need(value)?)),
             "caw_workers" => {
                 let n: usize = parse_num(name, value)?;
                 if n > 64 {

@@ -189,6 +189,130 @@ fn bad_layouts_are_refused_before_mounting() {
     );
 }
 
+/// `-d` logs every request; a daemon in the background logs to `log_file=`, or else to the
+/// system log (/dev/log), since its standard error is /dev/null.
+#[test]
+fn debug_logs_every_request_and_background_daemons_log_somewhere() {
+    let (d, p) = layers();
+    fs::write(d.path().join("l/a"), "a").unwrap();
+    let work = |mnt: &str| {
+        let _ = fs::read_dir(format!("{p}/{mnt}")).unwrap().count();
+        fs::create_dir(format!("{p}/{mnt}/made")).unwrap();
+        fs::remove_dir(format!("{p}/{mnt}/made")).unwrap();
+    };
+    let opts = format!("lowerdir={p}/l,upperdir={p}/u,workdir={p}/w");
+
+    let child = Command::new(BIN)
+        .args(["-d", "-o", &opts, &format!("{p}/m")])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !is_mounted(&d.path().join("m")) {
+        assert!(start.elapsed() < Duration::from_secs(20), "not mounted");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    work("m");
+    sh(&format!("umount {p}/m"));
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    for request in [
+        "LOOKUP name \"made\"",
+        "MKDIR name \"made\"",
+        "RMDIR name \"made\"",
+    ] {
+        assert!(log.contains(request), "-d logs {request}: {log}");
+    }
+
+    // Waits for the background daemon's last line ("shut down") in what `read` returns.
+    let wait_for_end = |read: &mut dyn FnMut() -> String| -> String {
+        let start = Instant::now();
+        loop {
+            let text = read();
+            if text.contains("shut down") || start.elapsed() > Duration::from_secs(20) {
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let logged = format!("{p}/daemon.log");
+    let out = Command::new(BIN)
+        .env("MOSAICFS_LOG", "debug")
+        .args([
+            "-o",
+            &format!("{opts},log_file={logged}"),
+            &format!("{p}/m"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    work("m");
+    sh(&format!("umount {p}/m"));
+    let text = wait_for_end(&mut || fs::read_to_string(&logged).unwrap_or_default());
+    assert!(text.contains("MKDIR name \"made\""), "{text}");
+    assert!(text.contains(" mosaicfs["), "{text}");
+    let (code, err) = run(&[
+        "-o",
+        &format!("{opts},log_file=/nonexistent/x.log"),
+        &format!("{p}/m"),
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("log_file='/nonexistent/x.log': cannot open it"),
+        "{err}"
+    );
+
+    // The system log, where this machine has none running: a listener of the test's own.
+    if std::path::Path::new("/dev/log").exists() {
+        return;
+    }
+    struct Listener(std::os::unix::net::UnixDatagram);
+    impl Drop for Listener {
+        fn drop(&mut self) {
+            let _ = fs::remove_file("/dev/log");
+        }
+    }
+    let syslog = Listener(std::os::unix::net::UnixDatagram::bind("/dev/log").unwrap());
+    // Read as a system logger does, all the time: its queue holds only a few lines.
+    let got = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (sock, got, stop) = (syslog.0.try_clone().unwrap(), got.clone(), stop.clone());
+        sock.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(n) = sock.recv(&mut buf) {
+                    let mut g = got.lock().unwrap();
+                    g.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    g.push('\n');
+                }
+            }
+        })
+    };
+    let out = Command::new(BIN)
+        .env("MOSAICFS_LOG", "debug")
+        .args(["-o", &opts, &format!("{p}/m")])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    work("m");
+    sh(&format!("umount {p}/m"));
+    let text = wait_for_end(&mut || got.lock().unwrap().clone());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    reader.join().unwrap();
+    assert!(
+        text.contains("<31>mosaicfs["),
+        "daemon facility, debug: {text}"
+    );
+    assert!(text.contains("MKDIR name \"made\""), "{text}");
+}
+
 #[test]
 fn bad_input_is_one_clear_line_and_mounts_nothing() {
     let (_d, p) = layers();
