@@ -12,7 +12,6 @@
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -987,9 +986,18 @@ struct Holder {
 /// took a lock, which for a daemon is its parent, gone after the fork, so the descriptors of
 /// every process are looked at instead (only on this slow path).
 fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
-    let Ok(me) = sys::fstat(locked) else {
+    use std::os::fd::AsRawFd;
+    // Nothing here stats what another process has open or names: a file on a FUSE mount whose
+    // daemon is stopped would block the stat. /proc's fdinfo and links are read instead.
+    // The inode and the name: the mount id differs where the holder opened the directory in
+    // another mount namespace, which is one of the cases to name.
+    let Some(ino) = fdinfo_ino(&format!("/proc/self/fdinfo/{}", locked.as_raw_fd())) else {
         return Vec::new();
     };
+    let Ok(name) = std::fs::read_link(format!("/proc/self/fd/{}", locked.as_raw_fd())) else {
+        return Vec::new();
+    };
+    let name = name.file_name().map(OsStr::to_os_string);
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mosaicfs_mounts: Vec<PathBuf> = mounts
         .lines()
@@ -1009,20 +1017,23 @@ fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
         if pid == own {
             continue;
         }
-        let holds = std::fs::read_dir(p.path().join("fd"))
+        let holds = std::fs::read_dir(p.path().join("fdinfo"))
             .into_iter()
             .flatten()
             .flatten()
             .any(|fd| {
-                std::fs::metadata(fd.path()).is_ok_and(|m| m.ino() == me.ino && m.dev() == me.dev)
+                fdinfo_ino(&fd.path().to_string_lossy()) == Some(ino)
+                    && std::fs::read_link(p.path().join("fd").join(fd.file_name()))
+                        .is_ok_and(|l| l.file_name().map(OsStr::to_os_string) == name)
             });
         if !holds {
             continue;
         }
         let raw = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
         let args: Vec<&[u8]> = raw.split(|b| *b == 0).filter(|a| !a.is_empty()).collect();
+        let cwd = std::fs::read_link(p.path().join("cwd")).unwrap_or_default();
         let mount = args.iter().find_map(|a| {
-            let path = std::fs::canonicalize(OsStr::from_bytes(a)).ok()?;
+            let path = lexically_normal(&cwd.join(OsStr::from_bytes(a)));
             mosaicfs_mounts.contains(&path).then_some(path)
         });
         let cmdline = args
@@ -1035,6 +1046,29 @@ fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
             cmdline,
             mount,
         });
+    }
+    out
+}
+
+/// The inode number an open file's fdinfo names.
+fn fdinfo_ino(fdinfo: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(fdinfo).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("ino:"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
+/// `path` without `.` and `..` components, by its text alone.
+fn lexically_normal(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => out.push(c),
+        }
     }
     out
 }
