@@ -1,10 +1,13 @@
-//! File data: open files, reads, writes, truncation and preallocation, partial files included.
+//! Open files and what serves them: `OpenFile` (the data of one inode's daemon-path handles),
+//! `NodeIo` (how the kernel inode behind a node id does I/O: its passthrough binding),
+//! `FdReserve` (descriptors kept back from the limit). The requests themselves are in io.rs.
 //!
-//! All handles open on one inode share one `OpenFile`, so a reader that opened a lower file
-//! read-only sees the bytes another handle writes after copy-up (the bug old kernel overlayfs
-//! had). An `OpenFile` is in one of three states: `Lower` (untouched lower file), `Partial` (some
-//! blocks in the upper layer, see partial.rs), `Upper` (a complete upper file). Its `RwLock` is
-//! the per-file lock: reads share it, writes and size changes take it exclusively.
+//! Daemon-path handles open on one inode share one `OpenFile`, so they see one another's
+//! writes across a copy-up. An `OpenFile` is in one of three states: `Lower` (untouched lower
+//! file), `Partial` (some blocks in the upper layer, see partial.rs), `Upper` (a complete upper
+//! file). Its `RwLock` is the per-file lock: reads share it, writes and size changes take it
+//! exclusively. A read-only passthrough handle opened on a lower file before its copy-up keeps
+//! reading the lower file (the kernel cannot move it; README, "Known differences").
 
 use std::any::Any;
 use std::os::fd::BorrowedFd;

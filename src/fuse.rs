@@ -260,8 +260,9 @@ impl MosaicFs {
 
 impl Filesystem for MosaicFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // HANDLE_KILLPRIV_V2: the daemon clears set-id bits on writes (file.rs kill_privs), which
-        // spares a GETXATTR(security.capability) round trip before every write.
+        // HANDLE_KILLPRIV_V2: the daemon clears set-id bits on writes (io.rs `open` and
+        // `kill_privs`), which spares a GETXATTR(security.capability) round trip before every
+        // write.
         let mut wanted = InitFlags::FUSE_PARALLEL_DIROPS
             | InitFlags::FUSE_DO_READDIRPLUS
             | InitFlags::FUSE_READDIRPLUS_AUTO

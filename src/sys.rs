@@ -272,6 +272,9 @@ impl XattrTarget<'_> {
             size: buf.len() as u32,
             flags: 0,
         };
+        // SAFETY: every pointer is to a live, NUL-terminated string or to `args`, whose
+        // `value`/`size` describe `buf`, which the kernel writes at most `size` bytes of; the
+        // size passed is that of the struct the kernel reads.
         let at = self.at_call(false, |name| unsafe {
             libc::syscall(
                 SYS_GETXATTRAT,
@@ -294,6 +297,8 @@ impl XattrTarget<'_> {
     }
 
     fn list(&self, buf: &mut [u8]) -> rustix::io::Result<usize> {
+        // SAFETY: `name` is a live NUL-terminated string, and the kernel writes at most
+        // `buf.len()` bytes into `buf`.
         let at = self.at_call(false, |name| unsafe {
             libc::syscall(
                 SYS_LISTXATTRAT,
@@ -321,6 +326,8 @@ impl XattrTarget<'_> {
             size: value.len() as u32,
             flags: flags as u32,
         };
+        // SAFETY: the strings are live and NUL-terminated; `args` points at `value`, which the
+        // kernel only reads, `size` bytes of it, and the struct size passed is `args`' own.
         let at = self.at_call(true, |name| unsafe {
             libc::syscall(
                 SYS_SETXATTRAT,
@@ -348,6 +355,7 @@ impl XattrTarget<'_> {
 
     fn remove(&self, key: &OsStr) -> rustix::io::Result<()> {
         let key = CString::new(key.as_bytes()).map_err(|_| rustix::io::Errno::INVAL)?;
+        // SAFETY: both strings are live and NUL-terminated; the kernel only reads them.
         let at = self.at_call(true, |name| unsafe {
             libc::syscall(
                 SYS_REMOVEXATTRAT,
