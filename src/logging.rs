@@ -3,7 +3,7 @@
 //! detaches it logs to the file `log_file=` names, or else to the system log through /dev/log
 //! (what syslog(3) does: one datagram per line, facility daemon), or nowhere when neither is
 //! there. The level is `MOSAICFS_LOG` (`debug`, `info`, `warn`), debug with `-d`, else warn.
-//! With debug the transport's line for every request (fuser's) is logged too.
+//! At debug the transport's lines (fuser's: one for every request) are logged too.
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -99,7 +99,11 @@ impl log::Log for DaemonLogger {
     }
 
     fn log(&self, r: &log::Record<'_>) {
-        let ours = r.target().starts_with("mosaicfs") || r.target().starts_with("fuser");
+        // The transport's own lines (fuser's) at debug only: its line for every request is what
+        // `-d` promises; its warnings are about things the daemon reports itself (an unmount
+        // already done by the user comes back as "Failed to umount filesystem").
+        let ours = r.target().starts_with("mosaicfs")
+            || (self.level >= log::LevelFilter::Debug && r.target().starts_with("fuser"));
         if !self.enabled(r.metadata()) || !ours {
             return;
         }
