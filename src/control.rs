@@ -503,40 +503,145 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
 pub fn serve_metrics(overlay: Arc<Overlay>, listener: std::net::TcpListener) {
     let _ = std::thread::Builder::new()
         .name("mosaicfs-metrics".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut conn) = conn else { continue };
-                let limit = Some(std::time::Duration::from_secs(2));
-                let _ = conn.set_read_timeout(limit);
-                let _ = conn.set_write_timeout(limit);
-                let mut request = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
-                    match conn.read(&mut buf) {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => request.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let line = request.split(|&c| c == b'\n').next().unwrap_or_default();
-                let mut words = line.split(|&c| c == b' ');
-                let (method, path) = (words.next(), words.next());
-                let (status, body) = match (method, path) {
-                    (Some(b"GET"), Some(b"/metrics" | b"/")) => {
-                        ("200 OK", report_prometheus(&overlay))
-                    }
-                    (Some(b"GET"), _) => ("404 Not Found", "metrics are at /metrics\n".into()),
-                    _ => ("405 Method Not Allowed", "only GET\n".into()),
-                };
-                let _ = conn.write_all(
-                    format!(
-                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n\
-                         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                    .as_bytes(),
-                );
+        .spawn(move || serve_http(&listener, || report_prometheus(&overlay)));
+}
+
+/// Answers HTTP GETs of /metrics on `listener` with `body()`, one connection at a time.
+fn serve_http(listener: &std::net::TcpListener, body: impl Fn() -> String) {
+    for conn in listener.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        let limit = Some(std::time::Duration::from_secs(2));
+        let _ = conn.set_read_timeout(limit);
+        let _ = conn.set_write_timeout(limit);
+        let mut request = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => request.extend_from_slice(&buf[..n]),
             }
-        });
+        }
+        let line = request.split(|&c| c == b'\n').next().unwrap_or_default();
+        let mut words = line.split(|&c| c == b' ');
+        let (method, path) = (words.next(), words.next());
+        let (status, body) = match (method, path) {
+            (Some(b"GET"), Some(b"/metrics" | b"/")) => ("200 OK", body()),
+            (Some(b"GET"), _) => ("404 Not Found", "metrics are at /metrics\n".into()),
+            _ => ("405 Method Not Allowed", "only GET\n".into()),
+        };
+        let _ = conn.write_all(
+            format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        );
+    }
+}
+
+/// `mosaicfs metrics --listen ADDR`: one scrape target for every mosaicfs mount of the host
+/// (of this mount namespace): each scrape asks every live mount's daemon, and each series
+/// carries a `mount` label with its mount point. Serves until killed.
+pub fn serve_all_metrics(addr: std::net::SocketAddr) -> Result<(), String> {
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| {
+        format!("metrics --listen {addr}: cannot listen there ({e}): pick a free port")
+    })?;
+    serve_http(&listener, all_mounts_prometheus);
+    Ok(())
+}
+
+/// The Prometheus text of every live mosaicfs mount, merged: each metric's HELP and TYPE once,
+/// then its samples from every mount, labelled with the mount point.
+pub fn all_mounts_prometheus() -> String {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut order: Vec<String> = Vec::new();
+    let mut families: std::collections::HashMap<String, (Vec<String>, Vec<String>)> =
+        std::collections::HashMap::new();
+    let mut answered = 0;
+    for l in info.lines().filter(|l| l.contains(" - fuse.mosaicfs ")) {
+        let f: Vec<&str> = l.split(' ').collect();
+        let (Some(dev), Some(mnt)) = (f.get(2), f.get(4)) else {
+            continue;
+        };
+        // The device from mountinfo, never a stat of the mount point: a mount whose daemon
+        // hangs must not hang the scrape (its socket times out instead).
+        let Some(text) = ask_socket(dev, "prometheus") else {
+            continue;
+        };
+        answered += 1;
+        let label = format!(
+            "mount=\"{}\"",
+            prometheus_escape(&crate::layers::unescape_mountinfo(mnt).to_string_lossy())
+        );
+        let mut family = String::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# ") {
+                let mut w = rest.splitn(3, ' ');
+                let (_, name) = (w.next(), w.next().unwrap_or_default());
+                family = name.to_string();
+                let entry = families.entry(family.clone()).or_insert_with(|| {
+                    order.push(family.clone());
+                    Default::default()
+                });
+                if !entry.0.iter().any(|h| h == line) && entry.0.len() < 2 {
+                    entry.0.push(line.to_string());
+                }
+                continue;
+            }
+            if line.is_empty() {
+                continue;
+            }
+            let labelled = match line.find('{') {
+                Some(i) if line[i + 1..].starts_with('}') => {
+                    format!("{}{{{label}}}{}", &line[..i], &line[i + 2..])
+                }
+                Some(i) => format!("{}{{{label},{}", &line[..i], &line[i + 1..]),
+                None => match line.split_once(' ') {
+                    Some((name, value)) => format!("{name}{{{label}}} {value}"),
+                    None => continue,
+                },
+            };
+            let entry = families.entry(family.clone()).or_insert_with(|| {
+                order.push(family.clone());
+                Default::default()
+            });
+            entry.1.push(labelled);
+        }
+    }
+    let mut out = format!(
+        "# HELP mosaicfs_mounts_answered Live mosaicfs mounts whose daemon answered this scrape.\n\
+         # TYPE mosaicfs_mounts_answered gauge\nmosaicfs_mounts_answered {answered}\n"
+    );
+    for name in order {
+        let (heads, samples) = &families[&name];
+        for line in heads.iter().chain(samples) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// What the daemon of the mount on device `dev` answers to `what`, within 2 s.
+fn ask_socket(dev: &str, what: &str) -> Option<String> {
+    let path = find_socket(dev)?;
+    let mut conn = UnixStream::connect(path).ok()?;
+    let limit = Some(std::time::Duration::from_secs(2));
+    conn.set_read_timeout(limit).ok()?;
+    conn.set_write_timeout(limit).ok()?;
+    conn.write_all(format!("{what}\n").as_bytes()).ok()?;
+    conn.shutdown(std::net::Shutdown::Write).ok()?;
+    let mut out = String::new();
+    conn.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// A label value as Prometheus' text format writes it.
+fn prometheus_escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Connects to the daemon of the mount at `mountpoint` and asks for `what`.

@@ -70,6 +70,16 @@ pub fn main() -> i32 {
                 }
             };
         }
+        Ok(Command::Metrics(addr)) => {
+            crate::logging::init(false);
+            return match crate::control::serve_all_metrics(addr) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("mosaicfs: {e}");
+                    1
+                }
+            };
+        }
         Ok(Command::Status(mnt, format)) => {
             return match crate::control::status(&mnt, format) {
                 Ok(report) => {
@@ -188,14 +198,29 @@ fn mount(opts: Options) -> Result<(), String> {
         .transpose()?;
     crate::fault::init()?;
     // Bound before anything else: an address in use fails the mount, not a thread later.
-    let metrics = opts
+    // An address in use is no reason to refuse a mount: containers/storage passes one mount
+    // option to every container, and only the first gets the port ('mosaicfs metrics' serves
+    // them all). Any other failure is a wrong address.
+    let metrics = match opts
         .metrics
-        .map(|addr| {
-            std::net::TcpListener::bind(addr).map_err(|e| {
-                format!("metrics={addr}: cannot listen there ({e}): pick a free local port")
-            })
-        })
-        .transpose()?;
+        .map(|addr| (addr, std::net::TcpListener::bind(addr)))
+    {
+        None => None,
+        Some((_, Ok(l))) => Some(l),
+        Some((addr, Err(e))) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            eprintln!(
+                "mosaicfs: warning: metrics={addr}: in use (by another mount with the same \
+                 options?); this mount serves no endpoint of its own: run \
+                 'mosaicfs metrics --listen ADDR' for one endpoint for all mounts"
+            );
+            None
+        }
+        Some((addr, Err(e))) => {
+            return Err(format!(
+                "metrics={addr}: cannot listen there ({e}): pick a free local port"
+            ));
+        }
+    };
     raise_nofile_limit();
     let memory_spec = (opts.upper_kind == options::UpperKind::Memory).then(|| MemorySpec {
         filestore: opts.filestore.clone().unwrap_or_default(),

@@ -9,7 +9,7 @@ const MAN_PAGE: &str = include_str!("../docs/mosaicfs.1");
 const WIDTH: usize = 79;
 
 /// The subcommands with a help of their own, and their usage lines.
-pub const COMMANDS: [(&str, &str); 5] = [
+pub const COMMANDS: [(&str, &str); 6] = [
     (
         "status",
         "usage: mosaicfs status MOUNTPOINT [--json | --prometheus]",
@@ -29,6 +29,7 @@ pub const COMMANDS: [(&str, &str); 5] = [
         "usage: mosaicfs export [-o FILE] [--gzip|--zstd] [-q] \
          (MOUNTPOINT | --lowerdir=L[:L...] --upperdir=U [--workdir=W])",
     ),
+    ("metrics", "usage: mosaicfs metrics --listen ADDR:PORT"),
 ];
 
 /// `mosaicfs --help`: the usage, then every mount option as the man page describes it.

@@ -1074,7 +1074,7 @@ fn lexically_normal(path: &Path) -> PathBuf {
 }
 
 /// A mountinfo path field, with its octal escapes (`\040` for a space) undone.
-fn unescape_mountinfo(field: &str) -> std::ffi::OsString {
+pub(crate) fn unescape_mountinfo(field: &str) -> std::ffi::OsString {
     let b = field.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

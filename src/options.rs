@@ -346,6 +346,8 @@ pub enum Command {
     Remount(Box<Options>),
     /// Print the counters of a live mount.
     Status(PathBuf, Format),
+    /// `mosaicfs metrics --listen ADDR`: every mount's metrics at one address.
+    Metrics(std::net::SocketAddr),
     /// `mosaicfs sync MNT`: write the memory upper's image now.
     Sync(PathBuf),
     /// `mosaicfs complete`: make an unmounted upper layer one any overlay reads (tools.rs).
@@ -363,6 +365,7 @@ pub const USAGE: &str = "\
 usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=WORK][,OPTIONS] MOUNTPOINT
        mosaicfs SOURCE MOUNTPOINT -o lowerdir=...   (mount.fuse form)
        mosaicfs status MOUNTPOINT [--json|--prometheus]  (counters of a live mount)
+       mosaicfs metrics --listen ADDR:PORT  (every mount's metrics, one Prometheus target)
        mosaicfs sync MOUNTPOINT  (upper=memory: the layer made durable as it is now)
        mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]
                          (offline: partial files made whole, redirects for kernel overlayfs)
@@ -853,6 +856,13 @@ impl Options {
     }
 }
 
+fn parse_listen(addr: &std::ffi::OsStr) -> Result<Command, String> {
+    let a = addr.to_string_lossy();
+    a.parse().map(Command::Metrics).map_err(|_| {
+        format!("metrics --listen takes an address and port such as 127.0.0.1:9100, not '{a}'")
+    })
+}
+
 /// Parses the whole command line (without argv[0]).
 pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, String> {
     let args: Vec<OsString> = args.into_iter().collect();
@@ -876,6 +886,15 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
         && args[1..].iter().any(|a| a == "--help" || a == "-h")
     {
         return Ok(Command::Help(Some(cmd.to_string())));
+    }
+    if first == Some("metrics") {
+        return match args.get(1..).unwrap_or_default() {
+            [flag, addr] if flag == "--listen" => parse_listen(addr),
+            [one] if one.to_str().is_some_and(|a| a.starts_with("--listen=")) => parse_listen(
+                std::ffi::OsStr::new(&one.to_str().unwrap_or_default()["--listen=".len()..]),
+            ),
+            _ => Err(format!("{}", crate::help::COMMANDS[5].1)),
+        };
     }
     if args.first().is_some_and(|a| a == "status") {
         return match args.get(1..) {
