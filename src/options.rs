@@ -893,7 +893,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             [one] if one.to_str().is_some_and(|a| a.starts_with("--listen=")) => parse_listen(
                 std::ffi::OsStr::new(&one.to_str().unwrap_or_default()["--listen=".len()..]),
             ),
-            _ => Err(format!("{}", crate::help::COMMANDS[5].1)),
+            _ => Err(crate::help::COMMANDS[5].1.to_string()),
         };
     }
     if args.first().is_some_and(|a| a == "status") {
