@@ -4,7 +4,7 @@ SBINDIR ?= /usr/sbin
 MANDIR ?= $(PREFIX)/share/man
 CARGO ?= cargo
 
-.PHONY: build install uninstall demo test unit-test integration-test pjdfstest bench clean
+.PHONY: build install uninstall demo deps test unit-test integration-test pjdfstest bench clean
 
 build:
 	$(CARGO) build --release
@@ -26,7 +26,11 @@ demo: build
 
 # The full test suite (needs root and /dev/fuse): unit and integration tests on real mounts,
 # pjdfstest against a mount, and Podman running containers on mosaicfs.
-test: install
+# What the tests need from Debian's packages, installed when missing (tests/deps.sh).
+deps:
+	tests/deps.sh
+
+test: deps install
 	$(CARGO) test --release -- --test-threads=2
 	tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
