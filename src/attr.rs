@@ -38,6 +38,12 @@ impl Overlay {
         Ok(self.present(node, attr))
     }
 
+    /// The birth time of `node`'s object where it lives now (statx; as kernel overlayfs shows
+    /// the real file's: a copied-up file's is its copy-up's), when its file system has one.
+    pub fn birth_time_of(&self, node: &Node) -> Result<Option<(i64, u32)>> {
+        self.at_top_entry(node, |dir, name| dir.birth_time(name))
+    }
+
     /// Changes attributes for `caller`. A size change by an unprivileged caller clears set-id
     /// bits and capabilities (the kernel leaves that to us under FUSE_HANDLE_KILLPRIV_V2; fuser
     /// does not pass its flag, so the caller's uid stands in for CAP_FSETID).

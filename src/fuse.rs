@@ -343,6 +343,33 @@ impl Filesystem for MosaicFs {
         }
     }
 
+    /// statx beyond the basic fields: the birth time, where the layer's file system has one.
+    fn statx(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: Option<FileHandle>,
+        mask: u32,
+        reply: fuser::ReplyStatx,
+    ) {
+        let found = self.core.node(ino.0).and_then(|node| {
+            let attr = self.core.getattr_of(&node)?;
+            let btime = if mask & libc::STATX_BTIME != 0 {
+                self.core.birth_time_of(&node).unwrap_or(None)
+            } else {
+                None
+            };
+            Ok((attr, btime, self.ttl_of(&node)))
+        });
+        match found {
+            Ok((a, btime, ttl)) => {
+                let btime = btime.map(time);
+                reply.statx(&ttl, &fuse_attr(&a), btime)
+            }
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn setattr(
         &self,
         req: &Request,

@@ -150,6 +150,19 @@ pub fn fstat(fd: BorrowedFd<'_>) -> Result<Attr> {
     Ok(rustix::fs::fstat(fd)?.into())
 }
 
+/// The birth time of `name` in `dir` (of `dir` itself with `None`), not following a symlink;
+/// `None` where the file system records none.
+pub fn birth_time(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Option<(i64, u32)>> {
+    use rustix::fs::{AtFlags, StatxFlags};
+    let (path, flags) = match name {
+        Some(n) => (n, AtFlags::SYMLINK_NOFOLLOW),
+        None => (OsStr::new(""), AtFlags::EMPTY_PATH),
+    };
+    let sx = rustix::fs::statx(dir, path, flags, StatxFlags::BTIME)?;
+    Ok((sx.stx_mask & StatxFlags::BTIME.bits() != 0)
+        .then_some((sx.stx_btime.tv_sec, sx.stx_btime.tv_nsec)))
+}
+
 /// A path through `/proc/self/fd` naming `name` inside the directory `dir`, and whether the
 /// xattr calls are to follow its last component. The directory's magic link is then only an
 /// intermediate component, and the `l*xattr` calls do not follow the final one, so this reaches

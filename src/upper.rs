@@ -121,6 +121,15 @@ impl LayerDir<'_> {
         }
     }
 
+    /// The birth time of `name` here (this directory with `None`), where the file system
+    /// records one; the memory store does not.
+    pub fn birth_time(&self, name: Option<&OsStr>) -> Result<Option<(i64, u32)>> {
+        match *self {
+            LayerDir::Disk(fd) => sys::birth_time(fd, name),
+            LayerDir::Memory(..) => Ok(None),
+        }
+    }
+
     /// An xattr of `name` here (of this directory with `None`); `None` when it is absent.
     pub fn get_xattr(&self, name: Option<&OsStr>, key: &str) -> Result<Option<Vec<u8>>> {
         match *self {

@@ -938,6 +938,44 @@ fn a_default_acl_decides_new_objects_modes_not_the_umask() {
     }
 }
 
+/// statx's birth time, or `None` when the file system reports none.
+fn btime(p: &std::path::Path) -> Option<(i64, u32)> {
+    let sx = rustix::fs::statx(
+        rustix::fs::CWD,
+        p,
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        rustix::fs::StatxFlags::BTIME,
+    )
+    .unwrap();
+    (sx.stx_mask & rustix::fs::StatxFlags::BTIME.bits() != 0)
+        .then_some((sx.stx_btime.tv_sec, sx.stx_btime.tv_nsec))
+}
+
+/// generic/528: statx reports the birth time of the file where it lives, as kernel overlayfs
+/// shows the real file's: a lower file's, a new file's in the upper layer.
+#[test]
+fn statx_reports_the_birth_time_of_the_layers_file() {
+    let m = Mount::with(|l| {
+        write(l.join("lower"), b"lower");
+        fs::create_dir(l.join("dir")).unwrap();
+    });
+    assert!(
+        btime(&m.lower(0).join("lower")).is_some(),
+        "/tmp records birth times"
+    );
+    assert_eq!(btime(&m.path("lower")), btime(&m.lower(0).join("lower")));
+    write(m.path("dir/new"), b"new");
+    if disk_upper() {
+        let upper = btime(&m.upper.join("dir/new"));
+        assert!(upper.is_some());
+        assert_eq!(
+            btime(&m.path("dir/new")),
+            upper,
+            "a new file's is its upper file's"
+        );
+    }
+}
+
 use std::os::unix::process::CommandExt;
 
 #[test]

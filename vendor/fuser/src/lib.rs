@@ -61,6 +61,7 @@ pub use crate::passthrough::BackingId;
 pub use crate::poll_events::PollEvents;
 pub use crate::rename_flags::RenameFlags;
 pub use crate::reply::ReplyAttr;
+pub use crate::reply::ReplyStatx;
 pub use crate::reply::ReplyBmap;
 pub use crate::reply::ReplyCreate;
 pub use crate::reply::ReplyData;
@@ -445,6 +446,20 @@ pub trait Filesystem: Send + Sync + 'static {
     /// Get file attributes.
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         warn!("[Not Implemented] getattr(ino: {ino:#x?}, fh: {fh:#x?})");
+        reply.error(Errno::ENOSYS);
+    }
+
+    /// mosaicfs patch: get file attributes with statx's extra fields (FUSE_STATX, Linux 6.6+),
+    /// which the kernel asks for when a caller wants more than the basic ones (birth time).
+    /// ENOSYS (the default) makes the kernel stop asking.
+    fn statx(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: Option<FileHandle>,
+        _mask: u32,
+        reply: ReplyStatx,
+    ) {
         reply.error(Errno::ENOSYS);
     }
 

@@ -163,6 +163,8 @@ pub(crate) enum fuse_opcode {
     FUSE_COPY_FILE_RANGE = 47,
     // mosaicfs patch: O_TMPFILE (Linux 6.1+).
     FUSE_TMPFILE = 51,
+    // mosaicfs patch: statx with birth time (Linux 6.6+).
+    FUSE_STATX = 52,
 
     #[cfg(target_os = "macos")]
     FUSE_SETVOLNAME = 61,
@@ -224,6 +226,61 @@ pub(crate) struct fuse_getattr_in {
     pub(crate) getattr_flags: u32,
     pub(crate) dummy: u32,
     pub(crate) fh: u64,
+}
+
+/// mosaicfs patch: FUSE_STATX's argument.
+#[repr(C)]
+#[derive(Debug, FromBytes, KnownLayout, Immutable)]
+pub(crate) struct fuse_statx_in {
+    pub(crate) getattr_flags: u32,
+    pub(crate) reserved: u32,
+    pub(crate) fh: u64,
+    pub(crate) sx_flags: u32,
+    pub(crate) sx_mask: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, IntoBytes, Clone, Copy, KnownLayout, Immutable)]
+pub(crate) struct fuse_sx_time {
+    pub(crate) tv_sec: i64,
+    pub(crate) tv_nsec: u32,
+    pub(crate) reserved: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, IntoBytes, KnownLayout, Immutable)]
+pub(crate) struct fuse_statx {
+    pub(crate) mask: u32,
+    pub(crate) blksize: u32,
+    pub(crate) attributes: u64,
+    pub(crate) nlink: u32,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+    pub(crate) mode: u16,
+    pub(crate) spare0: u16,
+    pub(crate) ino: u64,
+    pub(crate) size: u64,
+    pub(crate) blocks: u64,
+    pub(crate) attributes_mask: u64,
+    pub(crate) atime: fuse_sx_time,
+    pub(crate) btime: fuse_sx_time,
+    pub(crate) ctime: fuse_sx_time,
+    pub(crate) mtime: fuse_sx_time,
+    pub(crate) rdev_major: u32,
+    pub(crate) rdev_minor: u32,
+    pub(crate) dev_major: u32,
+    pub(crate) dev_minor: u32,
+    pub(crate) spare2: [u64; 14],
+}
+
+#[repr(C)]
+#[derive(Debug, IntoBytes, KnownLayout, Immutable)]
+pub(crate) struct fuse_statx_out {
+    pub(crate) attr_valid: u64,
+    pub(crate) attr_valid_nsec: u32,
+    pub(crate) flags: u32,
+    pub(crate) spare: [u64; 2],
+    pub(crate) stat: fuse_statx,
 }
 
 #[repr(C)]

@@ -129,6 +129,52 @@ impl ResponseStruct<abi::fuse_attr_out> {
     }
 }
 
+/// mosaicfs patch: FUSE_STATX's reply, from the attributes a GETATTR would give.
+impl ResponseStruct<abi::fuse_statx_out> {
+    pub(crate) fn new_statx(ttl: &Duration, attr: &Attr, btime: Option<std::time::SystemTime>) -> Self {
+        const STATX_BASIC_STATS: u32 = 0x7ff;
+        const STATX_BTIME: u32 = 0x800;
+        let a = &attr.attr;
+        let t = |sec: i64, nsec: u32| abi::fuse_sx_time {
+            tv_sec: sec,
+            tv_nsec: nsec,
+            reserved: 0,
+        };
+        let (bsec, bnsec) = btime.as_ref().map_or((0, 0), time_from_system_time);
+        let rdev = u64::from(a.rdev);
+        ResponseStruct(abi::fuse_statx_out {
+            attr_valid: ttl.as_secs(),
+            attr_valid_nsec: ttl.subsec_nanos(),
+            flags: 0,
+            spare: [0; 2],
+            stat: abi::fuse_statx {
+                mask: STATX_BASIC_STATS | if btime.is_some() { STATX_BTIME } else { 0 },
+                blksize: a.blksize,
+                attributes: 0,
+                nlink: a.nlink,
+                uid: a.uid,
+                gid: a.gid,
+                mode: a.mode as u16,
+                spare0: 0,
+                ino: a.ino,
+                size: a.size,
+                blocks: a.blocks,
+                attributes_mask: 0,
+                atime: t(a.atime, a.atimensec),
+                btime: t(bsec, bnsec),
+                ctime: t(a.ctime, a.ctimensec),
+                mtime: t(a.mtime, a.mtimensec),
+                // The kernel's old 32-bit encoding, as FUSE's `rdev` carries it.
+                rdev_major: ((rdev >> 8) & 0xfff) as u32,
+                rdev_minor: ((rdev & 0xff) | ((rdev >> 12) & 0xfff00)) as u32,
+                dev_major: 0,
+                dev_minor: 0,
+                spare2: [0; 14],
+            },
+        })
+    }
+}
+
 #[cfg(target_os = "macos")]
 impl ResponseStruct<abi::fuse_getxtimes_out> {
     pub(crate) fn new_xtimes(bkuptime: SystemTime, crtime: SystemTime) -> Self {

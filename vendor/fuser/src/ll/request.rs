@@ -341,6 +341,27 @@ mod op {
         }
     }
 
+    /// mosaicfs patch: get file attributes with statx's extra fields (birth time).
+    #[derive(Debug)]
+    pub(crate) struct Statx<'a> {
+        #[expect(dead_code)]
+        header: &'a fuse_in_header,
+        arg: &'a fuse_statx_in,
+    }
+
+    impl Statx<'_> {
+        pub(crate) fn file_handle(&self) -> Option<FileHandle> {
+            GetattrFlags::from_bits_retain(self.arg.getattr_flags)
+                .contains(GetattrFlags::FUSE_GETATTR_FH)
+                .then_some(FileHandle(self.arg.fh))
+        }
+
+        /// The STATX_* fields asked for.
+        pub(crate) fn mask(&self) -> u32 {
+            self.arg.sx_mask
+        }
+    }
+
     /// Set file attributes.
     #[derive(Debug)]
     pub(crate) struct SetAttr<'a> {
@@ -1651,6 +1672,10 @@ mod op {
 
                 arg: data.fetch()?,
             }),
+            fuse_opcode::FUSE_STATX => Operation::Statx(Statx {
+                header,
+                arg: data.fetch()?,
+            }),
             fuse_opcode::FUSE_SETATTR => Operation::SetAttr(SetAttr {
                 header,
                 arg: data.fetch()?,
@@ -1890,6 +1915,7 @@ pub(crate) enum Operation<'a> {
     Lookup(Lookup<'a>),
     Forget(Forget<'a>),
     GetAttr(GetAttr<'a>),
+    Statx(Statx<'a>),
     SetAttr(SetAttr<'a>),
     ReadLink(#[expect(dead_code)] ReadLink<'a>),
     SymLink(SymLink<'a>),
@@ -1951,6 +1977,7 @@ impl fmt::Display for Operation<'_> {
             Operation::Lookup(x) => write!(f, "LOOKUP name {:?}", x.name()),
             Operation::Forget(x) => write!(f, "FORGET nlookup {}", x.nlookup()),
             Operation::GetAttr(_) => write!(f, "GETATTR"),
+            Operation::Statx(x) => write!(f, "STATX mask {:#x}", x.mask()),
             Operation::SetAttr(x) => x.fmt(f),
             Operation::ReadLink(_) => write!(f, "READLINK"),
             Operation::SymLink(x) => {
