@@ -190,6 +190,21 @@ fn raise_nofile_limit() {
 
 fn mount(opts: Options) -> Result<(), String> {
     check_mountpoint(&opts)?;
+    crate::sys::set_noatime(opts.noatime);
+    if opts.noatime || opts.strictatime || opts.nodiratime {
+        use crate::sys::{
+            AtimeMode, MOUNT_ATTR_NOATIME, MOUNT_ATTR_RELATIME, MOUNT_ATTR_STRICTATIME,
+        };
+        let atime = match (opts.noatime, opts.strictatime) {
+            (true, _) => MOUNT_ATTR_NOATIME,
+            (_, true) => MOUNT_ATTR_STRICTATIME,
+            _ => MOUNT_ATTR_RELATIME,
+        };
+        let _ = crate::layers::ATIME_MODE.set(AtimeMode {
+            atime,
+            nodiratime: opts.nodiratime,
+        });
+    }
     // Opened now: a file the daemon cannot write fails the mount, not the log later.
     let log_file = opts
         .log_file

@@ -341,8 +341,52 @@ fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Att
             _ => format!("{what} '{}' cannot be opened: {e}", path.display()),
         }
     })?;
+    let fd = through_atime_mount(path).unwrap_or(fd);
     let attr = sys::fstat(fd.as_fd()).map_err(|e| format!("{what} '{}': {e}", path.display()))?;
     Ok((fd, attr))
+}
+
+/// The atime mode the mount asked for (`noatime`, `strictatime`, `nodiratime`), set once before
+/// its layers are opened: they are then opened through detached copies of their mounts that
+/// carry it (sys.rs `AtimeMode`).
+pub static ATIME_MODE: std::sync::OnceLock<sys::AtimeMode> = std::sync::OnceLock::new();
+
+/// Detached copies of the layers' mounts, by mount point, while a stack is being opened: the
+/// upper and work dirs must come through the same one (a rename between two mounts fails).
+/// Emptied when the stack is open: the layers' descriptors keep the copies alive.
+static ATIME_MOUNTS: std::sync::Mutex<Vec<(PathBuf, OwnedFd)>> = std::sync::Mutex::new(Vec::new());
+
+/// `path` opened through a copy of its mount with the mount's atime mode, or `None` (no mode
+/// asked for, or the daemon may not copy mounts: rootless; said once).
+fn through_atime_mount(path: &Path) -> Option<OwnedFd> {
+    let mode = *ATIME_MODE.get()?;
+    let opened = (|| -> Result<OwnedFd> {
+        let (point, rel) = sys::mount_point_of(path)?;
+        let mut mounts = ATIME_MOUNTS.lock().unwrap_or_else(|e| e.into_inner());
+        if !mounts.iter().any(|(p, _)| *p == point) {
+            let fd = sys::detached_mount(&point, mode)?;
+            mounts.push((point.clone(), fd));
+        }
+        let (_, root) = mounts
+            .iter()
+            .find(|(p, _)| *p == point)
+            .expect("just added");
+        sys::open_beneath(root.as_fd(), &rel, OFlags::PATH | OFlags::DIRECTORY, 0)
+    })();
+    match opened {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                log::warn!(
+                    "the layers' mounts cannot be copied with the atime option asked for ({e}): \
+                     reads served by passthrough update access times as the layers' own mounts \
+                     say"
+                )
+            });
+            None
+        }
+    }
 }
 
 /// The owner-and-mode xattr a layer's root carries, if any (stat_override.rs).
@@ -552,6 +596,10 @@ impl LayerStack {
             layers[UPPER as usize].stat_override = perms.key();
         }
         let any_override = layers.iter().any(|l| l.stat_override.is_some());
+        ATIME_MOUNTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         Ok(LayerStack {
             any_override,
             layers,

@@ -94,6 +94,10 @@ pub struct Options {
     pub dev: bool,
     pub exec: bool,
     pub noatime: bool,
+    /// `strictatime`: every read updates the access time (applied to the layers' mounts).
+    pub strictatime: bool,
+    /// `nodiratime`: listing a directory leaves its access time alone.
+    pub nodiratime: bool,
     pub sync: bool,
     pub dirsync: bool,
     pub acl: bool,
@@ -169,6 +173,8 @@ impl Default for Options {
             dev: true,
             exec: true,
             noatime: false,
+            strictatime: false,
+            nodiratime: false,
             sync: false,
             dirsync: false,
             acl: true,
@@ -799,8 +805,12 @@ impl Options {
             "nodev" => self.dev = false,
             "exec" => self.exec = true,
             "noexec" => self.exec = false,
-            "noatime" => self.noatime = true,
-            "atime" | "relatime" | "strictatime" | "nodiratime" | "diratime" | "lazytime" => {}
+            "noatime" => (self.noatime, self.strictatime) = (true, false),
+            "strictatime" => (self.noatime, self.strictatime) = (false, true),
+            "atime" | "relatime" => (self.noatime, self.strictatime) = (false, false),
+            "nodiratime" => self.nodiratime = true,
+            "diratime" => self.nodiratime = false,
+            "lazytime" => {}
             "sync" => self.sync = true,
             "async" => self.sync = false,
             "dirsync" => self.dirsync = true,

@@ -9,7 +9,7 @@
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, CWD, Mode, OFlags, ResolveFlags};
 
@@ -114,17 +114,128 @@ pub fn open_beneath(root: BorrowedFd<'_>, rel: &Path, flags: OFlags, mode: u32) 
 }
 
 fn openat2_beneath(root: BorrowedFd<'_>, rel: &Path, flags: OFlags, mode: u32) -> Result<OwnedFd> {
-    loop {
-        match rustix::fs::openat2(
-            root,
-            rel_or_dot(rel),
-            flags | OFlags::CLOEXEC | OFlags::NOFOLLOW,
-            Mode::from_raw_mode(mode),
-            BENEATH,
-        ) {
-            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
-            r => return Ok(r?),
+    Ok(without_atime(flags, |flags| {
+        loop {
+            match rustix::fs::openat2(
+                root,
+                rel_or_dot(rel),
+                flags | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+                Mode::from_raw_mode(mode),
+                BENEATH,
+            ) {
+                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
+                r => return r,
+            }
         }
+    })?)
+}
+
+/// How reads through the mount change the layers' access times (`noatime`, `strictatime`,
+/// `nodiratime`): set on a detached copy of each layer's mount (open_tree OPEN_TREE_CLONE,
+/// then mount_setattr), from which the layers are opened. Passthrough reads need this: the
+/// kernel reads the backing file the daemon opened, on the daemon's mount, whose atime mode
+/// decides. `None`: the layers' own mounts as they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtimeMode {
+    /// One of `MOUNT_ATTR_NOATIME`, `MOUNT_ATTR_STRICTATIME`, `MOUNT_ATTR_RELATIME`.
+    pub atime: u64,
+    pub nodiratime: bool,
+}
+
+pub const MOUNT_ATTR_RELATIME: u64 = 0;
+pub const MOUNT_ATTR_NOATIME: u64 = 0x10;
+pub const MOUNT_ATTR_STRICTATIME: u64 = 0x20;
+const MOUNT_ATTR_ATIME_MASK: u64 = 0x70;
+const MOUNT_ATTR_NODIRATIME: u64 = 0x80;
+
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// A copy of the mount at `mount_point`, attached nowhere, with `mode`'s atime flags.
+pub fn detached_mount(mount_point: &Path, mode: AtimeMode) -> Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags;
+    let fd = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        mount_point,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )?;
+    let mut attr = MountAttr {
+        attr_set: mode.atime,
+        attr_clr: MOUNT_ATTR_ATIME_MASK,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    if mode.nodiratime {
+        attr.attr_set |= MOUNT_ATTR_NODIRATIME;
+    }
+    // SAFETY: `fd` is a live descriptor, the path is a NUL-terminated empty string, and the
+    // kernel reads `size_of::<MountAttr>()` bytes of `attr`, which has the layout of the
+    // kernel's `struct mount_attr` (four u64).
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(fd)
+}
+
+/// The mount point of the mount `path` lies on, and `path` relative to it (from
+/// /proc/self/mountinfo by the mount id statx gives).
+pub fn mount_point_of(path: &Path) -> Result<(PathBuf, PathBuf)> {
+    let sx = rustix::fs::statx(
+        rustix::fs::CWD,
+        path,
+        AtFlags::empty(),
+        rustix::fs::StatxFlags::MNT_ID,
+    )?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let point = info
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let point = f.get(4)?;
+            (f.first()?.parse::<u64>().ok()? == sx.stx_mnt_id)
+                .then(|| PathBuf::from(crate::layers::unescape_mountinfo(point)))
+        })
+        .ok_or_else(|| errno(libc::ENOENT))?;
+    let rel = path.strip_prefix(&point).map_err(|_| errno(libc::EXDEV))?;
+    Ok((point.clone(), rel.to_path_buf()))
+}
+
+/// Set at mount by `noatime`: every open of a layer's file or directory takes O_NOATIME, so
+/// that reads through the mount leave access times alone — passthrough reads too, since the
+/// kernel reads the backing file the daemon opened, whose flags decide.
+static NOATIME: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn set_noatime(on: bool) {
+    NOATIME.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Runs `open` with O_NOATIME added where `noatime` asks for it, and again without it where
+/// the caller may not use it (EPERM: not the file's owner, no CAP_FOWNER).
+fn without_atime(
+    flags: OFlags,
+    open: impl Fn(OFlags) -> rustix::io::Result<OwnedFd>,
+) -> rustix::io::Result<OwnedFd> {
+    if !NOATIME.load(std::sync::atomic::Ordering::Relaxed) || flags.contains(OFlags::PATH) {
+        return open(flags);
+    }
+    match open(flags | OFlags::NOATIME) {
+        Err(rustix::io::Errno::PERM) => open(flags),
+        r => r,
     }
 }
 
@@ -1001,7 +1112,8 @@ pub fn openat<P: Arg, Fd: AsFd>(
             .and_then(|()| rustix::fs::openat(dir, path, flags, mode))
             .map_err(|e| note_failure(Op::Create, e));
     }
-    rustix::fs::openat(dir, path, flags, mode)
+    let path = path.into_c_str()?;
+    without_atime(flags, |flags| rustix::fs::openat(&dir, &*path, flags, mode))
 }
 
 /// FICLONE: a whole-file clone is a write of the destination.

@@ -938,6 +938,76 @@ fn a_default_acl_decides_new_objects_modes_not_the_umask() {
     }
 }
 
+/// generic/003: `noatime`, `relatime` (the default) and `strictatime` decide whether reading a
+/// file through the mount changes its access time, as on a native mount — also for reads the
+/// kernel serves by passthrough from the layer file the daemon opened.
+#[test]
+fn atime_options_decide_what_a_read_changes() {
+    use std::time::{Duration, SystemTime};
+    let now = SystemTime::now();
+    let long_ago = SystemTime::UNIX_EPOCH + Duration::from_secs(946_684_800);
+    let set = |p: &std::path::Path, atime: SystemTime, mtime: SystemTime| {
+        let times = fs::FileTimes::new().set_accessed(atime).set_modified(mtime);
+        fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_times(times)
+            .unwrap();
+    };
+    // (option, is "old" updated, is "recent" updated): "old" was read long ago, "recent" after
+    // its last change (a minute ahead: setting the times makes the ctime now, and relatime
+    // updates an atime not newer than the ctime).
+    for (option, old_moves, recent_moves) in [
+        ("", true, false),
+        ("noatime", false, false),
+        ("strictatime", true, true),
+    ] {
+        let mut m = Mount::new(1);
+        if !option.is_empty() {
+            m.extra.push(option.into());
+        }
+        for dir in [m.lower(0).to_path_buf(), m.upper.clone()] {
+            for (name, atime) in [("old", long_ago), ("recent", now + Duration::from_secs(60))] {
+                let p = dir.join(format!(
+                    "{name}-{}",
+                    dir.file_name().unwrap().to_str().unwrap()
+                ));
+                write(&p, b"data");
+                set(&p, atime, now - Duration::from_secs(120));
+            }
+        }
+        if !disk_upper() {
+            // The memory store keeps its own files: only the lower layer is checked.
+            for e in fs::read_dir(&m.upper).unwrap() {
+                fs::remove_file(e.unwrap().path()).unwrap();
+            }
+        }
+        m.mount();
+        for e in fs::read_dir(&m.mnt).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            let layer = if name.ends_with("lower0") {
+                m.lower(0)
+            } else {
+                &m.upper
+            };
+            let before = fs::metadata(layer.join(&name)).unwrap().accessed().unwrap();
+            let _ = fs::read(m.path(&name)).unwrap();
+            let after = fs::metadata(layer.join(&name)).unwrap().accessed().unwrap();
+            let moves = if name.starts_with("old") {
+                old_moves
+            } else {
+                recent_moves
+            };
+            assert_eq!(
+                after != before,
+                moves,
+                "{option}: {name} read through the mount"
+            );
+        }
+    }
+}
+
 /// statx's birth time, or `None` when the file system reports none.
 fn btime(p: &std::path::Path) -> Option<(i64, u32)> {
     let sx = rustix::fs::statx(
