@@ -658,8 +658,11 @@ fn a_lower_layer_on_glusterfs_and_a_brick_that_stops() {
     let served_in = t.elapsed();
     let blocked = readers.iter().all(|r| !r.is_finished());
     sh(&format!("kill -CONT {brick}"));
+    // Generous for a loaded machine, and still far below what a stall costs: a request that
+    // waited on the stopped brick would take GlusterFS' 42 s ping timeout.
+    eprintln!("requests that do not need the stopped layer took {served_in:?}");
     assert!(
-        served_in < Duration::from_secs(2),
+        served_in < Duration::from_secs(20),
         "requests that do not need the stopped layer took {served_in:?}"
     );
     assert!(

@@ -218,7 +218,10 @@ pub(super) struct Image {
     pub nodes: Vec<ImageNode>,
 }
 
-pub(super) fn decode_image(bytes: &[u8]) -> std::result::Result<Image, ImageError> {
+pub(super) fn decode_image(
+    bytes: &[u8],
+    store_blocks: u64,
+) -> std::result::Result<Image, ImageError> {
     if bytes.len() < HEADER || &bytes[..8] != MAGIC {
         return damaged("it does not start with mosaicfs' header");
     }
@@ -251,7 +254,7 @@ pub(super) fn decode_image(bytes: &[u8]) -> std::result::Result<Image, ImageErro
         return damaged("its checksum does not match");
     }
     let mut r = Reader { b: body };
-    let nodes = read_nodes(&mut r, count)?;
+    let nodes = read_nodes(&mut r, count, store_blocks)?;
     if !r.b.is_empty() {
         return damaged("bytes after the last node");
     }
@@ -263,18 +266,24 @@ pub(super) fn decode_image(bytes: &[u8]) -> std::result::Result<Image, ImageErro
 }
 
 /// `count` node records from `r`.
+/// `count` nodes, which map at most `store_blocks` blocks together: in one consistent tree no
+/// two file blocks share a filestore block (`check_tree`), so more is a forgery, refused before
+/// its extents are expanded (an extent of 2^30 blocks is 24 bytes of image and would take
+/// tens of GiB of map; found by fuzzing).
 pub(super) fn read_nodes(
     r: &mut Reader<'_>,
     count: u64,
+    store_blocks: u64,
 ) -> std::result::Result<Vec<ImageNode>, ImageError> {
     let mut nodes = Vec::new();
+    let mut budget = store_blocks;
     for _ in 0..count {
-        nodes.push(read_node(r)?);
+        nodes.push(read_node(r, &mut budget)?);
     }
     Ok(nodes)
 }
 
-fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
+fn read_node(r: &mut Reader<'_>, budget: &mut u64) -> std::result::Result<ImageNode, ImageError> {
     let ino = r.u64()?;
     let kind = r.u8()?;
     let (mode, uid, gid) = (r.u32()?, r.u32()?, r.u32()?);
@@ -326,6 +335,12 @@ fn read_node(r: &mut Reader<'_>) -> std::result::Result<ImageNode, ImageError> {
                 if n == 0 || past(k) || past(b) {
                     return damaged(format!("file {ino} maps blocks past the largest file size"));
                 }
+                *budget = budget.checked_sub(n).ok_or_else(|| {
+                    ImageError::Damaged(format!(
+                        "file {ino} maps more blocks than the filestore holds: the filestore is \
+                         not the one this image was written with, or the image is forged"
+                    ))
+                })?;
                 for i in 0..n {
                     if extents.insert(k + i, b + i).is_some() {
                         return damaged(format!("file {ino} maps a block twice"));

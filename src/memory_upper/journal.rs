@@ -90,6 +90,7 @@ pub(super) fn append(dir: &OwnedFd, entry: &[u8]) -> Result<u64> {
 pub(super) fn read(
     dir: &OwnedFd,
     generation: u64,
+    store_blocks: u64,
 ) -> std::result::Result<Option<(Vec<Delta>, u64)>, ImageError> {
     let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
     let fd = match rustix::fs::openat(dir, JOURNAL_NAME, flags, Mode::empty()) {
@@ -125,7 +126,7 @@ pub(super) fn read(
             .map(|_| r.u64())
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let count = r.u64()?;
-        let nodes = image::read_nodes(&mut r, count)?;
+        let nodes = image::read_nodes(&mut r, count, store_blocks)?;
         deltas.push(Delta {
             next_ino,
             removed,

@@ -200,9 +200,9 @@ impl MemoryUpper {
                 Ok(up)
             }
             Some(bytes) => {
-                let tree = image::decode_image(&bytes)?;
+                let tree = image::decode_image(&bytes, store_len / BLOCK)?;
                 let generation = tree.generation;
-                let journal = journal::read(&dir, generation)?;
+                let journal = journal::read(&dir, generation, store_len / BLOCK)?;
                 let (deltas, journal_len) = match journal {
                     Some((deltas, len)) => (deltas, Some(len)),
                     None => (Vec::new(), None),
@@ -262,9 +262,10 @@ impl MemoryUpper {
             up.insert_roots();
             return Ok(up);
         };
-        let tree = image::decode_image(&bytes)?;
+        let tree = image::decode_image(&bytes, store_len / BLOCK)?;
         let generation = tree.generation;
-        let deltas = journal::read(&dir, generation)?.map_or_else(Vec::new, |(d, _)| d);
+        let deltas =
+            journal::read(&dir, generation, store_len / BLOCK)?.map_or_else(Vec::new, |(d, _)| d);
         let (nodes, next_ino) = replay(tree, deltas);
         image::check_tree(&nodes, next_ino, store_len)?;
         let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, next_ino);

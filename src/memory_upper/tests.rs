@@ -806,7 +806,7 @@ fn cross_directory_renames_on_many_threads_keep_one_tree() {
     // One tree: every directory's parent holds it, and link counts add up (the image check).
     let bytes = image::encode(&up, 1);
     let store_len = rustix::fs::fstat(up.store.fd()).unwrap().st_size as u64;
-    let image = image::decode_image(&bytes).unwrap();
+    let image = image::decode_image(&bytes, u64::MAX).unwrap();
     image::check_tree(&image.nodes, image.next_ino, store_len).unwrap();
 }
 
@@ -1036,5 +1036,145 @@ fn blocks_freed_by_one_file_and_taken_by_another_keep_the_new_data() {
         .collect();
     for t in threads {
         t.join().unwrap();
+    }
+}
+
+/// A layer with a little of everything: directories, files with data and holes, a symlink, an
+/// xattr; its image, and (with `journal`) two journal entries after it.
+fn varied_layer(place: &Place, journal: bool) {
+    let up = place.open(None).unwrap();
+    let d = up.make(ROOT, n("d"), &dir_node()).unwrap();
+    let f = up.node(up.make(d, n("f"), &reg(0o644)).unwrap()).unwrap();
+    up.write(&f, b"data", 0).unwrap();
+    up.write(&f, &[7u8; 100], 3 * BLOCK).unwrap();
+    let mut link = reg(0o777);
+    link.mode = libc::S_IFLNK | 0o777;
+    link.target = Some(n("d/f"));
+    up.make(ROOT, n("l"), &link).unwrap();
+    up.set_xattr(&f, n("user.k"), b"v", 0).unwrap();
+    up.sync().unwrap();
+    if journal {
+        up.write(&f, b"more", 10 * BLOCK).unwrap();
+        up.sync_changes().unwrap();
+        let g = up
+            .node(up.make(ROOT, n("g"), &reg(0o600)).unwrap())
+            .unwrap();
+        up.write(&g, b"g", 0).unwrap();
+        up.sync_changes().unwrap();
+    }
+}
+
+/// Overwrites bytes of `body` at random: single bytes, and little-endian u32/u64 fields set to
+/// values a forger would pick (0, 1, all ones, near 2^32 and 2^64, large powers of two).
+fn mutate(rng: &mut rand::rngs::StdRng, body: &mut Vec<u8>) {
+    const WORDS: [u64; 8] = [
+        0,
+        1,
+        u32::MAX as u64,
+        1 << 32,
+        1 << 40,
+        u64::MAX,
+        u64::MAX - 1,
+        1 << 62,
+    ];
+    for _ in 0..rng.gen_range(1..6) {
+        if body.is_empty() {
+            return;
+        }
+        let at = rng.gen_range(0..body.len());
+        match rng.gen_range(0..4) {
+            0 => body[at] = rng.r#gen(),
+            1 if at + 4 <= body.len() => {
+                let v = WORDS[rng.gen_range(0..WORDS.len())] as u32;
+                body[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            2 if at + 8 <= body.len() => {
+                let v = WORDS[rng.gen_range(0..WORDS.len())];
+                body[at..at + 8].copy_from_slice(&v.to_le_bytes());
+            }
+            _ => body.truncate(at),
+        }
+    }
+}
+
+/// Fuzzing of the image decoder and the load that checks the tree, with forgeries whose
+/// checksum fits (so the decoder, not the checksum, has to refuse them): every load gives a
+/// layer or a reason, never a panic, a hang or an allocation the size of a forged count
+/// (commit 8cda0f3 fixed one that ran the load out of memory). `MOSAICFS_FUZZ_ROUNDS` runs
+/// it longer.
+#[test]
+fn forged_images_with_fitting_checksums_load_or_are_refused() {
+    const HEADER: usize = 52;
+    let place = Place::new();
+    varied_layer(&place, false);
+    let path = place.dir.join(IMAGE_NAME);
+    let good = std::fs::read(&path).unwrap();
+    let rounds: u64 = std::env::var("MOSAICFS_FUZZ_ROUNDS").map_or(300, |v| v.parse().unwrap());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x1a6e);
+    let (mut loaded, mut refused) = (0, 0);
+    for round in 0..rounds {
+        let mut body = good[HEADER..].to_vec();
+        mutate(&mut rng, &mut body);
+        let mut header = good[..HEADER].to_vec();
+        if rng.gen_range(0..4) == 0 {
+            // The node count or the next inode number forged too.
+            let at = [24, 32][rng.gen_range(0..2)];
+            header[at..at + 8].copy_from_slice(&rng.r#gen::<u64>().to_le_bytes());
+        }
+        header[40..48].copy_from_slice(&(body.len() as u64).to_le_bytes());
+        header[48..52].copy_from_slice(&image::crc(&body).to_le_bytes());
+        header.extend_from_slice(&body);
+        std::fs::write(&path, &header).unwrap();
+        if std::env::var_os("MOSAICFS_FUZZ_SAVE").is_some() {
+            std::fs::write(format!("/tmp/fuzz-image-{round}"), &header).unwrap();
+            eprintln!("round {round}");
+        }
+        match place.open(None) {
+            Ok(_) => loaded += 1,
+            Err(ImageError::Damaged(msg)) => {
+                assert!(!msg.is_empty());
+                refused += 1
+            }
+            Err(e) => panic!("a forged image gave {e}, not a reason"),
+        }
+    }
+    assert!(
+        refused > 0,
+        "{loaded} loaded, none refused: the mutations reach nothing"
+    );
+}
+
+/// The same for the journal after an image: entries with fitting checksums but forged
+/// payloads are applied or refused, never a panic.
+#[test]
+fn forged_journal_entries_with_fitting_checksums_load_or_are_refused() {
+    let place = Place::new();
+    varied_layer(&place, true);
+    let path = place.dir.join(journal::JOURNAL_NAME);
+    let good = std::fs::read(&path).unwrap();
+    let image = std::fs::read(place.dir.join(IMAGE_NAME)).unwrap();
+    let rounds: u64 = std::env::var("MOSAICFS_FUZZ_ROUNDS").map_or(300, |v| v.parse().unwrap());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x10a7);
+    for round in 0..rounds {
+        // Entries: u64 length, u32 checksum, payload. Forge the first one's payload.
+        let h = journal::HEADER;
+        let len = u64::from_le_bytes(good[h..h + 8].try_into().unwrap()) as usize;
+        let mut payload = good[h + 12..h + 12 + len].to_vec();
+        mutate(&mut rng, &mut payload);
+        let mut out = good[..h].to_vec();
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(&image::crc(&payload).to_le_bytes());
+        out.extend_from_slice(&payload);
+        out.extend_from_slice(&good[h + 12 + len..]);
+        std::fs::write(&path, &out).unwrap();
+        std::fs::write(place.dir.join(IMAGE_NAME), &image).unwrap();
+        if std::env::var_os("MOSAICFS_FUZZ_SAVE").is_some() {
+            std::fs::write(format!("/tmp/fuzz-journal-{round}"), &out).unwrap();
+            eprintln!("round {round}");
+        }
+        match place.open(None) {
+            Ok(_) | Err(ImageError::Damaged(_)) => {}
+            Err(e) => panic!("a forged journal gave {e}, not a reason"),
+        }
     }
 }
