@@ -151,10 +151,12 @@ fn is_own(key: &str) -> bool {
 }
 
 /// Mounts the layers of `m` with another overlay (`kind`: "overlay" or "fuse-overlayfs", with
-/// a work dir of its own) and returns the snapshot of what it shows.
-fn snapshot_with(kind: &str, m: &Mount, extra: &str) -> Vec<String> {
+/// a fresh work dir of its own and the `extra` options), runs `look` on its mount point, and
+/// unmounts it.
+fn with_peer<T>(kind: &str, m: &Mount, extra: &str, look: impl FnOnce(&Path) -> T) -> T {
     let work = m.dir.path().join(format!("work-{kind}"));
     let mnt = m.dir.path().join(format!("mnt-{kind}"));
+    let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work).unwrap();
     fs::create_dir_all(&mnt).unwrap();
     let lowers: Vec<String> = m.lowers.iter().map(|l| l.display().to_string()).collect();
@@ -172,9 +174,14 @@ fn snapshot_with(kind: &str, m: &Mount, extra: &str) -> Vec<String> {
     } else {
         sh(&format!("fuse-overlayfs -o {opts} {}", mnt.display()));
     }
-    let snap = snapshot(&mnt);
+    let seen = look(&mnt);
     sh(&format!("umount {}", mnt.display()));
-    snap
+    seen
+}
+
+/// The snapshot of what another overlay (`with_peer`) shows of the layers of `m`.
+fn snapshot_with(kind: &str, m: &Mount, extra: &str) -> Vec<String> {
+    with_peer(kind, m, extra, snapshot)
 }
 
 #[test]
@@ -256,22 +263,9 @@ fn complete_makes_a_layer_kernel_overlayfs_and_fuse_overlayfs_show_as_mosaicfs_d
 /// The bytes kernel overlayfs gives for `rel` over the layers of `m` mounted with `extra`
 /// options: `Err(errno)` when it refuses the file.
 fn kernel_overlayfs_reads(m: &Mount, rel: &str, extra: &str) -> Result<Vec<u8>, i32> {
-    let work = m.dir.path().join("work-kernel");
-    let mnt = m.dir.path().join("mnt-kernel");
-    let _ = fs::remove_dir_all(&work);
-    fs::create_dir_all(&work).unwrap();
-    fs::create_dir_all(&mnt).unwrap();
-    let lowers: Vec<String> = m.lowers.iter().map(|l| l.display().to_string()).collect();
-    sh(&format!(
-        "mount -t overlay overlay -o lowerdir={},upperdir={},workdir={}{extra} {}",
-        lowers.join(":"),
-        m.upper.display(),
-        work.display(),
-        mnt.display()
-    ));
-    let read = fs::read(mnt.join(rel)).map_err(|e| e.raw_os_error().unwrap_or(0));
-    sh(&format!("umount {}", mnt.display()));
-    read
+    with_peer("overlay", m, extra, |mnt| {
+        fs::read(mnt.join(rel)).map_err(|e| e.raw_os_error().unwrap_or(0))
+    })
 }
 
 #[test]
