@@ -540,17 +540,23 @@ fn parse_export(args: &[OsString]) -> Result<ExportArgs, String> {
             ));
         }
     };
-    // Compression follows the file name when not given.
-    let by_name = output.as_ref().and_then(|p| {
-        let n = p.to_string_lossy();
-        if n.ends_with(".gz") || n.ends_with(".tgz") {
-            Some(Compression::Gzip)
-        } else if n.ends_with(".zst") || n.ends_with(".tzst") {
-            Some(Compression::Zstd)
-        } else {
+    // Compression follows the file name when not given; a name that asks for one mosaicfs does
+    // not write is an error, not an uncompressed file under that name.
+    let by_name = match output.as_ref().map(|p| p.to_string_lossy().into_owned()) {
+        Some(n) if n.ends_with(".gz") || n.ends_with(".tgz") => Some(Compression::Gzip),
+        Some(n) if n.ends_with(".zst") || n.ends_with(".tzst") => Some(Compression::Zstd),
+        Some(n) if compression.is_none() => {
+            let other = [".xz", ".txz", ".bz2", ".tbz2", ".lz4", ".lzma", ".Z"];
+            if let Some(ext) = other.iter().find(|e| n.ends_with(*e)) {
+                return Err(format!(
+                    "'{n}' names {ext} compression, which export does not write: use .gz or .zst, \
+                     or --compress=none for a plain tar under that name\n{EXPORT_USAGE}"
+                ));
+            }
             None
         }
-    });
+        _ => None,
+    };
     Ok(ExportArgs {
         from,
         output,
@@ -718,8 +724,16 @@ impl Options {
                 }
             }
             "caw_memory" => {
-                let mib: usize = parse_num(name, value)?;
-                self.caw_memory = Some(mib << 20);
+                // A size like every other (64M, 1G); a bare number is MiB, as it always was.
+                let bare = value.is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit()));
+                let bytes = if bare {
+                    parse_num::<u64>(name, value)?.checked_mul(1 << 20).ok_or_else(|| {
+                        format!("option '{name}' is too large")
+                    })?
+                } else {
+                    parse_size(name, value)?
+                };
+                self.caw_memory = Some(bytes as usize);
             }
             "read_ahead_kb" => self.read_ahead_kb = parse_num(name, value)?,
             "lower_cache" => {
@@ -1061,6 +1075,17 @@ mod tests {
         assert_eq!((off.caw_memory, off.caw_always), (None, false));
         let bad = o("copy_after_write=sometimes").unwrap_err();
         assert!(bad.contains("always") && bad.contains("sometimes"), "{bad}");
+        // One size syntax: caw_memory takes 64M like copy_whole=4M; a bare number is MiB.
+        for (v, bytes) in [
+            ("64M", 64 << 20),
+            ("1G", 1 << 30),
+            ("512K", 512 << 10),
+            ("32", 32 << 20),
+        ] {
+            let m = o(&format!("caw_memory={v}")).unwrap();
+            assert_eq!(m.caw_memory, Some(bytes), "caw_memory={v}");
+        }
+        assert!(o("caw_memory=lots").is_err());
     }
 
     #[test]

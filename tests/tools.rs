@@ -854,6 +854,10 @@ fn export_refuses_bad_arguments_and_a_layer_in_use_and_leaves_no_partial_archive
             "choose one compression",
         ),
         (vec!["export", "--lowerdir=/l"], "no upper layer given"),
+        (
+            vec!["export", "-o", "/tmp/layer.tar.xz", "/mnt"],
+            "names .xz compression, which export does not write",
+        ),
     ] {
         let out = tool(&args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
