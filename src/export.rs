@@ -74,6 +74,10 @@ pub struct Summary {
     pub entries: u64,
     pub whiteouts: u64,
     pub data_bytes: u64,
+    /// Sizes of the regular files done, holes included: the progress bar's measure, as its
+    /// total is the plan's sum of sizes (counting data alone, it ended short of the total
+    /// for sparse files).
+    pub file_bytes: u64,
     pub sparse_files: u64,
     pub hard_links: u64,
     /// What could not go into the archive, one line each (sockets; files that changed).
@@ -495,9 +499,11 @@ fn write_file<W: Write>(
                 }
                 off += n;
                 sum.data_bytes += n;
-                progress(sum.data_bytes);
+                progress(sum.file_bytes + off);
             }
         }
+        sum.file_bytes += size;
+        progress(sum.file_bytes);
         if shrank {
             sum.warnings.push(format!(
                 "{}: shrank while exporting; padded with zeros",
