@@ -40,7 +40,22 @@ impl Overlay {
 
     /// The birth time of `node`'s object where it lives now (statx; as kernel overlayfs shows
     /// the real file's: a copied-up file's is its copy-up's), when its file system has one.
+    /// Not asked of a lower layer on a shared store: every statx(STATX_ALL) (Rust's metadata
+    /// is one) would then wait on the store, where a stat is answered from the kept
+    /// attributes (tests/stores.rs: a stopped GlusterFS brick held such a call 80 s).
     pub fn birth_time_of(&self, node: &Node) -> Result<Option<(i64, u32)>> {
+        let on_store = {
+            let st = node.state();
+            !st.upper
+                && st
+                    .lower
+                    .as_ref()
+                    .is_some_and(|l| self.layers.layer(l.top()).on_store)
+        };
+        if on_store {
+            return Ok(None);
+        }
+        let _waiting = self.waiting_on(node)?;
         self.at_top_entry(node, |dir, name| dir.birth_time(name))
     }
 
