@@ -67,7 +67,10 @@ pub fn complete(t: &ToolArgs) -> i32 {
         done: Default::default(),
         left: Vec::new(),
     };
-    if let Err(e) = run.visit(ROOT_INO, Path::new(""), false) {
+    let progress = Progress::start(&run.overlay);
+    let visited = run.visit(ROOT_INO, Path::new(""), false);
+    drop(progress);
+    if let Err(e) = visited {
         eprintln!("mosaicfs complete: {e}");
         return FAILED;
     }
@@ -86,6 +89,52 @@ pub fn complete(t: &ToolArgs) -> i32 {
         println!("left as is: {l}");
     }
     if run.left.is_empty() { CLEAN } else { LEFT }
+}
+
+/// What `complete` has filled so far, on a terminal (nothing otherwise): a large file takes
+/// seconds per GiB, and a silent command looks hung.
+struct Progress {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn start(ov: &Arc<Overlay>) -> Progress {
+        use std::io::IsTerminal;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if !std::io::stderr().is_terminal() {
+            return Progress { stop, thread: None };
+        }
+        let (ov, flag) = (ov.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let bar = indicatif::ProgressBar::new_spinner();
+            let block = ov.sparse.block;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let filled = ov.stats.blocks_filled.get() * block;
+                bar.set_message(format!(
+                    "completing: {} files whole, {} filled from lower files",
+                    ov.stats.completions.get(),
+                    indicatif::HumanBytes(filled)
+                ));
+                bar.tick();
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            bar.finish_and_clear();
+        });
+        Progress {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 #[derive(Default)]
