@@ -47,7 +47,9 @@ impl CompletionPolicy {
         if self.after_idle.is_some_and(|d| idle >= d) {
             return Some(format!("no write for {:.1} s", idle.as_secs_f64()));
         }
-        if self.on_reopen_below > 0 && p.reopened {
+        // A file whose writers pass through needs no completion to be fast: a second open
+        // is no reason to copy it.
+        if self.on_reopen_below > 0 && p.reopened && !p.events {
             return Some(format!(
                 "opened for writing again after a write or an earlier writable open ({} opens)",
                 p.writer_opens
@@ -148,12 +150,18 @@ impl Completer {
                     None => format!("waiting: {}", policy.waits_for()),
                 };
                 Some(format!(
-                    "inode {}: {} of {} blocks present, last write {:.1} s ago, writable opens {}; {why}",
+                    "inode {}: {} of {} blocks present, last write {:.1} s ago, writable opens {}, \
+                     writers served by {}; {why}",
                     f.ino,
                     p.present,
                     p.total,
                     now.duration_since(p.last_write).as_secs_f64(),
                     p.writer_opens,
+                    if p.events {
+                        "passthrough (pre-content events)"
+                    } else {
+                        "the daemon"
+                    },
                 ))
             })
             .collect()

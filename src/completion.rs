@@ -12,7 +12,8 @@ use crate::overlay::Overlay;
 impl Overlay {
     /// Starts the completion worker; it ends when `shutdown` stops it.
     pub fn start_completion(self: &Arc<Self>) {
-        if self.config.completion.after_idle.is_none() && self.config.completion.ratio <= 0.0 {
+        let policy = &self.config.completion;
+        if policy.after_idle.is_none() && policy.ratio <= 0.0 && policy.on_reopen_below == 0 {
             return;
         }
         // Look often enough to honour short idle times, at most once a second otherwise.

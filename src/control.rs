@@ -129,6 +129,14 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         "transport: {}\n",
         overlay.transport.get().copied().unwrap_or("/dev/fuse")
     );
+    r += &match &overlay.precontent {
+        Ok(pc) => format!(
+            "partial files' writers: passthrough, filled on first touch (pre-content events; \
+             readable opens through the daemon); {}\n",
+            pc.summary()
+        ),
+        Err(why) => format!("partial files' writers: through the daemon ({why})\n"),
+    };
     r += &format!(
         "block size: {} (sparse files: {})\npassthrough: {:?}\n",
         overlay.sparse.block,

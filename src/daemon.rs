@@ -32,6 +32,12 @@ fn strip_mount_helper_flags(args: Vec<OsString>) -> Vec<OsString> {
 
 pub fn main() -> i32 {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    if args
+        .first()
+        .is_some_and(|a| a == crate::precontent::GUARDIAN_COMMAND)
+    {
+        return crate::precontent::guardian_main(&args[1..]);
+    }
     let args = strip_mount_helper_flags(args);
     let opts = match options::parse_args(args) {
         Ok(Command::Help(None)) => {
@@ -476,6 +482,7 @@ fn serve(
     metrics: Option<std::net::TcpListener>,
     log_file: Option<std::fs::File>,
 ) -> Result<(), String> {
+    overlay.start_precontent()?;
     overlay.start_completion();
     overlay.start_caw_workers();
     let control = overlay.clone();

@@ -19,6 +19,7 @@ use crate::layers::LayerId;
 use crate::options::PassthroughPolicy;
 use crate::partial::PartialMark;
 use crate::partial_file::{PartialFile, Source};
+use crate::precontent::{FillOnAccess, PreContent};
 use crate::sys::Attr;
 use crate::upper::UpperFile;
 
@@ -202,6 +203,9 @@ pub(crate) enum DataKind {
     Upper,
     /// An untouched lower file, not itself partial.
     PlainLower,
+    /// A partial file whose writers pass through to its upper file (precontent.rs): a
+    /// passthrough handle only for an open that cannot read (mmap would bypass the events).
+    MarkedPartial,
     /// Anything the daemon must merge.
     Merged,
 }
@@ -213,10 +217,16 @@ impl IoState {
         &mut self,
         data: DataKind,
         writable: bool,
+        readable: bool,
         policy: PassthroughPolicy,
         alias: bool,
     ) -> Option<IoMode> {
-        let upper = data == DataKind::Upper;
+        // A marked partial file's backing file is its upper file, which it stays when the
+        // file completes: such handles and a complete file's share the registration.
+        // `readable` also stands for an appending handle (io.rs `open`); a second identity's
+        // handles never pass through to a partial file (its readers could not rebind again).
+        let upper =
+            data == DataKind::Upper || (data == DataKind::MarkedPartial && !readable && !alias);
         // A second identity exists because a handle could not use the lower file: never bind
         // it to one (a writer may be on its way).
         let lower = data == DataKind::PlainLower && !writable && !alias;
@@ -263,10 +273,12 @@ impl NodeIo {
     /// The kernel unbinds an inode when its last passthrough handle is closed, but tells the
     /// daemon only by the RELEASE it sends afterwards, which another worker thread may still be
     /// serving when an open that follows the close arrives: `patience` waits for it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn begin(
         &self,
         data: DataKind,
         writable: bool,
+        readable: bool,
         policy: PassthroughPolicy,
         alias: bool,
         patience: Duration,
@@ -274,7 +286,7 @@ impl NodeIo {
         let mut io = self.state();
         let mut deadline = None;
         loop {
-            if let Some(mode) = io.begin(data, writable, policy, alias) {
+            if let Some(mode) = io.begin(data, writable, readable, policy, alias) {
                 return Some(mode);
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + patience);
@@ -334,6 +346,7 @@ impl NodeIo {
         let data = file.read_data();
         let fd = match (&*data, io.backing_upper) {
             (FileData::Upper(f), true) => f.disk_fd().ok(),
+            (FileData::Partial(p), true) if p.by_events.is_some() => p.upper.disk_fd().ok(),
             (FileData::Lower(src), false) => src.fd(),
             _ => None,
         };
@@ -355,6 +368,8 @@ pub struct Progress {
     pub writer_opens: u32,
     /// Opened for writing after it was written.
     pub reopened: bool,
+    /// Its writers pass through, told by pre-content events (else: the daemon path).
+    pub events: bool,
 }
 
 /// A new open handle and how it does I/O.
@@ -386,6 +401,28 @@ impl std::ops::Deref for DataRef<'_> {
             DataRef::Held(guard) => guard,
             DataRef::Transient(data) => data,
         }
+    }
+}
+
+impl FillOnAccess for OpenFile {
+    fn fill_range(&self, off: u64, len: u64) -> Result<()> {
+        match &mut *self.write_data() {
+            FileData::Partial(p) => p.fill_range(off, len),
+            // Complete meanwhile: nothing reads the lower file any more.
+            _ => Ok(()),
+        }
+    }
+
+    fn try_fill_range(&self, off: u64, len: u64) -> Option<Result<()>> {
+        let mut data = match self.data.try_write() {
+            Ok(data) => data,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(match &mut *data {
+            FileData::Partial(p) => p.fill_range(off, len),
+            _ => Ok(()),
+        })
     }
 }
 
@@ -432,6 +469,7 @@ impl OpenFile {
             // A memory upper file has no descriptor to pass through to.
             FileData::Upper(f) if f.disk_fd().is_ok() => DataKind::Upper,
             FileData::Lower(src) if src.is_plain() => DataKind::PlainLower,
+            FileData::Partial(p) if p.by_events.is_some() => DataKind::MarkedPartial,
             _ => DataKind::Merged,
         }
     }
@@ -446,6 +484,34 @@ impl OpenFile {
 
     pub fn is_partial(&self) -> bool {
         matches!(&*self.read_data(), FileData::Partial(_))
+    }
+
+    /// Whether this is a partial file whose writers pass through (precontent.rs).
+    pub fn is_marked(&self) -> bool {
+        matches!(&*self.read_data(), FileData::Partial(p) if p.by_events.is_some())
+    }
+
+    /// Serves this partial file's writers by passthrough: its pending blocks go to the upper
+    /// file, which gets the pre-content mark. Returns whether the file is so served now.
+    pub fn serve_by_events(self: &Arc<Self>, events: &Arc<PreContent>) -> Result<bool> {
+        let mut data = self.write_data();
+        let FileData::Partial(p) = &mut *data else {
+            return Ok(false);
+        };
+        if p.by_events.is_some() {
+            return Ok(true);
+        }
+        if p.upper.disk_fd().is_err() {
+            return Ok(false);
+        }
+        // Nothing of the file may stay only in memory: a writer passing through goes to the
+        // upper file, and the file there must have its full size.
+        p.flush_pending()?;
+        let fd = p.upper.disk_fd()?;
+        let me: std::sync::Weak<dyn FillOnAccess> = Arc::downgrade(self) as _;
+        let mark = events.mark(fd, me)?;
+        p.by_events = Some(Box::new(crate::partial_file::ByEvents::new(mark)));
+        Ok(true)
     }
 
     /// A partial file that holds blocks written to it, not only the lower file's metadata.
@@ -478,6 +544,7 @@ impl OpenFile {
                 unlinked: p.upper.stat().is_ok_and(|a| a.nlink == 0),
                 writer_opens: self.writer_opens.load(std::sync::atomic::Ordering::Relaxed),
                 reopened: self.reopened.load(std::sync::atomic::Ordering::Relaxed),
+                events: p.by_events.is_some(),
             }),
             _ => None,
         }

@@ -27,8 +27,11 @@ impl OpenFile {
     /// Whether a write by an unprivileged caller would have to clear set-id bits or file
     /// capabilities of this complete upper file. `privs` reads its mode and capability name.
     fn has_privs_to_kill(&self, privs: &PrivsOf) -> bool {
-        let FileData::Upper(f) = &*self.read_data() else {
-            return false;
+        let data = self.read_data();
+        let f = match &*data {
+            FileData::Upper(f) => f,
+            FileData::Partial(p) if p.by_events.is_some() => &p.upper,
+            _ => return false,
         };
         let setid = privs.mode(f).map_or(true, |mode| {
             mode & libc::S_ISUID != 0
@@ -234,6 +237,7 @@ impl Overlay {
             pending: Default::default(),
             caw,
             disk_size: attr.size,
+            by_events: None,
         })
     }
 
@@ -400,10 +404,23 @@ impl Overlay {
         } else {
             self.open_file_as(&node, writable)?
         };
+        // Whether this handle could read the file (and so map it), or appends: not one a
+        // marked partial file may pass through to (`DataKind::MarkedPartial`).
+        let readable = acc != libc::O_WRONLY || flags & libc::O_APPEND != 0;
+        let mut by_events = false;
         if writable {
             // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
             // open for writing finds the file there (a partial file with no blocks: no data).
             self.ensure_upper(&node, &file)?;
+            // A writer that cannot map the file passes through to its sparse upper file, told
+            // of every first touch by pre-content events (precontent.rs): no copy, and no
+            // request per read or write.
+            // Not with O_APPEND (`readable`): the kernel reports an appending write's range
+            // at the file position before it moves to the end, so the block the write lands
+            // in (the last, which may still read the lower file) would not be filled first.
+            // Nor on a second identity (made for a handle that could not share the first's
+            // passthrough binding): its readers could not be given a third.
+            by_events = !readable && !node.is_alias() && self.serve_by_events(&file);
             // Written before, or opened for writing before: in sustained use (completion
             // follows use, complete.rs). Only opens that returned a handle count: one the
             // kernel retries after ESTALE (`rebind`) is the same open.
@@ -413,10 +430,12 @@ impl Overlay {
                 file.reopened
                     .store(true, std::sync::atomic::Ordering::Relaxed);
             }
-            self.complete_at_open(&file, reopened)?;
-            if reopened && file.is_partial() && self.config.completion.on_reopen_below > 0 {
-                // Too big to complete within the open: due in the background now.
-                self.completer.nudge();
+            if !by_events {
+                self.complete_at_open(&file)?;
+                if reopened && file.is_partial() && self.config.completion.on_reopen_below > 0 {
+                    // Served through the daemon: due in the background now.
+                    self.completer.nudge();
+                }
             }
         }
         let policy = if writable && file.has_privs_to_kill(&self.privs_of()) {
@@ -436,13 +455,18 @@ impl Overlay {
         } else {
             Duration::ZERO
         };
-        let Some(io) = node
-            .io
-            .begin(file.kind(), writable, policy, node.is_alias(), patience)
-        else {
+        let Some(io) = node.io.begin(
+            file.kind(),
+            writable,
+            readable,
+            policy,
+            node.is_alias(),
+            patience,
+        ) else {
             return Err(self.rebind(&node));
         };
         let node_two_identities = node.has_two_identities();
+        let marked = file.is_marked();
         // Only a partial file can have copy-after-write blocks for FLUSH to fill: a complete
         // one (every file a container makes) never becomes partial again, so its closes send
         // no FLUSH (on a memory upper, one request less per file written).
@@ -463,7 +487,9 @@ impl Overlay {
             exec,
             io: Mutex::new(io),
         });
-        let keep_cache = !node_two_identities;
+        // Writers passing through change the upper file under the daemon's cached readers
+        // (`by_events`): their pages are dropped at each open, close-to-open consistency.
+        let keep_cache = !node_two_identities && !by_events && !marked;
         Ok(Opened {
             fh,
             io,
@@ -483,33 +509,47 @@ impl Overlay {
         self.lower_only_layer(node).is_some_and(|l| l.on_store)
     }
 
-    /// Makes the file complete before a writable open of it returns, where that is cheap or
-    /// the file is in sustained use, so that the open can use passthrough and no later read or
-    /// write of it needs the daemon. The file is in the upper layer already (a lower file the
-    /// upper layer can clone came up complete, in O(1), copy_up.rs); a partial file is
-    /// completed here when it is
-    /// - small (`copy_whole=`; the copy costs about what a partial file's first write costs);
-    /// - opened for writing again (`complete_on_reopen=`): a file written, or opened for
-    ///   writing, closed and reopened for writing — a database, a log, an image being edited,
-    ///   a file a job opens read-write at every run — would otherwise send every later read
-    ///   and write to the daemon, and completion copies it anyway once it goes idle. The first
-    ///   writable open, and the first after a metadata-only copy-up (chown, chmod), keeps
-    ///   block-level copy-up for the file's first write.
+    /// Makes a small partial file complete before a writable open of it returns that the
+    /// pre-content events do not serve (a readable open, or a mount without them), so that
+    /// the open can use passthrough and no later read or write of it needs the daemon
+    /// (`copy_whole=`: the copy costs about what a partial file's first write costs). No
+    /// larger file is ever copied within an open: one in sustained use is completed in the
+    /// background (complete.rs).
     ///
     /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
     /// so a crash at any point leaves a valid file.
-    fn complete_at_open(&self, file: &OpenFile, reopened: bool) -> Result<()> {
-        let policy = &self.config.completion;
-        let to_copy = file.bytes_to_copy();
-        let below = |limit: u64| limit > 0 && to_copy.is_some_and(|n| n <= limit);
-        let small = below(policy.at_open_below);
-        if (small || reopened && below(policy.on_reopen_below)) && file.is_partial() {
+    fn complete_at_open(&self, file: &OpenFile) -> Result<()> {
+        let limit = self.config.completion.at_open_below;
+        let small = limit > 0 && file.bytes_to_copy().is_some_and(|n| n <= limit);
+        if small && file.is_partial() {
             self.complete_file(file)?;
             if !file.is_partial() {
                 self.stats.completions_at_open.add(1);
             }
         }
         Ok(())
+    }
+
+    /// Serves the writers of partial file `file` by passthrough with pre-content events, if
+    /// this mount has them. A failure falls back to the daemon path, said once in the log.
+    fn serve_by_events(&self, file: &Arc<OpenFile>) -> bool {
+        let Ok(events) = &self.precontent else {
+            return false;
+        };
+        match file.serve_by_events(events) {
+            Ok(served) => served,
+            Err(e) => {
+                static SAID: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    log::warn!(
+                        "a partial file's writer goes through the daemon: marking its upper \
+                         file for pre-content events failed: {e}"
+                    );
+                }
+                false
+            }
+        }
     }
 
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.
@@ -522,6 +562,7 @@ impl Overlay {
         *io = match h.node.io.begin(
             kind,
             h.writable,
+            true,
             PassthroughPolicy::Off,
             alias,
             Duration::ZERO,
@@ -664,6 +705,7 @@ impl Overlay {
                 }
             }
             FileData::Partial(p) => {
+                p.refresh()?; // writers passing through may have grown it
                 let off = if h.append { p.size } else { off };
                 let pending = p.write(off, data, !h.sync)?;
                 if h.sync && !self.config.skip_fsync {
@@ -808,7 +850,7 @@ impl Overlay {
                 p.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
             }
             (FileData::Partial(p), libc::SEEK_HOLE) => {
-                if off >= p.size {
+                if off >= p.current_size()? {
                     return Err(errno(libc::ENXIO));
                 }
                 p.seek_hole(off)?

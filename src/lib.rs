@@ -30,6 +30,7 @@ pub mod options;
 pub mod overlay;
 pub mod partial;
 pub mod partial_file;
+pub mod precontent;
 pub mod readdir;
 pub mod seq;
 pub mod stat_override;

@@ -143,6 +143,9 @@ pub struct Options {
     /// can take them from the lower one: a complete upper file in O(1), opened for writing
     /// with passthrough. `reflink=0` keeps partial files everywhere.
     pub reflink: bool,
+    /// Whether writers of partial files pass through, told of each access by fanotify
+    /// pre-content events (`partial_passthrough=auto|on|off`, precontent.rs).
+    pub partial_passthrough: Switch,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
     /// Where the writable layer lives (`upper=disk|memory`).
@@ -192,6 +195,7 @@ impl Default for Options {
             passthrough: PassthroughPolicy::All,
             completion: Default::default(),
             reflink: true,
+            partial_passthrough: Switch::Auto,
             read_ahead_kb: 4096,
             metrics: None,
             log_file: None,
@@ -212,6 +216,15 @@ impl Default for Options {
 }
 
 /// Which files pass through (mount option `passthrough=`).
+/// A feature that is used where it works (`Auto`), required (`On`: the mount fails without
+/// it) or not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switch {
+    Auto,
+    On,
+    Off,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PassthroughPolicy {
     Off,
@@ -226,9 +239,9 @@ pub enum PassthroughPolicy {
 /// (docs/PERFORMANCE.md, "Whole copies of small files").
 pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
 
-/// Default `complete_on_reopen=`: a file opened for writing again after it was written or
-/// opened for writing is in sustained use; completing it then costs what kernel overlayfs pays
-/// at the first open, up to this size (docs/PERFORMANCE.md, "Completion follows use").
+/// Default `complete_on_reopen=`: a file opened read-write again after it was written or
+/// opened for writing is in sustained use and due for completion in the background (any
+/// size but 0 turns it on; docs/PERFORMANCE.md, "Completion follows use").
 pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Copy)]
@@ -241,9 +254,8 @@ pub struct CompletionPolicy {
     /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
     pub at_open_below: u64,
     /// A partial file that has been written (it holds blocks of its own) or opened for writing
-    /// before, and is opened for writing again, is completed before that open returns when at
-    /// most this many bytes are left to copy, else in the background at once; 0: neither
-    /// (`complete_on_reopen=`).
+    /// before, and is opened read-write again, is due for completion in the background at
+    /// once unless this is 0 (`complete_on_reopen=`). No open waits for a copy.
     pub on_reopen_below: u64,
 }
 
@@ -703,6 +715,18 @@ impl Options {
             }
             "fsync" => self.skip_fsync = !parse_bool(name, value)?,
             "reflink" => self.reflink = parse_bool(name, value)?,
+            "partial_passthrough" => {
+                self.partial_passthrough = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
+                    Some("auto") => Switch::Auto,
+                    None | Some("on") | Some("1") => Switch::On,
+                    Some("off") | Some("0") => Switch::Off,
+                    Some(v) => {
+                        return Err(format!(
+                            "option 'partial_passthrough' takes auto, on or off, not '{v}'"
+                        ));
+                    }
+                }
+            }
             "volatile" => self.skip_fsync = true,
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,

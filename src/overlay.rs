@@ -66,6 +66,7 @@ pub struct Config {
     /// Which files FUSE passthrough serves (see file.rs, IoMode).
     pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
+    pub partial_passthrough: crate::options::Switch,
     /// `xattr_permissions=`: how xattr names of the merged view are stored (stat_override.rs).
     pub xattr_permissions: crate::stat_override::XattrPermissions,
 }
@@ -95,6 +96,7 @@ impl Config {
             caw_workers: o.caw_workers,
             caw_always: o.caw_always,
             reflink: o.reflink,
+            partial_passthrough: o.partial_passthrough,
         }
     }
 }
@@ -134,6 +136,9 @@ pub struct Overlay {
     /// (copy_up.rs). Turned off for a layer at the first clone the kernel refuses (EXDEV).
     pub reflink: Vec<std::sync::atomic::AtomicBool>,
     shut_down: std::sync::atomic::AtomicBool,
+    /// Pre-content events for partial files whose writers pass through (precontent.rs), or
+    /// why there are none.
+    pub precontent: std::result::Result<Arc<crate::precontent::PreContent>, String>,
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
     pub transport: std::sync::OnceLock<&'static str>,
@@ -202,6 +207,7 @@ impl Overlay {
         let reflink = (0..=layers.lower_count())
             .map(|i| std::sync::atomic::AtomicBool::new(clones && i as LayerId != UPPER))
             .collect();
+        let precontent = Self::precontent(&layers, &config)?;
         let caw = config
             .caw_memory
             .filter(|_| layers.work.is_some())
@@ -231,9 +237,50 @@ impl Overlay {
             fd_reserve: crate::file::FdReserve::from_rlimit(),
             reflink,
             shut_down: Default::default(),
+            precontent,
             transport: Default::default(),
             layers,
         })
+    }
+
+    /// This mount's pre-content group, or why partial files stay on the daemon path. Err
+    /// (the outer one) only for `partial_passthrough=on` where it cannot work.
+    fn precontent(
+        layers: &LayerStack,
+        config: &Config,
+    ) -> std::result::Result<std::result::Result<Arc<crate::precontent::PreContent>, String>, String>
+    {
+        use crate::options::{PassthroughPolicy, Switch};
+        let available = match (&layers.work, config.partial_passthrough) {
+            (_, Switch::Off) => Err("partial_passthrough=off".to_string()),
+            _ if config.read_only => Err("a read-only mount".to_string()),
+            _ if layers.memory.is_some() => {
+                Err("upper=memory (its files have no descriptor to pass through to)".to_string())
+            }
+            _ if config.passthrough == PassthroughPolicy::Off => Err("passthrough=off".to_string()),
+            (None, _) => Err("no upper layer".to_string()),
+            (Some(work), _) => crate::precontent::PreContent::open(work.as_fd()),
+        };
+        match available {
+            Err(why) if config.partial_passthrough == Switch::On => Err(format!(
+                "partial_passthrough=on, but writers of partial files cannot pass through \
+                 here: {why}; mount with partial_passthrough=auto to serve them through the \
+                 daemon"
+            )),
+            Err(why) => {
+                log::info!("partial files are served through the daemon: {why}");
+                Ok(Err(why))
+            }
+            Ok(pc) => Ok(Ok(pc)),
+        }
+    }
+
+    /// Starts the pre-content threads and guardian (after the daemon went to the background).
+    pub fn start_precontent(&self) -> std::result::Result<(), String> {
+        match &self.precontent {
+            Ok(pc) => pc.start().map_err(|e| format!("{e}")),
+            Err(_) => Ok(()),
+        }
     }
 
     pub fn node(&self, ino: Ino) -> Result<Arc<Node>> {
@@ -687,6 +734,14 @@ impl Overlay {
                      ({e}); the next mount shows the layer as of the last sync or fsync"
                 ),
             }
+        }
+        // Every partial file went with the queue and the handles: no mark is left to guard.
+        match &self.precontent {
+            Ok(pc) => {
+                pc.stop();
+                log::info!("pre-content events: {}", pc.summary());
+            }
+            Err(why) => log::info!("pre-content events: event-fills=0 (not used: {why})"),
         }
         log::info!("{}", self.stats.summary());
         if let Some((p, ino)) = self

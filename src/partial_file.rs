@@ -129,7 +129,35 @@ pub struct PartialFile {
     pub caw: Option<Arc<CawShared>>,
     /// The upper file's size on disk, which trails `size` while the last block is pending.
     pub disk_size: u64,
+    /// The pre-content mark while writers pass through to the upper file (precontent.rs).
+    /// They write into it directly, growing it beyond `size` and `disk_size` and allocating
+    /// blocks at or past `valid` that `blocks` does not know of: while marked, the upper file
+    /// itself says the size (`current_size`), and bytes at or past `valid` are read from it.
+    pub by_events: Option<Box<ByEvents>>,
 }
+
+/// A partial file whose writers pass through (`PartialFile::by_events`).
+pub struct ByEvents {
+    /// Its upper file's pre-content mark, removed when this goes.
+    pub mark: crate::precontent::AccessMark,
+    /// Where a sequential run of pre-content fills would go on, and its fill-ahead window in
+    /// blocks (`fill_range`).
+    fill_ahead: (u64, u64),
+}
+
+impl ByEvents {
+    pub fn new(mark: crate::precontent::AccessMark) -> ByEvents {
+        ByEvents {
+            mark,
+            fill_ahead: (0, 0),
+        }
+    }
+}
+
+/// The fill-ahead window of a sequential writer passing through: from 64 KiB up to 1 MiB
+/// (with 4 KiB blocks).
+const FILL_AHEAD_MIN: u64 = 16;
+const FILL_AHEAD_MAX: u64 = 256;
 
 impl Drop for PartialFile {
     fn drop(&mut self) {
@@ -143,7 +171,12 @@ impl Drop for PartialFile {
 impl PartialFile {
     /// Reads `len` bytes at `off`, block by block from the upper file or the lower file.
     pub fn read(&self, off: u64, len: usize) -> Result<Vec<u8>> {
-        let end = (off + len as u64).min(self.size);
+        self.read_sized(off, len, self.current_size()?)
+    }
+
+    /// `read` of a file whose content is `size` bytes long.
+    fn read_sized(&self, off: u64, len: usize, size: u64) -> Result<Vec<u8>> {
+        let end = (off + len as u64).min(size);
         if off >= end {
             return Ok(Vec::new());
         }
@@ -169,14 +202,78 @@ impl PartialFile {
         Ok(buf)
     }
 
-    /// Fills `buf[a-base..b-base]`, a range with no upper block, from the lower file below
-    /// `valid` (the buffer is zero past it).
+    /// Fills `buf[a-base..b-base]`, a range with no upper block in `blocks`, from the lower
+    /// file below `valid` and from the upper file at or past it (where a hole reads as zeros;
+    /// a writer passing through may have written there).
     fn read_absent(&self, buf: &mut [u8], base: u64, a: u64, b: u64) -> Result<()> {
-        let b = b.min(self.mark.valid);
-        if a < b {
+        let valid = self.mark.valid.clamp(a, b.max(a));
+        if a < valid {
             self.lower
-                .pread_full(&mut buf[(a - base) as usize..(b - base) as usize], a)?;
+                .pread_full(&mut buf[(a - base) as usize..(valid - base) as usize], a)?;
         }
+        if valid < b && self.by_events.is_some() {
+            self.upper.read_at(
+                &mut buf[(valid - base) as usize..(b - base) as usize],
+                valid,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The size of the content: `size`, or the upper file's if a writer passing through
+    /// made it larger (passthrough never shrinks a file: truncation comes to the daemon).
+    pub fn current_size(&self) -> Result<u64> {
+        if self.by_events.is_none() {
+            return Ok(self.size);
+        }
+        Ok(self.size.max(self.upper.stat()?.size))
+    }
+
+    /// Takes in what writers passing through changed: the size. Returns the upper file's
+    /// attributes when it looked at them.
+    pub fn refresh(&mut self) -> Result<Option<sys::Attr>> {
+        if self.by_events.is_none() {
+            return Ok(None);
+        }
+        let attr = self.upper.stat()?;
+        if attr.size > self.disk_size {
+            self.disk_size = attr.size;
+            self.size = self.size.max(attr.size);
+        }
+        Ok(Some(attr))
+    }
+
+    /// Fills every block of `[off, off + len)` that still reads the lower file (a
+    /// pre-content event: a reader or writer passing through is about to touch the range).
+    /// A run of events each starting where the last fill ended (a sequential writer) fills
+    /// ahead, in a window that doubles up to `FILL_AHEAD_MAX` blocks, so that such a writer
+    /// waits for one event per window rather than one per write.
+    pub fn fill_range(&mut self, off: u64, len: u64) -> Result<()> {
+        let bs = self.block;
+        let limit = self.fill_limit().div_ceil(bs);
+        let first = off / bs;
+        let mut end = off.saturating_add(len).div_ceil(bs);
+        let (next, window) = self.by_events.as_ref().map_or((0, 0), |e| e.fill_ahead);
+        let window = if first == next && first > 0 {
+            (window * 2).clamp(FILL_AHEAD_MIN, FILL_AHEAD_MAX)
+        } else {
+            0
+        };
+        end = end.max(first + window).min(limit);
+        if let Some(e) = &mut self.by_events {
+            e.fill_ahead = (end, window);
+        }
+        let mut blk = first;
+        while blk < end {
+            if !self.needs_fill(blk) {
+                blk += 1;
+                continue;
+            }
+            let run = (blk..end).take_while(|&b| self.needs_fill(b)).count() as u64;
+            self.fill_blocks(blk, blk + run)?;
+            blk += run;
+        }
+        self.last_write = Instant::now();
         Ok(())
     }
 
@@ -202,11 +299,17 @@ impl PartialFile {
     /// make an untouched file look modified (make, rsync and containers/storage's naive diff
     /// compare mtimes).
     pub fn fill_blocks(&mut self, first: u64, end: u64) -> Result<()> {
+        // Writers passing through may have made the file longer: a block cut at a stale end
+        // would be allocated with zeros where the lower file has data.
+        let seen = self.refresh()?;
         let start = first * self.block;
         let stop = (end * self.block).min(self.size);
         if start < stop {
-            let data = self.read(start, (stop - start) as usize)?;
-            let before = self.upper.stat()?;
+            let data = self.read_sized(start, (stop - start) as usize, self.size)?;
+            let before = match seen {
+                Some(attr) => attr,
+                None => self.upper.stat()?,
+            };
             self.upper.write_at(&data, start)?;
             let (a, m) = (before.atime, before.mtime);
             self.upper
@@ -283,6 +386,7 @@ impl PartialFile {
     /// half-filled block: with `defer` its bytes go to a pending block (returned, for the
     /// workers), otherwise the block is completed from the lower file and written whole.
     pub fn write(&mut self, off: u64, data: &[u8], defer: bool) -> Result<Vec<u64>> {
+        self.refresh()?;
         let mut newly_pending = Vec::new();
         if data.is_empty() {
             return Ok(newly_pending);
@@ -355,15 +459,22 @@ impl PartialFile {
     /// SEEK_DATA: where data starts at or after `off` — an upper block, or lower data below
     /// `valid`. `None` when only a hole follows.
     pub fn seek_data(&self, off: u64) -> Result<Option<u64>> {
-        if off >= self.size {
+        let size = self.current_size()?;
+        if off >= size {
             return Ok(None);
         }
         let bs = self.block;
-        let upper = self
+        let mut upper = self
             .blocks
             .next_present(off / bs)
             .map(|b| (b * bs).max(off))
-            .filter(|p| *p < self.size);
+            .filter(|p| *p < size);
+        if self.by_events.is_some() && size > self.mark.valid {
+            let past_valid = off.max(self.mark.valid);
+            if let Some(p) = self.upper.seek_data(past_valid)?.filter(|p| *p < size) {
+                upper = Some(upper.map_or(p, |u| u.min(p)));
+            }
+        }
         let lower = if off < self.mark.valid {
             self.lower.seek_data(off)?.filter(|p| *p < self.mark.valid)
         } else {
@@ -377,9 +488,18 @@ impl PartialFile {
 
     /// SEEK_HOLE: where the next hole (or end of file) starts at or after `off`.
     pub fn seek_hole(&self, off: u64) -> Result<u64> {
+        let size = self.current_size()?;
         let bs = self.block;
         let mut pos = off;
-        while pos < self.size {
+        while pos < size {
+            if self.by_events.is_some() && pos >= self.mark.valid {
+                // The upper file alone says what is there.
+                return Ok(if pos >= self.upper.stat()?.size {
+                    pos
+                } else {
+                    self.upper.seek_hole(pos)?.min(size)
+                });
+            }
             if let Some((_, end)) = self.blocks.range_of(pos / bs) {
                 pos = end * bs;
                 continue;
@@ -396,7 +516,7 @@ impl PartialFile {
             }
             return Ok(pos);
         }
-        Ok(self.size)
+        Ok(size)
     }
 
     fn save_mark(&self, names: &crate::layers::XattrNames) -> Result<()> {
@@ -407,6 +527,7 @@ impl PartialFile {
     /// past the new end read as zeros if the file grows again. Returns true when the file no
     /// longer needs its lower file (nothing of it is valid any more).
     pub fn set_size(&mut self, new: u64, names: &crate::layers::XattrNames) -> Result<bool> {
+        self.refresh()?;
         // Order: the size first, then the mark. A crash between leaves a mark whose `valid` is
         // larger than the file, which only matters if the file is later extended.
         self.flush_pending()?;
@@ -438,6 +559,7 @@ impl PartialFile {
         names: &crate::layers::XattrNames,
     ) -> Result<()> {
         let end = off.checked_add(len).ok_or_else(|| errno(libc::EFBIG))?;
+        self.refresh()?;
         self.flush_pending()?;
         let keep = mode.contains(FallocateFlags::KEEP_SIZE);
         let bs = self.block;

@@ -89,6 +89,7 @@ fn a_block_whose_lower_data_is_cached_is_filled_at_once_and_a_cold_one_is_deferr
     m.extra = opts(&["caw_workers=0", "complete_after=0", "copy_whole=0"]);
     m.mount();
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .open(m.path("f"))
         .unwrap();
@@ -136,6 +137,7 @@ fn workers_fill_pending_blocks_in_the_background() {
     ]);
     m.mount();
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .open(m.path("f"))
         .unwrap();
@@ -164,6 +166,7 @@ fn kill_9_loses_only_unsynced_pending_writes_and_never_mixes_a_block() {
     let base = pattern(1 << 20, 3);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .open(m.path("f"))
         .unwrap();
@@ -192,6 +195,7 @@ fn unmount_fills_every_pending_block() {
     let base = pattern(1 << 20, 4);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .open(m.path("f"))
         .unwrap();
@@ -218,6 +222,7 @@ fn past_the_memory_bound_writers_fill_synchronously() {
     // blocks and frees their memory mid-way.
     let quiet = no_forks();
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .open(m.path("f"))
         .unwrap();
@@ -247,6 +252,7 @@ fn o_sync_writes_are_on_disk_when_they_return() {
     let base = pattern(1 << 20, 6);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .custom_flags(libc::O_SYNC)
         .open(m.path("f"))
@@ -274,6 +280,7 @@ fn concurrent_writers_and_readers_on_pending_blocks() {
         let m = m.clone();
         threads.push(std::thread::spawn(move || {
             let f = fs::OpenOptions::new()
+                .read(true) // a readable writer: the daemon path, where copy-after-write works
                 .write(true)
                 .open(m.path("f"))
                 .unwrap();
@@ -329,6 +336,7 @@ fn close_puts_pending_blocks_on_disk_before_any_unmount() {
     let base = pattern(1 << 20, 8);
     let mut m = lazy_mount(&base, &[]);
     let f = fs::OpenOptions::new()
+        .read(true) // a readable writer: the daemon path, where copy-after-write works
         .write(true)
         .open(m.path("f"))
         .unwrap();
@@ -352,6 +360,7 @@ fn volatile_mounts_pass_no_fsync_to_disk_but_keep_the_data() {
         }
         m.mount();
         let f = fs::OpenOptions::new()
+            .read(true) // a readable writer: the daemon path, where copy-after-write works
             .write(true)
             .open(m.path("f"))
             .unwrap();

@@ -122,7 +122,10 @@ fn completion_keeps_the_lower_files_holes() {
 /// Writes `data` at `off` through a new descriptor, reporting whether the upper file was
 /// partial right after the open returned (before the write).
 fn reopen_and_write(m: &Mount, name: &str, off: u64, data: &[u8]) -> bool {
+    // Read-write: the daemon path, where reopening is sustained use (a write-only open
+    // passes through and needs no completion).
     let f = fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(m.path(name))
         .unwrap();
@@ -145,13 +148,14 @@ fn mounted_for_reopens(names: &[&str], seed: u64) -> (Mount, Vec<u8>) {
 }
 
 #[test]
-fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
+fn a_written_file_reopened_read_write_is_completed_in_the_background_never_in_its_open() {
     if !runs_on_disk_upper_only() {
         return;
     }
-    // Completion follows use: a file written, closed and opened for writing again (a database,
-    // a log) is completed by that open, which is then served by passthrough. Neither idleness
-    // nor the share of blocks would complete it here.
+    // Completion follows use: a file written, closed and opened read-write again (a database,
+    // a log) is due for completion at once, so that later opens are served by passthrough;
+    // but no open copies a file: the copy runs in the background. Neither idleness nor the
+    // share of blocks would complete it here.
     let (mut m, base) = mounted_for_reopens(&["log", "owned"], 6);
     assert!(
         reopen_and_write(&m, "log", 4096, b"one"),
@@ -161,10 +165,8 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
         is_partial(&m.upper.join("log")),
         "the first write copies blocks, not the file"
     );
-    assert!(
-        !reopen_and_write(&m, "log", 3 << 20, b"two"),
-        "complete as soon as the second writable open returned"
-    );
+    reopen_and_write(&m, "log", 3 << 20, b"two");
+    wait_complete(&m.upper.join("log"), Duration::from_secs(10));
     let mut want = base.clone();
     want[4096..4099].copy_from_slice(b"one");
     want[3 << 20..(3 << 20) + 3].copy_from_slice(b"two");
@@ -181,21 +183,21 @@ fn a_written_file_reopened_for_writing_is_completed_before_the_open_returns() {
     );
     assert!(is_partial(&m.upper.join("owned")));
     let log = m.unmount();
-    assert_eq!(served(&log, "at-open"), 1, "{log}");
+    assert_eq!(served(&log, "at-open"), 0, "no open copied a file: {log}");
 }
 
 #[test]
-fn a_file_opened_for_writing_before_is_completed_by_its_next_writable_open() {
+fn a_file_opened_read_write_before_is_due_at_its_next_writable_open() {
     if !runs_on_disk_upper_only() {
         return;
     }
-    // An open for writing that wrote nothing (a database opened read-write and only read, a
-    // job's `open(O_WRONLY)` before its writer starts) copies up a partial file with no
-    // blocks; the next writable open finds a file in sustained use and completes it, so that
-    // the writes after it are passthrough.
+    // An open for writing that wrote nothing (a database opened read-write and only read)
+    // copies up a partial file with no blocks; the next read-write open finds a file in
+    // sustained use and the background completes it.
     let (mut m, base) = mounted_for_reopens(&["db", "once"], 9);
     drop(
         fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .open(m.path("db"))
             .unwrap(),
@@ -204,10 +206,8 @@ fn a_file_opened_for_writing_before_is_completed_by_its_next_writable_open() {
         is_partial(&m.upper.join("db")),
         "the first writable open copies up a partial file, no data"
     );
-    assert!(
-        !reopen_and_write(&m, "db", 1 << 20, b"sustained"),
-        "complete as soon as the second writable open returned"
-    );
+    reopen_and_write(&m, "db", 1 << 20, b"sustained");
+    wait_complete(&m.upper.join("db"), Duration::from_secs(10));
     let mut want = base.clone();
     want[1 << 20..(1 << 20) + 9].copy_from_slice(b"sustained");
     assert!(
@@ -218,7 +218,50 @@ fn a_file_opened_for_writing_before_is_completed_by_its_next_writable_open() {
     assert!(reopen_and_write(&m, "once", 0, b"x"));
     assert!(is_partial(&m.upper.join("once")));
     let log = m.unmount();
-    assert_eq!(served(&log, "at-open"), 1, "{log}");
+    assert_eq!(served(&log, "at-open"), 0, "{log}");
+}
+
+#[test]
+fn write_only_reopens_pass_through_and_the_upper_keeps_only_the_touched_blocks() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    // A writer that cannot map the file passes through to the sparse upper file from its
+    // first open (pre-content events): no request per write, no copy at any open, and two
+    // writable opens with a small write each are not sustained use.
+    let (mut m, base) = mounted_for_reopens(&["f"], 11);
+    let mut want = base.clone();
+    for (i, off) in [5000u64, 3 << 20, 5000].into_iter().enumerate() {
+        let started = Instant::now();
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("f"))
+            .unwrap();
+        let opened = started.elapsed();
+        assert!(is_partial(&m.upper.join("f")), "open {i} copied nothing");
+        f.write_all_at(b"written", off).unwrap();
+        want[off as usize..off as usize + 7].copy_from_slice(b"written");
+        drop(f);
+        eprintln!("writable open {i}: {opened:?}");
+    }
+    assert_eq!(requests(&m, "WRITE"), 0, "every write passed through");
+    assert!(fs::read(m.path("f")).unwrap() == want, "merged view");
+    let used = allocated(&m.upper.join("f"));
+    assert!(
+        used <= 64 << 10,
+        "the upper holds the touched blocks, not the 4 MiB file: {used} bytes"
+    );
+    let status = run(std::process::Command::new(env!("CARGO_BIN_EXE_mosaicfs"))
+        .arg("status")
+        .arg(&m.mnt));
+    assert!(
+        status.contains("passthrough (pre-content events)") && status.contains("waiting"),
+        "{status}"
+    );
+    let log = m.unmount();
+    assert_eq!(served(&log, "at-open"), 0, "{log}");
+    m.mount();
+    assert!(fs::read(m.path("f")).unwrap() == want, "after a remount");
 }
 
 #[test]
@@ -237,7 +280,7 @@ fn a_reopened_file_above_complete_on_reopen_is_completed_in_the_background() {
     ]);
     m.mount();
     reopen_and_write(&m, "log", 0, b"one");
-    // 4 MiB > 1M: not at the open (at-open=0 below), but the open makes it due at once.
+    // Never at the open (at-open=0 below): the open makes it due at once.
     reopen_and_write(&m, "log", 8192, b"two");
     wait_complete(&m.upper.join("log"), Duration::from_secs(5));
     let mut want = base.clone();

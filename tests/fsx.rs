@@ -56,6 +56,8 @@ struct Run {
     reflinks: u64,
     /// Files made complete when opened for writing, summed over remounts.
     at_open: u64,
+    /// Pre-content events that filled blocks for a writer passing through, summed.
+    event_fills: u64,
     /// Lower files opened for their data, summed over remounts.
     lower_opens: u64,
     model: Model,
@@ -114,6 +116,7 @@ impl Run {
         self.deferred += served(&log, "blocks-deferred");
         self.reflinks += served(&log, "reflinks");
         self.at_open += served(&log, "at-open");
+        self.event_fills += served(&log, "event-fills");
         self.lower_opens += served(&log, "lower-opens");
         self.m.mount();
     }
@@ -394,6 +397,7 @@ fn run_seed_with(
         deferred: 0,
         reflinks: 0,
         at_open: 0,
+        event_fills: 0,
         lower_opens: 0,
         model,
         modes,
@@ -444,8 +448,29 @@ fn fsx_random_operations_match_the_model() {
     };
     for seed in seeds {
         eprintln!("fsx: seed {seed}, {ops} operations");
-        run_seed(seed, ops, &[]);
+        // fsx writes write-only: where pre-content events work (a disk upper), its writers
+        // pass through and the events fill blocks.
+        let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &[]);
+        if disk_upper() {
+            assert!(run.event_fills > 0, "no writer passed through");
+        }
     }
+}
+
+/// The same with the writers through the daemon (`partial_passthrough=off`): every write a
+/// request, partial-block writes by copy-after-write.
+#[test]
+fn fsx_with_writers_through_the_daemon_matches_the_model() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(4);
+    eprintln!("fsx (partial_passthrough=off): seed {seed}, {ops} operations");
+    let run = run_seed_in(
+        std::path::Path::new("/tmp"),
+        seed,
+        ops,
+        &["partial_passthrough=off"],
+    );
+    assert_eq!(run.event_fills, 0);
 }
 
 /// The same, with background completion racing every operation (files complete 1 ms after
@@ -469,12 +494,21 @@ fn fsx_with_whole_copies_at_open_and_without_matches_the_model() {
     let ops = fsx_ops();
     let seed = fsx_seed().unwrap_or(7);
     eprintln!("fsx (whole copies at open): seed {seed}, {ops} operations");
-    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &["copy_whole=64M"]);
+    // Whole copies at open and completion at reopen are for writers the daemon serves.
+    let whole = ["copy_whole=64M", "partial_passthrough=off"];
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &whole);
     assert!(run.at_open > 0, "no file was copied whole at open");
     eprintln!("fsx (completed when reopened): seed {seed}, {ops} operations");
-    let reopen = ["copy_whole=0", "complete_on_reopen=64M"];
+    let reopen = [
+        "copy_whole=0",
+        "complete_on_reopen=64M",
+        "complete_after=0",
+        "complete_ratio=0",
+        "partial_passthrough=off",
+    ];
     let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &reopen);
-    assert!(run.at_open > 0, "no file was completed when reopened");
+    assert!(run.completions > 0, "no file was completed when reopened");
+    assert_eq!(run.at_open, 0, "an open copied a file");
     eprintln!("fsx (no whole copies): seed {seed}, {ops} operations");
     let none = ["copy_whole=0", "complete_on_reopen=0"];
     let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &none);
@@ -492,6 +526,7 @@ fn fsx_with_lazy_copy_after_write_matches_the_model() {
         "caw_workers=0",
         "complete_after=0",
         "copy_after_write=always",
+        "partial_passthrough=off",
     ];
     let (_, deferred) = run_seed(seed, ops, &lazy);
     assert!(deferred > 0, "no write was deferred");
@@ -511,6 +546,7 @@ fn fsx_with_cold_lower_files_defers_some_blocks_and_fills_others_at_once() {
         "complete_after=0",
         "copy_whole=0",
         "complete_on_reopen=0",
+        "partial_passthrough=off",
     ];
     let run = run_seed_with(base, seed, ops, &opts, false, true);
     assert!(run.deferred > 0, "no write was deferred");

@@ -36,18 +36,34 @@ fn complete_upper_files_never_send_reads_or_writes_to_the_daemon() {
 }
 
 #[test]
-fn partial_files_and_writes_to_lower_files_go_through_the_daemon() {
-    let mut m = Mount::with(|l| write(l.join("f"), vec![1u8; 2 << 20]));
+fn partial_files_are_read_through_the_daemon_and_write_only_writers_pass_through() {
+    let mut m = Mount::with(|l| {
+        write(l.join("f"), vec![1u8; 2 << 20]);
+        write(l.join("g"), vec![2u8; 2 << 20]);
+    });
+    // A read-write writer of a partial file goes through the daemon (a mapping of the file
+    // would bypass pre-content events).
     fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(m.path("f"))
         .unwrap()
         .write_all_at(b"x", 5)
         .unwrap();
+    assert_eq!(requests(&m, "WRITE"), 1);
+    // A write-only one passes through where pre-content events work (a disk upper).
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("g"))
+        .unwrap()
+        .write_all_at(b"y", 5)
+        .unwrap();
+    let daemon_writes = requests(&m, "WRITE") - 1;
+    assert_eq!(daemon_writes, if disk_upper() { 0 } else { 1 });
     let got = fs::read(m.path("f")).unwrap();
     assert_eq!(got[5], b'x');
+    assert_eq!(fs::read(m.path("g")).unwrap()[4..7], [2, b'y', 2]);
     let log = m.unmount();
-    assert!(served(&log, "write") >= 1, "{log}");
     assert!(
         served(&log, "read") >= 1,
         "partial file reads merge in the daemon: {log}"
@@ -108,7 +124,9 @@ fn open_with_o_trunc_copies_nothing_and_is_passthrough() {
         write(l.join("partial"), pattern(8 << 20, 9));
     });
     let released = requests(&m, "RELEASE");
+    // Read-write: a writer the daemon serves (a write-only one would pass through).
     fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(m.path("partial"))
         .unwrap()

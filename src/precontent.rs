@@ -1,0 +1,438 @@
+//! Partial files served by FUSE passthrough: fanotify pre-content events (Linux 6.14+) tell
+//! the daemon of each read or write of a marked upper file before it happens, so a partial
+//! file's sparse upper file can be the passthrough backing of a writer from its first open.
+//!
+//! How it holds the partial-file invariant (partial.rs: a hole below `valid` means "read the
+//! lower file"): while a partial file is served so, its upper file carries a `FAN_PRE_ACCESS`
+//! mark of this mount's group. Every access of a range that still holds a hole waits until
+//! the daemon has filled that range's blocks from the lower file (whole blocks, under the
+//! file's lock, `FillOnAccess`), and only then goes on; an access of a range with no hole is
+//! let through at once. So no access ever lands in, or reads, a hole that means "lower". When
+//! the file is complete the mark goes, and every open of it, those already open included,
+//! runs natively from then on.
+//!
+//! Which opens are served so: writable opens that cannot map the file (`O_WRONLY`). A read or
+//! write raises an event through passthrough, but mmap does not: the kernel raises the mmap
+//! event on the FUSE file, not on the backing file, and page faults raise none (measured on
+//! Linux 6.18: a mapping of a marked upper file through a stacked file read zeros where the
+//! lower file has data; docs/KERNEL-NOTES.md). A readable open of a partial file therefore
+//! stays on the daemon path, where the FUSE page cache serves mappings correctly.
+//!
+//! Threads: a reader takes events in batches and answers at once those that need nothing
+//! (the range holds no hole, or the daemon itself is the accessor: its own descriptors of an
+//! upper file were opened before the mark and raise no events, but a truncate raises one by
+//! path); it never takes a file's lock, so the daemon's own truncate under that lock cannot
+//! wait on it. The rest go to a filler thread, which takes the file's lock to fill. Events of
+//! one file are filled one after another, so a range is never filled twice over a write.
+//!
+//! Crash safety: the group is shared with a guardian process (`mosaicfs __guardian`) that
+//! does nothing while the daemon lives. When the daemon dies, the guardian answers every
+//! event the daemon left unanswered, and every later one on a range that holds a hole, with
+//! EIO: a writer still holding a passthrough descriptor gets an error instead of writing into
+//! a hole (which would make the rest of that block read as zeros). Without the guardian the
+//! kernel would let those accesses through when the group's last descriptor closed.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak, mpsc};
+
+use crate::error::{Error, Result};
+use crate::sys::{self, AccessEvent};
+
+/// What the filler needs of an open partial file.
+pub trait FillOnAccess: Send + Sync {
+    /// Fills every block of `[off, off + len)` that still reads the lower file, so that the
+    /// range can be read and written in the upper file itself.
+    fn fill_range(&self, off: u64, len: u64) -> Result<()>;
+
+    /// `fill_range` if the file's lock is free now; `None` if another thread holds it.
+    fn try_fill_range(&self, off: u64, len: u64) -> Option<Result<()>>;
+}
+
+/// Counters for `mosaicfs status`.
+#[derive(Default)]
+pub struct AccessStats {
+    /// Events answered at once (no hole in the range, or the daemon's own access).
+    pub answered_at_once: AtomicU64,
+    /// Events that filled blocks first.
+    pub filled: AtomicU64,
+    /// Events refused (the file could not be filled).
+    pub refused: AtomicU64,
+}
+
+/// Identity of an upper file: device and inode number.
+type Key = (u64, u64);
+
+/// This mount's pre-content group and the partial files marked in it.
+pub struct PreContent {
+    group: OwnedFd,
+    files: Mutex<HashMap<Key, Weak<dyn FillOnAccess>>>,
+    filler: Mutex<Option<mpsc::Sender<AccessEvent>>>,
+    pid: i32,
+    pub stats: AccessStats,
+    guardian: Mutex<Option<Guardian>>,
+    started: AtomicBool,
+}
+
+/// A mark on one upper file; removed when dropped (the file complete, or closed for good).
+pub struct AccessMark {
+    owner: Arc<PreContent>,
+    key: Key,
+    file: OwnedFd,
+}
+
+impl Drop for AccessMark {
+    fn drop(&mut self) {
+        self.owner.unmark(self.key, &self.file);
+    }
+}
+
+impl PreContent {
+    /// Makes the group and checks that the upper file system takes marks, on a scratch file
+    /// in the work dir. Err says why partial files stay on the daemon path.
+    pub fn open(work: std::os::fd::BorrowedFd<'_>) -> std::result::Result<Arc<PreContent>, String> {
+        let group = sys::pre_content_group(true).map_err(|e| {
+            if e.is(libc::EPERM) {
+                "making a fanotify group needs CAP_SYS_ADMIN (a rootless mount)".to_string()
+            } else if e.is(libc::EINVAL) {
+                "the kernel has no fanotify pre-content events (Linux 6.14 or later)".to_string()
+            } else {
+                format!("fanotify_init failed: {e}")
+            }
+        })?;
+        let probe = rustix::fs::openat(
+            work,
+            ".",
+            rustix::fs::OFlags::TMPFILE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| format!("cannot make a scratch file in the work dir: {e}"))?;
+        sys::mark_pre_access(group.as_fd(), probe.as_fd(), true).map_err(|e| {
+            format!(
+                "the upper file system takes no pre-content marks ({e}); ext4, XFS and btrfs do"
+            )
+        })?;
+        let _ = sys::mark_pre_access(group.as_fd(), probe.as_fd(), false);
+        Ok(Arc::new(PreContent {
+            group,
+            files: Mutex::new(HashMap::new()),
+            filler: Mutex::new(None),
+            pid: std::process::id() as i32,
+            stats: AccessStats::default(),
+            guardian: Mutex::new(None),
+            started: AtomicBool::new(false),
+        }))
+    }
+
+    /// Starts the reader and filler threads and the guardian (once).
+    pub fn start(self: &Arc<Self>) -> Result<()> {
+        if self.started.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        *self.guardian.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Guardian::spawn(self.group.as_fd())?);
+        let (tx, rx) = mpsc::channel::<AccessEvent>();
+        *self.filler.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("mosaicfs-fill".into())
+            .spawn(move || {
+                for ev in rx {
+                    me.fill(ev);
+                }
+            })?;
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("mosaicfs-events".into())
+            .spawn(move || me.read_events())?;
+        Ok(())
+    }
+
+    /// Marks the upper file `file` of the partial file `owner`; the mark lasts as long as the
+    /// returned guard. `file` must have been opened before (the daemon's own descriptors of
+    /// the file raise no events only if they were).
+    pub fn mark(
+        self: &Arc<Self>,
+        file: std::os::fd::BorrowedFd<'_>,
+        owner: Weak<dyn FillOnAccess>,
+    ) -> Result<AccessMark> {
+        let attr = sys::fstat(file)?;
+        let key = (attr.dev, attr.ino);
+        let dup = file.try_clone_to_owned()?;
+        self.files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, owner);
+        if let Err(e) = sys::mark_pre_access(self.group.as_fd(), file, true) {
+            self.files
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+            return Err(e);
+        }
+        Ok(AccessMark {
+            owner: self.clone(),
+            key,
+            file: dup,
+        })
+    }
+
+    fn unmark(&self, key: Key, file: &OwnedFd) {
+        // The mark first: an event raised before it went still finds the file to fill.
+        if let Err(e) = sys::mark_pre_access(self.group.as_fd(), file.as_fd(), false) {
+            log::warn!(
+                "removing the pre-content mark of upper inode {}: {e}",
+                key.1
+            );
+        }
+        self.files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+    }
+
+    /// The counters, as `name=N` words (the unmount log line, `mosaicfs status`).
+    pub fn summary(&self) -> String {
+        format!(
+            "marked-files={} event-fills={} answered-at-once={} refused={}",
+            self.marked(),
+            self.stats.filled.load(Ordering::Relaxed),
+            self.stats.answered_at_once.load(Ordering::Relaxed),
+            self.stats.refused.load(Ordering::Relaxed)
+        )
+    }
+
+    /// How many upper files carry a mark now.
+    pub fn marked(&self) -> usize {
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    fn answer(&self, ev: &AccessEvent, deny_with: Option<i32>) {
+        if let Err(e) = sys::answer_access(self.group.as_fd(), ev.fd.as_raw_fd(), deny_with) {
+            log::error!("answering a pre-content event failed: {e}");
+        }
+    }
+
+    /// The reader: answers what needs no fill, hands the rest to the filler.
+    fn read_events(&self) {
+        let mut buf = Vec::new();
+        loop {
+            let events = match sys::read_access_events(self.group.as_fd(), &mut buf) {
+                Ok(events) => events,
+                Err(e) => {
+                    log::error!("reading pre-content events failed, stopping: {e}");
+                    return;
+                }
+            };
+            for ev in events {
+                if ev.pid == self.pid || !self.holds_hole(&ev) {
+                    self.stats.answered_at_once.fetch_add(1, Ordering::Relaxed);
+                    self.answer(&ev, None);
+                    continue;
+                }
+                // Filled here when the file's lock is free (no thread switch); a thread that
+                // holds it may be waiting on an event of its own, so never wait for it here.
+                let ev = match self.try_fill_here(ev) {
+                    Ok(()) => continue,
+                    Err(ev) => ev,
+                };
+                let sent = self
+                    .filler
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_ref()
+                    .map(|tx| tx.send(ev));
+                if let Some(Err(mpsc::SendError(ev))) = sent {
+                    self.answer(&ev, Some(libc::EIO));
+                }
+            }
+        }
+    }
+
+    /// Whether the event's range holds a hole before the end of the file (one `lseek`, and
+    /// an `fstat` only when it finds one). An error counts as a hole: the filler decides.
+    fn holds_hole(&self, ev: &AccessEvent) -> bool {
+        let Some((off, len)) = ev.range else {
+            return false;
+        };
+        sys::has_hole(ev.fd.as_fd(), off, len.max(1)).unwrap_or(true)
+    }
+
+    /// The open partial file an event's descriptor is of, if it is marked.
+    fn file_of(&self, ev: &AccessEvent) -> Option<Arc<dyn FillOnAccess>> {
+        let a = sys::fstat(ev.fd.as_fd()).ok()?;
+        self.files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(a.dev, a.ino))
+            .and_then(Weak::upgrade)
+    }
+
+    /// Fills and answers the event in the reader if its file's lock is free; else gives it
+    /// back for the filler.
+    fn try_fill_here(&self, ev: AccessEvent) -> std::result::Result<(), AccessEvent> {
+        let (off, len) = ev.range.unwrap_or((0, 0));
+        let Some(file) = self.file_of(&ev) else {
+            return Err(ev);
+        };
+        match file.try_fill_range(off, len.max(1)) {
+            None => Err(ev),
+            Some(result) => {
+                self.answer_filled(&ev, result);
+                Ok(())
+            }
+        }
+    }
+
+    fn answer_filled(&self, ev: &AccessEvent, result: Result<()>) {
+        match result {
+            Ok(()) => {
+                self.stats.filled.fetch_add(1, Ordering::Relaxed);
+                self.answer(ev, None);
+            }
+            Err(e) => {
+                let (off, len) = ev.range.unwrap_or((0, 0));
+                log::error!(
+                    "filling {len} bytes at {off} of a partial file for process {} failed, \
+                     refused with EIO: {e}",
+                    ev.pid
+                );
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                self.answer(ev, Some(libc::EIO));
+            }
+        }
+    }
+
+    /// The filler: fills the event's range in its partial file, then lets the access go on.
+    fn fill(&self, ev: AccessEvent) {
+        let (off, len) = ev.range.unwrap_or((0, 0));
+        let result = match self.file_of(&ev) {
+            Some(f) => f.fill_range(off, len.max(1)),
+            // Unmarked meanwhile: complete, so its holes are the file's own.
+            None => Ok(()),
+        };
+        self.answer_filled(&ev, result);
+    }
+
+    /// At unmount, after every mark went: the guardian may go.
+    pub fn stop(&self) {
+        if let Some(g) = self
+            .guardian
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            g.dismiss();
+        }
+    }
+}
+
+/// The guardian process: holds the group so that it outlives the daemon.
+struct Guardian {
+    child: std::process::Child,
+    alive: OwnedFd,
+}
+
+/// What the daemon writes to the guardian before it exits cleanly.
+const DISMISS: u8 = b'q';
+
+impl Guardian {
+    fn spawn(group: std::os::fd::BorrowedFd<'_>) -> Result<Guardian> {
+        let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+        // The two descriptors the guardian inherits (set inheritable only for the spawn: the
+        // daemon starts no other process meanwhile).
+        let inherit = |fd: std::os::fd::BorrowedFd<'_>, on: bool| {
+            let flags = if on {
+                rustix::io::FdFlags::empty()
+            } else {
+                rustix::io::FdFlags::CLOEXEC
+            };
+            rustix::io::fcntl_setfd(fd, flags)
+        };
+        inherit(group, true)?;
+        inherit(read_end.as_fd(), true)?;
+        let child = std::process::Command::new("/proc/self/exe")
+            .arg(GUARDIAN_COMMAND)
+            .arg(group.as_raw_fd().to_string())
+            .arg(read_end.as_raw_fd().to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        inherit(group, false)?;
+        drop(read_end);
+        let child = child.map_err(|e| {
+            Error::with_context(
+                libc::EIO,
+                format!("cannot start the pre-content guardian process: {e}"),
+            )
+        })?;
+        Ok(Guardian {
+            child,
+            alive: write_end,
+        })
+    }
+
+    fn dismiss(mut self) {
+        let _ = rustix::io::write(&self.alive, &[DISMISS]);
+        drop(self.alive);
+        let _ = self.child.wait();
+    }
+}
+
+/// The hidden command line the guardian runs as.
+pub const GUARDIAN_COMMAND: &str = "__guardian";
+
+/// The guardian's main: waits for the daemon to go; if it went without dismissing it (a
+/// crash), refuses every access of a hole in a marked file from then on.
+pub fn guardian_main(args: &[std::ffi::OsString]) -> i32 {
+    let fd = |i: usize| -> Option<OwnedFd> {
+        let n: i32 = args.get(i)?.to_str()?.parse().ok()?;
+        // SAFETY: the daemon passed these descriptors to this process for it to own.
+        Some(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+    };
+    let (Some(group), Some(alive)) = (fd(0), fd(1)) else {
+        eprintln!("mosaicfs: {GUARDIAN_COMMAND} is started by the daemon, not by hand");
+        return 2;
+    };
+    let _ = rustix::io::fcntl_setfd(&group, rustix::io::FdFlags::CLOEXEC);
+    // Whatever else the daemon left inheritable (the pipe its parent waits on for the end of
+    // the mount's start) is not the guardian's to hold.
+    sys::close_other_fds(&[group.as_raw_fd(), alive.as_raw_fd()]);
+    let mut byte = [0u8; 1];
+    loop {
+        match rustix::io::read(&alive, &mut byte) {
+            Ok(1) if byte[0] == DISMISS => return 0,
+            Ok(1) => continue,
+            Err(rustix::io::Errno::INTR) => continue,
+            _ => break,
+        }
+    }
+    // The daemon died. Events it read and never answered wait on their descriptor numbers,
+    // which died with it: answer every number it could have held.
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .maximum
+        .unwrap_or(1 << 20)
+        .min(1 << 20) as i32;
+    for n in 0..limit {
+        let _ = sys::answer_access(group.as_fd(), n, Some(libc::EIO));
+    }
+    crate::logging::init(false);
+    log::error!(
+        "mosaicfs daemon died: refusing reads and writes of unfilled ranges of its partial \
+         files with EIO until they are closed (remount the overlay)"
+    );
+    let mut buf = Vec::new();
+    loop {
+        let Ok(events) = sys::read_access_events(group.as_fd(), &mut buf) else {
+            return 1;
+        };
+        for ev in events {
+            let hole = match ev.range {
+                None => false,
+                Some((off, len)) => sys::has_hole(ev.fd.as_fd(), off, len.max(1)).unwrap_or(true),
+            };
+            let _ = sys::answer_access(group.as_fd(), ev.fd.as_raw_fd(), hole.then_some(libc::EIO));
+        }
+    }
+}
