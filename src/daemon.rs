@@ -482,7 +482,6 @@ fn serve(
     metrics: Option<std::net::TcpListener>,
     log_file: Option<std::fs::File>,
 ) -> Result<(), String> {
-    overlay.start_precontent()?;
     overlay.start_completion();
     overlay.start_caw_workers();
     let control = overlay.clone();
@@ -506,6 +505,9 @@ fn serve(
         ));
     }
     let _ = control.transport.set(session.transport());
+    // Mounted: the guardian learns the mount it guards (precontent.rs). No partial file is
+    // opened before the session runs.
+    control.start_precontent(&opts.mountpoint)?;
     spawn_signal_handler(opts.mountpoint.clone());
     // A layer on a store's client is watched even without a timeout: one that stops answering
     // must not take every worker (lower_wait.rs).

@@ -110,7 +110,10 @@ impl log::Log for DaemonLogger {
         let level = r.level().as_str().to_lowercase();
         let mut sink = self.sink.lock().unwrap_or_else(|e| e.into_inner());
         match &mut *sink {
-            Sink::Stderr => eprintln!("mosaicfs: {level}: {}", r.args()),
+            // Not eprintln!, which panics when nobody reads standard error any more.
+            Sink::Stderr => {
+                let _ = writeln!(std::io::stderr(), "mosaicfs: {level}: {}", r.args());
+            }
             Sink::File(f) => {
                 let _ = writeln!(
                     f,

@@ -276,9 +276,14 @@ impl Overlay {
     }
 
     /// Starts the pre-content threads and guardian (after the daemon went to the background).
-    pub fn start_precontent(&self) -> std::result::Result<(), String> {
+    pub fn start_precontent(
+        &self,
+        mountpoint: &std::path::Path,
+    ) -> std::result::Result<(), String> {
         match &self.precontent {
-            Ok(pc) => pc.start().map_err(|e| format!("{e}")),
+            Ok(pc) => pc
+                .start(mountpoint)
+                .map_err(|e| format!("cannot start serving partial files by passthrough: {e}")),
             Err(_) => Ok(()),
         }
     }

@@ -254,12 +254,16 @@ impl PartialFile {
         let first = off / bs;
         let mut end = off.saturating_add(len).div_ceil(bs);
         let (next, window) = self.by_events.as_ref().map_or((0, 0), |e| e.fill_ahead);
-        let window = if first == next && first > 0 {
+        // Sequential: the range reaches the block where the last fill ended.
+        let window = if next > 0 && first <= next && next <= end {
             (window * 2).clamp(FILL_AHEAD_MIN, FILL_AHEAD_MAX)
         } else {
             0
         };
-        end = end.max(first + window).min(limit);
+        if window > 0 {
+            end = end.max(next + window);
+        }
+        end = end.min(limit);
         if let Some(e) = &mut self.by_events {
             e.fill_ahead = (end, window);
         }

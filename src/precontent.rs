@@ -73,6 +73,11 @@ pub struct PreContent {
     pub stats: AccessStats,
     guardian: Mutex<Option<Guardian>>,
     started: AtomicBool,
+    /// The work dir's path: it names this mount's guardian among processes (`Guardian`).
+    work: std::path::PathBuf,
+    /// Tests only (`MOSAICFS_TEST_SLOW_FILL=ms`): each fill waits this long first, so that a
+    /// test can kill the daemon while an access waits on an event.
+    slow_fill: Option<std::time::Duration>,
 }
 
 /// A mark on one upper file; removed when dropped (the file complete, or closed for good).
@@ -114,7 +119,14 @@ impl PreContent {
             )
         })?;
         let _ = sys::mark_pre_access(group.as_fd(), probe.as_fd(), false);
+        let work = std::fs::read_link(format!("/proc/self/fd/{}", work.as_raw_fd()))
+            .map_err(|e| format!("cannot name the work dir: {e}"))?;
         Ok(Arc::new(PreContent {
+            work,
+            slow_fill: std::env::var("MOSAICFS_TEST_SLOW_FILL")
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+                .map(std::time::Duration::from_millis),
             group,
             files: Mutex::new(HashMap::new()),
             filler: Mutex::new(None),
@@ -125,13 +137,17 @@ impl PreContent {
         }))
     }
 
-    /// Starts the reader and filler threads and the guardian (once).
-    pub fn start(self: &Arc<Self>) -> Result<()> {
+    /// Starts the reader and filler threads and the guardian (once), for the mount at
+    /// `mountpoint` (mounted by now).
+    pub fn start(self: &Arc<Self>, mountpoint: &std::path::Path) -> Result<()> {
         if self.started.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
+        // A guardian left by a daemon of this work dir that died guards files this mount
+        // serves now: its group would refuse their writers. It goes first.
+        Guardian::dismiss_stale(&self.work);
         *self.guardian.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(Guardian::spawn(self.group.as_fd())?);
+            Some(Guardian::spawn(self.group.as_fd(), &self.work, mountpoint)?);
         let (tx, rx) = mpsc::channel::<AccessEvent>();
         *self.filler.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         let me = self.clone();
@@ -276,6 +292,9 @@ impl PreContent {
         let Some(file) = self.file_of(&ev) else {
             return Err(ev);
         };
+        if let Some(pause) = self.slow_fill {
+            std::thread::sleep(pause);
+        }
         match file.try_fill_range(off, len.max(1)) {
             None => Err(ev),
             Some(result) => {
@@ -338,7 +357,13 @@ struct Guardian {
 const DISMISS: u8 = b'q';
 
 impl Guardian {
-    fn spawn(group: std::os::fd::BorrowedFd<'_>) -> Result<Guardian> {
+    fn spawn(
+        group: std::os::fd::BorrowedFd<'_>,
+        work: &std::path::Path,
+        mountpoint: &std::path::Path,
+    ) -> Result<Guardian> {
+        // After a crash the guardian stays while any process holds a file of this mount.
+        let mount = sys::mount_id(mountpoint)?;
         let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
         // The two descriptors the guardian inherits (set inheritable only for the spawn: the
         // daemon starts no other process meanwhile).
@@ -356,8 +381,11 @@ impl Guardian {
             .arg(GUARDIAN_COMMAND)
             .arg(group.as_raw_fd().to_string())
             .arg(read_end.as_raw_fd().to_string())
+            .arg(work)
+            .arg(mount.to_string())
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
             .spawn();
         inherit(group, false)?;
         drop(read_end);
@@ -371,6 +399,45 @@ impl Guardian {
             child,
             alive: write_end,
         })
+    }
+
+    /// Ends the guardians of `work` whose daemon died (their command line names the work
+    /// dir), waiting up to 2 s for each to let go of its group.
+    fn dismiss_stale(work: &std::path::Path) {
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        let me = std::process::id();
+        for pid in procs.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok()) {
+            if pid == me {
+                continue;
+            }
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            let ours = args.get(1) == Some(&GUARDIAN_COMMAND.as_bytes())
+                && args.get(4) == Some(&work.as_os_str().as_encoded_bytes());
+            if !ours {
+                continue;
+            }
+            log::warn!(
+                "ending guardian process {pid} of a daemon of this work dir that died: this \
+                 mount serves its files now"
+            );
+            let _ = rustix::process::kill_process(
+                rustix::process::Pid::from_raw(pid as i32).expect("a pid above 0"),
+                rustix::process::Signal::TERM,
+            );
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            // Gone, or a zombie (PID 1 may not reap it): its descriptors are closed then.
+            while std::time::Instant::now() < deadline
+                && std::fs::read_dir(format!("/proc/{pid}/fd"))
+                    .is_ok_and(|mut d| d.next().is_some())
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
     }
 
     fn dismiss(mut self) {
@@ -417,22 +484,50 @@ pub fn guardian_main(args: &[std::ffi::OsString]) -> i32 {
     for n in 0..limit {
         let _ = sys::answer_access(group.as_fd(), n, Some(libc::EIO));
     }
+    // To the system log: the guardian's standard streams are /dev/null (whoever reads the
+    // daemon's would otherwise wait for the guardian to close them too).
     crate::logging::init(false);
+    crate::logging::to_background(None);
     log::error!(
-        "mosaicfs daemon died: refusing reads and writes of unfilled ranges of its partial \
-         files with EIO until they are closed (remount the overlay)"
+        "the daemon of work dir {} died: reads and writes of unfilled ranges of its partial \
+         files fail with EIO until they are closed (remount the overlay)",
+        args.get(2).map_or("?".into(), |a| a.to_string_lossy())
     );
+    // Until no process holds a file of the dead mount: only those could reach the marked
+    // files through passthrough (the next mount of the work dir ends the guardian earlier).
+    let mount: Option<u64> = args.get(3).and_then(|a| a.to_str()?.parse().ok());
     let mut buf = Vec::new();
+    let mut looked = std::time::Instant::now();
     loop {
-        let Ok(events) = sys::read_access_events(group.as_fd(), &mut buf) else {
-            return 1;
+        let mut fds = [rustix::event::PollFd::new(
+            &group,
+            rustix::event::PollFlags::IN,
+        )];
+        let timeout = rustix::event::Timespec {
+            tv_sec: 2,
+            tv_nsec: 0,
         };
-        for ev in events {
-            let hole = match ev.range {
-                None => false,
-                Some((off, len)) => sys::has_hole(ev.fd.as_fd(), off, len.max(1)).unwrap_or(true),
+        let ready = rustix::event::poll(&mut fds, Some(&timeout)).unwrap_or(0);
+        if ready > 0 {
+            let Ok(events) = sys::read_access_events(group.as_fd(), &mut buf) else {
+                return 1;
             };
-            let _ = sys::answer_access(group.as_fd(), ev.fd.as_raw_fd(), hole.then_some(libc::EIO));
+            for ev in events {
+                let hole = match ev.range {
+                    None => false,
+                    Some((off, len)) => {
+                        sys::has_hole(ev.fd.as_fd(), off, len.max(1)).unwrap_or(true)
+                    }
+                };
+                let _ =
+                    sys::answer_access(group.as_fd(), ev.fd.as_raw_fd(), hole.then_some(libc::EIO));
+            }
+        }
+        if looked.elapsed() >= std::time::Duration::from_secs(2) {
+            looked = std::time::Instant::now();
+            if mount.is_some_and(|id| !sys::mount_in_use(id)) {
+                return 0;
+            }
         }
     }
 }

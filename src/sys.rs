@@ -1275,6 +1275,45 @@ pub fn has_hole(fd: BorrowedFd<'_>, off: u64, len: u64) -> Result<bool> {
     Ok(hole < fstat(fd)?.size)
 }
 
+/// The id of the mount `path` is the root of (statx `STATX_MNT_ID`; `/proc/PID/fdinfo`
+/// names each open file's mount by it).
+pub fn mount_id(path: &Path) -> Result<u64> {
+    let st = rustix::fs::statx(
+        CWD,
+        path,
+        AtFlags::SYMLINK_NOFOLLOW,
+        rustix::fs::StatxFlags::MNT_ID,
+    )?;
+    Ok(st.stx_mnt_id)
+}
+
+/// Whether any process holds a file of mount `mnt_id` open (scans `/proc/*/fdinfo`).
+pub fn mount_in_use(mnt_id: u64) -> bool {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    let want = format!("mnt_id:\t{mnt_id}\n");
+    for pid in procs.filter_map(|e| e.ok()) {
+        if !pid
+            .file_name()
+            .as_encoded_bytes()
+            .iter()
+            .all(u8::is_ascii_digit)
+        {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(pid.path().join("fdinfo")) else {
+            continue;
+        };
+        for fd in fds.filter_map(|e| e.ok()) {
+            if std::fs::read_to_string(fd.path()).is_ok_and(|info| info.contains(&want)) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// Closes every descriptor above stderr but `keep`.
 pub fn close_other_fds(keep: &[i32]) {
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {

@@ -643,8 +643,10 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
     // One open: a second one would count as 1 or 2 writable opens depending on whether the
     // kernel's asynchronous RELEASE of the first had arrived (the count lives with the open
     // state, which a release of the last handle of a complete file drops).
+    // Read-write: served by the daemon (a write-only writer would pass through, write=0).
     std::os::unix::fs::FileExt::write_at(
         &fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .open(m.path("f"))
             .unwrap(),
