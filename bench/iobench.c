@@ -89,6 +89,19 @@ int main(int argc, char **argv) {
         double secs = now() - start;
         close(fd);
         printf("total_s=%.3f mib_s=%.1f bytes=%lld\n", secs, total / secs / (1 << 20), total);
+    } else if (!strcmp(mode, "pwrites") && argc == 5) {
+        /* pwrites PATH LEN N: LEN bytes at every 8th 4 KiB block, N times, one O_WRONLY open */
+        long len = atol(argv[3]), n = atol(argv[4]);
+        char *buf = malloc(len);
+        memset(buf, 'p', len);
+        int fd = open(path, O_WRONLY);
+        if (fd < 0) die("open");
+        double start = now();
+        for (long i = 0; i < n; i++)
+            if (pwrite(fd, buf, len, (i * 8 * 4096) % (st.st_size - len)) != len) die("pwrite");
+        double total = now() - start;
+        close(fd);
+        printf("total_s=%.3f avg_us=%.2f ops=%ld\n", total, total / n * 1e6, n);
     } else if (!strcmp(mode, "stride") && argc == 5) {
         long block = atol(argv[3]), len = atol(argv[4]);
         char *buf = malloc(len);

@@ -51,7 +51,8 @@ class Setup:
 
     def prepare(self):
         os.makedirs(self.lower, exist_ok=True)
-        files = {"first": 1024 * MIB, "wmany": self.many, "stride": self.size, "holes": self.size,
+        files = {"first": 1024 * MIB, "reopen": 100 * MIB, "reopenrw": 100 * MIB,
+                 "holes4k": self.size, "wmany": self.many, "stride": self.size, "holes": self.size,
                  "fio4k": self.size, "fio128k": self.size, "dwol/fx-0": 4096, "dwolbig/fx-0": self.size}
         for name, size in files.items():
             p = self.file(name)
@@ -147,6 +148,24 @@ def run_workloads(m, s, results):
         f.write(b"1")
     r["first write: 1 byte into a 1 GiB lower file (ms)"] = (time.time() - t0) * 1000
     r["upper disk use right after it (KiB)"] = upper_kib(m, "first")
+    # Issue #37: what the first write leaves for the opens and writes after it.
+    for name, flags, what in (("reopen", os.O_WRONLY, "O_WRONLY"), ("reopenrw", os.O_RDWR, "O_RDWR")):
+        fd = os.open(m.path(name), flags)
+        os.pwrite(fd, b"1", 50 * MIB)
+        os.close(fd)
+        settled()
+        t0 = time.time()
+        os.close(os.open(m.path(name), flags))
+        r[f"second open({what}) + close of a 100 MiB file after a 1-byte write (ms)"] = (time.time() - t0) * 1000
+        fd = os.open(m.path(name), flags)
+        os.pwrite(fd, b"2", 10 * MIB)
+        os.close(fd)
+        r[f"upper disk use after two {what} opens with a 1-byte write each (KiB)"] = upper_kib(m, name)
+    settled()
+    out = s.io("pwrites", m.path("holes4k"), 4096, 5000)
+    r["4 KiB pwrites into blocks not yet written, every 32 KiB, one O_WRONLY open (us)"] = out["avg_us"]
+    out = s.io("pwrites", m.path("holes4k"), 4096, 5000)
+    r["the same blocks written again (us)"] = out["avg_us"]
     drop_caches()
     settled()
     r[f"write-many: open + 410 B + close per 4 KiB of a {s.many >> 20} MiB file (s)"] = s.io(

@@ -9,6 +9,10 @@ use crate::complete::CHUNK_BLOCKS;
 use crate::file::OpenFile;
 use crate::overlay::Overlay;
 
+/// How fast background completion copies from lower files: about what one disk of these
+/// machines writes while leaving room for the writers in front of it.
+const BACKGROUND_RATE: u64 = 256 << 20;
+
 impl Overlay {
     /// Starts the completion worker; it ends when `shutdown` stops it.
     pub fn start_completion(self: &Arc<Self>) {
@@ -57,7 +61,7 @@ impl Overlay {
                     if p.unlinked {
                         true // nobody can read it again: nothing to complete
                     } else if self.config.completion.due(&p, now).is_some() {
-                        match self.complete_file(&f) {
+                        match self.complete_file_paced(&f) {
                             Ok(()) => true,
                             Err(e) => {
                                 log::warn!("completing inode {} failed, will retry: {e}", f.ino);
@@ -82,10 +86,29 @@ impl Overlay {
 
     /// Fills every hole of a partial file and removes its mark.
     pub fn complete_file(&self, f: &OpenFile) -> crate::error::Result<()> {
+        self.complete_at_rate(f, None)
+    }
+
+    /// `complete_file` in the background: at most `BACKGROUND_RATE` bytes copied a second, so
+    /// that completing a big file never takes the disk from the writers in front of it.
+    fn complete_file_paced(&self, f: &OpenFile) -> crate::error::Result<()> {
+        self.complete_at_rate(f, Some(BACKGROUND_RATE))
+    }
+
+    fn complete_at_rate(&self, f: &OpenFile, rate: Option<u64>) -> crate::error::Result<()> {
         let mut from = 0;
+        let started = Instant::now();
+        let mut copied = 0u64;
         while let Some((next, filled)) = f.fill_chunk(from, CHUNK_BLOCKS)? {
             self.stats.blocks_filled.add(filled);
             from = next;
+            copied += filled * self.sparse.block;
+            if let Some(rate) = rate {
+                let due = Duration::from_secs_f64(copied as f64 / rate as f64);
+                if let Some(ahead) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(ahead);
+                }
+            }
             if self.completer.stop.load(Ordering::Relaxed) {
                 // Unmounting: the file stays a valid partial file; a later mount completes it.
                 return Ok(());

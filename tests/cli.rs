@@ -676,7 +676,9 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
     // Each partial file, and why it is not complete yet.
     assert!(
         text.contains("1 of 25 blocks present")
-            && text.contains("writable opens 1; waiting: no write for 10 s"),
+            && text.contains(
+                "writable opens 1, writers served by the daemon; waiting: no write for 10 s"
+            ),
         "{text}"
     );
     m.unmount();
