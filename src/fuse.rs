@@ -571,6 +571,29 @@ impl Filesystem for MosaicFs {
         }
     }
 
+    fn copy_file_range(
+        &self,
+        req: &Request,
+        _ino_in: INodeNo,
+        fh_in: FileHandle,
+        offset_in: u64,
+        _ino_out: INodeNo,
+        fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let kill_privs = req.uid() != 0;
+        match self
+            .core
+            .copy_range(fh_in.0, offset_in, fh_out.0, offset_out, len, kill_privs)
+        {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn flush(
         &self,
         _req: &Request,

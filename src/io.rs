@@ -728,6 +728,40 @@ impl Overlay {
         Ok(data.len() as u32)
     }
 
+    /// copy_file_range(2) between two files of the mount: read through one handle and written
+    /// through the other on the daemon's write path. Served here, not left to the kernel's
+    /// fallback, because that fallback splices into a passthrough file's backing file, which
+    /// raises no pre-content event: bytes would land in a partial file's holes unfilled.
+    /// Returns the bytes copied (fewer at the end of the source).
+    pub fn copy_range(
+        &self,
+        fh_in: u64,
+        off_in: u64,
+        fh_out: u64,
+        off_out: u64,
+        len: u64,
+        kill_privs: bool,
+    ) -> Result<u32> {
+        const CHUNK: u64 = 1 << 20;
+        let src = self.handle(fh_in)?;
+        let len = len.min(u32::MAX as u64 & !(CHUNK - 1));
+        let mut done = 0u64;
+        while done < len {
+            let want = (len - done).min(CHUNK) as u32;
+            let bytes =
+                self.read_file(&src.file, off_in + done, want, |r| r.map(|b| b.to_vec()))?;
+            if bytes.is_empty() {
+                break;
+            }
+            self.write(fh_out, off_out + done, &bytes, kill_privs)?;
+            done += bytes.len() as u64;
+            if bytes.len() < want as usize {
+                break;
+            }
+        }
+        Ok(done as u32)
+    }
+
     /// Clears set-user-id, set-group-id (when group-executable) and file capabilities of a file
     /// being written or truncated by an unprivileged caller, as the VFS does for local files.
     pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {

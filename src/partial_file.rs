@@ -252,7 +252,7 @@ impl PartialFile {
         let bs = self.block;
         let limit = self.fill_limit().div_ceil(bs);
         let first = off / bs;
-        let mut end = off.saturating_add(len).div_ceil(bs);
+        let end = off.saturating_add(len).div_ceil(bs);
         let (next, window) = self.by_events.as_ref().map_or((0, 0), |e| e.fill_ahead);
         // Sequential: the range reaches the block where the last fill ended.
         let window = if next > 0 && first <= next && next <= end {
@@ -260,13 +260,29 @@ impl PartialFile {
         } else {
             0
         };
-        if window > 0 {
-            end = end.max(next + window);
+        let ahead = if window > 0 {
+            end.max(next + window)
+        } else {
+            end
         }
-        end = end.min(limit);
+        .min(limit);
         if let Some(e) = &mut self.by_events {
-            e.fill_ahead = (end, window);
+            e.fill_ahead = (ahead, window);
         }
+        self.fill_run(first, end.min(limit))?;
+        // Ahead is a bet, not a need: a failure there (a full disk) fails no access.
+        if let Err(e) = self.fill_run(end.min(limit), ahead) {
+            log::debug!("filling ahead of a sequential writer stopped: {e}");
+            if let Some(ev) = &mut self.by_events {
+                ev.fill_ahead = (0, 0);
+            }
+        }
+        self.last_write = Instant::now();
+        Ok(())
+    }
+
+    /// Fills the blocks of `first..end` that still read the lower file, in runs.
+    fn fill_run(&mut self, first: u64, end: u64) -> Result<()> {
         let mut blk = first;
         while blk < end {
             if !self.needs_fill(blk) {
@@ -277,7 +293,6 @@ impl PartialFile {
             self.fill_blocks(blk, blk + run)?;
             blk += run;
         }
-        self.last_write = Instant::now();
         Ok(())
     }
 

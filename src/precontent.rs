@@ -312,13 +312,19 @@ impl PreContent {
             }
             Err(e) => {
                 let (off, len) = ev.range.unwrap_or((0, 0));
+                // The errnos a denial may carry (Linux 6.14 `fanotify_is_valid_errno`): a
+                // full disk is ENOSPC to the writer, as a write of its own would be.
+                let errno = match e.errno() {
+                    e @ (libc::ENOSPC | libc::EDQUOT | libc::EPERM | libc::EACCES) => e,
+                    _ => libc::EIO,
+                };
                 log::error!(
                     "filling {len} bytes at {off} of a partial file for process {} failed, \
-                     refused with EIO: {e}",
+                     refused with errno {errno}: {e}",
                     ev.pid
                 );
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                self.answer(ev, Some(libc::EIO));
+                self.answer(ev, Some(errno));
             }
         }
     }

@@ -179,9 +179,11 @@ fn a_create_that_fails_leaves_no_name() {
 /// block written before it is still there, after a remount too.
 #[test]
 fn a_full_disk_fails_one_write_and_keeps_the_ones_before() {
-    // A partial file (not copied whole at open): each write reaches the daemon.
+    // A partial file (not copied whole at open) opened read-write: each write reaches the
+    // daemon (a write-only writer would pass through, and only fills would).
     let mut m = faulty_with("write:2:ENOSPC", &["copy_whole=0"]);
     let f = fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(m.path("d/f"))
         .unwrap();
@@ -356,4 +358,27 @@ fn sweep(extra: &[&str]) {
             m.unmount();
         }
     }
+}
+
+/// ENOSPC while the daemon fills a range for a writer passing through (pre-content events):
+/// that writer's write fails with ENOSPC, as its own write would, and what it wrote before
+/// stays, after a remount too.
+#[test]
+fn a_full_disk_during_a_fill_fails_the_passing_writer_with_enospc() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let mut m = faulty_with("write:2:ENOSPC", &["copy_whole=0"]);
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("d/f"))
+        .unwrap();
+    f.write_all_at(&[7u8; 10], 0).unwrap();
+    assert_eq!(errno_of(f.write_all_at(&[8u8; 10], 8192)), libc::ENOSPC);
+    drop(f);
+    m.env.clear(); // the remount has no faults
+    m.remount();
+    let mut want = pattern(3 * 4096, 1);
+    want[..10].fill(7);
+    assert_eq!(fs::read(m.path("d/f")).unwrap(), want);
 }

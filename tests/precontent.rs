@@ -300,3 +300,65 @@ fn a_killed_daemon_never_lets_a_waiting_or_later_write_land_in_a_hole() {
     );
     m.unmount();
 }
+
+#[test]
+fn copy_file_range_o_direct_and_a_hard_link_into_a_passing_writer() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let (mut m, base) = mounted(4 << 20, 7, &[]);
+    let src = m.path("src");
+    fs::write(&src, pattern(20_000, 8)).unwrap();
+    let mut want = base.clone();
+    // copy_file_range into the middle of unwritten blocks of a write-only partial file.
+    let from = fs::File::open(&src).unwrap();
+    let to = write_only(&m, "f");
+    let (mut off_in, mut off_out) = (100i64, 1_000_003i64);
+    let n = unsafe {
+        libc::copy_file_range(
+            std::os::fd::AsRawFd::as_raw_fd(&from),
+            &mut off_in,
+            std::os::fd::AsRawFd::as_raw_fd(&to),
+            &mut off_out,
+            10_000,
+            0,
+        )
+    };
+    assert_eq!(n, 10_000, "{}", std::io::Error::last_os_error());
+    want[1_000_003..1_010_003].copy_from_slice(&pattern(20_000, 8)[100..10_100]);
+    drop((from, to));
+    // O_DIRECT: whole aligned blocks, straight to the upper file.
+    use std::os::unix::fs::OpenOptionsExt;
+    let direct = fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path("f"))
+        .unwrap();
+    let layout = std::alloc::Layout::from_size_align(8192, 4096).unwrap();
+    let buf = unsafe { std::alloc::alloc(layout) };
+    unsafe { std::ptr::write_bytes(buf, b'd', 8192) };
+    let block = unsafe { std::slice::from_raw_parts(buf, 8192) };
+    direct.write_all_at(block, 2 << 20).unwrap();
+    want[2 << 20..(2 << 20) + 8192].fill(b'd');
+    unsafe { std::alloc::dealloc(buf, layout) };
+    drop(direct);
+    // A hard link: the same partial file under two names; a write through one, read through
+    // the other.
+    fs::hard_link(m.path("f"), m.path("g")).unwrap();
+    write_only(&m, "g")
+        .write_all_at(b"linked", 3 << 20)
+        .unwrap();
+    want[3 << 20..(3 << 20) + 6].copy_from_slice(b"linked");
+    let got = fs::read(m.path("f")).unwrap();
+    let diff = got.iter().zip(&want).position(|(a, b)| a != b);
+    assert!(
+        got == want,
+        "through the first name: {} bytes, first difference at {diff:?}",
+        got.len()
+    );
+    assert!(fs::read(m.path("g")).unwrap() == want, "through the link");
+    m.unmount();
+    m.mount();
+    assert!(fs::read(m.path("f")).unwrap() == want, "after a remount");
+    assert!(is_partial(&m.upper.join("f")));
+}
