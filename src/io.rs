@@ -412,6 +412,9 @@ impl Overlay {
             // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
             // open for writing finds the file there (a partial file with no blocks: no data).
             self.ensure_upper(&node, &file)?;
+            // Copied up, the file may hold more descriptors than when the reserve saw it (a
+            // partial file: its upper and its lower file).
+            self.fd_reserve.check(&file.read_data(), true)?;
             // A writer that cannot map the file passes through to its sparse upper file, told
             // of every first touch by pre-content events (precontent.rs): no copy, and no
             // request per read or write.

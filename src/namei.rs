@@ -51,13 +51,17 @@ impl Overlay {
     pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
         check_name(name)?;
         let pnode = self.node(parent)?;
+        // Joins tried; a name that keeps answering EEXIST (another object made there between
+        // the listing and the link, again and again) is looked up as it is after a few.
+        let mut joins = 0;
         loop {
             // A change to the directory's entries that overtakes this lookup makes it look again.
             let seen = pnode.entries.read();
             let entry = self
                 .resolve(&self.dir_view(&pnode)?, name)?
                 .ok_or_else(|| errno(libc::ENOENT))?;
-            if let Some(node) = self.copied_up_link_of(&entry) {
+            if let Some(node) = self.copied_up_link_of(&entry).filter(|_| joins < 8) {
+                joins += 1;
                 match self.join_copied_up_link(&node, parent, name) {
                     // Joined, or joined by a lookup beside this one: look again.
                     Ok(()) => continue,

@@ -165,6 +165,10 @@ impl Drop for PartialFile {
         if let Err(e) = self.flush_pending() {
             log::error!("filling pending blocks of a partial file failed, writes lost: {e}");
         }
+        // Complete, or closed for good: no writer passes through any more.
+        if let (Some(events), Ok(fd)) = (self.by_events.take(), self.upper.disk_fd()) {
+            events.mark.remove(fd);
+        }
     }
 }
 

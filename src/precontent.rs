@@ -80,16 +80,17 @@ pub struct PreContent {
     slow_fill: Option<std::time::Duration>,
 }
 
-/// A mark on one upper file; removed when dropped (the file complete, or closed for good).
+/// A mark on one upper file, removed by `remove` with a descriptor of that file (the file
+/// complete, or closed for good). It holds no descriptor of its own: open partial files are
+/// counted against the daemon's limit (file.rs `FdReserve`), and a mark is not one more.
 pub struct AccessMark {
     owner: Arc<PreContent>,
     key: Key,
-    file: OwnedFd,
 }
 
-impl Drop for AccessMark {
-    fn drop(&mut self) {
-        self.owner.unmark(self.key, &self.file);
+impl AccessMark {
+    pub fn remove(self, file: std::os::fd::BorrowedFd<'_>) {
+        self.owner.unmark(self.key, file);
     }
 }
 
@@ -175,7 +176,6 @@ impl PreContent {
     ) -> Result<AccessMark> {
         let attr = sys::fstat(file)?;
         let key = (attr.dev, attr.ino);
-        let dup = file.try_clone_to_owned()?;
         self.files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -190,13 +190,15 @@ impl PreContent {
         Ok(AccessMark {
             owner: self.clone(),
             key,
-            file: dup,
         })
     }
 
-    fn unmark(&self, key: Key, file: &OwnedFd) {
+    fn unmark(&self, key: Key, file: std::os::fd::BorrowedFd<'_>) {
         // The mark first: an event raised before it went still finds the file to fill.
-        if let Err(e) = sys::mark_pre_access(self.group.as_fd(), file.as_fd(), false) {
+        // ENOENT: the kernel dropped it already (the file was removed).
+        if let Err(e) = sys::mark_pre_access(self.group.as_fd(), file, false)
+            .or_else(|e| if e.is(libc::ENOENT) { Ok(()) } else { Err(e) })
+        {
             log::warn!(
                 "removing the pre-content mark of upper inode {}: {e}",
                 key.1
