@@ -122,6 +122,9 @@ impl PreContent {
         let _ = sys::mark_pre_access(group.as_fd(), probe.as_fd(), false);
         let work = std::fs::read_link(format!("/proc/self/fd/{}", work.as_raw_fd()))
             .map_err(|e| format!("cannot name the work dir: {e}"))?;
+        // A guardian left by a daemon of this work dir that died guards files this mount
+        // will serve: its group would refuse their writers. It goes before the mount is up.
+        Guardian::dismiss_stale(&work);
         Ok(Arc::new(PreContent {
             work,
             slow_fill: std::env::var("MOSAICFS_TEST_SLOW_FILL")
@@ -144,9 +147,6 @@ impl PreContent {
         if self.started.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        // A guardian left by a daemon of this work dir that died guards files this mount
-        // serves now: its group would refuse their writers. It goes first.
-        Guardian::dismiss_stale(&self.work);
         *self.guardian.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(Guardian::spawn(self.group.as_fd(), &self.work, mountpoint)?);
         let (tx, rx) = mpsc::channel::<AccessEvent>();

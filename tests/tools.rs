@@ -917,7 +917,18 @@ fn metrics_option_serves_prometheus_text_over_http() {
     write(m.lower(0).join("f"), pattern(4 << 20, 6));
     m.extra.push(format!("metrics={addr}"));
     m.mount();
-    write_at(m.path("f"), 8192, b"L");
+    // Read-write: served by the daemon, so that a WRITE request is counted (a write-only
+    // writer would pass through).
+    std::os::unix::fs::FileExt::write_all_at(
+        &fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(m.path("f"))
+            .unwrap(),
+        b"L",
+        8192,
+    )
+    .unwrap();
     let page = http_get(&addr, "/metrics");
     assert!(page.starts_with("HTTP/1.1 200 OK\r\n"), "{page}");
     assert!(
