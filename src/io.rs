@@ -408,6 +408,7 @@ impl Overlay {
         // marked partial file may pass through to (`DataKind::MarkedPartial`).
         let readable = acc != libc::O_WRONLY || flags & libc::O_APPEND != 0;
         let mut by_events = false;
+        let mut due_now = false;
         if writable {
             // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
             // open for writing finds the file there (a partial file with no blocks: no data).
@@ -435,10 +436,9 @@ impl Overlay {
             }
             if !by_events {
                 self.complete_at_open(&file)?;
-                if reopened && file.is_partial() && self.config.completion.on_reopen_below > 0 {
-                    // Served through the daemon: due in the background now.
-                    self.completer.nudge();
-                }
+                // Served through the daemon: due in the background now.
+                due_now =
+                    reopened && file.is_partial() && self.config.completion.on_reopen_below > 0;
             }
         }
         let policy = if writable && file.has_privs_to_kill(&self.privs_of()) {
@@ -493,6 +493,10 @@ impl Overlay {
         // Writers passing through change the upper file under the daemon's cached readers
         // (`by_events`): their pages are dropped at each open, close-to-open consistency.
         let keep_cache = !node_two_identities && !by_events && !marked;
+        if due_now {
+            // Last: the completion worker takes the file's lock, which this open needed.
+            self.completer.nudge();
+        }
         Ok(Opened {
             fh,
             io,

@@ -144,7 +144,9 @@ pub struct Options {
     /// with passthrough. `reflink=0` keeps partial files everywhere.
     pub reflink: bool,
     /// Whether writers of partial files pass through, told of each access by fanotify
-    /// pre-content events (`partial_passthrough=auto|on|off`, precontent.rs).
+    /// pre-content events (`partial_passthrough=auto|on|off`, precontent.rs). Off by default:
+    /// a splice into such a file raises no event (docs/KERNEL-NOTES.md), and on a VM slow at
+    /// wake-ups an event costs more than a FUSE request (docs/PERFORMANCE.md).
     pub partial_passthrough: Switch,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
@@ -195,7 +197,7 @@ impl Default for Options {
             passthrough: PassthroughPolicy::All,
             completion: Default::default(),
             reflink: true,
-            partial_passthrough: Switch::Auto,
+            partial_passthrough: Switch::Off,
             read_ahead_kb: 4096,
             metrics: None,
             log_file: None,

@@ -230,6 +230,9 @@ fn write_only_reopens_pass_through_and_the_upper_keeps_only_the_touched_blocks()
     // first open (pre-content events): no request per write, no copy at any open, and two
     // writable opens with a small write each are not sustained use.
     let (mut m, base) = mounted_for_reopens(&["f"], 11);
+    m.unmount();
+    m.extra.push("partial_passthrough=on".into());
+    m.mount();
     let mut want = base.clone();
     for (i, off) in [5000u64, 3 << 20, 5000].into_iter().enumerate() {
         let started = Instant::now();

@@ -368,7 +368,10 @@ fn a_full_disk_during_a_fill_fails_the_passing_writer_with_enospc() {
     if !runs_on_disk_upper_only() {
         return;
     }
-    let mut m = faulty_with("write:2:ENOSPC", &["copy_whole=0"]);
+    let mut m = faulty_with(
+        "write:2:ENOSPC",
+        &["copy_whole=0", "partial_passthrough=on"],
+    );
     let f = fs::OpenOptions::new()
         .write(true)
         .open(m.path("d/f"))

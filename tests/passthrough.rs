@@ -37,10 +37,13 @@ fn complete_upper_files_never_send_reads_or_writes_to_the_daemon() {
 
 #[test]
 fn partial_files_are_read_through_the_daemon_and_write_only_writers_pass_through() {
-    let mut m = Mount::with(|l| {
-        write(l.join("f"), vec![1u8; 2 << 20]);
-        write(l.join("g"), vec![2u8; 2 << 20]);
-    });
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), vec![1u8; 2 << 20]);
+    write(m.lower(0).join("g"), vec![2u8; 2 << 20]);
+    if disk_upper() {
+        m.extra.push("partial_passthrough=on".into());
+    }
+    m.mount();
     // A read-write writer of a partial file goes through the daemon (a mapping of the file
     // would bypass pre-content events).
     fs::OpenOptions::new()

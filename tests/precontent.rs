@@ -27,7 +27,12 @@ fn mounted(len: usize, seed: u64, env: &[(&str, &str)]) -> (Mount, Vec<u8>) {
     let base = pattern(len, seed);
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), &base);
-    m.extra = opts(&["complete_after=0", "complete_ratio=0", "copy_whole=0"]);
+    m.extra = opts(&[
+        "complete_after=0",
+        "complete_ratio=0",
+        "copy_whole=0",
+        "partial_passthrough=on",
+    ]);
     for (k, v) in env {
         m.env.push((k.to_string(), v.to_string()));
     }
@@ -111,7 +116,12 @@ fn completion_removes_the_mark_and_the_writer_already_open_runs_natively() {
     let base = pattern(4 << 20, 3);
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), &base);
-    m.extra = opts(&["complete_after=0.2", "complete_ratio=0", "copy_whole=0"]);
+    m.extra = opts(&[
+        "complete_after=0.2",
+        "complete_ratio=0",
+        "copy_whole=0",
+        "partial_passthrough=on",
+    ]);
     m.mount();
     let f = write_only(&m, "f");
     f.write_all_at(b"first", 100).unwrap();
