@@ -106,6 +106,13 @@ impl Completer {
         }
     }
 
+    /// Takes `file` out of the queue (its descriptors go with its last handle); a later open
+    /// registers it again.
+    pub fn forget(&self, file: &Arc<OpenFile>) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.retain(|f| !Arc::ptr_eq(f, file));
+    }
+
     /// The queued file of the object numbered `ino`, unless it was deleted. A queued file is
     /// the object's open state even when the kernel has forgotten the inode: opening the object
     /// again must take it up, or two states of one partial file would race (completion filling

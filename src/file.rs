@@ -562,18 +562,7 @@ impl OpenFile {
             return Ok(None);
         }
         let end = (from + n).min(limit);
-        let mut filled = 0;
-        let mut blk = from;
-        while blk < end {
-            if !p.needs_fill(blk) {
-                blk += 1;
-                continue;
-            }
-            let run = (blk..end).take_while(|&b| p.needs_fill(b)).count() as u64;
-            p.fill_blocks_keeping_holes(blk, blk + run)?;
-            filled += run;
-            blk += run;
-        }
+        let filled = p.fill_missing(from, end, true)?;
         Ok(Some((end, filled)))
     }
 

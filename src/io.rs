@@ -413,9 +413,6 @@ impl Overlay {
             // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
             // open for writing finds the file there (a partial file with no blocks: no data).
             self.ensure_upper(&node, &file)?;
-            // Copied up, the file may hold more descriptors than when the reserve saw it (a
-            // partial file: its upper and its lower file).
-            self.fd_reserve.check(&file.read_data(), true)?;
             // A writer that cannot map the file passes through to its sparse upper file, told
             // of every first touch by pre-content events (precontent.rs): no copy, and no
             // request per read or write.
@@ -436,6 +433,15 @@ impl Overlay {
             }
             if !by_events {
                 self.complete_at_open(&file)?;
+            }
+            // Copied up and still partial, the file holds more descriptors than when the
+            // reserve saw it (its upper and its lower file). Refused, it leaves the completion
+            // queue, so that its descriptors go with this open.
+            if let Err(e) = self.fd_reserve.check(&file.read_data(), true) {
+                self.completer.forget(&file);
+                return Err(e);
+            }
+            if !by_events {
                 // Served through the daemon: due in the background now.
                 due_now =
                     reopened && file.is_partial() && self.config.completion.on_reopen_below > 0;

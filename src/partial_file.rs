@@ -285,8 +285,14 @@ impl PartialFile {
         Ok(())
     }
 
-    /// Fills the blocks of `first..end` that still read the lower file, in runs.
     fn fill_run(&mut self, first: u64, end: u64) -> Result<()> {
+        self.fill_missing(first, end, false).map(|_| ())
+    }
+
+    /// Fills the blocks of `first..end` that still read the lower file, in runs; with
+    /// `keep_holes`, as completion does (`fill_blocks_keeping_holes`). Returns how many.
+    pub fn fill_missing(&mut self, first: u64, end: u64, keep_holes: bool) -> Result<u64> {
+        let mut filled = 0;
         let mut blk = first;
         while blk < end {
             if !self.needs_fill(blk) {
@@ -294,10 +300,15 @@ impl PartialFile {
                 continue;
             }
             let run = (blk..end).take_while(|&b| self.needs_fill(b)).count() as u64;
-            self.fill_blocks(blk, blk + run)?;
+            if keep_holes {
+                self.fill_blocks_keeping_holes(blk, blk + run)?;
+            } else {
+                self.fill_blocks(blk, blk + run)?;
+            }
+            filled += run;
             blk += run;
         }
-        Ok(())
+        Ok(filled)
     }
 
     pub fn needs_fill(&self, blk: u64) -> bool {
