@@ -6,19 +6,25 @@ CARGO ?= cargo
 
 .PHONY: build install uninstall demo deps test unit-test integration-test pjdfstest bench clean
 
+# The snapshotter's gRPC code is generated at build time by protoc (Debian: protobuf-compiler).
 build:
+	@command -v protoc >/dev/null || { echo "installing protobuf-compiler (protoc) for mosaicfs-snapshotter"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq protobuf-compiler >/dev/null; }
 	$(CARGO) build --release
 
-# The binary (stripped: target/release keeps the symbols for perf), the helper mount(8) runs
-# for `mount -t fuse.mosaicfs` (mount(8) looks in /sbin, which is /usr/sbin here, whatever PREFIX
-# is), and the man page.
+# The binaries (stripped: target/release keeps the symbols for perf), the helpers mount(8) runs
+# for `mount -t fuse.mosaicfs` and `mount -t fuse3.mosaicfs` (the type containerd's snapshots
+# have; mount(8) looks in /sbin, which is /usr/sbin here, whatever PREFIX is), and the man page.
 install: build
 	install -D -s -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
+	install -D -s -m 0755 target/release/mosaicfs-snapshotter $(DESTDIR)$(PREFIX)/bin/mosaicfs-snapshotter
 	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
+	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse3.mosaicfs
 	install -D -m 0644 docs/mosaicfs.1 $(DESTDIR)$(MANDIR)/man1/mosaicfs.1
 
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs \
+	rm -f $(DESTDIR)$(PREFIX)/bin/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs-snapshotter \
+		$(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse3.mosaicfs \
 		$(DESTDIR)$(MANDIR)/man1/mosaicfs.1
 
 demo: build
@@ -38,6 +44,10 @@ test: deps install
 	tests/differential.py target/release/mosaicfs 1,2,3,4,5,6 2000
 	tests/differential.py target/release/mosaicfs 1,2,3,4,5,6 2000 ,upper=memory
 	tests/podman/run.sh target/release/mosaicfs
+	# containerd (its snapshotter test suite, then ctr run) on mosaicfs-snapshotter, and Docker's
+	# fuse-overlayfs driver running mosaicfs (issue #39).
+	tests/containerd/run.sh target/release
+	tests/docker/run.sh target/release/mosaicfs
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
 	MOSAICFS_TEST_UPPER=memory $(CARGO) test --release -- --test-threads=2
