@@ -57,30 +57,15 @@ done
 grep -E -A 5 -- "--- FAIL" "$t/suite.log" | head -40 | sed 's/^/     /'
 
 # --- containerd itself ---
-ctr_() { ctr --address "$t/containerd.sock" "$@"; }
+. "$here/containerd.sh"
 
 "$bins/mosaicfs-snapshotter" --address "$t/snapshotter.sock" --root "$t/snapshotter" > "$t/snapshotter.log" 2>&1 &
 pids+=($!)
-cat > "$t/config.toml" <<EOF
-version = 2
-root = "$t/root"
-state = "$t/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-[grpc]
-  address = "$t/containerd.sock"
-[proxy_plugins.mosaicfs]
-  type = "snapshot"
-  address = "$t/snapshotter.sock"
-EOF
-containerd --config "$t/config.toml" > "$t/containerd.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 300); do ctr_ version >/dev/null 2>&1 && break; sleep 0.1; done
+start_containerd mosaicfs="$t/snapshotter.sock"
 
 # An image without a registry: busybox-static, and a second layer with a 64 MiB file.
-mkdir -p "$t/l1"/{bin,etc,tmp,data} "$t/l2/data"
-cp "$(command -v busybox)" "$t/l1/bin/busybox"
-for c in sh cat echo dd stat sync sleep true wc md5sum; do ln -s busybox "$t/l1/bin/$c"; done
-echo "root:x:0:0:root:/:/bin/sh" > "$t/l1/etc/passwd"
+busybox_layer "$t/l1" sh cat echo dd stat sync sleep true wc md5sum
+mkdir -p "$t/l2/data"
 head -c $((64 << 20)) /dev/urandom > "$t/l2/data/big"
 "$here/oci-image.py" "$t/image.tar" mosaicfs-test:latest "$t/l1" "$t/l2"
 img=docker.io/library/mosaicfs-test:latest
