@@ -71,20 +71,30 @@ n=0
 for s in "${snapshotters[@]}"; do
   ctr_ -n bench images import --snapshotter "$s" "$t/image.tar" >/dev/null
   n=$((n + 1)); ctr_ -n bench run --rm --snapshotter "$s" "$img" "warm$n" true
-  start[$s]=$(for i in $(seq $runs); do
+done
+# Rounds interleave the snapshotters, so that the machine's drift falls on all of them alike.
+for i in $(seq $runs); do
+  for s in "${snapshotters[@]}"; do
     n=$((n + 1)); a=$(now); ctr_ -n bench run --rm --snapshotter "$s" "$img" "c$n" true
-    echo $(( ($(now) - a) / 1000 )); done | median)
-  write[$s]=$(for i in $(seq $runs); do
+    echo "$s $(( ($(now) - a) / 1000 ))" >> "$t/start.txt"
+  done
+done
+for i in $(seq $runs); do
+  for s in "${snapshotters[@]}"; do
     sync; echo 3 > /proc/sys/vm/drop_caches
     n=$((n + 1)); a=$(now)
     ctr_ -n bench run --rm --snapshotter "$s" "$img" "c$n" sh -c 'printf X | dd of=/data/big bs=1 seek=100000000 conv=notrunc 2>/dev/null'
-    echo $(( ($(now) - a) / 1000 )); done | median)
+    echo "$s $(( ($(now) - a) / 1000 ))" >> "$t/write.txt"
+  done
+done
+for s in "${snapshotters[@]}"; do
+  start[$s]=$(awk -v s="$s" '$1 == s {print $2}' "$t/start.txt" | median)
+  write[$s]=$(awk -v s="$s" '$1 == s {print $2}' "$t/write.txt" | median)
   n=$((n + 1))
   ctr_ -n bench run --snapshotter "$s" "$img" "keep$n" sh -c 'printf X | dd of=/data/big bs=1 seek=100000000 conv=notrunc 2>/dev/null'
   bytes[$s]=$(du -sB1 "$(upper_of "$s" "keep$n")" | cut -f1)
   ctr_ -n bench tasks rm "keep$n" >/dev/null 2>&1 || true
   ctr_ -n bench containers rm "keep$n" >/dev/null
-  ctr_ -n bench images rm "$img" >/dev/null
 done
 
 ms() { python3 -c "print(f'{$1/1000:.0f}')"; }
