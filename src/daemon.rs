@@ -465,6 +465,8 @@ fn fuser_config(opts: &Options, overlay: &Overlay) -> fuser::Config {
         fuser::SessionACL::Owner
     };
     cfg.n_threads = Some(opts.threads);
+    // One worker at mount; more as requests find none waiting (an idle mount holds one).
+    cfg.min_threads = Some(1);
     // While every worker is stuck on one request (a lower layer on a network store that
     // stopped answering), more workers serve the rest of the mount; `threaded=0` keeps one.
     if opts.threads > 1 {
@@ -482,8 +484,7 @@ fn serve(
     metrics: Option<std::net::TcpListener>,
     log_file: Option<std::fs::File>,
 ) -> Result<(), String> {
-    overlay.start_completion();
-    overlay.start_caw_workers();
+    overlay.arm_workers();
     let control = overlay.clone();
     log_panics();
     let fs = MosaicFs {

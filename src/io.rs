@@ -340,7 +340,7 @@ impl Overlay {
         st.open = Arc::downgrade(&f);
         drop(st);
         if partial {
-            self.completer.register(&f);
+            self.register_partial(&f);
         }
         Ok(f)
     }
@@ -362,7 +362,7 @@ impl Overlay {
             *data = self.open_data(node)?;
             if matches!(&*data, FileData::Partial(_)) {
                 drop(data);
-                self.completer.register(&f);
+                self.register_partial(&f);
             }
         }
         Ok(())
@@ -727,6 +727,9 @@ impl Overlay {
                 drop(fd_data);
                 if let Some(caw) = &self.caw {
                     self.stats.blocks_deferred.add(pending.len() as u64);
+                    if !pending.is_empty() {
+                        self.need_caw_workers();
+                    }
                     caw.schedule(&h.file, &pending);
                 }
                 return Ok(data.len() as u32);

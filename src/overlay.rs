@@ -142,6 +142,11 @@ pub struct Overlay {
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
     pub transport: std::sync::OnceLock<&'static str>,
+    /// The background workers (copy-after-write, completion) start at the first job, not at
+    /// mount: an idle mount holds no thread for them (`arm_workers`, `need_*`).
+    me: std::sync::OnceLock<std::sync::Weak<Overlay>>,
+    caw_started: std::sync::Once,
+    completion_started: std::sync::Once,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -239,8 +244,32 @@ impl Overlay {
             shut_down: Default::default(),
             precontent,
             transport: Default::default(),
+            me: Default::default(),
+            caw_started: std::sync::Once::new(),
+            completion_started: std::sync::Once::new(),
             layers,
         })
+    }
+
+    /// Lets this mount start its background workers when their first job comes (the daemon
+    /// calls it once the overlay is shared; tools that never mount do not).
+    pub fn arm_workers(self: &Arc<Self>) {
+        let _ = self.me.set(Arc::downgrade(self));
+    }
+
+    /// The copy-after-write workers, started at the first deferred block.
+    pub fn need_caw_workers(&self) {
+        if let Some(me) = self.me.get().and_then(std::sync::Weak::upgrade) {
+            self.caw_started.call_once(|| me.start_caw_workers());
+        }
+    }
+
+    /// Queues a partial file for completion; the worker starts with the first one.
+    pub fn register_partial(&self, file: &Arc<crate::file::OpenFile>) {
+        self.completer.register(file);
+        if let Some(me) = self.me.get().and_then(std::sync::Weak::upgrade) {
+            self.completion_started.call_once(|| me.start_completion());
+        }
     }
 
     /// This mount's pre-content group, or why partial files stay on the daemon path. Err

@@ -835,3 +835,70 @@ fn a_writable_open_racing_a_rename_over_a_lower_file_gets_a_file_not_eexist() {
     }
     assert_eq!(opened, rounds);
 }
+
+/// The daemon's threads by name (`comm`), e.g. "fuser-0", "mosaicfs-caw-0".
+fn thread_names(m: &Mount) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{}/task", m.pid()))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|s| s.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), "x");
+    m.mount();
+    let names = thread_names(&m);
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.starts_with("mosaicfs-caw") || n.starts_with("mosaicfs-comple")),
+        "copy-after-write and completion workers start at their first job: {names:?}"
+    );
+    // Over io_uring every queue needs its entries from the start; over /dev/fuse one worker
+    // waits at mount.
+    if names.iter().any(|n| n.starts_with("fuser-ring")) {
+        return;
+    }
+    let workers = |names: &[String]| {
+        names
+            .iter()
+            .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
+            .count()
+    };
+    assert!(
+        workers(&names) <= 2,
+        "an idle mount's FUSE workers: {names:?}"
+    );
+    // Eight callers at once, each request answered by the daemon (xattrs are never cached).
+    let path = m.path("f");
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..400 {
+                    let _ = xattr_get(&path, "user.none");
+                }
+            });
+        }
+    });
+    let names = thread_names(&m);
+    assert!(
+        workers(&names) > 2,
+        "eight callers at once and the pool did not grow: {names:?}"
+    );
+}
+
+fn xattr_get(p: &Path, name: &str) -> std::io::Result<usize> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    let mut buf = [0u8; 64];
+    // SAFETY: both strings are NUL-terminated and the buffer is as long as said.
+    let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}

@@ -274,9 +274,9 @@ impl<FS: Filesystem> Session<FS> {
             ));
         }
 
-        let Some(n_threads_minus_one) = n_threads.checked_sub(1) else {
+        if n_threads == 0 {
             return Err(io::Error::other("n_threads"));
-        };
+        }
 
         let mut filesystem = Arc::new(filesystem);
 
@@ -319,7 +319,14 @@ impl<FS: Filesystem> Session<FS> {
                 }
             }
         };
-        let template = if max_threads > n_threads {
+        // Over /dev/fuse the pool starts with `min_threads` workers and grows with demand up to
+        // `n_threads` (`WorkerPool::demand`); every io_uring queue needs its entries at once.
+        let initial = match ring_queues {
+            Some(_) => n_threads,
+            None => config.min_threads.unwrap_or(n_threads).clamp(1, n_threads),
+        };
+        pool.set_demand(if ring_queues.is_some() { 0 } else { n_threads });
+        let template = if max_threads > initial {
             Some(new_channel(&ch)?)
         } else {
             None
@@ -335,8 +342,8 @@ impl<FS: Filesystem> Session<FS> {
             }
             pool.spawn(WorkerKind::Reader(ch), &filesystem, allowed, session_owner)?;
         } else {
-            let mut channels = Vec::with_capacity(n_threads);
-            for _ in 0..n_threads_minus_one {
+            let mut channels = Vec::with_capacity(initial);
+            for _ in 1..initial {
                 channels.push(new_channel(&ch)?);
             }
             channels.push(ch);
@@ -348,16 +355,27 @@ impl<FS: Filesystem> Session<FS> {
         if let Some(template) = template {
             let pool = pool.clone();
             let filesystem = filesystem.clone();
+            let supervised = pool.clone();
             supervisor = Some(thread::Builder::new()
                 .name("fuser-pool".into())
                 .spawn(move || {
                     while !pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                         // An idle pool is looked at every STUCK_AFTER, a busy one four times
-                        // as often: an idle mount does not wake 20 times a second.
+                        // as often: an idle mount does not wake 20 times a second. A worker
+                        // that finds no other idle wakes it at once (`WorkerPool::demand`).
                         let tick = if pool.any_busy() { STUCK_AFTER / 4 } else { STUCK_AFTER };
                         thread::park_timeout(tick);
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
+                        }
+                        if pool.wanted.swap(false, std::sync::atomic::Ordering::AcqRel)
+                            && pool.workers_in(None) < pool.demand()
+                        {
+                            let spawned = worker(&template, None)
+                                .and_then(|w| pool.spawn(w, &filesystem, allowed, session_owner));
+                            if let Err(e) = spawned {
+                                warn!("cannot add a FUSE worker: {e}");
+                            }
                         }
                         for &group in &groups {
                             let workers = pool.workers();
@@ -396,6 +414,9 @@ impl<FS: Filesystem> Session<FS> {
                     // `run` takes the file system back.
                     drop(filesystem);
                 })?);
+            if let Some(s) = &supervisor {
+                supervised.set_supervisor(s.thread().clone());
+            }
         }
 
         let mut reply: io::Result<()> = Ok(());
@@ -711,12 +732,19 @@ pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_mi
 /// mosaicfs patch: the session's workers, for the supervisor that grows the pool and for
 /// `RequestWatch`.
 #[derive(Debug)]
-struct WorkerPool {
+pub(crate) struct WorkerPool {
     handles: std::sync::Mutex<Vec<JoinHandle<io::Result<()>>>>,
     busy_since: std::sync::Mutex<Vec<Arc<WorkerState>>>,
     epoch: std::time::Instant,
     /// Set once a worker has ended: the session is over and no worker may be added.
     ended: std::sync::atomic::AtomicBool,
+    /// Workers over /dev/fuse waiting for a request. One that takes a request and leaves
+    /// none waiting sets `wanted` and wakes the supervisor, which adds a worker while fewer
+    /// than `demand` serve /dev/fuse.
+    idle: std::sync::atomic::AtomicUsize,
+    wanted: std::sync::atomic::AtomicBool,
+    demand: std::sync::atomic::AtomicUsize,
+    supervisor: std::sync::OnceLock<thread::Thread>,
 }
 
 /// What one worker is doing.
@@ -742,7 +770,38 @@ impl WorkerPool {
             busy_since: std::sync::Mutex::new(Vec::new()),
             epoch: std::time::Instant::now(),
             ended: std::sync::atomic::AtomicBool::new(false),
+            idle: std::sync::atomic::AtomicUsize::new(0),
+            wanted: std::sync::atomic::AtomicBool::new(false),
+            demand: std::sync::atomic::AtomicUsize::new(0),
+            supervisor: std::sync::OnceLock::new(),
         })
+    }
+
+    fn set_demand(&self, n: usize) {
+        self.demand.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn demand(&self) -> usize {
+        self.demand.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set_supervisor(&self, t: thread::Thread) {
+        let _ = self.supervisor.set(t);
+    }
+
+    /// A /dev/fuse worker took a request: if no other waits, ask for one more.
+    fn took_request(&self) {
+        let before = self.idle.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if before <= 1 && !self.wanted.load(std::sync::atomic::Ordering::Relaxed) {
+            self.wanted.store(true, std::sync::atomic::Ordering::Release);
+            if let Some(t) = self.supervisor.get() {
+                t.unpark();
+            }
+        }
+    }
+
+    fn request_done(&self) {
+        self.idle.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     fn workers(&self) -> usize {
@@ -819,6 +878,10 @@ impl WorkerPool {
             (None, true) => format!("fuser-{}", slots.len()),
             (None, false) => "fuser-dev".to_string(),
         };
+        let on_dev = tracked && ring.is_none();
+        if on_dev {
+            self.idle.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
         let event_loop = SessionEventLoop {
             thread_name: thread_name.clone(),
             filesystem: filesystem.clone(),
@@ -827,6 +890,7 @@ impl WorkerPool {
             session_owner,
             busy: tracked.then(|| (busy.clone(), self.epoch)),
             ring,
+            pool: on_dev.then(|| self.clone()),
         };
         handles.push(
             thread::Builder::new()
@@ -863,6 +927,9 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     /// mosaicfs patch: the io_uring queue this worker serves an entry of, and the entry's
     /// payload size; `None`: it reads /dev/fuse.
     pub(crate) ring: Option<(u16, usize)>,
+    /// mosaicfs patch: the pool of a /dev/fuse worker, told when it takes a request and when
+    /// it is done, so that the pool grows with demand (`WorkerPool::took_request`).
+    pub(crate) pool: Option<Arc<WorkerPool>>,
 }
 
 /// mosaicfs patch: how long the /dev/fuse reader beside the io_uring queues waits after a
@@ -890,6 +957,9 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
 
     /// Dispatches one request, under the busy mark and `catch_unwind` (see `event_loop`).
     fn serve(&self, req: &RequestWithSender<'_>) {
+        if let Some(pool) = &self.pool {
+            pool.took_request();
+        }
         if let Some((busy, epoch)) = &self.busy {
             let t = (epoch.elapsed().as_nanos() as u64).max(1);
             busy.unique.store(req.request.unique().0, std::sync::atomic::Ordering::Relaxed);
@@ -898,6 +968,9 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| req.dispatch(self)));
         if let Some((busy, _)) = &self.busy {
             busy.since.store(0, std::sync::atomic::Ordering::Release);
+        }
+        if let Some(pool) = &self.pool {
+            pool.request_done();
         }
     }
 

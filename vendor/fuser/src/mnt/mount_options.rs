@@ -22,6 +22,10 @@ pub struct Config {
     /// been busy with one request for a while (`session::STUCK_AFTER`), so that requests
     /// blocked in a slow backing store do not hold up all others. Unspecified: `n_threads`.
     pub max_threads: Option<usize>,
+    /// mosaicfs patch: workers started at mount over /dev/fuse (unspecified: `n_threads`).
+    /// Another is added, one at a time up to `n_threads`, when a request starts while no
+    /// worker waits for one: an idle mount holds `min_threads` workers, a busy one `n_threads`.
+    pub min_threads: Option<usize>,
     /// mosaicfs patch: carry requests over io_uring when the kernel offers it at INIT
     /// (`Session::transport` says what was agreed).
     pub uring: bool,

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Idle mounts (issue #42): N overlays mounted one after another, each daemon started the way
+# mount(8) and containers/storage start it (in the background), for mosaicfs, fuse-overlayfs
+# 1.10 (apt) and fuse-overlayfs 2.0 (built from its published source with cargo, when
+# crates.io is reachable). Reports the time to mount all, and per daemon the resident memory
+# and the threads, once every mount has been listed once (as a container start would).
+#
+# Usage: bench/density.sh [N]   (default 100). Needs root.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+bin=$(realpath "${MOSAICFS:-$here/../target/release/mosaicfs}")
+n=${1:-100}
+t=${BENCH_DIR:-/var/tmp/mfs-density}
+command -v fuse-overlayfs >/dev/null || apt-get install -y -qq fuse-overlayfs >/dev/null
+fo2=${FUSE_OVERLAYFS2:-/var/tmp/fo2/bin/fuse-overlayfs}
+if [ ! -x "$fo2" ]; then
+  cargo install -q fuse-overlayfs --version 2.0.0 --root "$(dirname "$(dirname "$fo2")")" >/dev/null 2>&1 || fo2=""
+fi
+
+umount_all() { grep " $t/" /proc/self/mounts | awk '{print $2}' | xargs -r -n1 umount 2>/dev/null || true; }
+trap umount_all EXIT
+umount_all
+rm -rf "$t"; mkdir -p "$t/lower"
+for d in etc bin usr/lib; do mkdir -p "$t/lower/$d"; done
+for i in $(seq 50); do echo "file $i" > "$t/lower/etc/f$i"; done
+
+declare -A secs rss threads
+setups=(mosaicfs fuse-overlayfs-1.10)
+[ -n "$fo2" ] && setups+=(fuse-overlayfs-2.0)
+for s in "${setups[@]}"; do
+  case $s in
+    mosaicfs) prog=$bin ;;
+    fuse-overlayfs-1.10) prog=$(command -v fuse-overlayfs) ;;
+    fuse-overlayfs-2.0) prog=$fo2 ;;
+  esac
+  for i in $(seq "$n"); do mkdir -p "$t/$s/$i"/{u,w,m}; done
+  sync
+  a=$(date +%s%N)
+  for i in $(seq "$n"); do
+    "$prog" -o "lowerdir=$t/lower,upperdir=$t/$s/$i/u,workdir=$t/$s/$i/w" "$t/$s/$i/m"
+  done
+  secs[$s]=$(python3 -c "print(f'{($(date +%s%N) - $a) / 1e9:.2f}')")
+  for i in $(seq "$n"); do ls "$t/$s/$i/m/etc" >/dev/null; done
+  sleep 1
+  pids=$(pgrep -f -- "$t/$s/" || true)
+  read -r r th < <(for p in $pids; do
+      echo "$(awk '/^VmRSS/ {print $2}' /proc/$p/status) $(ls /proc/$p/task | wc -l)"
+    done | awk '{r += $1; t += $2; k++} END {printf "%.1f %.1f\n", r / k / 1024, t / k}')
+  rss[$s]=$r; threads[$s]=$th
+  umount_all
+done
+
+echo
+echo "Idle mounts, $(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), $n mounts one after another, daemons in the background"
+echo
+printf '| per daemon |'; for s in "${setups[@]}"; do printf ' %s |' "$s"; done; echo
+printf '|---|'; for s in "${setups[@]}"; do printf -- '---|'; done; echo
+printf '| mounting %s overlays (s) |' "$n"; for s in "${setups[@]}"; do printf ' %s |' "${secs[$s]}"; done; echo
+printf '| resident memory (MB) |'; for s in "${setups[@]}"; do printf ' %s |' "${rss[$s]}"; done; echo
+printf '| threads |'; for s in "${setups[@]}"; do printf ' %s |' "${threads[$s]}"; done; echo
