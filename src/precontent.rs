@@ -463,8 +463,7 @@ pub const GUARDIAN_COMMAND: &str = "__guardian";
 pub fn guardian_main(args: &[std::ffi::OsString]) -> i32 {
     let fd = |i: usize| -> Option<OwnedFd> {
         let n: i32 = args.get(i)?.to_str()?.parse().ok()?;
-        // SAFETY: the daemon passed these descriptors to this process for it to own.
-        Some(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+        sys::inherited_fd(n)
     };
     let (Some(group), Some(alive)) = (fd(0), fd(1)) else {
         eprintln!("mosaicfs: {GUARDIAN_COMMAND} is started by the daemon, not by hand");

@@ -1314,6 +1314,18 @@ pub fn mount_in_use(mnt_id: u64) -> bool {
     false
 }
 
+/// Takes ownership of descriptor `n`, which the parent passed to this process (by number on
+/// its command line): `None` when no such descriptor is open.
+pub fn inherited_fd(n: i32) -> Option<OwnedFd> {
+    // SAFETY: F_GETFD reads a descriptor's flags and touches no memory.
+    if n < 0 || unsafe { libc::fcntl(n, libc::F_GETFD) } < 0 {
+        return None;
+    }
+    // SAFETY: `n` is open, and the parent handed it over for this process to own; nothing
+    // else in the process holds it (it is taken once, at start).
+    Some(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+}
+
 /// Closes every descriptor above stderr but `keep`.
 pub fn close_other_fds(keep: &[i32]) {
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
