@@ -10,7 +10,13 @@ processes, write-many (open, 410-byte write, close per 4 KiB block of a lower fi
 random reads of a partial file (every read goes through the daemon). A second table gives the
 context switches per request of the metadata mix over each transport.
 
-Usage: bench/uring.py [--quick]   (root; turns fuse.enable_uring on and restores it)
+The daemon runs as mount(8) and containers/storage start it: in the background, in a session
+(and so a scheduler autogroup) of its own. `--foreground` runs it as a child of this script
+(`-f`), in the script's session: over /dev/fuse that was about 2x slower per round trip, over
+io_uring the same since the daemon raises its own autogroup there (docs/PERFORMANCE.md,
+"Foreground and background daemons").
+
+Usage: bench/uring.py [--quick] [--foreground]   (root; turns fuse.enable_uring on and restores it)
 """
 
 import argparse
@@ -42,6 +48,8 @@ class Mount:
     deleted thousands of inodes, each create scans them (`recently_deleted`, up to a third of
     the CPU time in a profile of the metadata mix), and whichever transport ran second paid it."""
 
+    foreground = False
+
     def __init__(self, root, transport, extra):
         self.root = root
         self.mnt = os.path.join(root, "mnt")
@@ -55,6 +63,11 @@ class Mount:
     def __enter__(self):
         sh(f"rm -f {self.img} && truncate -s 1G {self.img} && mkfs.ext4 -q {self.img} && "
            f"mount -o loop {self.img} {self.fs} && mkdir {self.fs}/upper {self.fs}/work")
+        if not Mount.foreground:
+            # As mount(8) starts it: the command returns once the mount is up.
+            self.proc = None
+            subprocess.run([BIN, "-o", self.opts, self.mnt], check=True)
+            return self
         self.proc = subprocess.Popen([BIN, "-f", "-o", self.opts, self.mnt], stderr=subprocess.PIPE)
         for _ in range(500):
             if os.path.ismount(self.mnt):
@@ -68,7 +81,14 @@ class Mount:
     def __exit__(self, *exc):
         if os.path.ismount(self.mnt):
             subprocess.run(["umount", self.mnt], check=True)
-        self.proc.wait()
+        if self.proc:
+            self.proc.wait()
+        else:
+            # The daemon lets go of the upper file system shortly after the unmount.
+            for _ in range(500):
+                if subprocess.run(["pgrep", "-f", self.fs], capture_output=True).returncode != 0:
+                    break
+                time.sleep(0.01)
         subprocess.run(["umount", self.fs], check=True)
         os.unlink(self.img)
 
@@ -133,7 +153,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int, default=0)
+    ap.add_argument("--foreground", action="store_true", help="run the daemon with -f, as a child")
     a = ap.parse_args()
+    Mount.foreground = a.foreground
     runs = a.runs or (3 if a.quick else 5)
     if not os.path.exists(PARAM):
         sys.exit("this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING)")
@@ -162,7 +184,7 @@ def main():
         sh(f"rm -rf {root}")
     rows = list(results["/dev/fuse"][0].keys())
     print(f"FUSE transport, median of {runs} runs, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
-          f"kernel {os.uname().release}\n")
+          f"kernel {os.uname().release}, daemon {'in the foreground (-f)' if a.foreground else 'in the background'}\n")
     print("| workload | /dev/fuse | io_uring | io_uring speed-up |")
     print("|---|---|---|---|")
     for row in rows:
