@@ -120,28 +120,31 @@ impl Store {
             .map_err(|e| internal("begin")(e.into()))?))
     }
 
+    /// The snapshots table as of now (a read transaction: it sees no half-done change).
+    fn snapshots(&self) -> Result<redb::ReadOnlyTable<&'static str, &'static [u8]>, SnapError> {
+        let txn = self.db.begin_read().map_err(read_error)?;
+        txn.open_table(SNAPSHOTS).map_err(read_error)
+    }
+
     pub fn get(&self, name: &str) -> Result<Option<Record>, SnapError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| internal("read")(e.into()))?;
-        let table = txn
-            .open_table(SNAPSHOTS)
-            .map_err(|e| internal("read")(e.into()))?;
-        let value = table.get(name).map_err(|e| internal("read")(e.into()))?;
-        value.map(|v| decode(name, v.value())).transpose()
+        lookup(&self.snapshots()?, name)
     }
 
     pub fn all(&self) -> Result<Vec<(String, Record)>, SnapError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| internal("read")(e.into()))?;
-        let table = txn
-            .open_table(SNAPSHOTS)
-            .map_err(|e| internal("read")(e.into()))?;
-        collect(&table)
+        collect(&self.snapshots()?)
     }
+}
+
+fn read_error(e: impl Into<redb::Error>) -> SnapError {
+    internal("read")(e.into())
+}
+
+fn lookup(
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+    name: &str,
+) -> Result<Option<Record>, SnapError> {
+    let value = table.get(name).map_err(read_error)?;
+    value.map(|v| decode(name, v.value())).transpose()
 }
 
 fn decode(name: &str, bytes: &[u8]) -> Result<Record, SnapError> {
@@ -156,8 +159,8 @@ fn collect(
     table: &impl ReadableTable<&'static str, &'static [u8]>,
 ) -> Result<Vec<(String, Record)>, SnapError> {
     let mut out = Vec::new();
-    for row in table.iter().map_err(|e| internal("read")(e.into()))? {
-        let (k, v) = row.map_err(|e| internal("read")(e.into()))?;
+    for row in table.iter().map_err(read_error)? {
+        let (k, v) = row.map_err(read_error)?;
         out.push((k.value().to_string(), decode(k.value(), v.value())?));
     }
     Ok(out)
@@ -165,20 +168,11 @@ fn collect(
 
 impl Txn {
     pub fn get(&self, name: &str) -> Result<Option<Record>, SnapError> {
-        let table = self
-            .0
-            .open_table(SNAPSHOTS)
-            .map_err(|e| internal("read")(e.into()))?;
-        let value = table.get(name).map_err(|e| internal("read")(e.into()))?;
-        value.map(|v| decode(name, v.value())).transpose()
+        lookup(&self.0.open_table(SNAPSHOTS).map_err(read_error)?, name)
     }
 
     pub fn all(&self) -> Result<Vec<(String, Record)>, SnapError> {
-        let table = self
-            .0
-            .open_table(SNAPSHOTS)
-            .map_err(|e| internal("read")(e.into()))?;
-        collect(&table)
+        collect(&self.0.open_table(SNAPSHOTS).map_err(read_error)?)
     }
 
     pub fn put(&self, name: &str, record: &Record) -> Result<(), SnapError> {

@@ -20,15 +20,7 @@ for tool in go containerd ctr runc busybox mount.fuse3 mosaicfs; do
   fi
 done
 
-passed=0; failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if out=$("$@" 2>&1); then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name"; echo "$out" | tail -25 | sed 's/^/     /'
-  fi
-}
+. "$here/../check.sh"
 
 t=$(mktemp -d /var/tmp/mosaicfs-containerd.XXXXXX)
 pids=()
@@ -104,5 +96,4 @@ check "no mosaicfs mount is left once the containers are gone" \
   sh -c "ctr --address $t/containerd.sock -n t containers rm c2 >/dev/null; ! grep ' $t/' /proc/self/mounts | grep -q fuse.mosaicfs"
 check "the snapshotter logged no error" sh -c "! grep -v -e '^mosaicfs-snapshotter: serving' $t/snapshotter.log"
 
-echo "containerd: $passed passed, $failed failed"
-[ $failed -eq 0 ]
+summary containerd

@@ -31,15 +31,7 @@ cleanup() {
 }
 [ -n "${KEEP:-}" ] || trap cleanup EXIT
 
-passed=0; failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if out=$("$@" 2>&1); then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name"; echo "$out" | tail -15 | sed 's/^/     /'
-  fi
-}
+. "$here/../check.sh"
 
 PATH="$t/bin:$PATH" dockerd --data-root "$t/data" --exec-root "$t/exec" --pidfile "$t/docker.pid" \
   -H "unix://$t/docker.sock" --storage-driver fuse-overlayfs --bridge none --iptables=false \
@@ -87,5 +79,4 @@ docker_ rm -f writer >/dev/null 2>&1
 check "no mosaicfs mount is left once the containers are gone" \
   sh -c "! grep ' $t/' /proc/self/mounts | grep -q fuse"
 
-echo "docker: $passed passed, $failed failed"
-[ $failed -eq 0 ]
+summary docker

@@ -43,15 +43,7 @@ cleanup() {
 }
 [ -n "${KEEP:-}" ] || trap cleanup EXIT
 
-passed=0; failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if out=$("$@" 2>&1); then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name"; echo "$out" | tail -15 | sed 's/^/     /'
-  fi
-}
+. "$here/../check.sh"
 
 # An image built from busybox-static, imported without a registry.
 mkdir -p "$t/rootfs"/{bin,etc,tmp,data,root}
@@ -192,5 +184,4 @@ check "containers/storage passed uidmapping and volatile" \
 check "no mosaicfs mount is left after the containers ended" \
   sh -c "! grep -q 'fuse.mosaicfs' /proc/self/mounts || ! grep ' $t/' /proc/self/mounts | grep -q fuse.mosaicfs"
 
-echo "podman: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary podman
