@@ -92,6 +92,20 @@ pub fn mount_device(mountpoint: &Path) -> Option<String> {
     })
 }
 
+/// The file system type of the newest mount at `mountpoint` (e.g. "fuse.mosaicfs").
+fn mount_fstype(mountpoint: &Path) -> Option<String> {
+    let want = std::fs::canonicalize(mountpoint).ok()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        if f.len() < 5 || Path::new(f[4]) != want {
+            return None;
+        }
+        let sep = f.iter().position(|x| *x == "-")?;
+        f.get(sep + 1).map(|t| t.to_string())
+    })
+}
+
 /// The report a status request gets.
 pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     let layers: Vec<String> = (1..=overlay.layers.lower_count())
@@ -446,8 +460,21 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
         return;
     };
     let path = dir.join(socket_name(&dev));
+    // Tests only (`MOSAICFS_TEST_SLOW_CONTROL=ms`): the socket comes that much after the mount,
+    // the window a tool run right after a foreground mount falls into.
+    if let Some(ms) = std::env::var("MOSAICFS_TEST_SLOW_CONTROL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+    // Held until the socket is bound: an exiting daemon of an earlier mount on the same device
+    // number checks and removes its own socket under the same lock (overlay.rs).
+    let locked = crate::overlay::lock_socket_dir(&dir);
     let _ = std::fs::remove_file(&path); // left by a daemon that was killed
-    let listener = match UnixListener::bind(&path) {
+    let bound = UnixListener::bind(&path);
+    drop(locked);
+    let listener = match bound {
         Ok(l) => l,
         Err(e) => {
             log::info!(
@@ -656,7 +683,18 @@ fn prometheus_escape(v: &str) -> String {
 pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
     let dev = mount_device(mountpoint)
         .ok_or_else(|| format!("'{}' is not a mount point", mountpoint.display()))?;
-    let path = find_socket(&dev).ok_or_else(|| {
+    // A daemon binds its socket just after its mount appears (`serve`): a tool run right after
+    // a foreground mount (`-f`) waits for it, up to 2 s, rather than report no daemon.
+    let mut path = find_socket(&dev);
+    let since = std::time::Instant::now();
+    while path.is_none()
+        && since.elapsed() < std::time::Duration::from_secs(2)
+        && mount_fstype(mountpoint).as_deref() == Some("fuse.mosaicfs")
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        path = find_socket(&dev);
+    }
+    let path = path.ok_or_else(|| {
         format!(
             "no mosaicfs daemon answers for '{}' (no {} in {}); is it a mosaicfs mount, and \
              yours (a rootless mount's socket is in its user's runtime dir)?",

@@ -783,13 +783,28 @@ impl Overlay {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            && std::fs::metadata(&p).is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino)
         {
-            let _ = std::fs::remove_file(p);
+            // Under the lock a new daemon binds under: checked and removed in one step.
+            let _locked = p.parent().and_then(lock_socket_dir);
+            if std::fs::metadata(&p).is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino) {
+                let _ = std::fs::remove_file(p);
+            }
         }
         self.handles.clear();
         self.dirs.clear();
     }
+}
+
+/// Locks the directory of the control sockets (flock on the directory itself) while held. A
+/// socket is named by its mount's device number, and FUSE device numbers are reused at once:
+/// a new mount's daemon may bind its socket while the daemon of an unmounted one on the same
+/// number exits. The old daemon removes the path only while it is still its own socket; without
+/// this lock, a bind between its check and its unlink lost the new mount its socket ("no
+/// mosaicfs daemon answers", seen with mounts and unmounts in parallel).
+pub fn lock_socket_dir(dir: &Path) -> Option<std::fs::File> {
+    let f = std::fs::File::open(dir).ok()?;
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive).ok()?;
+    Some(f)
 }
 
 fn layers_root_opaque(layers: &LayerStack) -> bool {

@@ -1083,3 +1083,20 @@ fn lower_only_objects_stay_cached_for_lower_cache() {
         m.unmount();
     }
 }
+
+/// A daemon binds its control socket just after its mount appears: `mosaicfs status` run in
+/// that window (right after a foreground mount) waits for the socket instead of saying no
+/// daemon answers (seen on a busy machine; here the window is widened to 600 ms).
+#[test]
+fn status_right_after_a_foreground_mount_waits_for_the_control_socket() {
+    let mut m = Mount::new(1);
+    m.env
+        .push(("MOSAICFS_TEST_SLOW_CONTROL".into(), "600".into()));
+    m.mount();
+    let out = tool(&["status", m.mnt.to_str().unwrap()]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("mount: "),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

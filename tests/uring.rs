@@ -78,12 +78,21 @@ fn requests_travel_over_io_uring_and_data_is_exact() {
         else {
             continue;
         };
-        let status = fs::read_to_string(task.join("status")).unwrap();
-        let cpus = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-            .unwrap();
-        assert_eq!(cpus.trim(), qid, "{comm}");
+        // A worker pins itself as it starts: on a busy machine it may not have run yet.
+        let cpus = || {
+            fs::read_to_string(task.join("status"))
+                .unwrap()
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        let since = std::time::Instant::now();
+        while cpus() != qid && since.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(cpus(), qid, "{comm}");
         ring_threads += 1;
     }
     assert!(ring_threads >= 2, "{ring_threads} ring workers");
