@@ -259,6 +259,10 @@ impl Overlay {
 
     /// The copy-after-write workers, started at the first deferred block.
     pub fn need_caw_workers(&self) {
+        // On the write path: once started, one atomic load and nothing more.
+        if self.caw_started.is_completed() {
+            return;
+        }
         if let Some(me) = self.me.get().and_then(std::sync::Weak::upgrade) {
             self.caw_started.call_once(|| me.start_caw_workers());
         }
@@ -267,6 +271,9 @@ impl Overlay {
     /// Queues a partial file for completion; the worker starts with the first one.
     pub fn register_partial(&self, file: &Arc<crate::file::OpenFile>) {
         self.completer.register(file);
+        if self.completion_started.is_completed() {
+            return;
+        }
         if let Some(me) = self.me.get().and_then(std::sync::Weak::upgrade) {
             self.completion_started.call_once(|| me.start_completion());
         }

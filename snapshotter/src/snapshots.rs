@@ -23,7 +23,7 @@ use containerd_snapshots::api::types::Mount;
 
 use crate::error::SnapError;
 use crate::filter::{Fields, Filter};
-use crate::store::{Kind, Record, Stamp, Store, Txn};
+use crate::store::{Kind, Record, Stamp, Store};
 
 /// Labels containerd (1.7 and later) and nerdctl set to ask for a user-namespaced view of the
 /// layers; they become mosaicfs' `uidmapping=`/`gidmapping=` options, as fuse-overlayfs-snapshotter
@@ -103,7 +103,7 @@ impl Snapshots {
                 "snapshot {key:?} already exists"
             )));
         }
-        let parents = self.parents(&txn, parent)?;
+        let parents = parents_of(|n| txn.get(n), parent)?;
         let id = txn.next_id()?;
         let now = Stamp::now();
         let record = Record {
@@ -166,35 +166,17 @@ impl Snapshots {
         Ok(())
     }
 
-    /// The directory numbers of `parent` and its ancestors, top first.
-    fn parents(&self, txn: &Txn, parent: &str) -> Result<Vec<u64>, SnapError> {
-        let mut ids = Vec::new();
-        let mut name = parent.to_string();
-        while !name.is_empty() {
-            let record = txn.get(&name)?.ok_or_else(|| {
-                SnapError::NotFound(format!("parent snapshot {name:?} does not exist"))
-            })?;
-            if record.kind != Kind::Committed {
-                return Err(SnapError::InvalidArgument(format!(
-                    "parent {name:?} is not a committed snapshot (it is {}): commit it first",
-                    record.kind.name()
-                )));
-            }
-            ids.push(record.id);
-            name = record.parent;
-        }
-        Ok(ids)
-    }
-
     pub fn mounts(&self, key: &str) -> Result<Vec<Mount>, SnapError> {
-        let txn = self.store.write()?;
-        let record = txn.get(key)?.ok_or_else(|| not_found(key))?;
+        // A read view: containerd asks for mounts at every container start, and a snapshot's
+        // parents are committed and cannot go while it exists.
+        let view = self.store.read()?;
+        let record = view.get(key)?.ok_or_else(|| not_found(key))?;
         if record.kind == Kind::Committed {
             return Err(SnapError::FailedPrecondition(format!(
                 "snapshot {key:?} is committed: only active snapshots and views have mounts"
             )));
         }
-        let parents = self.parents(&txn, &record.parent)?;
+        let parents = parents_of(|n| view.get(n), &record.parent)?;
         Ok(self.mounts_of(&record, &parents))
     }
 
@@ -414,6 +396,29 @@ impl Snapshots {
         drop(txn);
         Ok(removed)
     }
+}
+
+/// The directory numbers of `parent` and its ancestors, top first, read with `get`.
+fn parents_of(
+    get: impl Fn(&str) -> Result<Option<Record>, SnapError>,
+    parent: &str,
+) -> Result<Vec<u64>, SnapError> {
+    let mut ids = Vec::new();
+    let mut name = parent.to_string();
+    while !name.is_empty() {
+        let record = get(&name)?.ok_or_else(|| {
+            SnapError::NotFound(format!("parent snapshot {name:?} does not exist"))
+        })?;
+        if record.kind != Kind::Committed {
+            return Err(SnapError::InvalidArgument(format!(
+                "parent {name:?} is not a committed snapshot (it is {}): commit it first",
+                record.kind.name()
+            )));
+        }
+        ids.push(record.id);
+        name = record.parent;
+    }
+    Ok(ids)
 }
 
 /// st_blocks of every inode under `dir` (each hard-linked inode once), and their number.

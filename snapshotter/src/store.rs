@@ -130,8 +130,23 @@ impl Store {
         lookup(&self.snapshots()?, name)
     }
 
+    /// The records as of now, for several reads that must agree (a snapshot and its parents),
+    /// without the writer lock.
+    pub fn read(&self) -> Result<ReadView, SnapError> {
+        Ok(ReadView(self.snapshots()?))
+    }
+
     pub fn all(&self) -> Result<Vec<(String, Record)>, SnapError> {
         collect(&self.snapshots()?)
+    }
+}
+
+/// A consistent view of the records (`Store::read`).
+pub struct ReadView(redb::ReadOnlyTable<&'static str, &'static [u8]>);
+
+impl ReadView {
+    pub fn get(&self, name: &str) -> Result<Option<Record>, SnapError> {
+        lookup(&self.0, name)
     }
 }
 
