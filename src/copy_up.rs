@@ -144,6 +144,7 @@ impl Overlay {
                         let block = self.sparse.block;
                         let mark =
                             PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
+                        self.guard_layer_for_partial_files()?;
                         match mark.store(fd, &self.layers.xattr) {
                             Ok(()) => {}
                             // The mark names the lower path, and a path deep enough does not

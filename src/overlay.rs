@@ -147,6 +147,9 @@ pub struct Overlay {
     me: std::sync::OnceLock<std::sync::Weak<Overlay>>,
     caw_started: std::sync::Once,
     completion_started: std::sync::Once,
+    /// The upper layer's root carries `partial::LAYER_GUARD` (checked at the first partial
+    /// file this mount makes).
+    layer_guarded: std::sync::atomic::AtomicBool,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -247,8 +250,26 @@ impl Overlay {
             me: Default::default(),
             caw_started: std::sync::Once::new(),
             completion_started: std::sync::Once::new(),
+            layer_guarded: std::sync::atomic::AtomicBool::new(false),
             layers,
         })
+    }
+
+    /// Makes sure the upper layer's root carries the guard that keeps fuse-overlayfs from
+    /// reading partial files (`partial::LAYER_GUARD`): called before each partial-file mark
+    /// is written, it costs one atomic load after the first.
+    pub fn guard_layer_for_partial_files(&self) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.layers.memory.is_some() || self.layer_guarded.load(Ordering::Acquire) {
+            // No other overlay reads a memory upper's image.
+            return Ok(());
+        }
+        let root = self.layers.upper_root()?;
+        if !crate::partial::layer_guarded(&root) {
+            crate::partial::guard_layer(&root)?;
+        }
+        self.layer_guarded.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Lets this mount start its background workers when their first job comes (the daemon

@@ -65,6 +65,59 @@ pub fn guard(names: &XattrNames) -> &'static [(&'static str, &'static [u8])] {
     }
 }
 
+/// What fuse-overlayfs 1.10 (Debian 12's, and what containers/storage falls back to) would do
+/// with a partial file: read its holes as zeros, as kernel overlayfs would, and it follows no
+/// metacopy xattr. What it does not survive is an opaque xattr it cannot read: it asks for
+/// `user.fuseoverlayfs.opaque` of every layer's root at mount with a 16-byte buffer, and any
+/// error but "no such xattr" fails the mount ("cannot read upper dir", ERANGE), whether the
+/// layer is its upper or a lower one. So an upper layer holding partial files carries this
+/// value on its root: longer than 16 bytes, and not starting with `y` (mosaicfs and
+/// fuse-overlayfs 2.0 read opaque xattrs by their first byte only, kernel overlayfs never reads
+/// `user.fuseoverlayfs.*`). Set before the first mark of a mount, removed by `mosaicfs
+/// complete` once no partial file is left. docs/FORMAT.md, "The guard of a partial file".
+pub const LAYER_GUARD: (&str, &[u8]) = (
+    "user.fuseoverlayfs.opaque",
+    b"mosaicfs: this layer holds partial files that only mosaicfs reads; run 'mosaicfs complete' \
+on it before mounting it with another overlay",
+);
+
+/// Whether the upper layer's root `root` carries `LAYER_GUARD`.
+pub fn layer_guarded(root: &crate::upper::UpperDir) -> bool {
+    let (key, value) = LAYER_GUARD;
+    root.view()
+        .get_xattr(None, key)
+        .ok()
+        .flatten()
+        .is_some_and(|v| v == value)
+}
+
+/// Sets `LAYER_GUARD` on the upper layer's root `root`. A file system without `user.` xattrs
+/// (or a root the mounting user does not own) cannot hold it: logged, not an error, since the
+/// files' own guard still keeps kernel overlayfs out.
+pub fn guard_layer(root: &crate::upper::UpperDir) -> Result<()> {
+    let (key, value) = LAYER_GUARD;
+    match root.set_xattr(None, std::ffi::OsStr::new(key), value, 0) {
+        Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) || e.is(libc::EACCES) => {
+            log::warn!(
+                "the upper layer's root cannot hold {key} ({e}): fuse-overlayfs given this layer would read the holes of its partial files as zeros"
+            );
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// Removes `LAYER_GUARD` from the upper layer's root `root` (no partial file is left below it).
+pub fn unguard_layer(root: &crate::upper::UpperDir) -> Result<()> {
+    if !layer_guarded(root) {
+        return Ok(());
+    }
+    match root.remove_xattr(None, std::ffi::OsStr::new(LAYER_GUARD.0)) {
+        Err(e) if e.is(libc::ENODATA) => Ok(()),
+        r => r,
+    }
+}
+
 /// Marks are written in v2; v1 (no block size) is read.
 const MARK_VERSION: &str = "v2";
 const MARK_VERSIONS: [&str; 2] = ["v1", "v2"];

@@ -66,11 +66,18 @@ pub fn complete(t: &ToolArgs) -> i32 {
         redirects: t.redirects,
         done: Default::default(),
         left: Vec::new(),
+        partial_left: 0,
     };
     let progress = Progress::start(&run.overlay);
     let visited = run.visit(ROOT_INO, Path::new(""), false);
     drop(progress);
-    if let Err(e) = visited {
+    let unguarded = || -> crate::error::Result<()> {
+        if run.partial_left == 0 && run.overlay.layers.memory.is_none() {
+            crate::partial::unguard_layer(&run.overlay.layers.upper_root()?)?;
+        }
+        Ok(())
+    };
+    if let Err(e) = visited.and_then(|()| unguarded().map_err(|e| format!("upperdir /: {e}"))) {
         eprintln!("mosaicfs complete: {e}");
         return FAILED;
     }
@@ -150,6 +157,9 @@ struct Completion {
     done: Done,
     /// What could not be converted, one line each.
     left: Vec<String>,
+    /// Partial files left partial (their lower file is gone or changed): the layer keeps its
+    /// guard against fuse-overlayfs (`partial::LAYER_GUARD`).
+    partial_left: u64,
 }
 
 impl Completion {
@@ -247,6 +257,7 @@ impl Completion {
         let f = match ov.open_file(node) {
             Ok(f) => f,
             Err(e) if e.is(libc::EIO) => {
+                self.partial_left += 1;
                 self.left.push(format!(
                     "{}: a partial file whose lower file is gone or changed, or whose mark is \
                      damaged (see 'mosaicfs fsck'); kernel overlayfs would read zeros in its holes",
@@ -352,6 +363,8 @@ enum Repair {
     RemoveOrphan(OsString),
     /// Give the partial file at `rel` the guard that makes other overlays refuse it.
     Guard(PathBuf),
+    /// Give the upper layer's root the guard that keeps fuse-overlayfs from the layer.
+    LayerGuard,
 }
 
 struct Check {
@@ -427,6 +440,30 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
     c.walk(Path::new(""))?;
     if let Some((w, _)) = &work {
         c.orphans(w.as_fd())?;
+    }
+    let (guard_key, guard_value) = crate::partial::LAYER_GUARD;
+    let guarded = sys::get_xattr(c.upper.as_fd(), None, guard_key)
+        .map_err(|e| format!("upperdir '{}': {e}", upper_path.display()))?
+        .is_some_and(|v| v == guard_value);
+    if c.partial_files > 0 && !guarded {
+        c.problem(
+            Path::new(""),
+            format!("holds partial files but not {guard_key} (written before mosaicfs guarded layers): fuse-overlayfs given this layer reads their holes as zeros"),
+            "run 'mosaicfs complete' before mounting the layer with another overlay; --repair adds the guard",
+            Some(Repair::LayerGuard),
+        );
+    } else if c.partial_files == 0 && guarded {
+        // Harmless for the data: it only keeps fuse-overlayfs from a layer it could now read.
+        let done = if t.repair {
+            sys::remove_xattr(c.upper.as_fd(), None, guard_key)
+                .map(|()| " (removed)".to_string())
+                .unwrap_or_else(|e| format!(" (removal failed: {e})"))
+        } else {
+            "; --repair removes it".to_string()
+        };
+        println!(
+            "upper /: no partial file left, but {guard_key} still keeps fuse-overlayfs from the layer{done}"
+        );
     }
     let mut repaired = 0;
     for p in &c.problems {
@@ -755,6 +792,10 @@ impl Check {
                     sys::set_xattr(dir.as_fd(), Some(name), key, value, 0)?;
                 }
                 Ok(())
+            }
+            Repair::LayerGuard => {
+                let (key, value) = crate::partial::LAYER_GUARD;
+                sys::set_xattr(self.upper.as_fd(), None, key, value, 0)
             }
             Repair::RemoveOrphan(name) => match work {
                 Some(w) => w.remove_tree(name),

@@ -324,6 +324,111 @@ fn kernel_overlayfs_refuses_a_partial_file_instead_of_reading_zeros() {
     }
 }
 
+/// What fuse-overlayfs 1.x does with the layers of `m` (the upper, or the upper as the top
+/// lower layer under a fresh upper): `Ok(bytes of rel)` when it mounts, `Err(its stderr)` when
+/// it refuses.
+fn fuse_overlayfs_reads(m: &Mount, rel: &str, upper_as_lower: bool) -> Result<Vec<u8>, String> {
+    let d = m.dir.path().join("fuse-overlayfs");
+    let _ = fs::remove_dir_all(&d);
+    for sub in ["work", "mnt", "upper"] {
+        fs::create_dir_all(d.join(sub)).unwrap();
+    }
+    let lowers: Vec<String> = m.lowers.iter().map(|l| l.display().to_string()).collect();
+    let (lowerdir, upperdir) = if upper_as_lower {
+        (
+            format!("{}:{}", m.upper.display(), lowers.join(":")),
+            d.join("upper"),
+        )
+    } else {
+        (lowers.join(":"), m.upper.clone())
+    };
+    let out = Command::new("fuse-overlayfs")
+        .arg("-o")
+        .arg(format!(
+            "lowerdir={lowerdir},upperdir={},workdir={}",
+            upperdir.display(),
+            d.join("work").display()
+        ))
+        .arg(d.join("mnt"))
+        .output()
+        .expect("fuse-overlayfs (tests/deps.sh installs it)");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let bytes = fs::read(d.join("mnt").join(rel));
+    sh(&format!("umount {}", d.join("mnt").display()));
+    Ok(bytes.unwrap())
+}
+
+#[test]
+fn fuse_overlayfs_refuses_a_layer_with_partial_files_instead_of_reading_zeros() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let base = pattern(8 << 20, 7);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), &base);
+    write(m.lower(0).join("g"), &base);
+    m.mount();
+    write_at(m.path("f"), 4_000_000, b"x");
+    m.unmount();
+    let mut want = base.clone();
+    want[4_000_000] = b'x';
+    // Without the layer's guard fuse-overlayfs 1.x mounts and reads the holes as zeros.
+    for upper_as_lower in [false, true] {
+        match fuse_overlayfs_reads(&m, "f", upper_as_lower) {
+            Ok(bytes) => panic!(
+                "fuse-overlayfs (upper as lower: {upper_as_lower}) mounted the layer: {} of {} bytes of f wrong",
+                bytes.iter().zip(&want).filter(|(a, b)| a != b).count(),
+                want.len()
+            ),
+            Err(why) => assert!(
+                why.contains("cannot read upper dir: Numerical result out of range"),
+                "{why}"
+            ),
+        }
+    }
+    // A layer written before the guard: fsck reports it, --repair adds it back.
+    sh(&format!(
+        "setfattr -x user.fuseoverlayfs.opaque {}",
+        m.upper.display()
+    ));
+    let (status, out) = run_tool("fsck", &m, &[]);
+    assert_eq!(status, 4, "{out}");
+    assert!(
+        out.contains("upper /: holds partial files but not user.fuseoverlayfs.opaque"),
+        "{out}"
+    );
+    assert_eq!(run_tool("fsck", &m, &["--repair"]).0, 1);
+    assert!(
+        fuse_overlayfs_reads(&m, "f", false).is_err(),
+        "guarded again"
+    );
+    // What the README says to run before switching: then fuse-overlayfs mounts and reads it.
+    let (status, out) = run_tool("complete", &m, &[]);
+    assert_eq!(status, 0, "{out}");
+    assert_eq!(get_xattr(&m.upper, "user.fuseoverlayfs.opaque"), None);
+    for upper_as_lower in [false, true] {
+        assert!(fuse_overlayfs_reads(&m, "f", upper_as_lower).unwrap() == want);
+    }
+    // The next partial file guards the layer again; the merged view never shows the guard.
+    m.mount();
+    write_at(m.path("f"), 0, b"y");
+    assert_eq!(
+        get_xattr(&m.upper, "user.fuseoverlayfs.opaque"),
+        None,
+        "f is whole"
+    );
+    write_at(m.path("g"), 0, b"y");
+    assert!(
+        get_xattr(&m.upper, "user.fuseoverlayfs.opaque").is_some(),
+        "g is partial"
+    );
+    assert_eq!(get_xattr(&m.mnt, "user.fuseoverlayfs.opaque"), None);
+    m.unmount();
+    assert!(fuse_overlayfs_reads(&m, "g", false).is_err());
+}
+
 #[test]
 fn fsck_finds_a_partial_file_without_its_guard_and_repair_adds_it() {
     if !runs_on_disk_upper_only() {
