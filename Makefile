@@ -4,7 +4,7 @@ SBINDIR ?= /usr/sbin
 MANDIR ?= $(PREFIX)/share/man
 CARGO ?= cargo
 
-.PHONY: build install uninstall demo deps test unit-test integration-test pjdfstest bench clean
+.PHONY: build install uninstall deb static demo deps test unit-test integration-test pjdfstest bench clean
 
 # The snapshotter's gRPC code is generated at build time by protoc (Debian: protobuf-compiler).
 build:
@@ -18,6 +18,7 @@ build:
 install: build
 	install -D -s -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
 	install -D -s -m 0755 target/release/mosaicfs-snapshotter $(DESTDIR)$(PREFIX)/bin/mosaicfs-snapshotter
+	install -d $(DESTDIR)$(SBINDIR)
 	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
 	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse3.mosaicfs
 	install -D -m 0644 docs/mosaicfs.1 $(DESTDIR)$(MANDIR)/man1/mosaicfs.1
@@ -26,6 +27,20 @@ uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs-snapshotter \
 		$(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse3.mosaicfs \
 		$(DESTDIR)$(MANDIR)/man1/mosaicfs.1
+
+# The Debian package (target/debian/mosaicfs_VERSION_ARCH.deb): binaries, mount helpers, man
+# page, docs and examples (fstab, systemd units). packaging/deb.sh.
+deb: build
+	packaging/deb.sh
+
+# Both binaries linked statically (glibc's static-pie: no library needed at run time, any
+# distribution's kernel), stripped, in target/static/.
+STATIC_TARGET := $(shell rustc -vV | sed -n 's/^host: //p')
+static:
+	@command -v protoc >/dev/null || $(MAKE) --no-print-directory build
+	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release --target $(STATIC_TARGET)
+	install -D -s -m 0755 target/$(STATIC_TARGET)/release/mosaicfs target/static/mosaicfs
+	install -D -s -m 0755 target/$(STATIC_TARGET)/release/mosaicfs-snapshotter target/static/mosaicfs-snapshotter
 
 demo: build
 	./demo.sh
@@ -48,6 +63,8 @@ test: deps install
 	# fuse-overlayfs driver running mosaicfs (issue #39).
 	tests/containerd/run.sh target/release
 	tests/docker/run.sh target/release/mosaicfs
+	# The Debian package installed, used and purged; the static binaries (issue #38).
+	tests/package/run.sh
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
 	MOSAICFS_TEST_UPPER=memory $(CARGO) test --release -- --test-threads=2
