@@ -28,6 +28,10 @@ for p in "${owned[@]}"; do
   if [ -e "$p" ] || [ -L "$p" ]; then present+=("$p"); fi
 done
 [ ${#present[@]} -eq 0 ] || tar -cPf "$t/saved.tar" "${present[@]}"
+# The modes of the directories the package installs into, compared at the end: a package
+# test must leave the host as it found it.
+dirs_state() { stat -c '%n %a %U' /usr /usr/bin /usr/sbin /usr/share /usr/share/doc /usr/share/man /usr/share/man/man1; }
+dirs_before=$(dirs_state)
 snap_pid=
 cleanup() {
   [ -n "$snap_pid" ] && kill "$snap_pid" 2>/dev/null && wait "$snap_pid" 2>/dev/null
@@ -136,5 +140,7 @@ if (cd "$top" && make --no-print-directory static > "$t/static.log" 2>&1); then
 else
   failed=$((failed + 1)); echo "FAIL make static"; tail -25 "$t/static.log" | sed 's/^/     /'
 fi
+
+check "the host's directories keep their modes" sh -c '[ "$1" = "$2" ] || { echo "before: $1"; echo "after: $2"; exit 1; }' _ "$dirs_before" "$(dirs_state)"
 
 summary "package test"
