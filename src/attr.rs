@@ -176,6 +176,16 @@ impl Overlay {
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
         self.settled(|| self.at_top_entry(&node, |dir, file| dir.get_xattr_raw(file, name)))
+            .map_err(|e| {
+                // A layer that cannot hold this kind of xattr (squashfs and ACLs) has none of
+                // it: the merged view can. The kernel asks for the ACL at permission checks,
+                // and EOPNOTSUPP there fails the open.
+                if e.is(libc::EOPNOTSUPP) {
+                    errno(libc::ENODATA)
+                } else {
+                    e
+                }
+            })
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
