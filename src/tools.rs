@@ -462,7 +462,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
             "; --repair removes it".to_string()
         };
         println!(
-            "upper /: no partial file left, but {guard_key} still keeps fuse-overlayfs from the layer{done}"
+            "note: upper /: no partial file left, but {guard_key} still keeps fuse-overlayfs from the layer{done}"
         );
     }
     let mut repaired = 0;
