@@ -495,9 +495,12 @@ fn serve(
             .ok()
             .and_then(|ms| ms.parse().ok())
             .map(std::time::Duration::from_millis),
+        notifier: Default::default(),
     };
+    let notifier = fs.notifier.clone();
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
+    let _ = notifier.set(session.notifier());
     if opts.uring == options::Uring::On && session.transport() != "io_uring" {
         return Err(format!(
             "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",

@@ -30,6 +30,8 @@ pub struct MosaicFs {
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
+    /// The session's notifier, once the session is up (daemon.rs sets it).
+    pub notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
 
 fn errno(e: Error) -> Errno {
@@ -138,9 +140,10 @@ fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
 }
 
 fn fopen_flags(io: IoMode, flushes: bool, keep_cache: bool) -> FopenFlags {
-    // FLUSH (sent on every close) only fills copy-after-write blocks, which only a handle
-    // that writes through the daemon can leave; POSIX locks are the kernel's own here.
-    let noflush = if flushes && io == IoMode::Cached {
+    // FLUSH (sent on every close) fills copy-after-write blocks, which only a handle that
+    // writes through the daemon can leave, and after a writer passing through drops the
+    // attributes the kernel cached (`Opened::flushes`); POSIX locks are the kernel's own here.
+    let noflush = if flushes {
         FopenFlags::empty()
     } else {
         FopenFlags::FOPEN_NOFLUSH
@@ -208,14 +211,8 @@ impl MosaicFs {
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
-                    return reply.created_passthrough(
-                        &ttl,
-                        &attr,
-                        generation,
-                        fh,
-                        FopenFlags::FOPEN_NOFLUSH,
-                        id,
-                    );
+                    let flags = fopen_flags(IoMode::Passthrough, opened.flushes, false);
+                    return reply.created_passthrough(&ttl, &attr, generation, fh, flags, id);
                 }
                 Err(io) => {
                     let flags = fopen_flags(io, opened.flushes, opened.keep_cache);
@@ -510,7 +507,8 @@ impl Filesystem for MosaicFs {
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
-                    return reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, id);
+                    let flags = fopen_flags(IoMode::Passthrough, opened.flushes, false);
+                    return reply.opened_passthrough(fh, flags, id);
                 }
                 Err(io) => {
                     return reply.opened(fh, fopen_flags(io, opened.flushes, opened.keep_cache));
@@ -597,12 +595,21 @@ impl Filesystem for MosaicFs {
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        done(reply, self.core.flush(fh.0))
+        match self.core.flush(fh.0) {
+            Ok(written_behind) => {
+                if written_behind && let Some(n) = self.notifier.get() {
+                    // Attributes only (offset < 0): the cached pages are the layer file's own.
+                    let _ = n.inval_inode(ino, -1, 0);
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(errno(e)),
+        }
     }
 
     fn release(

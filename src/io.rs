@@ -477,9 +477,12 @@ impl Overlay {
         let node_two_identities = node.has_two_identities();
         let marked = file.is_marked();
         // Only a partial file can have copy-after-write blocks for FLUSH to fill: a complete
-        // one (every file a container makes) never becomes partial again, so its closes send
-        // no FLUSH (on a memory upper, one request less per file written).
-        let flushes = writable && self.caw.is_some() && file.is_partial();
+        // one (every file a container makes) never becomes partial again. But a writer that
+        // passes through may map the file and write it by page faults, which change the layer
+        // file's times without FUSE hearing of it: its close sends FLUSH, whose answer has the
+        // kernel drop the attributes it cached (fuse.rs `flush`; xfstests generic/080, 215).
+        let flushes = writable
+            && (self.caw.is_some() && file.is_partial() || io == crate::file::IoMode::Passthrough);
         if exec {
             node.state().executing += 1;
         }
@@ -870,8 +873,16 @@ impl Overlay {
     /// close(2) of a descriptor: pending copy-after-write blocks of the file go to disk. An
     /// unmount does not wait for the daemon, so anything still only in memory when the last
     /// descriptor closes could be missed by whatever mounts the layers next (podman commit).
-    pub fn flush(&self, fh: u64) -> Result<()> {
-        self.handle(fh)?.file.flush_pending()
+    /// Writes what the handle `fh` holds back to the file. `Ok(true)` when the kernel may have
+    /// written the file's layer file behind the daemon's back through this handle — a writable
+    /// passthrough handle, whose shared mappings change the layer file's times at each first
+    /// write fault, which FUSE never hears of: the caller has the kernel drop the inode's
+    /// cached attributes (xfstests generic/080 and 215: stat after a mapped write showed the
+    /// old mtime and ctime).
+    pub fn flush(&self, fh: u64) -> Result<bool> {
+        let h = self.handle(fh)?;
+        h.file.flush_pending()?;
+        Ok(h.writable && h.io() == crate::file::IoMode::Passthrough)
     }
 
     /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's).
