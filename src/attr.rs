@@ -213,17 +213,39 @@ impl Overlay {
         Ok(out)
     }
 
-    pub fn setxattr(&self, ino: Ino, name: &OsStr, value: &[u8], flags: i32) -> Result<()> {
+    /// Sets an xattr. `kill_sgid`: the caller, setting an access ACL, is neither in the
+    /// object's group nor holds CAP_FSETID, so the set-group-ID bit goes, as the kernel's
+    /// `posix_acl_update_mode` does for a local file system (the daemon's own credentials
+    /// would keep it).
+    pub fn setxattr(
+        &self,
+        ino: Ino,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        kill_sgid: bool,
+    ) -> Result<()> {
         self.check_xattr_name(name)?;
         self.check_writable()?;
         let stored = self.stored_name(name).ok_or_else(|| errno(libc::EPERM))?;
-        let name = OsStr::from_bytes(&stored);
+        let stored = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
-            dir.set_xattr(file.as_deref(), name, value, flags)
-        })
+            dir.set_xattr(file.as_deref(), stored, value, flags)
+        })?;
+        if kill_sgid && name == crate::acl::ACCESS {
+            let mode = self.getattr(ino)?.mode;
+            if mode & libc::S_ISGID != 0 {
+                let set = SetAttr {
+                    mode: Some(mode & 0o7777 & !libc::S_ISGID),
+                    ..Default::default()
+                };
+                self.setattr(ino, set, &crate::overlay::Caller::root())?;
+            }
+        }
+        Ok(())
     }
 
     pub fn removexattr(&self, ino: Ino, name: &OsStr) -> Result<()> {

@@ -267,7 +267,9 @@ impl Filesystem for MosaicFs {
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2
             // open(O_TRUNC) truncates in OPEN (io.rs `open`): no SETATTR after it, and a
             // lower or partial file opened with O_TRUNC is passthrough at once.
-            | InitFlags::FUSE_ATOMIC_O_TRUNC;
+            | InitFlags::FUSE_ATOMIC_O_TRUNC
+            // Tells which ACL changes clear the set-group-ID bit (`setxattr_ext`).
+            | InitFlags::FUSE_SETXATTR_EXT;
         if self.core.config.acl {
             // DONT_MASK: the kernel hands over the mode unmasked with the umask, and the
             // creation applies the umask only where the parent has no default ACL (the upper
@@ -750,17 +752,24 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    fn setxattr(
+    fn setxattr_ext(
         &self,
         _req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
         flags: i32,
+        setxattr_flags: u32,
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        done(reply, self.core.setxattr(ino.0, name, value, flags))
+        // The daemon sets the ACL with its own credentials, which keep the set-group-ID bit:
+        // the kernel says when the caller's would not have (FUSE_SETXATTR_EXT).
+        let kill_sgid = setxattr_flags & fuser::FUSE_SETXATTR_ACL_KILL_SGID != 0;
+        done(
+            reply,
+            self.core.setxattr(ino.0, name, value, flags, kill_sgid),
+        )
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {

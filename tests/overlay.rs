@@ -893,6 +893,38 @@ fn posix_acls_are_stored_and_enforced() {
     assert!(!out.status.success(), "no ACL entry, mode 600: denied");
 }
 
+/// generic/375: an owner who is not in the object's group (and lacks CAP_FSETID) setting an
+/// access ACL loses the set-group-ID bit, as chmod would take it; a group member keeps it. The
+/// daemon sets ACLs with credentials that keep it, so the kernel's word (FUSE_SETXATTR_EXT's
+/// kill-sgid flag) decides.
+#[test]
+fn setting_an_acl_clears_set_group_id_for_an_owner_outside_the_group() {
+    use std::os::unix::process::CommandExt;
+    let m = Mount::with(|l| {
+        write(l.join("lower"), "x");
+        fs::create_dir(l.join("dir")).unwrap();
+    });
+    write(m.path("new"), "x");
+    for name in ["new", "lower", "dir"] {
+        let p = m.path(name);
+        std::os::unix::fs::chown(&p, Some(100), Some(100)).unwrap();
+        for (gid, keeps) in [(100, true), (101, false)] {
+            fs::set_permissions(&p, fs::Permissions::from_mode(0o2755)).unwrap();
+            let out = std::process::Command::new("setfacl")
+                .args(["-m", "u::rwx,g::rwx,o::rwx"])
+                .arg(&p)
+                .uid(100)
+                .gid(gid)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{name}: {out:?}");
+            let mode = fs::metadata(&p).unwrap().mode() & 0o7777;
+            let want = if keeps { 0o2777 } else { 0o777 };
+            assert_eq!(mode, want, "{name}, caller's group {gid}: mode {mode:o}");
+        }
+    }
+}
+
 /// generic/319: in a directory with a default ACL, the ACL decides a new object's group bits
 /// and the umask plays no part, also for a name that held a lower file (built in the work dir,
 /// away from the ACL), as on kernel overlayfs. Without a default ACL the umask applies.

@@ -46,6 +46,8 @@ pub use crate::ll::flags::ioctl_flags::IoctlFlags;
 pub use crate::ll::flags::poll_flags::PollFlags;
 pub use crate::ll::flags::write_flags::WriteFlags;
 pub use crate::ll::fuse_abi::consts;
+/// mosaicfs patch: the flag of `Filesystem::setxattr_ext`.
+pub use crate::ll::fuse_abi::FUSE_SETXATTR_ACL_KILL_SGID;
 pub use crate::ll::request::FileHandle;
 pub use crate::ll::request::INodeNo;
 pub use crate::ll::request::LockOwner;
@@ -818,6 +820,25 @@ pub trait Filesystem: Send + Sync + 'static {
             flags: {flags:#x?}, position: {position})"
         );
         reply.error(Errno::ENOSYS);
+    }
+
+    /// mosaicfs patch: `setxattr` with FUSE_SETXATTR_EXT's `setxattr_flags`
+    /// (`FUSE_SETXATTR_ACL_KILL_SGID`); 0 when the extension is off. Calls `setxattr` unless
+    /// overridden.
+    #[allow(clippy::too_many_arguments)]
+    fn setxattr_ext(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        setxattr_flags: u32,
+        position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let _ = setxattr_flags;
+        self.setxattr(req, ino, name, value, flags, position, reply);
     }
 
     /// Get an extended attribute.

@@ -384,12 +384,13 @@ impl<'a> RequestWithSender<'a> {
                 filesystem.statfs(self.request_header(), self.request.nodeid(), self.reply());
             }
             ll::Operation::SetXAttr(x) => {
-                filesystem.setxattr(
+                filesystem.setxattr_ext(
                     self.request_header(),
                     self.request.nodeid(),
                     x.name(),
                     x.value(),
                     x.flags(),
+                    x.setxattr_flags(),
                     x.position(),
                     self.reply(),
                 );

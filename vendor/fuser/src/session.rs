@@ -567,6 +567,12 @@ impl<FS: Filesystem> Session<FS> {
 
             // Remember the ABI version supported by kernel and mark the session initialized.
             self.proto_version = Some(v);
+            // mosaicfs patch: SETXATTR requests grow by `fuse_setxattr_in_ext` from now on.
+            crate::ll::request::SETXATTR_EXT.store(
+                config.requested.contains(InitFlags::FUSE_SETXATTR_EXT)
+                    && init.capabilities().contains(InitFlags::FUSE_SETXATTR_EXT),
+                std::sync::atomic::Ordering::Relaxed,
+            );
 
             // Log capability status for debugging
             for bit in 0..64 {

@@ -518,6 +518,18 @@ pub(crate) struct fuse_setxattr_in {
     pub(crate) padding: u32,
 }
 
+/// mosaicfs patch: what follows `fuse_setxattr_in` once `FUSE_SETXATTR_EXT` is negotiated.
+#[repr(C)]
+#[derive(Debug, FromBytes, KnownLayout, Immutable)]
+pub(crate) struct fuse_setxattr_in_ext {
+    pub(crate) setxattr_flags: u32,
+    pub(crate) padding: u32,
+}
+
+/// `setxattr_flags`: the kernel found the caller neither in the file's group nor holding
+/// CAP_FSETID while setting a POSIX ACL: the set-group-ID bit is to be cleared.
+pub const FUSE_SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
+
 #[repr(C)]
 #[derive(Debug, FromBytes, KnownLayout, Immutable)]
 pub(crate) struct fuse_getxattr_in {

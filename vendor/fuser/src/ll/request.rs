@@ -25,6 +25,12 @@ use crate::ll::fuse_abi as abi;
 use crate::ll::fuse_abi::fuse_in_header;
 use crate::ll::fuse_abi::fuse_opcode;
 
+/// mosaicfs patch: whether this process negotiated FUSE_SETXATTR_EXT (set at INIT,
+/// session.rs): SETXATTR requests then carry `fuse_setxattr_in_ext` after the usual header.
+/// One FUSE session per process, as in the mosaicfs daemon.
+pub(crate) static SETXATTR_EXT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// Error that may occur while reading and parsing a request from the kernel driver.
 #[derive(Debug)]
 pub(crate) enum RequestError {
@@ -853,10 +859,16 @@ mod op {
         #[expect(dead_code)]
         header: &'a fuse_in_header,
         arg: &'a fuse_setxattr_in,
+        /// mosaicfs patch: `fuse_setxattr_in_ext::setxattr_flags`, 0 without the extension.
+        setxattr_flags: u32,
         name: &'a OsStr,
         value: &'a [u8],
     }
     impl<'a> SetXAttr<'a> {
+        /// mosaicfs patch: FUSE_SETXATTR_EXT's flags (`FUSE_SETXATTR_ACL_KILL_SGID`).
+        pub(crate) fn setxattr_flags(&self) -> u32 {
+            self.setxattr_flags
+        }
         pub(crate) fn name(&self) -> &'a OsStr {
             self.name
         }
@@ -1742,9 +1754,17 @@ mod op {
                 arg: data.fetch()?,
             }),
             fuse_opcode::FUSE_SETXATTR => Operation::SetXAttr({
+                let arg: &fuse_setxattr_in = data.fetch()?;
+                // mosaicfs patch: the request is longer once FUSE_SETXATTR_EXT is on.
+                let setxattr_flags = if super::SETXATTR_EXT.load(std::sync::atomic::Ordering::Relaxed) {
+                    data.fetch::<fuse_setxattr_in_ext>()?.setxattr_flags
+                } else {
+                    0
+                };
                 let out = SetXAttr {
                     header,
-                    arg: data.fetch()?,
+                    arg,
+                    setxattr_flags,
                     name: data.fetch_str()?,
                     value: data.fetch_all(),
                 };
