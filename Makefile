@@ -65,6 +65,8 @@ test: deps install
 	tests/docker/run.sh target/release/mosaicfs
 	# The Debian package installed, used and purged; the static binaries (issue #38).
 	tests/package/run.sh
+	# xfstests' generic tests that take under 10 s here (issue #40; tests/xfstests/expected).
+	tests/xfstests/run.sh --quick
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
 	MOSAICFS_TEST_UPPER=memory $(CARGO) test --release -- --test-threads=2
