@@ -879,7 +879,7 @@ impl Filesystem for MosaicFs {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -887,6 +887,11 @@ impl Filesystem for MosaicFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        done(reply, self.core.fallocate(fh.0, offset, length, mode))
+        // Root is taken to hold CAP_FSETID, as for the set-id bits of new files.
+        let kill_privs = req.uid() != 0;
+        done(
+            reply,
+            self.core.fallocate(fh.0, offset, length, mode, kill_privs),
+        )
     }
 }

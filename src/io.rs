@@ -856,10 +856,23 @@ impl Overlay {
         Ok(file)
     }
 
-    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> Result<()> {
+    /// fallocate(2) on the handle `fh`. `kill_privs`: the caller is unprivileged, so set-id
+    /// bits and file capabilities go as on a write (FUSE_HANDLE_KILLPRIV_V2 leaves that to the
+    /// daemon, and FALLOCATE carries no flag for it; xfstests generic/683-685, 688).
+    pub fn fallocate(
+        &self,
+        fh: u64,
+        off: u64,
+        len: u64,
+        mode: i32,
+        kill_privs: bool,
+    ) -> Result<()> {
         let h = self.handle(fh)?;
         self.check_writable()?;
         let mode = FallocateFlags::from_bits(mode as _).ok_or_else(|| errno(libc::EOPNOTSUPP))?;
+        if kill_privs {
+            self.kill_privs(&h.node, &h.file)?;
+        }
         self.ensure_upper(&h.node, &h.file)?;
         let mut data = h.file.write_data();
         match &mut *data {
@@ -873,7 +886,7 @@ impl Overlay {
     /// close(2) of a descriptor: pending copy-after-write blocks of the file go to disk. An
     /// unmount does not wait for the daemon, so anything still only in memory when the last
     /// descriptor closes could be missed by whatever mounts the layers next (podman commit).
-    /// Writes what the handle `fh` holds back to the file. `Ok(true)` when the kernel may have
+    /// `Ok(true)` when the kernel may have
     /// written the file's layer file behind the daemon's back through this handle — a writable
     /// passthrough handle, whose shared mappings change the layer file's times at each first
     /// write fault, which FUSE never hears of: the caller has the kernel drop the inode's

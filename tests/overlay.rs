@@ -1540,8 +1540,21 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
         write(l.join("trunc"), "x");
         write(l.join("otrunc"), "x");
         write(l.join("otrunc-root"), "x");
+        write(l.join("falloc"), "x");
+        write(l.join("falloc-root"), "x");
     });
-    for f in ["byuser", "byroot", "trunc", "otrunc", "otrunc-root"] {
+    write(m.path("falloc-new"), "x");
+    let all = [
+        "byuser",
+        "byroot",
+        "trunc",
+        "otrunc",
+        "otrunc-root",
+        "falloc",
+        "falloc-root",
+        "falloc-new",
+    ];
+    for f in all {
         fs::set_permissions(m.path(f), fs::Permissions::from_mode(0o6777)).unwrap();
     }
     let as_user = |cmd: &str| {
@@ -1587,6 +1600,24 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
         "root keeps them"
     );
     assert_eq!(fs::read_to_string(m.path("otrunc")).unwrap(), "new\n");
+    // fallocate too (xfstests generic/683): FALLOCATE carries no kill flag, the daemon decides.
+    for f in ["falloc", "falloc-new"] {
+        as_user(&format!("fallocate -l 8192 {}", m.path(f).display()));
+        assert_eq!(
+            fs::metadata(m.path(f)).unwrap().mode() & 0o7777,
+            0o0777,
+            "{f}"
+        );
+    }
+    sh(&format!(
+        "fallocate -l 8192 {}",
+        m.path("falloc-root").display()
+    ));
+    assert_eq!(
+        fs::metadata(m.path("falloc-root")).unwrap().mode() & 0o7777,
+        0o6777,
+        "root keeps them"
+    );
 }
 
 #[test]
