@@ -477,12 +477,13 @@ impl Overlay {
         let node_two_identities = node.has_two_identities();
         let marked = file.is_marked();
         // Only a partial file can have copy-after-write blocks for FLUSH to fill: a complete
-        // one (every file a container makes) never becomes partial again. But a writer that
-        // passes through may map the file and write it by page faults, which change the layer
-        // file's times without FUSE hearing of it: its close sends FLUSH, whose answer has the
-        // kernel drop the attributes it cached (fuse.rs `flush`; xfstests generic/080, 215).
-        let flushes = writable
-            && (self.caw.is_some() && file.is_partial() || io == crate::file::IoMode::Passthrough);
+        // one (every file a container makes) never becomes partial again. But a reader and
+        // writer that passes through may map the file shared and write it by page faults,
+        // which change the layer file's times without FUSE hearing of it: its close sends
+        // FLUSH, whose answer has the kernel drop the attributes it cached (fuse.rs `flush`;
+        // xfstests generic/080, 215). A write-only handle cannot be mapped (untar's opens).
+        let mappable = acc == libc::O_RDWR && io == crate::file::IoMode::Passthrough;
+        let flushes = writable && (self.caw.is_some() && file.is_partial() || mappable);
         if exec {
             node.state().executing += 1;
         }

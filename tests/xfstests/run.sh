@@ -45,16 +45,29 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The users xfstests runs unprivileged steps as (its README: fsgqa, fsgqa2, 123456-fsgqa),
+# made here for the run and removed after it when this machine had none.
+made_users=()
+for u in fsgqa fsgqa2 123456-fsgqa; do
+  if ! id "$u" >/dev/null 2>&1; then
+    useradd -M -d / -U "$u" && made_users+=("$u")
+  fi
+done
+
 # The layers' file systems and the mount points.
 mnt_of() { echo "$work/$1-layers"; }
-cleanup() {
+unmount_all() {
   for d in "$work/test" "$work/scratch" "$(mnt_of test)" "$(mnt_of scratch)"; do
     while mountpoint -q "$d"; do umount "$d" 2>/dev/null || umount -l "$d"; done
   done
+}
+cleanup() {
+  unmount_all
   rm -f "$work"/*.img
+  for u in "${made_users[@]}"; do userdel "$u" 2>/dev/null; done
 }
 [ -n "${XFSTESTS_KEEP:-}" ] || trap cleanup EXIT
-cleanup
+unmount_all
 for dev in test scratch; do
   img=$work/$dev.img
   rm -f "$img"
