@@ -495,12 +495,15 @@ fn serve(
             .ok()
             .and_then(|ms| ms.parse().ok())
             .map(std::time::Duration::from_millis),
-        notifier: Default::default(),
     };
-    let notifier = fs.notifier.clone();
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
-    let _ = notifier.set(session.notifier());
+    let notifier = session.notifier();
+    let _ = control.attrs_changed.set(Box::new(move |ino| {
+        // Attributes only (offset < 0): the cached pages stay. ENOENT: the kernel holds no
+        // inode for it, so nothing is cached.
+        let _ = notifier.inval_inode(fuser::INodeNo(ino), -1, 0);
+    }));
     if opts.uring == options::Uring::On && session.transport() != "io_uring" {
         return Err(format!(
             "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",

@@ -30,8 +30,6 @@ pub struct MosaicFs {
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
-    /// The session's notifier, once the session is up (daemon.rs sets it).
-    pub notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
 
 fn errno(e: Error) -> Errno {
@@ -554,7 +552,7 @@ impl Filesystem for MosaicFs {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -564,8 +562,10 @@ impl Filesystem for MosaicFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let kill_privs = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        match self.core.write(fh.0, offset, data, kill_privs) {
+        let kill_privs = write_flags
+            .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
+            .then(|| caller(req, 0));
+        match self.core.write(fh.0, offset, data, kill_privs.as_ref()) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -584,11 +584,15 @@ impl Filesystem for MosaicFs {
         _flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
-        let kill_privs = req.uid() != 0;
-        match self
-            .core
-            .copy_range(fh_in.0, offset_in, fh_out.0, offset_out, len, kill_privs)
-        {
+        let kill_privs = (req.uid() != 0).then(|| caller(req, 0));
+        match self.core.copy_range(
+            fh_in.0,
+            offset_in,
+            fh_out.0,
+            offset_out,
+            len,
+            kill_privs.as_ref(),
+        ) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -597,21 +601,12 @@ impl Filesystem for MosaicFs {
     fn flush(
         &self,
         _req: &Request,
-        ino: INodeNo,
+        _ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        match self.core.flush(fh.0) {
-            Ok(written_behind) => {
-                if written_behind && let Some(n) = self.notifier.get() {
-                    // Attributes only (offset < 0): the cached pages are the layer file's own.
-                    let _ = n.inval_inode(ino, -1, 0);
-                }
-                reply.ok()
-            }
-            Err(e) => reply.error(errno(e)),
-        }
+        done(reply, self.core.flush(fh.0))
     }
 
     fn release(
@@ -888,10 +883,10 @@ impl Filesystem for MosaicFs {
         reply: ReplyEmpty,
     ) {
         // Root is taken to hold CAP_FSETID, as for the set-id bits of new files.
-        let kill_privs = req.uid() != 0;
-        done(
-            reply,
-            self.core.fallocate(fh.0, offset, length, mode, kill_privs),
-        )
+        let kill_privs = (req.uid() != 0).then(|| caller(req, 0));
+        let r = self
+            .core
+            .fallocate(fh.0, offset, length, mode, kill_privs.as_ref());
+        done(reply, r)
     }
 }

@@ -16,7 +16,7 @@ use crate::handles::Handle;
 use crate::inode::{Ino, Node};
 use crate::layers::{LayerId, UPPER};
 use crate::options::PassthroughPolicy;
-use crate::overlay::Overlay;
+use crate::overlay::{Caller, Overlay};
 use crate::partial::{BlockMap, PartialMark};
 use crate::partial_file::{PartialFile, Source};
 use crate::sys::{self};
@@ -398,7 +398,7 @@ impl Overlay {
             // Truncated to 0, the file is complete: no partial file for the reserve to count.
             let file = self.truncate(&node, 0)?;
             if kill_privs {
-                self.kill_privs(&node, &file)?;
+                self.kill_privs(&node, &file, None)?;
             }
             file
         } else {
@@ -703,10 +703,16 @@ impl Overlay {
 
     /// Writes through handle `fh`. `kill_privs`: the writer lacks CAP_FSETID, so set-id bits
     /// and file capabilities go, as the VFS would do (FUSE_HANDLE_KILLPRIV_V2).
-    pub fn write(&self, fh: u64, off: u64, data: &[u8], kill_privs: bool) -> Result<u32> {
+    pub fn write(
+        &self,
+        fh: u64,
+        off: u64,
+        data: &[u8],
+        kill_privs: Option<&Caller>,
+    ) -> Result<u32> {
         let h = self.handle(fh)?;
-        if kill_privs {
-            self.kill_privs(&h.node, &h.file)?;
+        if let Some(caller) = kill_privs {
+            self.kill_privs(&h.node, &h.file, Some(caller))?;
         }
         self.stats.writes.add(1);
         self.stats.write_bytes.add(data.len() as u64);
@@ -760,7 +766,7 @@ impl Overlay {
         fh_out: u64,
         off_out: u64,
         len: u64,
-        kill_privs: bool,
+        kill_privs: Option<&Caller>,
     ) -> Result<u32> {
         const CHUNK: u64 = 1 << 20;
         let src = self.handle(fh_in)?;
@@ -782,9 +788,12 @@ impl Overlay {
         Ok(done as u32)
     }
 
-    /// Clears set-user-id, set-group-id (when group-executable) and file capabilities of a file
-    /// being written or truncated by an unprivileged caller, as the VFS does for local files.
-    pub fn kill_privs(&self, node: &Node, file: &OpenFile) -> Result<()> {
+    /// Clears set-user-id, set-group-id and file capabilities of a file being written or
+    /// truncated by an unprivileged caller, as the VFS does for local files
+    /// (`setattr_should_drop_suidgid`): set-group-id goes when the file is group-executable,
+    /// or when `caller` (when known) is not in the file's group. The kernel's cached
+    /// attributes are dropped when the mode changed (`attrs_changed_behind`).
+    pub fn kill_privs(&self, node: &Node, file: &OpenFile, caller: Option<&Caller>) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
         let lower_has_setid = match &*self.opened_data(file)? {
             FileData::Lower(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
@@ -804,7 +813,10 @@ impl Overlay {
         let before = privs.mode(&f)?;
         let mut mode = before;
         mode &= !libc::S_ISUID;
-        if mode & libc::S_IXGRP != 0 {
+        if mode & libc::S_ISGID != 0
+            && (mode & libc::S_IXGRP != 0
+                || caller.is_some_and(|c| !in_group(c, self.getattr_of(node).map(|a| a.gid))))
+        {
             mode &= !libc::S_ISGID;
         }
         if mode != before {
@@ -817,6 +829,7 @@ impl Overlay {
             } else {
                 f.chmod(mode)?;
             }
+            self.attrs_changed_behind(node.ino);
         }
         let capability = privs.capability;
         match f.remove_xattr(capability) {
@@ -866,13 +879,13 @@ impl Overlay {
         off: u64,
         len: u64,
         mode: i32,
-        kill_privs: bool,
+        kill_privs: Option<&Caller>,
     ) -> Result<()> {
         let h = self.handle(fh)?;
         self.check_writable()?;
         let mode = FallocateFlags::from_bits(mode as _).ok_or_else(|| errno(libc::EOPNOTSUPP))?;
-        if kill_privs {
-            self.kill_privs(&h.node, &h.file)?;
+        if let Some(caller) = kill_privs {
+            self.kill_privs(&h.node, &h.file, Some(caller))?;
         }
         self.ensure_upper(&h.node, &h.file)?;
         let mut data = h.file.write_data();
@@ -887,16 +900,17 @@ impl Overlay {
     /// close(2) of a descriptor: pending copy-after-write blocks of the file go to disk. An
     /// unmount does not wait for the daemon, so anything still only in memory when the last
     /// descriptor closes could be missed by whatever mounts the layers next (podman commit).
-    /// `Ok(true)` when the kernel may have
-    /// written the file's layer file behind the daemon's back through this handle — a writable
-    /// passthrough handle, whose shared mappings change the layer file's times at each first
-    /// write fault, which FUSE never hears of: the caller has the kernel drop the inode's
-    /// cached attributes (xfstests generic/080 and 215: stat after a mapped write showed the
-    /// old mtime and ctime).
-    pub fn flush(&self, fh: u64) -> Result<bool> {
+    /// A writable passthrough handle may have written the layer file behind the daemon's back:
+    /// shared mappings change its times at each first write fault, which FUSE never hears of,
+    /// so the kernel drops the inode's cached attributes (xfstests generic/080 and 215: stat
+    /// after a mapped write showed the old mtime and ctime).
+    pub fn flush(&self, fh: u64) -> Result<()> {
         let h = self.handle(fh)?;
         h.file.flush_pending()?;
-        Ok(h.writable && h.io() == crate::file::IoMode::Passthrough)
+        if h.writable && h.io() == crate::file::IoMode::Passthrough {
+            self.attrs_changed_behind(h.node.ino);
+        }
+        Ok(())
     }
 
     /// SEEK_DATA and SEEK_HOLE on the merged content (other whences are the kernel's).
@@ -1034,4 +1048,20 @@ impl Overlay {
                 });
         }
     }
+}
+
+/// Whether `caller` is in group `gid` (the object's, when it could be read): its fsgid or one
+/// of its supplementary groups, as the kernel's `in_group_p`. A caller whose groups cannot be
+/// read (it is gone) counts as outside: clearing set-group-id is the safe side.
+fn in_group(caller: &Caller, gid: Result<u32>) -> bool {
+    let Ok(gid) = gid else { return false };
+    if caller.gid == gid {
+        return true;
+    }
+    std::fs::read_to_string(format!("/proc/{}/status", caller.pid)).is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Groups:"))
+            .is_some_and(|g| g.split_whitespace().any(|x| x.parse() == Ok(gid)))
+    })
 }

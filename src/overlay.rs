@@ -150,6 +150,9 @@ pub struct Overlay {
     /// The upper layer's root carries `partial::LAYER_GUARD` (checked at the first partial
     /// file this mount makes).
     layer_guarded: std::sync::atomic::AtomicBool,
+    /// Tells the kernel that an inode's attributes changed without a reply saying so (the
+    /// FUSE session's notifier, set by the daemon; tools that never mount have none).
+    pub attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino) + Send + Sync>>,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -251,8 +254,17 @@ impl Overlay {
             caw_started: std::sync::Once::new(),
             completion_started: std::sync::Once::new(),
             layer_guarded: std::sync::atomic::AtomicBool::new(false),
+            attrs_changed: std::sync::OnceLock::new(),
             layers,
         })
+    }
+
+    /// Has the kernel drop the cached attributes of `ino`, changed by the daemon where no reply
+    /// carries them (a set-id bit cleared before a write, a mapped write's times).
+    pub fn attrs_changed_behind(&self, ino: Ino) {
+        if let Some(tell) = self.attrs_changed.get() {
+            tell(ino);
+        }
     }
 
     /// Makes sure the upper layer's root carries the guard that keeps fuse-overlayfs from

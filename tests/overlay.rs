@@ -1532,6 +1532,23 @@ fn paths_reused_after_directory_renames_and_removals_reach_the_new_directory() {
     assert_eq!(names(m.path("moved2/sub")), ["one"]);
 }
 
+/// The permission bits stat(1) shows for `%a`: a statx asking for the mode only, which FUSE
+/// answers from the attributes it cached (std's metadata asks for the birth time too, which
+/// always goes to the daemon and would hide a stale cache).
+fn mode_shown(p: &Path) -> u32 {
+    let path = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statx with a NUL-terminated path and a zeroed statx buffer it fills.
+    let stx = unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        assert_eq!(
+            libc::statx(libc::AT_FDCWD, path.as_ptr(), 0, libc::STATX_MODE, &mut stx),
+            0
+        );
+        stx
+    };
+    u32::from(stx.stx_mode) & 0o7777
+}
+
 #[test]
 fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
     let m = Mount::with(|l| {
@@ -1567,35 +1584,22 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
         assert!(st.success(), "{cmd}");
     };
     as_user(&format!("echo more >> {}", m.path("byuser").display()));
-    assert_eq!(
-        fs::metadata(m.path("byuser")).unwrap().mode() & 0o7777,
-        0o0777
-    );
+    assert_eq!(mode_shown(&m.path("byuser")), 0o0777);
     let mut f = fs::OpenOptions::new()
         .append(true)
         .open(m.path("byroot"))
         .unwrap();
     f.write_all(b"root").unwrap();
     drop(f);
-    assert_eq!(
-        fs::metadata(m.path("byroot")).unwrap().mode() & 0o7777,
-        0o6777,
-        "root keeps them"
-    );
+    assert_eq!(mode_shown(&m.path("byroot")), 0o6777, "root keeps them");
     as_user(&format!("truncate -s 0 {}", m.path("trunc").display()));
-    assert_eq!(
-        fs::metadata(m.path("trunc")).unwrap().mode() & 0o7777,
-        0o0777
-    );
+    assert_eq!(mode_shown(&m.path("trunc")), 0o0777);
     // open(O_TRUNC) truncates in the OPEN request (FUSE_ATOMIC_O_TRUNC): same rules.
     as_user(&format!("echo new > {}", m.path("otrunc").display()));
-    assert_eq!(
-        fs::metadata(m.path("otrunc")).unwrap().mode() & 0o7777,
-        0o0777
-    );
+    assert_eq!(mode_shown(&m.path("otrunc")), 0o0777);
     write(m.path("otrunc-root"), "root");
     assert_eq!(
-        fs::metadata(m.path("otrunc-root")).unwrap().mode() & 0o7777,
+        mode_shown(&m.path("otrunc-root")),
         0o6777,
         "root keeps them"
     );
@@ -1603,21 +1607,37 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
     // fallocate too (xfstests generic/683): FALLOCATE carries no kill flag, the daemon decides.
     for f in ["falloc", "falloc-new"] {
         as_user(&format!("fallocate -l 8192 {}", m.path(f).display()));
-        assert_eq!(
-            fs::metadata(m.path(f)).unwrap().mode() & 0o7777,
-            0o0777,
-            "{f}"
-        );
+        assert_eq!(mode_shown(&m.path(f)), 0o0777, "{f}");
     }
     sh(&format!(
         "fallocate -l 8192 {}",
         m.path("falloc-root").display()
     ));
     assert_eq!(
-        fs::metadata(m.path("falloc-root")).unwrap().mode() & 0o7777,
+        mode_shown(&m.path("falloc-root")),
         0o6777,
         "root keeps them"
     );
+    // Set-group-id without group execute goes only for a caller outside the file's group
+    // (root's group here), as on a local file system.
+    for (f, gid, want) in [("sgid-out", 1000, 0o0666), ("sgid-in", 0, 0o2666)] {
+        write(m.path(f), "x");
+        fs::set_permissions(m.path(f), fs::Permissions::from_mode(0o2666)).unwrap();
+        let st = std::process::Command::new("sh")
+            .args([
+                "-c",
+                &format!(
+                    "echo more >> {0}; fallocate -l 8192 {0}",
+                    m.path(f).display()
+                ),
+            ])
+            .uid(1000)
+            .gid(gid)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        assert_eq!(mode_shown(&m.path(f)), want, "{f}");
+    }
 }
 
 #[test]
