@@ -1142,6 +1142,45 @@ fn fsync_flock_and_fcntl_locks_work() {
     fs::File::open(m.mnt.clone()).unwrap().sync_all().unwrap();
 }
 
+/// Maps the first `len` bytes of `f` (a file at least that long) shared and writable, stores
+/// `byte` at `at` through the mapping, msyncs it when `sync`, and unmaps it.
+fn write_through_map(f: &fs::File, len: usize, at: usize, byte: u8, sync: bool) {
+    // SAFETY: a fresh shared mapping of `len` bytes of `f`, written inside its bounds and
+    // unmapped before returning, while `f` stays open.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(f),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        *(p as *mut u8).add(at) = byte;
+        if sync {
+            assert_eq!(libc::msync(p, len, libc::MS_SYNC), 0);
+        }
+        libc::munmap(p, len);
+    }
+}
+
+/// What stat(1) shows: a statx asking for `mask` only, which FUSE answers from the attributes
+/// it cached (std's metadata asks for the birth time too, which always goes to the daemon and
+/// would hide a stale cache).
+fn statx_shown(p: &Path, mask: u32) -> libc::statx {
+    let path = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statx with a NUL-terminated path and a zeroed statx buffer it fills.
+    unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        assert_eq!(
+            libc::statx(libc::AT_FDCWD, path.as_ptr(), 0, mask, &mut stx),
+            0
+        );
+        stx
+    }
+}
+
 #[test]
 fn shared_writable_mmap_reaches_the_file() {
     let m = Mount::with(|l| write(l.join("f"), vec![b'a'; 8192]));
@@ -1150,21 +1189,7 @@ fn shared_writable_mmap_reaches_the_file() {
         .write(true)
         .open(m.path("f"))
         .unwrap();
-    // SAFETY: mapping 8192 bytes of a file of that size, unmapped below before the file closes.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            8192,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&f),
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        *(p as *mut u8).add(5000) = b'Z';
-        assert_eq!(libc::msync(p, 8192, libc::MS_SYNC), 0);
-        libc::munmap(p, 8192);
-    }
+    write_through_map(&f, 8192, 5000, b'Z', true);
     drop(f);
     let data = fs::read(m.path("f")).unwrap();
     assert_eq!(data[5000], b'Z');
@@ -1179,21 +1204,8 @@ fn shared_writable_mmap_reaches_the_file() {
 fn a_write_through_a_shared_mapping_updates_mtime_and_ctime() {
     let m = Mount::with(|l| write(l.join("lower"), vec![b'a'; 8192]));
     write(m.path("new"), vec![b'a'; 8192]);
-    // Asking for the times only, as stat(1) does for `%Y`: FUSE answers such a statx from the
-    // attributes it cached (std's metadata asks for the birth time too, which it always asks
-    // the daemon for).
     let times = |p: &Path| {
-        let path = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: statx with a NUL-terminated path and a zeroed statx buffer it fills.
-        let stx = unsafe {
-            let mut stx: libc::statx = std::mem::zeroed();
-            let mask = libc::STATX_MTIME | libc::STATX_CTIME;
-            assert_eq!(
-                libc::statx(libc::AT_FDCWD, path.as_ptr(), 0, mask, &mut stx),
-                0
-            );
-            stx
-        };
+        let stx = statx_shown(p, libc::STATX_MTIME | libc::STATX_CTIME);
         (
             (stx.stx_mtime.tv_sec, stx.stx_mtime.tv_nsec),
             (stx.stx_ctime.tv_sec, stx.stx_ctime.tv_nsec),
@@ -1214,20 +1226,7 @@ fn a_write_through_a_shared_mapping_updates_mtime_and_ctime() {
             .write(true)
             .open(&p)
             .unwrap();
-        // SAFETY: mapping 8192 bytes of a file of that size, unmapped before the file closes.
-        unsafe {
-            let map = libc::mmap(
-                std::ptr::null_mut(),
-                8192,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&f),
-                0,
-            );
-            assert_ne!(map, libc::MAP_FAILED);
-            *(map as *mut u8).add(100) = b'Z';
-            libc::munmap(map, 8192);
-        }
+        write_through_map(&f, 8192, 100, b'Z', false);
         drop(f);
         let after = times(&p);
         assert!(after.0 > before.0, "{name}: mtime {before:?} -> {after:?}");
@@ -1532,21 +1531,9 @@ fn paths_reused_after_directory_renames_and_removals_reach_the_new_directory() {
     assert_eq!(names(m.path("moved2/sub")), ["one"]);
 }
 
-/// The permission bits stat(1) shows for `%a`: a statx asking for the mode only, which FUSE
-/// answers from the attributes it cached (std's metadata asks for the birth time too, which
-/// always goes to the daemon and would hide a stale cache).
+/// The permission bits stat(1) shows for `%a` (`statx_shown`).
 fn mode_shown(p: &Path) -> u32 {
-    let path = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: statx with a NUL-terminated path and a zeroed statx buffer it fills.
-    let stx = unsafe {
-        let mut stx: libc::statx = std::mem::zeroed();
-        assert_eq!(
-            libc::statx(libc::AT_FDCWD, path.as_ptr(), 0, libc::STATX_MODE, &mut stx),
-            0
-        );
-        stx
-    };
-    u32::from(stx.stx_mode) & 0o7777
+    u32::from(statx_shown(p, libc::STATX_MODE).stx_mode) & 0o7777
 }
 
 #[test]

@@ -149,27 +149,35 @@ fn image_dirs() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     (dir, src, img, path)
 }
 
-fn erofs() -> Option<Store> {
-    if !have("mkfs.erofs") {
-        println!("EROFS store skipped: install erofs-utils (mkfs.erofs)");
-        return None;
-    }
+/// An image the kernel mounts read-only through a loop device (`fstype`), built by `mkfs`
+/// (a command with `{src}` and `{img}` in it) from the layer tree, after `extra` adds to it.
+fn kernel_image(mkfs: &str, fstype: &str, extra: impl FnOnce(&Path)) -> Store {
     let (dir, src, img, path) = image_dirs();
     build_layer(&src, Some("trusted."));
+    extra(&src);
+    let mkfs = mkfs
+        .replace("{src}", &src.display().to_string())
+        .replace("{img}", &img.display().to_string());
     sh(&format!(
-        "mkfs.erofs {} {} >/dev/null && mount -t erofs -o loop,ro {} {}",
-        img.display(),
-        src.display(),
+        "{mkfs} >/dev/null && mount -t {fstype} -o loop,ro {} {}",
         img.display(),
         path.display()
     ));
-    Some(Store {
+    Store {
         path,
         children: Vec::new(),
         xattrs: true,
         hard_links: true,
         _dir: dir,
-    })
+    }
+}
+
+fn erofs() -> Option<Store> {
+    if !have("mkfs.erofs") {
+        println!("EROFS store skipped: install erofs-utils (mkfs.erofs)");
+        return None;
+    }
+    Some(kernel_image("mkfs.erofs {img} {src}", "erofs", |_| {}))
 }
 
 /// A squashfs image mounted by the kernel: it holds `user.`, `trusted.` and `security.`
@@ -181,25 +189,12 @@ fn squashfs() -> Option<Store> {
         println!("squashfs store skipped: install squashfs-tools (mksquashfs)");
         return None;
     }
-    let (dir, src, img, path) = image_dirs();
-    build_layer(&src, Some("trusted."));
-    // Owned by another user: root's access is then decided by the group bits and the ACL.
-    write(src.join("d/sub/theirs"), b"not root's");
-    std::os::unix::fs::chown(src.join("d/sub/theirs"), Some(1), Some(1)).unwrap();
-    sh(&format!(
-        "mksquashfs {} {} -quiet -no-progress -xattrs >/dev/null && mount -t squashfs -o loop,ro {} {}",
-        src.display(),
-        img.display(),
-        img.display(),
-        path.display()
-    ));
-    Some(Store {
-        path,
-        children: Vec::new(),
-        xattrs: true,
-        hard_links: true,
-        _dir: dir,
-    })
+    let mkfs = "mksquashfs {src} {img} -quiet -no-progress -xattrs";
+    Some(kernel_image(mkfs, "squashfs", |src| {
+        // Owned by another user: root's access is then decided by the group bits and the ACL.
+        write(src.join("d/sub/theirs"), b"not root's");
+        std::os::unix::fs::chown(src.join("d/sub/theirs"), Some(1), Some(1)).unwrap();
+    }))
 }
 
 fn squashfuse() -> Option<Store> {
