@@ -518,7 +518,7 @@ fn serve(
     // Mounted: the guardian learns the mount it guards (precontent.rs). No partial file is
     // opened before the session runs.
     control.start_precontent(&opts.mountpoint)?;
-    spawn_signal_handler(opts.mountpoint.clone());
+    crate::sys::detach_on_signals(&opts.mountpoint);
     // A layer on a store's client is watched even without a timeout: one that stops answering
     // must not take every worker (lower_wait.rs).
     let on_store = control
@@ -613,18 +613,6 @@ fn prefer_own_autogroup() {
 }
 
 /// SIGTERM, SIGINT and SIGHUP unmount (lazily), which ends the session cleanly.
-fn spawn_signal_handler(mountpoint: std::path::PathBuf) {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP]) else {
-        return;
-    };
-    std::thread::spawn(move || {
-        if signals.forever().next().is_some() {
-            let _ = rustix::mount::unmount(&mountpoint, rustix::mount::UnmountFlags::DETACH);
-        }
-    });
-}
-
 fn detach_stdio() {
     if let Ok(null) = std::fs::OpenOptions::new()
         .read(true)

@@ -1314,6 +1314,31 @@ pub fn mount_in_use(mnt_id: u64) -> bool {
     false
 }
 
+/// Makes SIGTERM, SIGINT and SIGHUP detach the mount at `mountpoint` (lazy unmount; the FUSE
+/// session then ends as on umount). The handler makes one syscall on a path prepared here, so
+/// no thread has to wait for signals: an idle daemon holds one thread less.
+pub fn detach_on_signals(mountpoint: &Path) {
+    static MOUNTPOINT: std::sync::OnceLock<CString> = std::sync::OnceLock::new();
+    let Ok(path) = CString::new(mountpoint.as_os_str().as_bytes()) else {
+        return;
+    };
+    let _ = MOUNTPOINT.set(path);
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: the action is async-signal-safe: it reads a CString set before registration
+        // (an atomic load, no lock, no allocation) and calls umount2.
+        let registered = unsafe {
+            signal_hook::low_level::register(sig, || {
+                if let Some(p) = MOUNTPOINT.get() {
+                    libc::umount2(p.as_ptr(), libc::MNT_DETACH);
+                }
+            })
+        };
+        if let Err(e) = registered {
+            log::warn!("signal {sig} will not unmount: {e}");
+        }
+    }
+}
+
 /// Takes ownership of descriptor `n`, which the parent passed to this process (by number on
 /// its command line): `None` when no such descriptor is open.
 pub fn inherited_fd(n: i32) -> Option<OwnedFd> {

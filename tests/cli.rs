@@ -882,3 +882,33 @@ fn an_exiting_daemon_leaves_a_newer_mounts_control_socket_alone() {
     drop(newer);
     fs::remove_file(&sock).unwrap();
 }
+
+/// SIGTERM, SIGINT and SIGHUP unmount the file system and the daemon exits 0, data written
+/// before on disk (the handler detaches the mount itself: no thread waits for signals).
+#[test]
+fn a_signal_unmounts_and_the_daemon_exits_cleanly() {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        let mut m = Mount::new(1);
+        m.mount();
+        write(m.path("f"), "kept");
+        let mut child = m.take_daemon();
+        // SAFETY: kill(2) on the daemon this test started and has not reaped.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+        let start = Instant::now();
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "signal {sig}: still running"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "signal {sig}: {status:?}");
+        assert!(!is_mounted(&m.mnt), "signal {sig}: still mounted");
+        m.mount();
+        assert_eq!(fs::read_to_string(m.path("f")).unwrap(), "kept");
+        m.unmount();
+    }
+}
