@@ -313,7 +313,7 @@ impl Overlay {
         if node.kind() == libc::S_IFDIR {
             return Err(errno(libc::EISDIR));
         }
-        let opened = self.open(node.ino, flags, caller.uid != 0)?;
+        let opened = self.open(node.ino, flags, (caller.uid != 0).then_some(caller))?;
         Ok((node, attr, opened))
     }
 
@@ -368,7 +368,7 @@ impl Overlay {
         let node = self.inodes.remember_unnamed(&found);
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
         let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(file));
-        let opened = self.open(node.ino, flags & !(libc::O_TMPFILE | libc::O_TRUNC), false)?;
+        let opened = self.open(node.ino, flags & !(libc::O_TMPFILE | libc::O_TRUNC), None)?;
         let attr = self.present(&node, attr);
         Ok((node, attr, opened))
     }

@@ -495,7 +495,8 @@ impl Filesystem for MosaicFs {
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         // fuser does not pass FUSE_OPEN_KILL_SUIDGID: the caller's uid stands in for
         // CAP_FSETID, as for a truncating setattr (attr.rs).
-        let opened = match self.core.open(ino.0, flags.0, req.uid() != 0) {
+        let kill_privs = (req.uid() != 0).then(|| caller(req, 0));
+        let opened = match self.core.open(ino.0, flags.0, kill_privs.as_ref()) {
             Ok(o) => o,
             Err(e) => return reply.error(errno(e)),
         };

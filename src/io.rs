@@ -33,10 +33,11 @@ impl OpenFile {
             FileData::Partial(p) if p.by_events.is_some() => &p.upper,
             _ => return false,
         };
-        let setid = privs.mode(f).map_or(true, |mode| {
-            mode & libc::S_ISUID != 0
-                || mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP
-        });
+        // Set-group-id without group execute goes too when the writer is outside the group,
+        // which only the daemon's write path can tell (`kill_privs`).
+        let setid = privs
+            .mode(f)
+            .map_or(true, |mode| mode & (libc::S_ISUID | libc::S_ISGID) != 0);
         setid || !matches!(f.get_xattr(privs.capability), Ok(None))
     }
 }
@@ -373,7 +374,7 @@ impl Overlay {
     /// without copying anything, and the open is served by passthrough. `kill_privs`: the
     /// caller lacks CAP_FSETID, so the truncation clears set-id bits and capabilities, as the
     /// VFS does for local files.
-    pub fn open(&self, ino: Ino, flags: i32, kill_privs: bool) -> Result<Opened> {
+    pub fn open(&self, ino: Ino, flags: i32, kill_privs: Option<&Caller>) -> Result<Opened> {
         let node = self.node(ino)?;
         let acc = flags & libc::O_ACCMODE;
         let writable = acc != libc::O_RDONLY;
@@ -397,8 +398,8 @@ impl Overlay {
         let file = if truncate {
             // Truncated to 0, the file is complete: no partial file for the reserve to count.
             let file = self.truncate(&node, 0)?;
-            if kill_privs {
-                self.kill_privs(&node, &file, None)?;
+            if let Some(caller) = kill_privs {
+                self.kill_privs(&node, &file, Some(caller))?;
             }
             file
         } else {

@@ -1607,22 +1607,23 @@ fn writes_by_unprivileged_users_clear_set_id_bits_and_root_writes_keep_them() {
     );
     // Set-group-id without group execute goes only for a caller outside the file's group
     // (root's group here), as on a local file system.
-    for (f, gid, want) in [("sgid-out", 1000, 0o0666), ("sgid-in", 0, 0o2666)] {
+    let cases = [
+        ("sgid-out-write", 1000, "echo more >> {}", 0o0666),
+        ("sgid-out-trunc", 1000, "echo new > {}", 0o0666),
+        ("sgid-out-falloc", 1000, "fallocate -l 8192 {}", 0o0666),
+        ("sgid-in-write", 0, "echo more >> {}", 0o2666),
+        ("sgid-in-falloc", 0, "fallocate -l 8192 {}", 0o2666),
+    ];
+    for (f, gid, cmd, want) in cases {
         write(m.path(f), "x");
         fs::set_permissions(m.path(f), fs::Permissions::from_mode(0o2666)).unwrap();
         let st = std::process::Command::new("sh")
-            .args([
-                "-c",
-                &format!(
-                    "echo more >> {0}; fallocate -l 8192 {0}",
-                    m.path(f).display()
-                ),
-            ])
+            .args(["-c", &cmd.replace("{}", &m.path(f).display().to_string())])
             .uid(1000)
             .gid(gid)
             .status()
             .unwrap();
-        assert!(st.success());
+        assert!(st.success(), "{f}");
         assert_eq!(mode_shown(&m.path(f)), want, "{f}");
     }
 }
