@@ -71,7 +71,7 @@ impl Overlay {
                 libc::S_IFREG => {
                     let file = self.truncate(&node, size)?;
                     if caller.uid != 0 && set.mode.is_none() {
-                        self.kill_privs(&node, &file, Some(caller))?;
+                        self.kill_privs(&node, &file, caller)?;
                     }
                 }
                 _ => return Err(errno(libc::EINVAL)),

@@ -399,7 +399,7 @@ impl Overlay {
             // Truncated to 0, the file is complete: no partial file for the reserve to count.
             let file = self.truncate(&node, 0)?;
             if let Some(caller) = kill_privs {
-                self.kill_privs(&node, &file, Some(caller))?;
+                self.kill_privs(&node, &file, caller)?;
             }
             file
         } else {
@@ -481,7 +481,7 @@ impl Overlay {
         // one (every file a container makes) never becomes partial again. But a reader and
         // writer that passes through may map the file shared and write it by page faults,
         // which change the layer file's times without FUSE hearing of it: its close sends
-        // FLUSH, whose answer has the kernel drop the attributes it cached (fuse.rs `flush`;
+        // FLUSH, whose answer has the kernel drop the attributes it cached (`flush`;
         // xfstests generic/080, 215). A write-only handle cannot be mapped (untar's opens).
         let mappable = acc == libc::O_RDWR && io == crate::file::IoMode::Passthrough;
         let flushes = writable && (self.caw.is_some() && file.is_partial() || mappable);
@@ -713,7 +713,7 @@ impl Overlay {
     ) -> Result<u32> {
         let h = self.handle(fh)?;
         if let Some(caller) = kill_privs {
-            self.kill_privs(&h.node, &h.file, Some(caller))?;
+            self.kill_privs(&h.node, &h.file, caller)?;
         }
         self.stats.writes.add(1);
         self.stats.write_bytes.add(data.len() as u64);
@@ -792,9 +792,9 @@ impl Overlay {
     /// Clears set-user-id, set-group-id and file capabilities of a file being written or
     /// truncated by an unprivileged caller, as the VFS does for local files
     /// (`setattr_should_drop_suidgid`): set-group-id goes when the file is group-executable,
-    /// or when `caller` (when known) is not in the file's group. The kernel's cached
+    /// or when `caller` is not in the file's group. The kernel's cached
     /// attributes are dropped when the mode changed (`attrs_changed_behind`).
-    pub fn kill_privs(&self, node: &Node, file: &OpenFile, caller: Option<&Caller>) -> Result<()> {
+    pub fn kill_privs(&self, node: &Node, file: &OpenFile, caller: &Caller) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
         let lower_has_setid = match &*self.opened_data(file)? {
             FileData::Lower(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
@@ -816,7 +816,7 @@ impl Overlay {
         mode &= !libc::S_ISUID;
         if mode & libc::S_ISGID != 0
             && (mode & libc::S_IXGRP != 0
-                || caller.is_some_and(|c| !in_group(c, self.getattr_of(node).map(|a| a.gid))))
+                || !in_group(caller, self.getattr_of(node).map(|a| a.gid)))
         {
             mode &= !libc::S_ISGID;
         }
@@ -886,7 +886,7 @@ impl Overlay {
         self.check_writable()?;
         let mode = FallocateFlags::from_bits(mode as _).ok_or_else(|| errno(libc::EOPNOTSUPP))?;
         if let Some(caller) = kill_privs {
-            self.kill_privs(&h.node, &h.file, Some(caller))?;
+            self.kill_privs(&h.node, &h.file, caller)?;
         }
         self.ensure_upper(&h.node, &h.file)?;
         let mut data = h.file.write_data();
