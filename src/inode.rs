@@ -207,6 +207,8 @@ pub struct Node {
     /// `SELF`, `RETIRED` or the node id of this object's second identity. Changed only under
     /// the write lock of this node's shard.
     current: AtomicU64,
+    /// The parent whose reference this node keeps (`InodeTable::hold_parent`), or 0.
+    held_parent: AtomicU64,
 }
 
 /// `Node::current`: lookups name this node id.
@@ -228,6 +230,7 @@ impl Node {
             entries: Arc::default(),
             io: NodeIo::default(),
             current: AtomicU64::new(SELF),
+            held_parent: AtomicU64::new(0),
         }
     }
 
@@ -243,6 +246,7 @@ impl Node {
             entries: self.entries.clone(),
             io: NodeIo::default(),
             current: AtomicU64::new(SELF),
+            held_parent: AtomicU64::new(0),
         }
     }
 
@@ -320,19 +324,63 @@ pub struct Found {
 
 const SHARDS: usize = 64;
 
-type Shard = RwLock<HashMap<Ino, Arc<Node>>>;
+type Shard = RwLock<ShardMap>;
+
+#[derive(Default)]
+struct ShardMap {
+    nodes: HashMap<Ino, Arc<Node>>,
+    /// Where nodes the kernel forgot were last seen (`Departed`).
+    departed: HashMap<Ino, Departed>,
+}
+
+/// Where a node the kernel forgot was last seen, and its generation: what a file handle of it
+/// needs after `drop_caches` (`Overlay::lookup_by_number`), and what keeps a handle of a
+/// removed object from opening a new object made under its number later in the mount (the
+/// new one gets the next generation, `insert_new`).
+#[derive(Debug)]
+struct Departed {
+    /// Its parent and name; `None` once the last name the mount knew was removed (the object
+    /// may live on under a name the mount never looked up: a hard link).
+    place: Option<(Ino, Box<OsStr>)>,
+    generation: u64,
+    /// `InodeTable::scans` when recorded.
+    epoch: u64,
+}
+
+/// What the table knows of a number it holds no node for (`InodeTable::seen`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Seen {
+    /// Named `.1` in the directory `.0` when last seen.
+    At(Ino, OsString),
+    /// Its last known name was removed.
+    Gone,
+    /// Never seen, or the record was dropped.
+    Unknown,
+}
+
+/// Records of forgotten nodes kept per shard, at most: about 9 MB over all shards. A full
+/// shard is emptied (a handle of what it held is then found by a scan of the tree).
+const DEPARTED_PER_SHARD: usize = 2048;
 
 pub struct InodeTable {
     shards: Box<[Shard]>,
     next_alias: AtomicU64,
+    /// Scans of the tree begun (`begin_scan`); records carry the count at their writing.
+    scans: AtomicU64,
+    /// The scan that last saw the whole tree and recorded every object in it
+    /// (`Overlay::scan_for`), or 0; reset when a record is dropped. Since that scan, a number
+    /// neither held nor recorded names nothing, nor does one recorded gone before it began.
+    whole: AtomicU64,
 }
 
 impl InodeTable {
     pub fn new(root_upper: bool, root_lower: Option<LowerRef>, root_origins: bool) -> Self {
-        let shards: Vec<_> = (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect();
+        let shards: Vec<_> = (0..SHARDS).map(|_| RwLock::default()).collect();
         let table = InodeTable {
             shards: shards.into_boxed_slice(),
             next_alias: AtomicU64::new(ALIAS_BASE),
+            scans: AtomicU64::new(1),
+            whole: AtomicU64::new(0),
         };
         let mut state = NodeState::new(&Found {
             ino: ROOT_INO,
@@ -350,6 +398,7 @@ impl InodeTable {
             .shard(ROOT_INO)
             .write()
             .unwrap()
+            .nodes
             .insert(ROOT_INO, Arc::new(root));
         table
     }
@@ -360,7 +409,7 @@ impl InodeTable {
         &self.shards[h as usize % SHARDS]
     }
 
-    fn write(&self, ino: Ino) -> std::sync::RwLockWriteGuard<'_, HashMap<Ino, Arc<Node>>> {
+    fn write(&self, ino: Ino) -> std::sync::RwLockWriteGuard<'_, ShardMap> {
         self.shard(ino).write().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -368,8 +417,104 @@ impl InodeTable {
         self.shard(ino)
             .read()
             .unwrap_or_else(|e| e.into_inner())
+            .nodes
             .get(&ino)
             .cloned()
+    }
+
+    /// The node `ino` with one more reference counted, if the table holds it.
+    pub fn get_counted(&self, ino: Ino) -> Option<Arc<Node>> {
+        // Under the read lock: `forget` changes counts under the write lock only.
+        let shard = self.shard(ino).read().unwrap_or_else(|e| e.into_inner());
+        let node = shard.nodes.get(&ino)?;
+        node.lookups.fetch_add(1, Ordering::Relaxed);
+        Some(node.clone())
+    }
+
+    /// Where the forgotten node `ino` was last seen.
+    pub fn seen(&self, ino: Ino) -> Seen {
+        let shard = self.shard(ino).read().unwrap_or_else(|e| e.into_inner());
+        match shard.departed.get(&ino).map(|d| &d.place) {
+            Some(Some((parent, name))) => Seen::At(*parent, name.to_os_string()),
+            Some(None) => Seen::Gone,
+            None => Seen::Unknown,
+        }
+    }
+
+    /// Whether `ino`, which the table holds no node for, surely names nothing: the last whole
+    /// scan found it nowhere and nothing recorded it since.
+    pub fn surely_gone(&self, ino: Ino) -> bool {
+        let whole = self.whole.load(Ordering::Relaxed);
+        if whole == 0 {
+            return false;
+        }
+        let shard = self.shard(ino).read().unwrap_or_else(|e| e.into_inner());
+        if shard.nodes.contains_key(&ino) {
+            return false;
+        }
+        match shard.departed.get(&ino) {
+            None => true,
+            Some(d) => d.place.is_none() && d.epoch < whole,
+        }
+    }
+
+    /// Starts a scan of the tree: its number, for `scanned_whole`.
+    pub fn begin_scan(&self) -> u64 {
+        self.scans.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The scan `epoch` saw the whole tree and recorded all of it.
+    pub fn scanned_whole(&self, epoch: u64) {
+        self.whole.store(epoch, Ordering::Relaxed);
+    }
+
+    /// Records that `ino` is named `name` in `parent` (a scan of the tree), unless the table
+    /// holds it. False if the record had no room.
+    pub fn note_seen(&self, ino: Ino, parent: Ino, name: &OsStr) -> bool {
+        let mut shard = self.write(ino);
+        if shard.nodes.contains_key(&ino) {
+            return true;
+        }
+        let generation = shard.departed.get(&ino).map_or(0, |d| d.generation);
+        self.depart(&mut shard, ino, Some((parent, name.into())), generation)
+    }
+
+    fn depart(
+        &self,
+        shard: &mut ShardMap,
+        ino: Ino,
+        place: Option<(Ino, Box<OsStr>)>,
+        generation: u64,
+    ) -> bool {
+        let room = shard.departed.len() < DEPARTED_PER_SHARD || shard.departed.contains_key(&ino);
+        if !room {
+            shard.departed.clear();
+            self.whole.store(0, Ordering::Relaxed);
+        }
+        let epoch = self.scans.load(Ordering::Relaxed);
+        shard.departed.insert(
+            ino,
+            Departed {
+                place,
+                generation,
+                epoch,
+            },
+        );
+        room
+    }
+
+    /// Lets `node`, found by its number with no kernel reference on its parent, keep the
+    /// reference on `parent` that finding it counted, until the kernel forgets `node`: the
+    /// parent chain must stay in the table while the kernel holds a node (paths are built from
+    /// it). A node that keeps one already gives this one back.
+    pub fn hold_parent(&self, node: &Node, parent: Ino) {
+        if node
+            .held_parent
+            .compare_exchange(0, parent, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            self.forget(parent, 1);
+        }
     }
 
     /// Records a lookup of `name` in `parent` and counts one kernel reference to it.
@@ -445,9 +590,12 @@ impl InodeTable {
         loop {
             let (primary, current) = {
                 let mut shard = self.write(found.ino);
-                let node = shard
-                    .entry(found.ino)
-                    .or_insert_with(|| Arc::new(Node::new(found.ino, 0, NodeState::new(found))));
+                let ShardMap { nodes, departed } = &mut *shard;
+                let node = nodes.entry(found.ino).or_insert_with(|| {
+                    // Found again: the object keeps the generation its handles carry.
+                    let generation = departed.remove(&found.ino).map_or(0, |d| d.generation);
+                    Arc::new(Node::new(found.ino, generation, NodeState::new(found)))
+                });
                 let current = node.current.load(Ordering::Relaxed);
                 if current == SELF {
                     node.lookups.fetch_add(1, Ordering::Relaxed);
@@ -459,9 +607,9 @@ impl InodeTable {
                 // Shards are locked one at a time (the alias may hash to the same one).
                 let alias =
                     Arc::new(primary.alias(self.next_alias.fetch_add(1, Ordering::Relaxed)));
-                self.write(alias.ino).insert(alias.ino, alias.clone());
+                self.write(alias.ino).nodes.insert(alias.ino, alias.clone());
                 let shard = self.write(found.ino);
-                match shard.get(&found.ino) {
+                match shard.nodes.get(&found.ino) {
                     Some(p)
                         if Arc::ptr_eq(p, &primary)
                             && p.current.load(Ordering::Relaxed) == RETIRED =>
@@ -471,18 +619,18 @@ impl InodeTable {
                     }
                     _ => {
                         drop(shard);
-                        self.write(alias.ino).remove(&alias.ino);
+                        self.write(alias.ino).nodes.remove(&alias.ino);
                         continue;
                     }
                 }
             }
-            if let Some(alias) = self.write(current).get(&current) {
+            if let Some(alias) = self.write(current).nodes.get(&current) {
                 alias.lookups.fetch_add(1, Ordering::Relaxed);
                 return alias.clone();
             }
             // The second identity was forgotten meanwhile (forget resets `current`): retry.
             let shard = self.write(found.ino);
-            if let Some(p) = shard.get(&found.ino)
+            if let Some(p) = shard.nodes.get(&found.ino)
                 && p.current.load(Ordering::Relaxed) == current
             {
                 p.current.store(RETIRED, Ordering::Relaxed);
@@ -499,7 +647,7 @@ impl InodeTable {
             return false;
         }
         let shard = self.write(node.ino);
-        if let Some(p) = shard.get(&node.ino)
+        if let Some(p) = shard.nodes.get(&node.ino)
             && std::ptr::eq(Arc::as_ptr(p), node)
             && p.current.load(Ordering::Relaxed) == SELF
         {
@@ -534,53 +682,84 @@ impl InodeTable {
 
     fn insert_new(&self, ino: Ino, state: NodeState) -> Arc<Node> {
         let mut shard = self.write(ino);
-        // The kernel may still hold the number's old object: a new generation tells them
-        // apart, and its references stay counted here until it forgets them.
-        let (generation, held) = shard.get(&ino).map_or((0, 0), |old| {
-            (old.generation() + 1, old.lookups.load(Ordering::Relaxed))
-        });
+        // The kernel may still hold the number's old object, or a file handle of it: a new
+        // generation tells them apart, and its references stay counted here until it forgets
+        // them.
+        let (generation, held) = match shard.nodes.get(&ino) {
+            Some(old) => (old.generation() + 1, old.lookups.load(Ordering::Relaxed)),
+            None => (
+                shard.departed.remove(&ino).map_or(0, |d| d.generation + 1),
+                0,
+            ),
+        };
         let node = Arc::new(Node::new(ino, generation, state));
         node.lookups.store(held + 1, Ordering::Relaxed);
-        shard.insert(ino, node.clone());
+        shard.nodes.insert(ino, node.clone());
         node
     }
 
-    /// Drops `n` kernel references; the inode is forgotten when none is left.
+    /// Drops `n` kernel references; the inode is forgotten when none is left, and where it was
+    /// is recorded (`Departed`). A node found by its number gives back the reference on its
+    /// parent it kept (`hold_parent`).
     pub fn forget(&self, ino: Ino, n: u64) {
+        let mut next = Some((ino, n));
+        while let Some((ino, n)) = next.take() {
+            if let Some(node) = self.forget_one(ino, n) {
+                let held = node.held_parent.load(Ordering::Relaxed);
+                next = (held != 0).then_some((held, 1));
+            }
+        }
+    }
+
+    /// `forget` of one node: the node if it left the table.
+    fn forget_one(&self, ino: Ino, n: u64) -> Option<Arc<Node>> {
         if ino == ROOT_INO {
-            return;
+            return None;
         }
         let removed = {
             let mut shard = self.write(ino);
-            let Some(node) = shard.get(&ino) else { return };
+            let node = shard.nodes.get(&ino)?;
             let left = node.lookups.load(Ordering::Relaxed).saturating_sub(n);
             node.lookups.store(left, Ordering::Relaxed);
             let current = node.current.load(Ordering::Relaxed);
             // A retired node whose second identity lives stays, to lead lookups there.
             if left > 0 || (current != SELF && current != RETIRED) {
-                return;
+                return None;
             }
-            shard.remove(&ino)
+            shard.nodes.remove(&ino)?
         };
-        if let Some(alias) = removed.filter(|n| n.is_alias()) {
-            let mut shard = self.write(alias.st_ino);
-            if let Some(p) = shard.get(&alias.st_ino)
-                && p.current.load(Ordering::Relaxed) == alias.ino
+        if removed.is_alias() {
+            let mut shard = self.write(removed.st_ino);
+            if let Some(p) = shard.nodes.get(&removed.st_ino)
+                && p.current.load(Ordering::Relaxed) == removed.ino
             {
                 if p.lookups.load(Ordering::Relaxed) == 0 {
-                    shard.remove(&alias.st_ino);
+                    shard.nodes.remove(&removed.st_ino);
                 } else {
                     // The first kernel inode may still be bound to its backing file.
                     p.current.store(RETIRED, Ordering::Relaxed);
                 }
             }
+        } else {
+            // The state lock is not taken under a shard's: read it first.
+            let place = {
+                let st = removed.state();
+                let first = st.links.first().filter(|_| !st.unlinked);
+                first.map(|(p, name)| (*p, Box::<OsStr>::from(name.as_os_str())))
+            };
+            let mut shard = self.write(ino);
+            // A node made meanwhile under the number records itself when it goes.
+            if !shard.nodes.contains_key(&ino) {
+                self.depart(&mut shard, ino, place, removed.generation());
+            }
         }
+        Some(removed)
     }
 
     pub fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len())
+            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).nodes.len())
             .sum()
     }
 
@@ -690,6 +869,72 @@ mod tests {
         t.forget(8, 1);
         t.forget(third.ino, 1);
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_forgotten_node_leaves_where_it_was_and_its_generation() {
+        let t = table();
+        let f = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+        t.forget(f.ino, 1);
+        assert!(t.get(42).is_none());
+        assert_eq!(t.seen(42), Seen::At(ROOT_INO, "f".into()));
+        // A new object made under the number: the next generation.
+        let new = t.remember_new(ROOT_INO, OsStr::new("g"), &file(42));
+        assert_eq!(new.generation(), 1);
+        // Removed, forgotten: gone; found again by a lookup, it keeps its generation.
+        new.state().unlinked = true;
+        t.forget(42, 1);
+        assert_eq!(t.seen(42), Seen::Gone);
+        assert_eq!(
+            t.remember(ROOT_INO, OsStr::new("h"), &file(42))
+                .generation(),
+            1
+        );
+    }
+
+    #[test]
+    fn a_node_found_by_number_keeps_its_parent_until_forgotten() {
+        let t = table();
+        let dir = Found {
+            kind: libc::S_IFDIR,
+            ..file(10)
+        };
+        let d = t.remember(ROOT_INO, OsStr::new("d"), &dir);
+        let f = t.remember(d.ino, OsStr::new("f"), &file(11));
+        // The reference finding `f` counted on its parent passes to `f`.
+        t.get_counted(d.ino);
+        t.hold_parent(&f, d.ino);
+        // The kernel forgets the directory; the file's hold keeps it.
+        t.forget(d.ino, 1);
+        assert!(t.get(10).is_some());
+        t.forget(f.ino, 1);
+        assert!(t.get(10).is_none() && t.get(11).is_none());
+        assert_eq!(t.seen(11), Seen::At(10, "f".into()));
+        assert_eq!(t.seen(10), Seen::At(ROOT_INO, "d".into()));
+    }
+
+    #[test]
+    fn a_whole_scan_makes_unknown_numbers_surely_gone_until_a_record_is_dropped() {
+        let t = table();
+        assert!(!t.surely_gone(5), "no scan yet");
+        let f = t.remember(ROOT_INO, OsStr::new("f"), &file(5));
+        f.state().unlinked = true;
+        t.forget(5, 1);
+        let scan = t.begin_scan();
+        t.note_seen(6, ROOT_INO, OsStr::new("g"));
+        t.scanned_whole(scan);
+        assert!(t.surely_gone(5) && t.surely_gone(7));
+        assert!(!t.surely_gone(6), "seen by the scan");
+        // Gone after the scan began: it may live on under a name the scan passed.
+        let f = t.remember(ROOT_INO, OsStr::new("h"), &file(8));
+        f.state().unlinked = true;
+        t.forget(8, 1);
+        assert!(!t.surely_gone(8));
+        // Filling a shard drops its records: nothing is sure any more.
+        for i in 0..(DEPARTED_PER_SHARD * SHARDS * 2) as u64 {
+            t.note_seen(1000 + i, ROOT_INO, OsStr::new("x"));
+        }
+        assert!(!t.surely_gone(7));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod acl;
 pub mod attr;
+pub mod by_number;
 pub mod caw;
 pub mod complete;
 pub mod completion;

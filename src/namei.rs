@@ -49,6 +49,13 @@ pub fn check_name(name: &OsStr) -> Result<()> {
 impl Overlay {
     /// Looks `name` up in `parent` and records it for the kernel (one more reference).
     pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
+        // The kernel asks these only when decoding a file handle (by_number.rs).
+        if name == "." {
+            return self.lookup_by_number(parent);
+        }
+        if name == ".." {
+            return self.lookup_parent(parent);
+        }
         check_name(name)?;
         let pnode = self.node(parent)?;
         // Joins tried; a name that keeps answering EEXIST (another object made there between

@@ -153,6 +153,8 @@ pub struct Overlay {
     /// Tells the kernel that an inode's attributes changed without a reply saying so (the
     /// FUSE session's notifier, set by the daemon; tools that never mount have none).
     pub attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino) + Send + Sync>>,
+    /// One scan of the tree for a file handle's object at a time (by_number.rs).
+    pub(crate) scanning: std::sync::Mutex<()>,
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -255,6 +257,7 @@ impl Overlay {
             completion_started: std::sync::Once::new(),
             layer_guarded: std::sync::atomic::AtomicBool::new(false),
             attrs_changed: std::sync::OnceLock::new(),
+            scanning: Default::default(),
             layers,
         })
     }

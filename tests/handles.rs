@@ -1,0 +1,186 @@
+//! File handles (name_to_handle_at / open_by_handle_at) across the kernel forgetting the inode:
+//! drop_caches and a remount, for objects of every layer, copied-up, renamed and hard-linked
+//! ones included; ESTALE only for objects that are gone.
+
+mod common;
+
+use std::fs;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use common::*;
+
+/// A file handle as name_to_handle_at(2) gives it: `struct file_handle` and its bytes.
+struct Handle {
+    buf: Vec<u8>,
+}
+
+const MAX_HANDLE_SZ: usize = 128;
+
+fn handle_of(path: &Path) -> Handle {
+    let mut buf = vec![0u8; 8 + MAX_HANDLE_SZ];
+    buf[..4].copy_from_slice(&(MAX_HANDLE_SZ as u32).to_ne_bytes());
+    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut mount_id = 0;
+    // SAFETY: `buf` holds a `struct file_handle` with room for MAX_HANDLE_SZ bytes, as its
+    // `handle_bytes` says; the name is a C string.
+    let r = unsafe {
+        libc::name_to_handle_at(
+            libc::AT_FDCWD,
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            &mut mount_id,
+            0,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "name_to_handle_at {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+    Handle { buf }
+}
+
+/// open_by_handle_at(2) of `h` on the file system of `mount_dir`.
+fn open_handle(mount_dir: &Path, h: &Handle, flags: i32) -> std::io::Result<OwnedFd> {
+    let dir = fs::File::open(mount_dir).unwrap();
+    let mut buf = h.buf.clone();
+    // SAFETY: `buf` is a `struct file_handle` name_to_handle_at filled in.
+    let fd = unsafe { libc::open_by_handle_at(dir.as_raw_fd(), buf.as_mut_ptr().cast(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn read_fd(fd: OwnedFd) -> String {
+    fs::read_to_string(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap()
+}
+
+fn ino_of_fd(fd: &OwnedFd) -> u64 {
+    fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .unwrap()
+        .ino()
+}
+
+fn drop_caches() {
+    fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+}
+
+#[test]
+fn file_handles_outlive_drop_caches_and_a_remount_for_objects_of_every_layer() {
+    let mut m = Mount::new(1);
+    let l = m.lower(0).to_path_buf();
+    write(l.join("a/b/lower_file"), "lower");
+    write(l.join("a/b/copied"), "to be copied up");
+    write(l.join("to_move"), "moved from the lower layer");
+    fs::create_dir_all(l.join("deep/er/still")).unwrap();
+    write(l.join("deep/er/still/f"), "deep");
+    m.mount();
+    let root = m.path("");
+    let p = |rel: &str| root.join(rel);
+    write(p("a/new"), "upper only");
+    fs::create_dir(p("c")).unwrap();
+    write(p("c/f"), "linked");
+    fs::hard_link(p("c/f"), p("c/f2")).unwrap();
+    fs::remove_file(p("c/f")).unwrap();
+    write_at(p("a/b/copied"), 0, b"TO");
+    fs::rename(p("to_move"), p("c/moved")).unwrap();
+    fs::rename(p("deep/er"), p("c/er")).unwrap();
+    write(p("gone"), "soon removed");
+
+    // What each handle must open: (path when taken, expected content or None for a dir).
+    let objects: Vec<(&str, Option<&str>)> = vec![
+        ("a", None),
+        ("a/b", None),
+        ("a/b/lower_file", Some("lower")),
+        ("a/b/copied", Some("TO be copied up")),
+        ("a/new", Some("upper only")),
+        ("c", None),
+        ("c/f2", Some("linked")),
+        ("c/moved", Some("moved from the lower layer")),
+        ("c/er/still", None),
+        ("c/er/still/f", Some("deep")),
+    ];
+    let handles: Vec<_> = objects.iter().map(|(rel, _)| handle_of(&p(rel))).collect();
+    let inos: Vec<u64> = objects
+        .iter()
+        .map(|(rel, _)| fs::metadata(p(rel)).unwrap().ino())
+        .collect();
+    let gone = handle_of(&p("gone"));
+    fs::remove_file(p("gone")).unwrap();
+    // Renamed after the handle was taken: the handle follows the object.
+    fs::rename(p("a/new"), p("c/new_renamed")).unwrap();
+
+    let check = |m: &Mount, when: &str| {
+        for (((rel, content), h), ino) in objects.iter().zip(&handles).zip(&inos) {
+            let flags = match content {
+                Some(_) => libc::O_RDONLY,
+                None => libc::O_RDONLY | libc::O_DIRECTORY,
+            };
+            let fd = open_handle(&m.path(""), h, flags)
+                .unwrap_or_else(|e| panic!("{when}: open_by_handle_at of {rel}: {e}"));
+            assert_eq!(ino_of_fd(&fd), *ino, "{when}: {rel} opened another object");
+            if let Some(content) = content {
+                assert_eq!(read_fd(fd), *content, "{when}: {rel}");
+            }
+        }
+        let e = open_handle(&m.path(""), &gone, libc::O_RDONLY).map(|_| ());
+        assert_eq!(errno_of(e), libc::ESTALE, "{when}: a removed file's handle");
+    };
+    // While the kernel holds every inode.
+    check(&m, "with caches");
+    drop_caches();
+    check(&m, "after drop_caches");
+    drop_caches();
+    // A directory handle first: the kernel reconnects it through its parents ("..").
+    let fd = open_handle(&m.path(""), &handles[8], libc::O_RDONLY | libc::O_DIRECTORY).unwrap();
+    assert_eq!(names(format!("/proc/self/fd/{}", fd.as_raw_fd())), ["f"]);
+    drop(fd);
+    m.remount();
+    check(&m, "after a remount");
+    // Written through a handle opened after the remount: the write lands in the object.
+    let fd = open_handle(&m.path(""), &handles[2], libc::O_WRONLY).unwrap();
+    fs::write(format!("/proc/self/fd/{}", fd.as_raw_fd()), "LOWER").unwrap();
+    drop(fd);
+    assert_eq!(fs::read_to_string(p("a/b/lower_file")).unwrap(), "LOWER");
+    m.unmount();
+}
+
+#[test]
+fn a_handle_of_a_removed_file_stays_stale_when_its_number_is_given_to_a_new_file() {
+    // Upper file systems give a freed inode number to the next new file (ext4 does at once);
+    // the new file must not open through the old file's handle. (A memory upper never gives
+    // a number out twice.)
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let fs_ = LoopFs::new("mkfs.ext4 -q", 64 << 20);
+    let mut m = Mount::new_in(&fs_.path, 1);
+    m.mount();
+    let mut reused = None;
+    for i in 0..64 {
+        let old = m.path(&format!("old{i}"));
+        write(&old, "old");
+        let ino = fs::metadata(&old).unwrap().ino();
+        let h = handle_of(&old);
+        fs::remove_file(&old).unwrap();
+        drop_caches();
+        let new = m.path(&format!("new{i}"));
+        write(&new, "new");
+        if fs::metadata(&new).unwrap().ino() == ino {
+            reused = Some(h);
+            break;
+        }
+    }
+    let h = reused.expect("ext4 gave no freed number to a new file in 64 tries");
+    drop_caches();
+    let e = open_handle(&m.path(""), &h, libc::O_RDONLY).map(|_| ());
+    assert_eq!(errno_of(e), libc::ESTALE);
+    m.unmount();
+}
