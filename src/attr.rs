@@ -10,6 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
 use crate::error::{Result, errno};
+use crate::fileattr::Change;
 use crate::inode::{Ino, Node};
 use crate::layers::{LayerId, UPPER, merged_xattr_name, stored_xattr_name};
 use crate::overlay::Overlay;
@@ -65,6 +66,16 @@ impl Overlay {
     pub fn setattr(&self, ino: Ino, set: SetAttr, caller: &crate::overlay::Caller) -> Result<Attr> {
         self.check_writable()?;
         let node: Arc<Node> = self.node(ino)?;
+        // Immutable and append-only objects (fileattr.rs): times set to now are a touch.
+        let now_only = |t: &Option<Time>| matches!(t, None | Some(Time::Now));
+        let touch = now_only(&set.atime) && now_only(&set.mtime);
+        let any_time = set.atime.is_some() || set.mtime.is_some();
+        if set.size.is_some() || set.mode.is_some() || set.uid.is_some() || set.gid.is_some() {
+            self.check_change(&node, Change::Modify)?;
+        } else if any_time {
+            let change = if touch { Change::Touch } else { Change::Modify };
+            self.check_change(&node, change)?;
+        }
         if let Some(size) = set.size {
             match node.kind() {
                 libc::S_IFDIR => return Err(errno(libc::EISDIR)),
@@ -135,18 +146,6 @@ impl Overlay {
         let node = self.node(ino)?;
         let _waiting = self.waiting_on(&node)?;
         self.settled(|| self.at_top_entry(&node, |dir, name| dir.read_link(name)))
-    }
-
-    /// The inode flags `lsattr` shows (FS_IOC_GETFLAGS) of the regular file or directory
-    /// `ino`, read from the layer the object lives in, as kernel overlayfs reads them from the
-    /// real inode. Other kinds have none (ENOTTY, as the kernel answers for them).
-    pub fn inode_flags(&self, ino: Ino) -> Result<u32> {
-        let node = self.node(ino)?;
-        if !matches!(node.kind(), libc::S_IFREG | libc::S_IFDIR) {
-            return Err(errno(libc::ENOTTY));
-        }
-        let _waiting = self.waiting_on(&node)?;
-        self.settled(|| self.at_top_entry(&node, |dir, name| dir.inode_flags(name)))
     }
 
     fn check_xattr_name(&self, name: &OsStr) -> Result<()> {
@@ -230,6 +229,7 @@ impl Overlay {
         let stored = self.stored_name(name).ok_or_else(|| errno(libc::EPERM))?;
         let stored = OsStr::from_bytes(&stored);
         let node = self.node(ino)?;
+        self.check_change(&node, Change::Modify)?;
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;
@@ -256,6 +256,7 @@ impl Overlay {
         self.getxattr(ino, name)?;
         let stored = self.stored_name(name).ok_or_else(|| errno(libc::EPERM))?;
         let name = OsStr::from_bytes(&stored);
+        self.check_change(&node, Change::Modify)?;
         self.copy_up(&node)?;
         self.settled(|| {
             let (dir, file) = self.upper_target(&node)?;

@@ -178,6 +178,13 @@ impl Overlay {
             }
         }
         self.copy_xattrs(ldir.into(), lname, work, tmp, Xattrs::OfTheFile)?;
+        if lattr.is_reg() || lattr.is_dir() {
+            // Immutable and append-only lower objects stay so (fileattr.rs).
+            let protection = crate::fileattr::inode_protection(ldir.into(), Some(lname))?;
+            if protection != 0 {
+                self.store_protection(work, Some(tmp), protection)?;
+            }
+        }
         let origin = node.st_ino.to_string();
         let key = OsStr::new(&self.layers.xattr.origin);
         if let Err(e) = work.set_xattr(Some(tmp), key, origin.as_bytes(), 0) {

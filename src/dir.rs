@@ -15,6 +15,7 @@ use rustix::fs::RenameFlags;
 
 use crate::copy_up::{Xattrs, temp_name};
 use crate::error::{Result, errno};
+use crate::fileattr::Change;
 use crate::inode::{Found, Ino, Node, Pin};
 use crate::layers::{UPPER, is_reserved_name, wh_name};
 use crate::namei::{Entry, UpperSlot, check_name};
@@ -67,6 +68,7 @@ impl Overlay {
         self.check_new_name(name)?;
         let pnode = self.node(parent)?;
         let shadow = self.free_name(&self.dir_view(&pnode)?, name)?;
+        self.check_change(&pnode, Change::AddEntry)?;
         let udir = self.upper_dir(&pnode)?;
         let umask = if self.config.acl { caller.umask } else { 0 };
         crate::creds::set_thread_umask(umask);
@@ -130,6 +132,7 @@ impl Overlay {
             upper_ino: Some(attr.ino),
         };
         let node = self.inodes.remember_new(parent, name, &found);
+        node.state().protection = Some(0);
         let attr = self.present(&node, attr);
         Ok((node, attr))
     }
@@ -329,6 +332,7 @@ impl Overlay {
         self.check_writable()?;
         let pnode = self.node(parent)?;
         self.dir_view(&pnode)?;
+        self.check_change(&pnode, Change::AddEntry)?;
         let udir = self.upper_dir(&pnode)?;
         let pattr = udir.view().stat(None)?;
         let umask = if self.config.acl { caller.umask } else { 0 };
@@ -366,6 +370,7 @@ impl Overlay {
             upper_ino: Some(attr.ino),
         };
         let node = self.inodes.remember_unnamed(&found);
+        node.state().protection = Some(0);
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
         let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(file));
         let opened = self.open(node.ino, flags & !(libc::O_TMPFILE | libc::O_TRUNC), None)?;
@@ -382,6 +387,8 @@ impl Overlay {
         }
         let pnode = self.node(newparent)?;
         let shadow = self.free_name(&self.dir_view(&pnode)?, newname)?;
+        self.check_change(&node, Change::Modify)?;
+        self.check_change(&pnode, Change::AddEntry)?;
         self.copy_up(&node)?;
         let udir = self.upper_dir(&pnode)?;
         let link_at = |dir: &UpperDir, name: &OsStr| -> Result<()> {
@@ -427,6 +434,13 @@ impl Overlay {
 
     /// Removes `name` from the upper directory of `parent`, leaving a whiteout when a lower
     /// layer still has it, and forgets the name. `entry` is what the name resolved to.
+    /// Whether immutable or append-only flags forbid removing `entry` from `pnode`
+    /// (fileattr.rs): checked before the kind and emptiness of the object, as `may_delete`.
+    fn check_removal(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
+        self.check_change(pnode, Change::RemoveEntry)?;
+        self.check_change(&self.node_for(pnode.ino, name, entry), Change::Modify)
+    }
+
     fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
         let needs_whiteout = self.lower_has(pnode, name)?;
         let udir = self.upper_dir(pnode)?;
@@ -525,6 +539,7 @@ impl Overlay {
         let entry = self
             .resolve(&view, name)?
             .ok_or_else(|| errno(libc::ENOENT))?;
+        self.check_removal(&pnode, name, &entry)?;
         if entry.attr.is_dir() {
             return Err(errno(libc::EISDIR));
         }
@@ -564,6 +579,7 @@ impl Overlay {
         let entry = self
             .resolve(&view, name)?
             .ok_or_else(|| errno(libc::ENOENT))?;
+        self.check_removal(&pnode, name, &entry)?;
         if !entry.attr.is_dir() {
             return Err(errno(libc::ENOTDIR));
         }
@@ -638,17 +654,30 @@ impl Overlay {
             (None, true) => return Err(errno(libc::ENOENT)),
             _ => {}
         }
+        if let Some(d) = &dst
+            && d.found.ino == src.found.ino
+            && !exchange
+        {
+            return Ok(()); // two names of one file: rename does nothing
+        }
+        // Immutable and append-only objects and directories (fileattr.rs), before the kinds
+        // and emptiness, as the VFS: both names change in both directories.
+        self.check_removal(&pnode, name, &src)?;
+        self.check_change(&npnode, Change::AddEntry)?;
         if let Some(d) = &dst {
-            if d.found.ino == src.found.ino && !exchange {
-                return Ok(()); // two names of one file: rename does nothing
+            self.check_removal(&npnode, newname, d)?;
+            if exchange {
+                self.check_change(&pnode, Change::AddEntry)?;
             }
-            if !exchange {
-                match (src.attr.is_dir(), d.attr.is_dir()) {
-                    (true, false) => return Err(errno(libc::ENOTDIR)),
-                    (false, true) => return Err(errno(libc::EISDIR)),
-                    (true, true) => self.check_empty_dir(&npnode, newname, d)?,
-                    _ => {}
-                }
+        }
+        if let Some(d) = &dst
+            && !exchange
+        {
+            match (src.attr.is_dir(), d.attr.is_dir()) {
+                (true, false) => return Err(errno(libc::ENOTDIR)),
+                (false, true) => return Err(errno(libc::EISDIR)),
+                (true, true) => self.check_empty_dir(&npnode, newname, d)?,
+                _ => {}
             }
         }
         let snode = self.node_for(parent, name, &src);

@@ -341,6 +341,8 @@ impl Filesystem for MosaicFs {
     }
 
     /// statx beyond the basic fields: the birth time, where the layer's file system has one.
+    /// (Not the attributes — immutable, append-only…: `fuse_do_statx` drops them from the
+    /// reply, docs/KERNEL-NOTES.md.)
     fn statx(
         &self,
         _req: &Request,
@@ -559,14 +561,18 @@ impl Filesystem for MosaicFs {
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         let kill_privs = write_flags
             .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
             .then(|| caller(req, 0));
-        match self.core.write(fh.0, offset, data, kill_privs.as_ref()) {
+        let appending = flags.0 & libc::O_APPEND != 0;
+        match self
+            .core
+            .write(fh.0, offset, data, appending, kill_privs.as_ref())
+        {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -786,9 +792,9 @@ impl Filesystem for MosaicFs {
         }
     }
 
-    /// `lsattr` (FS_IOC_GETFLAGS) reads the flags of the object's layer; `chattr` is refused as
-    /// fuse-overlayfs refuses it (flags such as immutable or append-only on an upper file would
-    /// stop the daemon's own writes to it: copy-after-write fills, completion).
+    /// Inode flags: `lsattr`/`chattr` (FS_IOC_GETFLAGS/SETFLAGS) and `xfs_io -c chattr`
+    /// (FS_IOC_FSGETXATTR/FSSETXATTR); fileattr.rs. The kernel sends these on a handle it
+    /// opens for the purpose, after its own checks of ownership and CAP_LINUX_IMMUTABLE.
     fn ioctl(
         &self,
         _req: &Request,
@@ -796,7 +802,7 @@ impl Filesystem for MosaicFs {
         _fh: FileHandle,
         _flags: IoctlFlags,
         cmd: u32,
-        _in_data: &[u8],
+        in_data: &[u8],
         out_size: u32,
         reply: ReplyIoctl,
     ) {
@@ -804,6 +810,7 @@ impl Filesystem for MosaicFs {
         const FS_IOC_SETFLAGS: u32 = 0x4008_6602;
         const FS_IOC32_GETFLAGS: u32 = 0x8004_6601;
         const FS_IOC32_SETFLAGS: u32 = 0x4004_6602;
+        use crate::sys::{FS_IOC_FSGETXATTR, FS_IOC_FSSETXATTR, FsXattr};
         match cmd {
             FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS if out_size >= 4 => {
                 match self.core.inode_flags(ino.0) {
@@ -811,7 +818,26 @@ impl Filesystem for MosaicFs {
                     Err(e) => reply.error(errno(e)),
                 }
             }
-            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS => reply.error(Errno::EOPNOTSUPP),
+            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS if in_data.len() >= 4 => {
+                let flags = u32::from_ne_bytes(in_data[..4].try_into().expect("4 bytes"));
+                match self.core.set_inode_flags(ino.0, flags) {
+                    Ok(()) => reply.ioctl(0, &[]),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
+            FS_IOC_FSGETXATTR if out_size as usize >= std::mem::size_of::<FsXattr>() => {
+                match self.core.fs_xattr(ino.0) {
+                    Ok(fsx) => reply.ioctl(0, &fsx),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
+            FS_IOC_FSSETXATTR => match FsXattr::try_from(in_data) {
+                Ok(fsx) => match self.core.set_fs_xattr(ino.0, &fsx) {
+                    Ok(()) => reply.ioctl(0, &[]),
+                    Err(e) => reply.error(errno(e)),
+                },
+                Err(_) => reply.error(Errno::EINVAL),
+            },
             _ => reply.error(Errno::ENOTTY),
         }
     }

@@ -18,6 +18,8 @@ pub struct Handle {
     pub file: Arc<OpenFile>,
     pub node: Arc<Node>,
     pub append: bool,
+    /// Opened on an append-only file (fileattr.rs): every write must append.
+    pub append_only: bool,
     pub writable: bool,
     /// O_SYNC or O_DSYNC: each write is on disk, whole blocks included, when it returns.
     pub sync: bool,

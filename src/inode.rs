@@ -120,6 +120,8 @@ pub struct NodeState {
     /// The upper object itself, held once a removal took its last known name while the kernel
     /// still knew the node (`Overlay::pin_removed`).
     pub pin: Option<Pin>,
+    /// Its immutable and append-only flags (fileattr.rs `protection`), once read.
+    pub protection: Option<u32>,
 }
 
 /// A removed upper object whose node the kernel still holds, kept: an `O_PATH` descriptor of
@@ -302,6 +304,7 @@ impl NodeState {
             lower_names_gone: 0,
             store_attr: None,
             pin: None,
+            protection: None,
         }
     }
 }
@@ -560,6 +563,7 @@ impl InodeTable {
                 node.generation.fetch_add(1, Ordering::Relaxed);
                 st.open = Weak::new();
                 st.links.clear();
+                st.protection = None;
             }
             if st.upper != found.upper || st.lower != found.lower || st.links.is_empty() {
                 st.subdirs_changed();

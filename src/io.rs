@@ -12,6 +12,7 @@ use rustix::fs::{FallocateFlags, OFlags};
 
 use crate::error::{Error, Result, errno};
 use crate::file::{DataRef, FileData, IoMode, OpenFile, Opened};
+use crate::fileattr::{Change, FS_APPEND_FL};
 use crate::handles::Handle;
 use crate::inode::{Ino, Node};
 use crate::layers::{LayerId, UPPER};
@@ -386,6 +387,14 @@ impl Overlay {
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
+        // Immutable and append-only files (fileattr.rs): checked before anything changes.
+        let append_only = if writable || truncate {
+            let append = flags & libc::O_APPEND != 0 && !truncate;
+            self.check_change(&node, Change::Write { append })?;
+            self.protection(&node)? & FS_APPEND_FL != 0
+        } else {
+            false
+        };
         // The kernel refuses a writer of a running program (ETXTBSY) before it sends OPEN, but
         // open(O_RDONLY | O_TRUNC) reaches here first and is refused only after this OPEN has
         // truncated (FUSE_ATOMIC_O_TRUNC): the program would lose its text to an open that
@@ -453,6 +462,9 @@ impl Overlay {
             // set-id bits and capabilities an unprivileged writer must clear: such writes go
             // through the daemon (`kill_privs`), as kernel overlayfs clears them itself.
             PassthroughPolicy::Off
+        } else if append_only {
+            // Each write must be seen to append (`write`).
+            PassthroughPolicy::Off
         } else if !writable && self.lower_on_store(&node) {
             PassthroughPolicy::Upper
         } else {
@@ -496,6 +508,7 @@ impl Overlay {
             file,
             node,
             append: flags & libc::O_APPEND != 0,
+            append_only,
             writable,
             sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
             exec,
@@ -702,16 +715,22 @@ impl Overlay {
         Ok(())
     }
 
-    /// Writes through handle `fh`. `kill_privs`: the writer lacks CAP_FSETID, so set-id bits
-    /// and file capabilities go, as the VFS would do (FUSE_HANDLE_KILLPRIV_V2).
+    /// Writes through handle `fh`; `appending`: its file flags have O_APPEND now (fcntl may
+    /// have changed them since the open). `kill_privs`: the writer lacks CAP_FSETID, so set-id
+    /// bits and file capabilities go, as the VFS would do (FUSE_HANDLE_KILLPRIV_V2).
     pub fn write(
         &self,
         fh: u64,
         off: u64,
         data: &[u8],
+        appending: bool,
         kill_privs: Option<&Caller>,
     ) -> Result<u32> {
         let h = self.handle(fh)?;
+        if h.append_only && !appending {
+            // The kernel checks this at fcntl(F_SETFL) on a local file system (fileattr.rs).
+            return Err(errno(libc::EPERM));
+        }
         if let Some(caller) = kill_privs {
             self.kill_privs(&h.node, &h.file, caller)?;
         }
@@ -770,6 +789,9 @@ impl Overlay {
         kill_privs: Option<&Caller>,
     ) -> Result<u32> {
         const CHUNK: u64 = 1 << 20;
+        // An immutable destination (fileattr.rs), made so since it was opened: the kernel
+        // checks this in `generic_copy_file_checks` on a local file system.
+        self.check_change(&self.handle(fh_out)?.node, Change::Write { append: false })?;
         let src = self.handle(fh_in)?;
         let len = len.min(u32::MAX as u64 & !(CHUNK - 1));
         let mut done = 0u64;
@@ -780,7 +802,7 @@ impl Overlay {
             if bytes.is_empty() {
                 break;
             }
-            self.write(fh_out, off_out + done, &bytes, kill_privs)?;
+            self.write(fh_out, off_out + done, &bytes, false, kill_privs)?;
             done += bytes.len() as u64;
             if bytes.len() < want as usize {
                 break;
@@ -885,6 +907,11 @@ impl Overlay {
         let h = self.handle(fh)?;
         self.check_writable()?;
         let mode = FallocateFlags::from_bits(mode as _).ok_or_else(|| errno(libc::EOPNOTSUPP))?;
+        let change = match mode.difference(FallocateFlags::KEEP_SIZE).is_empty() {
+            true => Change::Write { append: true },
+            false => Change::Modify,
+        };
+        self.check_change(&h.node, change)?;
         if let Some(caller) = kill_privs {
             self.kill_privs(&h.node, &h.file, caller)?;
         }

@@ -102,6 +102,9 @@ pub struct XattrNames {
     /// On an upper directory without lower parts: some entries carry `origin` (see DirFlags).
     pub origins: String,
     pub opaque: &'static str,
+    /// Immutable and append-only flags of an upper object, as kernel overlayfs keeps them
+    /// (fileattr.rs).
+    pub protattr: &'static str,
 }
 
 impl XattrNames {
@@ -118,6 +121,11 @@ impl XattrNames {
                 "trusted.overlay.opaque"
             } else {
                 "user.overlay.opaque"
+            },
+            protattr: if trusted {
+                "trusted.overlay.protattr"
+            } else {
+                "user.overlay.protattr"
             },
         }
     }

@@ -17,6 +17,7 @@ pub mod error;
 pub mod export;
 pub mod fault;
 pub mod file;
+pub mod fileattr;
 pub mod fuse;
 pub mod handles;
 pub mod help;

@@ -274,6 +274,57 @@ pub fn birth_time(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<Option<(i
         .then_some((sx.stx_btime.tv_sec, sx.stx_btime.tv_nsec)))
 }
 
+/// The statx attributes (`STATX_ATTR_*`) of `name` in `dir` (of `dir` itself with `None`)
+/// that its file system reports, not following a symlink: one call, no open.
+pub fn attributes(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<u64> {
+    use rustix::fs::{AtFlags, StatxFlags};
+    let (path, flags) = match name {
+        Some(n) => (n, AtFlags::SYMLINK_NOFOLLOW),
+        None => (OsStr::new(""), AtFlags::EMPTY_PATH),
+    };
+    let sx = rustix::fs::statx(dir, path, flags, StatxFlags::empty())?;
+    Ok((sx.stx_attributes & sx.stx_attributes_mask).bits())
+}
+
+/// `struct fsxattr` (FS_IOC_FSGETXATTR), as bytes: xflags, extsize, nextents, projid,
+/// cowextsize, 8 bytes of padding.
+pub type FsXattr = [u8; 28];
+pub const FS_IOC_FSGETXATTR: u32 = 0x801c_581f;
+pub const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
+
+/// FS_IOC_FSGETXATTR of an open file or directory.
+pub fn fs_xattr(fd: BorrowedFd<'_>) -> Result<FsXattr> {
+    let mut fsx: FsXattr = [0; 28];
+    // SAFETY: FS_IOC_FSGETXATTR writes one `struct fsxattr` (28 bytes) to the buffer given.
+    let r = unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            FS_IOC_FSGETXATTR as _,
+            fsx.as_mut_ptr().cast::<libc::c_void>(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(fsx)
+}
+
+/// FS_IOC_FSSETXATTR of an open file or directory.
+pub fn set_fs_xattr(fd: BorrowedFd<'_>, fsx: &FsXattr) -> Result<()> {
+    // SAFETY: FS_IOC_FSSETXATTR reads one `struct fsxattr` (28 bytes) from the buffer given.
+    let r = unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            FS_IOC_FSSETXATTR as _,
+            fsx.as_ptr().cast::<libc::c_void>(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(())
+}
+
 /// A path through `/proc/self/fd` naming `name` inside the directory `dir`, and whether the
 /// xattr calls are to follow its last component. The directory's magic link is then only an
 /// intermediate component, and the `l*xattr` calls do not follow the final one, so this reaches

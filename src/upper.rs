@@ -183,16 +183,60 @@ impl LayerDir<'_> {
     pub fn inode_flags(&self, name: Option<&OsStr>) -> Result<u32> {
         match *self {
             LayerDir::Disk(fd) => {
-                let flags = OFlags::RDONLY
-                    | OFlags::NONBLOCK
-                    | OFlags::NOFOLLOW
-                    | OFlags::NOCTTY
-                    | OFlags::CLOEXEC;
-                let f = sys::openat(fd, name.unwrap_or(OsStr::new(".")), flags, Mode::empty())?;
-                Ok(rustix::fs::ioctl_getflags(&f)?.bits())
+                Ok(rustix::fs::ioctl_getflags(&Self::open_for_flags(fd, name)?)?.bits())
             }
             LayerDir::Memory(m, dir) => UpperDir::node_of(m, dir, name).map(|_| 0),
         }
+    }
+
+    /// Sets the inode flags (FS_IOC_SETFLAGS) of `name` here; the memory store keeps none.
+    pub fn set_inode_flags(&self, name: Option<&OsStr>, flags: u32) -> Result<()> {
+        match *self {
+            LayerDir::Disk(fd) => {
+                let flags = rustix::fs::IFlags::from_bits_retain(flags);
+                Ok(rustix::fs::ioctl_setflags(
+                    &Self::open_for_flags(fd, name)?,
+                    flags,
+                )?)
+            }
+            LayerDir::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
+        }
+    }
+
+    /// FS_IOC_FSGETXATTR of `name` here; the memory store has only zeros.
+    pub fn fs_xattr(&self, name: Option<&OsStr>) -> Result<sys::FsXattr> {
+        match *self {
+            LayerDir::Disk(fd) => sys::fs_xattr(Self::open_for_flags(fd, name)?.as_fd()),
+            LayerDir::Memory(m, dir) => UpperDir::node_of(m, dir, name).map(|_| [0; 28]),
+        }
+    }
+
+    /// FS_IOC_FSSETXATTR of `name` here; the memory store keeps none.
+    pub fn set_fs_xattr(&self, name: Option<&OsStr>, fsx: &sys::FsXattr) -> Result<()> {
+        match *self {
+            LayerDir::Disk(fd) => sys::set_fs_xattr(Self::open_for_flags(fd, name)?.as_fd(), fsx),
+            LayerDir::Memory(..) => Err(errno(libc::EOPNOTSUPP)),
+        }
+    }
+
+    /// The statx attributes of `name` here (`sys::attributes`); the memory store has none.
+    pub fn attributes(&self, name: Option<&OsStr>) -> Result<u64> {
+        match *self {
+            LayerDir::Disk(fd) => sys::attributes(fd, name),
+            LayerDir::Memory(m, dir) => UpperDir::node_of(m, dir, name).map(|_| 0),
+        }
+    }
+
+    /// A descriptor the inode-flag ioctls take: a real open, not O_PATH, touching no atime.
+    fn open_for_flags(fd: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<OwnedFd> {
+        let flags =
+            OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW | OFlags::NOCTTY | OFlags::CLOEXEC;
+        Ok(sys::openat(
+            fd,
+            name.unwrap_or(OsStr::new(".")),
+            flags,
+            Mode::empty(),
+        )?)
     }
 
     /// Whether the directory `sub` here (this directory with `None`) holds `name`.
