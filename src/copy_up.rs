@@ -137,13 +137,27 @@ impl Overlay {
                 let file = work.create(tmp, &Creation::daemon(libc::S_IFREG | 0o600))?;
                 if !empty && lattr.size > 0 {
                     let fd = &file;
-                    if self.clone_lower(fd, lower.top(), &lower.path)? {
+                    // A metadata-only lower file's bytes are its data file's (metacopy.rs),
+                    // checked against its digest before anything depends on them.
+                    let (data_layer, data_path) = lower.data_at();
+                    let data_attr = match &lower.data {
+                        Some(data) => {
+                            drop(self.open_lower_data(lower)?);
+                            self.lower_data_attr(data)?
+                        }
+                        None => *lattr,
+                    };
+                    if self.clone_lower(fd, data_layer, data_path)? {
                         // A complete copy sharing the lower file's extents: no mark.
                     } else if self.sparse.sparse {
                         fd.truncate(lattr.size)?;
                         let block = self.sparse.block;
-                        let mark =
-                            PartialMark::for_lower(lower.top(), lower.path.clone(), lattr, block);
+                        let mark = PartialMark::for_lower(
+                            data_layer,
+                            data_path.to_owned(),
+                            &data_attr,
+                            block,
+                        );
                         self.guard_layer_for_partial_files()?;
                         match mark.store(fd, &self.layers.xattr) {
                             Ok(()) => {}
@@ -151,16 +165,14 @@ impl Overlay {
                             // fit in one xattr (ext4 holds about 4 KiB): copy the whole file.
                             Err(e) if e.is(libc::ENOSPC) || e.is(libc::E2BIG) => {
                                 fd.truncate(0)?;
-                                let src = self.open_lower_source(lower.top(), &lower.path)?;
-                                copy_all(&src, fd, lattr.size)?;
+                                copy_all(&self.open_lower_data(lower)?, fd, lattr.size)?;
                             }
                             Err(e) => return Err(e),
                         }
                     } else {
                         // No sparse files on the upper file system (reported at mount): the
                         // only correct copy-up left is a whole one.
-                        let src = self.open_lower_source(lower.top(), &lower.path)?;
-                        copy_all(&src, fd, lattr.size)?;
+                        copy_all(&self.open_lower_data(lower)?, fd, lattr.size)?;
                     }
                 }
             }

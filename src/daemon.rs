@@ -247,7 +247,7 @@ fn mount(opts: Options) -> Result<(), String> {
         filestore: opts.filestore.clone().unwrap_or_default(),
         size_limit: opts.size_limit,
     });
-    let layers = LayerStack::open(
+    let mut layers = LayerStack::open(
         &opts.lowerdirs,
         opts.upperdir.as_deref(),
         opts.workdir.as_deref(),
@@ -256,6 +256,7 @@ fn mount(opts: Options) -> Result<(), String> {
         crate::layers::WorkLock::Wait(crate::layers::MOUNT_LOCK_WAIT),
         memory_spec.as_ref(),
     )?;
+    layers.add_data_layers(&opts.datadirs)?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
     use_uring(&opts, &overlay)?;
     if overlay.layers.work.is_some() && !overlay.sparse.sparse {

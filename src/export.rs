@@ -815,7 +815,7 @@ fn export_offline<W: Write>(
         }
         _ => None,
     };
-    let layers = LayerStack::open(
+    let mut layers = LayerStack::open(
         &o.lowerdirs,
         o.upperdir.as_deref(),
         o.workdir.as_deref(),
@@ -824,6 +824,7 @@ fn export_offline<W: Write>(
         WorkLock::Tool,
         None,
     )?;
+    layers.add_data_layers(&o.datadirs)?;
     let mut config = Config::from_options(o);
     config.read_only = true;
     let ov = Overlay::new(layers, config)?;

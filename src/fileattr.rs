@@ -109,17 +109,22 @@ fn from_xflags(xflags: u32) -> u32 {
     p
 }
 
-/// The immutable and append-only flags a layer object's own inode has (statx attributes).
+/// The immutable and append-only flags a layer object's own inode has. statx reports them in
+/// one call, but some file systems report every file immutable there (EROFS: read-only, not
+/// S_IMMUTABLE, which is what kernel overlayfs copies), so a file statx calls immutable or
+/// append-only is asked for its inode flags (FS_IOC_GETFLAGS), which say what chattr set.
 pub(crate) fn inode_protection(dir: LayerDir<'_>, name: Option<&OsStr>) -> Result<u32> {
     let attributes = dir.attributes(name)?;
-    let mut p = 0;
-    if attributes & libc::STATX_ATTR_IMMUTABLE as u64 != 0 {
-        p |= FS_IMMUTABLE_FL;
+    let said = (libc::STATX_ATTR_IMMUTABLE | libc::STATX_ATTR_APPEND) as u64;
+    if attributes & said == 0 {
+        return Ok(0);
     }
-    if attributes & libc::STATX_ATTR_APPEND as u64 != 0 {
-        p |= FS_APPEND_FL;
+    match dir.inode_flags(name) {
+        Ok(flags) => Ok(flags & PROTECTION),
+        // No inode flags to set there (EROFS, squashfs): nothing chattr could have set.
+        Err(e) if e.is(libc::ENOTTY) || e.is(libc::EOPNOTSUPP) || e.is(libc::EINVAL) => Ok(0),
+        Err(e) => Err(e),
     }
-    Ok(p)
 }
 
 impl Overlay {

@@ -52,6 +52,18 @@ pub struct LowerRef {
     /// `(layer, path)`: from `layer` down, the object is at `path` (redirects in lower layers;
     /// usually empty).
     pub moved: Vec<(LayerId, PathBuf)>,
+    /// For a metadata-only file of kernel overlayfs: where its data is (metacopy.rs).
+    pub data: Option<Arc<LowerData>>,
+}
+
+/// Where the data of a metadata-only lower file is, and the fs-verity digest its metadata
+/// asks of it (metacopy.rs).
+#[derive(Debug, PartialEq, Eq)]
+pub struct LowerData {
+    pub layer: LayerId,
+    pub path: PathBuf,
+    /// `(FS_VERITY_HASH_ALG_*, digest)` from `overlay.metacopy`, where it carries one.
+    pub digest: Option<(u8, Vec<u8>)>,
 }
 
 impl LowerRef {
@@ -60,6 +72,15 @@ impl LowerRef {
             path,
             layers: vec![layer],
             moved: Vec::new(),
+            data: None,
+        }
+    }
+
+    /// Where the object's data is: its own file, or a metadata-only file's data file.
+    pub fn data_at(&self) -> (LayerId, &std::path::Path) {
+        match &self.data {
+            Some(d) => (d.layer, &d.path),
+            None => (self.top(), &self.path),
         }
     }
 

@@ -66,12 +66,10 @@ impl Overlay {
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
-            if self.layers.layer(lower.top()).on_store {
+            if self.layers.layer(lower.top()).on_store && lower.data.is_none() {
                 return Ok(FileData::Unopened(lower.top(), lower.path));
             }
-            return Ok(FileData::Lower(
-                self.open_lower_source(lower.top(), &lower.path)?,
-            ));
+            return Ok(FileData::Lower(self.open_lower_data(&lower)?));
         }
         let opened = self.settled(|| {
             let (dir, name) = self.upper_entry(node)?;
@@ -263,7 +261,7 @@ impl Overlay {
             Error::with_context(libc::EIO, msg)
         };
         let layer = holder as usize + mark.layer as usize;
-        if mark.layer == 0 || layer > self.layers.lower_count() {
+        if mark.layer == 0 || layer > self.layers.last_layer() {
             return Err(refuse("is not in this mount".into()));
         }
         let layer = layer as LayerId;

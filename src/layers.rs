@@ -170,7 +170,9 @@ pub fn merged_xattr_name(stored: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
 
 pub struct LayerStack {
     /// Index 0 is the upper layer when `has_upper`; otherwise a placeholder equal to lower 1.
+    /// Then the lower layers, then the data-only ones (`data_only` of them, metacopy.rs).
     layers: Vec<Layer>,
+    data_only: usize,
     pub has_upper: bool,
     /// `workdir/mosaicfs-work`, on the upper file system: copy-up builds objects here and renames
     /// them into place, so that a crash never leaves a half-made object in the upper layer.
@@ -611,6 +613,7 @@ impl LayerStack {
         Ok(LayerStack {
             any_override,
             layers,
+            data_only: 0,
             has_upper,
             work: work_fd,
             _work_lock: work_lock,
@@ -642,12 +645,61 @@ impl LayerStack {
     }
 
     /// The lower layers' ids, top to bottom.
+    /// The lower layers whose names show, top down (not the data-only ones).
     pub fn lower_ids(&self) -> impl Iterator<Item = LayerId> + '_ {
-        (1..self.layers.len()).map(|i| i as LayerId)
+        (1..=self.lower_count()).map(|i| i as LayerId)
     }
 
     pub fn lower_count(&self) -> usize {
+        self.layers.len() - 1 - self.data_only
+    }
+
+    /// The data-only lower layers, top down (metacopy.rs).
+    pub fn data_ids(&self) -> impl Iterator<Item = LayerId> + '_ {
+        (self.lower_count() + 1..self.layers.len()).map(|i| i as LayerId)
+    }
+
+    /// The last layer a partial-file mark may name: a lower or a data-only one.
+    pub fn last_layer(&self) -> usize {
         self.layers.len() - 1
+    }
+
+    /// Appends data-only lower layers (`lowerdir=A::DATA1::DATA2`): opened and checked as
+    /// the lower layers are, numbered after them, and never looked up by name: they only
+    /// serve the data of metadata-only files (metacopy.rs).
+    pub fn add_data_layers(&mut self, dirs: &[PathBuf]) -> std::result::Result<(), String> {
+        for (i, dir) in dirs.iter().enumerate() {
+            let what = format!("data-only lowerdir #{}", i + 1);
+            let path = canonical(dir, &what)?;
+            let (fd, attr) = open_layer_root(&path, &what)?;
+            if let Some(fs) = unsupported_fs(fd.as_fd()) {
+                return Err(format!(
+                    "{what} '{}' is on {fs}, which cannot be a layer",
+                    path.display()
+                ));
+            }
+            let mut devs: Vec<u64> = Vec::new();
+            for l in &self.layers {
+                if !devs.contains(&l.dev) {
+                    devs.push(l.dev);
+                }
+            }
+            let dev_index = devs
+                .iter()
+                .position(|d| *d == attr.dev)
+                .unwrap_or(devs.len());
+            self.layers.push(Layer {
+                on_store: on_store(fd.as_fd()),
+                stat_override: override_key_of(fd.as_fd()),
+                root: fd,
+                idmapped: on_idmapped_mount(&path),
+                path,
+                dev: attr.dev,
+                dev_index: dev_index as u64,
+            });
+            self.data_only += 1;
+        }
+        Ok(())
     }
 
     /// The work directory: copy-up and creation build objects here and rename them in.

@@ -27,6 +27,7 @@ pub mod layers;
 pub mod logging;
 pub mod lower_wait;
 pub mod memory_upper;
+pub mod metacopy;
 pub mod namei;
 pub mod options;
 pub mod overlay;

@@ -337,8 +337,12 @@ impl Overlay {
             };
             match &mut result {
                 None => {
-                    let lower = LowerRef::new(path.clone(), layer);
+                    let mut lower = LowerRef::new(path.clone(), layer);
                     if !attr.is_dir() {
+                        if attr.is_reg() {
+                            // A metadata-only file: its data lies below (metacopy.rs).
+                            lower.data = self.lower_data(layer, &path)?;
+                        }
                         return Ok(Some((attr, lower)));
                     }
                     result = Some((attr, lower));

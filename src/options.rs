@@ -77,9 +77,26 @@ impl IdMap {
     }
 }
 
+/// `verity=`: how the fs-verity digests of metadata-only files are checked (metacopy.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verity {
+    Off,
+    /// A digest, where a metadata-only file has one, must match its data file's.
+    On,
+    /// Every metadata-only file must have a digest, and it must match.
+    Require,
+}
+
 #[derive(Debug, Clone)]
 pub struct Options {
     pub lowerdirs: Vec<PathBuf>,
+    /// Data-only lower layers (`lowerdir=A:B::DATA1::DATA2`): they serve the data of
+    /// metadata-only files and never show in the merged view (metacopy.rs).
+    pub datadirs: Vec<PathBuf>,
+    /// `metacopy=`: follow kernel overlayfs' metadata-only lower files (`None`: not given).
+    pub metacopy: Option<bool>,
+    /// `verity=off|on|require` (metacopy.rs).
+    pub verity: Verity,
     pub upperdir: Option<PathBuf>,
     pub workdir: Option<PathBuf>,
     pub mountpoint: PathBuf,
@@ -161,10 +178,36 @@ pub struct Options {
     pub warnings: Vec<String>,
 }
 
+impl Options {
+    /// Whether metadata-only lower files are followed: asked for, or implied by data-only
+    /// layers or `verity=` (as kernel overlayfs implies it). A contradiction is refused.
+    pub fn follows_metacopy(&self) -> bool {
+        self.metacopy
+            .unwrap_or(!self.datadirs.is_empty() || self.verity != Verity::Off)
+    }
+
+    fn check_metacopy(&self) -> Result<(), String> {
+        if self.metacopy == Some(false) && !self.datadirs.is_empty() {
+            return Err(
+                "data-only lower layers (after '::' in lowerdir) need metacopy: \
+                        remove metacopy=off"
+                    .into(),
+            );
+        }
+        if self.metacopy == Some(false) && self.verity != Verity::Off {
+            return Err("verity=on|require checks metadata-only files: remove metacopy=off".into());
+        }
+        Ok(())
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {
             lowerdirs: Vec::new(),
+            datadirs: Vec::new(),
+            metacopy: None,
+            verity: Verity::Off,
             upperdir: None,
             workdir: None,
             mountpoint: PathBuf::new(),
@@ -674,13 +717,30 @@ impl Options {
         match name {
             "lowerdir" => {
                 let v = value.ok_or("option 'lowerdir' needs a value: lowerdir=DIR[:DIR...]")?;
-                self.lowerdirs = unescape(v, true)
-                    .into_iter()
-                    .filter(|p| !p.is_empty())
-                    .map(PathBuf::from)
-                    .collect();
+                let parts = unescape(v, true);
+                // `::` (an empty part) starts the data-only layers, as in kernel overlayfs.
+                let split = parts.iter().position(|p| p.is_empty()).unwrap_or(parts.len());
+                let dirs = |ps: &[String]| -> Vec<PathBuf> {
+                    ps.iter().filter(|p| !p.is_empty()).map(PathBuf::from).collect()
+                };
+                self.lowerdirs = dirs(&parts[..split]);
+                self.datadirs = dirs(&parts[split..]);
                 if self.lowerdirs.is_empty() {
-                    return Err("option 'lowerdir' names no directory".into());
+                    return Err(match self.datadirs.is_empty() {
+                        true => "option 'lowerdir' names no directory".into(),
+                        false => "option 'lowerdir' names only data-only layers (after '::'): \
+                                  at least one regular lower layer must come first"
+                            .into(),
+                    });
+                }
+            }
+            "metacopy" => self.metacopy = Some(parse_bool(name, value)?),
+            "verity" => {
+                self.verity = match value {
+                    Some("off") => Verity::Off,
+                    Some("on") => Verity::On,
+                    Some("require") => Verity::Require,
+                    _ => return Err("option 'verity' takes off, on or require".into()),
                 }
             }
             "upperdir" => self.upperdir = Some(PathBuf::from(need(value)?)),
@@ -859,7 +919,7 @@ impl Options {
                 self.foreground = true;
             }
             // Inode numbers are always stable and unique (see inode.rs), whatever is asked.
-            "xino" | "fast_ino" | "redirect_dir" | "index" | "metacopy" | "userxattr" => {}
+            "xino" | "fast_ino" | "redirect_dir" | "index" | "userxattr" => {}
             // The kernel's own FUSE mount options, which mount(8) repeats on a remount.
             "user_id" | "group_id" | "rootmode" | "fd" => {}
             // Options that only mount(8) or fstab read.
@@ -1034,6 +1094,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
         opts.read_only = true;
     }
     check_memory_upper(&opts)?;
+    opts.check_metacopy()?;
     Ok(Command::Mount(Box::new(opts)))
 }
 
@@ -1131,6 +1192,26 @@ mod tests {
         .unwrap();
         assert_eq!(o.warnings.len(), 1);
         assert_eq!(o.lowerdirs, vec![PathBuf::from("/a")]);
+    }
+
+    #[test]
+    fn a_double_colon_starts_the_data_only_layers() {
+        let o = parse(&["-o", "lowerdir=/a:/b::/d1::/d2", "/m"]).unwrap();
+        assert_eq!(o.lowerdirs, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(o.datadirs, vec![PathBuf::from("/d1"), PathBuf::from("/d2")]);
+        assert!(o.follows_metacopy(), "data-only layers imply metacopy");
+        let e = parse(&["-o", "lowerdir=/a::/d,metacopy=off", "/m"]).unwrap_err();
+        assert!(e.contains("need metacopy"), "{e}");
+        let e = parse(&["-o", "lowerdir=::/d", "/m"]).unwrap_err();
+        assert!(e.contains("only data-only layers"), "{e}");
+        let o = parse(&["-o", "lowerdir=/a,verity=require", "/m"]).unwrap();
+        assert_eq!(o.verity, Verity::Require);
+        assert!(parse(&["-o", "lowerdir=/a,verity=maybe", "/m"]).is_err());
+        assert!(
+            !parse(&["-o", "lowerdir=/a", "/m"])
+                .unwrap()
+                .follows_metacopy()
+        );
     }
 
     #[test]

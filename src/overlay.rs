@@ -45,6 +45,9 @@ impl Caller {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub read_only: bool,
+    /// Follow kernel overlayfs' metadata-only lower files (metacopy.rs).
+    pub metacopy: bool,
+    pub verity: crate::options::Verity,
     pub xattrs: bool,
     pub acl: bool,
     pub skip_fsync: bool,
@@ -97,6 +100,8 @@ impl Config {
             caw_always: o.caw_always,
             reflink: o.reflink,
             partial_passthrough: o.partial_passthrough,
+            metacopy: o.follows_metacopy(),
+            verity: o.verity,
         }
     }
 }
@@ -199,6 +204,7 @@ impl Overlay {
             path: PathBuf::new(),
             layers: Vec::new(),
             moved: Vec::new(),
+            data: None,
         };
         let opaque_root = layers.has_upper && layers_root_opaque(&layers);
         if !opaque_root {
@@ -217,7 +223,7 @@ impl Overlay {
                 .work
                 .as_ref()
                 .is_some_and(|w| partial::probe_reflink(w.as_fd()));
-        let reflink = (0..=layers.lower_count())
+        let reflink = (0..=layers.last_layer())
             .map(|i| std::sync::atomic::AtomicBool::new(clones && i as LayerId != UPPER))
             .collect();
         let precontent = Self::precontent(&layers, &config)?;

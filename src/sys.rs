@@ -286,6 +286,31 @@ pub fn attributes(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<u64> {
     Ok((sx.stx_attributes & sx.stx_attributes_mask).bits())
 }
 
+/// The fs-verity measurement of an open file: the hash algorithm (FS_VERITY_HASH_ALG_*) and
+/// the digest (FS_IOC_MEASURE_VERITY). ENODATA when the file has no verity.
+pub fn measure_verity(fd: BorrowedFd<'_>) -> Result<(u8, Vec<u8>)> {
+    const FS_IOC_MEASURE_VERITY: u32 = 0xc004_6686;
+    const MAX_DIGEST: usize = 64;
+    // struct fsverity_digest: u16 algorithm, u16 size (in: room, out: used), the digest.
+    let mut buf = [0u8; 4 + MAX_DIGEST];
+    buf[2..4].copy_from_slice(&(MAX_DIGEST as u16).to_ne_bytes());
+    // SAFETY: the buffer is a struct fsverity_digest with room for MAX_DIGEST digest bytes, as
+    // its size field says; the kernel writes no more.
+    let r = unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            FS_IOC_MEASURE_VERITY as _,
+            buf.as_mut_ptr().cast::<libc::c_void>(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    let algorithm = u16::from_ne_bytes([buf[0], buf[1]]);
+    let size = (u16::from_ne_bytes([buf[2], buf[3]]) as usize).min(MAX_DIGEST);
+    Ok((algorithm as u8, buf[4..4 + size].to_vec()))
+}
+
 /// `struct fsxattr` (FS_IOC_FSGETXATTR), as bytes: xflags, extsize, nextents, projid,
 /// cowextsize, 8 bytes of padding.
 pub type FsXattr = [u8; 28];

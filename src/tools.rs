@@ -53,8 +53,10 @@ pub fn complete(t: &ToolArgs) -> i32 {
         WorkLock::Tool,
         None,
     )
-    .and_then(|layers| Overlay::new(layers, Config::from_options(o)))
-    {
+    .and_then(|mut layers| {
+        layers.add_data_layers(&o.datadirs)?;
+        Overlay::new(layers, Config::from_options(o))
+    }) {
         Ok(ov) => ov,
         Err(e) => {
             eprintln!("mosaicfs complete: {e}");
@@ -401,7 +403,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         rustix::fs::Mode::empty(),
     )
     .map_err(|e| format!("upperdir '{}': {e}", upper_path.display()))?;
-    let lowers = LayerStack::open(
+    let mut lowers = LayerStack::open(
         &o.lowerdirs,
         None,
         None,
@@ -410,6 +412,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         WorkLock::Tool,
         None,
     )?;
+    lowers.add_data_layers(&o.datadirs)?;
     // The work dir's lock, held while checking and repairing (a live mount changes the layer).
     let work = match &o.workdir {
         Some(w) => open_work(w)?,
@@ -646,7 +649,8 @@ impl Check {
                 return;
             }
         };
-        let count = self.lowers.lower_count();
+        // Data-only layers (after `::`) count: a mark may name a data file (metacopy.rs).
+        let count = self.lowers.last_layer();
         if mark.layer as usize > count {
             self.problem(
                 rel,
