@@ -684,12 +684,26 @@ impl Overlay {
     /// id mapping and squashing options.
     pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
         a.ino = node.st_ino;
-        let (unlinked, merged_dir, lower_names_gone) = {
+        let (unlinked, merged_dir, lower_names_gone, data) = {
             let st = node.state();
             let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
             let gone = if st.upper { 0 } else { st.lower_names_gone };
-            (st.unlinked, st.kind == libc::S_IFDIR && layers > 1, gone)
+            let data = st.lower.as_ref().and_then(|l| l.data.clone());
+            let data = data.filter(|_| !st.upper);
+            (
+                st.unlinked,
+                st.kind == libc::S_IFDIR && layers > 1,
+                gone,
+                data,
+            )
         };
+        if let Some(data) = data {
+            // A metadata-only file occupies what its data file does (as kernel overlayfs
+            // shows it: `du` counts the data).
+            if let Ok(d) = self.lower_data_attr(&data) {
+                a.blocks = d.blocks;
+            }
+        }
         if unlinked {
             a.nlink = 0;
         } else if lower_names_gone > 0 && !a.is_dir() {

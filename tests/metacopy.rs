@@ -6,7 +6,7 @@
 mod common;
 
 use std::fs;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -106,6 +106,10 @@ fn a_composefs_style_image_reads_as_on_kernel_overlayfs_for_every_verity_mode() 
             .arg(format!("{layers},metacopy=on,verity={verity}"))
             .arg(k.path()));
         let (kernel_names, kernel_reads) = (names_of(k.path()), reads(k.path()));
+        // A metadata-only file occupies its data's blocks: du counts the data.
+        let blocks = |p: &Path| fs::metadata(p).unwrap().blocks();
+        let data_blocks = blocks(&img.data.join("ab/big"));
+        assert_eq!(blocks(&k.path().join("dir/big")), data_blocks, "kernel");
         run(Command::new("umount").arg(k.path()));
 
         let mut m = Mount::new(0);
@@ -115,6 +119,11 @@ fn a_composefs_style_image_reads_as_on_kernel_overlayfs_for_every_verity_mode() 
             m.work.display()
         ));
         assert_eq!(names_of(&m.mnt), kernel_names, "verity={verity}: the tree");
+        assert_eq!(
+            blocks(&m.path("dir/big")),
+            data_blocks,
+            "du counts the data"
+        );
         assert!(
             !names(&m.mnt).contains(&"ef".to_string()),
             "data-only layers' names never show"
