@@ -362,28 +362,58 @@ impl Drop for FuseStore {
 
 /// `run_seed` with the layers in a new directory below `base`; returns the finished run.
 fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) -> Run {
-    run_seed_with(base, seed, ops, options, false, false)
+    run_seed_with(base, seed, ops, options, Lower::Plain, false)
 }
 
-/// `run_seed_in`, with the lower layer read through a FUSE mount of it if `on_store`, and its
-/// files dropped from the page cache every 100 operations if `cold`.
+/// What the lower layer is.
+#[derive(PartialEq)]
+enum Lower {
+    Plain,
+    /// Read through a FUSE mount of it, as a shared store's client.
+    OnStore,
+    /// Kernel overlayfs' metadata-only files, their data in a data-only layer (metacopy.rs).
+    MetadataOnly,
+}
+
+/// `run_seed_in`, with the lower layer as `lower` says, and its files dropped from the page
+/// cache every 100 operations if `cold`.
 fn run_seed_with(
     base: &std::path::Path,
     seed: u64,
     ops: usize,
     options: &[&str],
-    on_store: bool,
+    lower: Lower,
     cold: bool,
 ) -> Run {
     let model = initial_lower(seed);
     let mut m = Mount::new_in(base, 1);
     m.extra = options.iter().map(|o| o.to_string()).collect();
-    for (name, data) in &model {
-        write(m.lower(0).join(name), data);
+    let data = m.dir.path().join("data");
+    for (name, bytes) in &model {
+        let path = m.lower(0).join(name);
+        if lower == Lower::MetadataOnly {
+            write(data.join(name), bytes);
+            fs::File::create(&path)
+                .unwrap()
+                .set_len(bytes.len() as u64)
+                .unwrap();
+            set_xattr(&path, "trusted.overlay.metacopy", b"");
+            set_xattr(
+                &path,
+                "trusted.overlay.redirect",
+                format!("/{name}").as_bytes(),
+            );
+        } else {
+            write(&path, bytes);
+        }
         use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(m.lower(0).join(name), fs::Permissions::from_mode(0o644)).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
     }
-    let store = on_store.then(|| {
+    if lower == Lower::MetadataOnly {
+        // lowerdir=LOWER::DATA
+        m.lowers.extend([std::path::PathBuf::new(), data]);
+    }
+    let store = (lower == Lower::OnStore).then(|| {
         let store = FuseStore::new(m.lower(0), m.dir.path().join("store"));
         m.lowers[0] = store.path.clone();
         store
@@ -547,7 +577,7 @@ fn fsx_with_cold_lower_files_defers_some_blocks_and_fills_others_at_once() {
         "complete_on_reopen=0",
         "partial_passthrough=off",
     ];
-    let run = run_seed_with(base, seed, ops, &opts, false, true);
+    let run = run_seed_with(base, seed, ops, &opts, Lower::Plain, true);
     assert!(run.deferred > 0, "no write was deferred");
 }
 
@@ -571,8 +601,33 @@ fn fsx_with_the_lower_layer_on_a_store_matches_the_model() {
     let ops = fsx_ops();
     let seed = fsx_seed().unwrap_or(2);
     eprintln!("fsx (lower layer on a FUSE store): seed {seed}, {ops} operations");
-    let run = run_seed_with(std::path::Path::new("/tmp"), seed, ops, &[], true, false);
+    let run = run_seed_with(
+        std::path::Path::new("/tmp"),
+        seed,
+        ops,
+        &[],
+        Lower::OnStore,
+        false,
+    );
     assert!(run.lower_opens > 0, "no lower file was opened");
+}
+
+/// The same with the lower files metadata-only (kernel overlayfs' metacopy, a composefs
+/// image's form), their data in a data-only layer: partial files read the data files.
+#[test]
+fn fsx_with_metadata_only_lower_files_matches_the_model() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(11);
+    eprintln!("fsx (metadata-only lower files, data-only layer): seed {seed}, {ops} operations");
+    let run = run_seed_with(
+        std::path::Path::new("/tmp"),
+        seed,
+        ops,
+        &[],
+        Lower::MetadataOnly,
+        false,
+    );
+    assert!(run.lower_opens > 0, "no data file was opened");
 }
 
 /// The same with lower and upper on one XFS: copy-up clones the lower file (reflink), and the
