@@ -334,6 +334,23 @@ fn open_memory_upper(
     })
 }
 
+/// A lower layer's root (`what` names it in messages): its canonical path, an `O_PATH`
+/// handle and its `stat`, refused on a file system no layer can be on.
+fn open_lower_root(
+    dir: &Path,
+    what: &str,
+) -> std::result::Result<(PathBuf, OwnedFd, Attr), String> {
+    let path = canonical(dir, what)?;
+    let (fd, attr) = open_layer_root(&path, what)?;
+    if let Some(fs) = unsupported_fs(fd.as_fd()) {
+        return Err(format!(
+            "{what} '{}' is on {fs}, which cannot be a layer",
+            path.display()
+        ));
+    }
+    Ok((path, fd, attr))
+}
+
 fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Attr), String> {
     let fd = rustix::fs::open(
         path,
@@ -579,14 +596,7 @@ impl LayerStack {
         }
         for (i, lower) in lowers.iter().enumerate() {
             let what = format!("lowerdir #{}", i + 1);
-            let path = canonical(lower, &what)?;
-            let (fd, attr) = open_layer_root(&path, &what)?;
-            if let Some(fs) = unsupported_fs(fd.as_fd()) {
-                return Err(format!(
-                    "{what} '{}' is on {fs}, which cannot be a layer",
-                    path.display()
-                ));
-            }
+            let (path, fd, attr) = open_lower_root(lower, &what)?;
             if has_memory_image(fd.as_fd()) {
                 return Err(format!(
                     "{what} '{}' is the upper dir of a memory upper layer (upper=memory): its \
@@ -670,14 +680,7 @@ impl LayerStack {
     pub fn add_data_layers(&mut self, dirs: &[PathBuf]) -> std::result::Result<(), String> {
         for (i, dir) in dirs.iter().enumerate() {
             let what = format!("data-only lowerdir #{}", i + 1);
-            let path = canonical(dir, &what)?;
-            let (fd, attr) = open_layer_root(&path, &what)?;
-            if let Some(fs) = unsupported_fs(fd.as_fd()) {
-                return Err(format!(
-                    "{what} '{}' is on {fs}, which cannot be a layer",
-                    path.display()
-                ));
-            }
+            let (path, fd, attr) = open_lower_root(dir, &what)?;
             let mut devs: Vec<u64> = Vec::new();
             for l in &self.layers {
                 if !devs.contains(&l.dev) {

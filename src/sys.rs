@@ -286,6 +286,18 @@ pub fn attributes(dir: BorrowedFd<'_>, name: Option<&OsStr>) -> Result<u64> {
     Ok((sx.stx_attributes & sx.stx_attributes_mask).bits())
 }
 
+/// ioctl(2) `cmd` on `fd` with the pointer argument `arg`.
+///
+/// # Safety
+/// `arg` must point to memory of the size and layout `cmd` reads or writes.
+unsafe fn ioctl_with(fd: BorrowedFd<'_>, cmd: u32, arg: *mut libc::c_void) -> Result<()> {
+    // SAFETY: the caller vouches for `arg`; the descriptor is open for the call.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), cmd as _, arg) } < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(())
+}
+
 /// The fs-verity measurement of an open file: the hash algorithm (FS_VERITY_HASH_ALG_*) and
 /// the digest (FS_IOC_MEASURE_VERITY). ENODATA when the file has no verity.
 pub fn measure_verity(fd: BorrowedFd<'_>) -> Result<(u8, Vec<u8>)> {
@@ -296,16 +308,7 @@ pub fn measure_verity(fd: BorrowedFd<'_>) -> Result<(u8, Vec<u8>)> {
     buf[2..4].copy_from_slice(&(MAX_DIGEST as u16).to_ne_bytes());
     // SAFETY: the buffer is a struct fsverity_digest with room for MAX_DIGEST digest bytes, as
     // its size field says; the kernel writes no more.
-    let r = unsafe {
-        libc::ioctl(
-            fd.as_raw_fd(),
-            FS_IOC_MEASURE_VERITY as _,
-            buf.as_mut_ptr().cast::<libc::c_void>(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
+    unsafe { ioctl_with(fd, FS_IOC_MEASURE_VERITY, buf.as_mut_ptr().cast())? };
     let algorithm = u16::from_ne_bytes([buf[0], buf[1]]);
     let size = (u16::from_ne_bytes([buf[2], buf[3]]) as usize).min(MAX_DIGEST);
     Ok((algorithm as u8, buf[4..4 + size].to_vec()))
@@ -321,33 +324,14 @@ pub const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
 pub fn fs_xattr(fd: BorrowedFd<'_>) -> Result<FsXattr> {
     let mut fsx: FsXattr = [0; 28];
     // SAFETY: FS_IOC_FSGETXATTR writes one `struct fsxattr` (28 bytes) to the buffer given.
-    let r = unsafe {
-        libc::ioctl(
-            fd.as_raw_fd(),
-            FS_IOC_FSGETXATTR as _,
-            fsx.as_mut_ptr().cast::<libc::c_void>(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
+    unsafe { ioctl_with(fd, FS_IOC_FSGETXATTR, fsx.as_mut_ptr().cast())? };
     Ok(fsx)
 }
 
 /// FS_IOC_FSSETXATTR of an open file or directory.
 pub fn set_fs_xattr(fd: BorrowedFd<'_>, fsx: &FsXattr) -> Result<()> {
     // SAFETY: FS_IOC_FSSETXATTR reads one `struct fsxattr` (28 bytes) from the buffer given.
-    let r = unsafe {
-        libc::ioctl(
-            fd.as_raw_fd(),
-            FS_IOC_FSSETXATTR as _,
-            fsx.as_ptr().cast::<libc::c_void>(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    Ok(())
+    unsafe { ioctl_with(fd, FS_IOC_FSSETXATTR, fsx.as_ptr().cast_mut().cast()) }
 }
 
 /// A path through `/proc/self/fd` naming `name` inside the directory `dir`, and whether the

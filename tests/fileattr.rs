@@ -76,7 +76,7 @@ fn immutable_files_and_directories_refuse_every_change_until_the_flag_goes() {
     eperm("utimes", set_times(&f, false));
     eperm("truncate", truncate(&f));
     eperm("touch", set_times(&f, true));
-    eperm("setxattr", xattr_set(&f, "user.x", b"1"));
+    eperm("setxattr", try_set_xattr(&f, "user.x", b"1"));
     eperm("unlink", fs::remove_file(&f));
     eperm("rename", fs::rename(&f, m.path("g")));
     eperm("link", fs::hard_link(&f, m.path("g")));
@@ -282,26 +282,6 @@ impl Drop for Unfreeze {
         for p in &self.0 {
             let _ = Command::new("chattr").arg("-ia").arg(p).status();
         }
-    }
-}
-
-fn xattr_set(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
-    let path = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-    let name = std::ffi::CString::new(name).unwrap();
-    // SAFETY: C strings and a buffer of `value.len()` bytes.
-    let r = unsafe {
-        libc::setxattr(
-            path.as_ptr(),
-            name.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 

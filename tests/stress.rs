@@ -548,7 +548,7 @@ fn calls_racing_the_removal_and_remaking_of_a_name_never_fail_with_eio() {
                                     name,
                                     std::fs::Permissions::from_mode(0o600),
                                 ),
-                                1 => xattr_set(name, "user.k", b"v"),
+                                1 => try_set_xattr(name, "user.k", b"v"),
                                 _ => std::fs::metadata(name).map(drop),
                             };
                             match r {
@@ -573,25 +573,6 @@ fn calls_racing_the_removal_and_remaking_of_a_name_never_fail_with_eio() {
                 assert!(c.join().unwrap() > 0, "no call found {name:?}");
             }
         });
-    }
-}
-
-fn xattr_set(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-    let n = std::ffi::CString::new(name).unwrap();
-    let r = unsafe {
-        libc::setxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -667,7 +648,7 @@ fn threads_colliding_on_shared_names_get_only_local_file_system_errors() {
                             10 => {
                                 std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o640))
                             }
-                            11 => xattr_set(p, "user.k", b"v"),
+                            11 => try_set_xattr(p, "user.k", b"v"),
                             12 => std::fs::read(p).map(drop),
                             13 => std::fs::symlink_metadata(p).map(drop),
                             14 => {

@@ -383,6 +383,27 @@ pub fn get_xattr(p: &Path, name: &str) -> Option<Vec<u8>> {
     }
 }
 
+/// setxattr(2), its error returned (`set_xattr` panics on one).
+pub fn try_set_xattr(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
+    let path = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let name = std::ffi::CString::new(name).unwrap();
+    // SAFETY: C strings and a buffer of `value.len()` bytes.
+    let r = unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 pub fn set_xattr(p: &Path, name: &str, value: &[u8]) {
     rustix::fs::lsetxattr(p, name, value, rustix::fs::XattrFlags::empty()).unwrap();
 }
