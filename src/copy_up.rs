@@ -54,6 +54,33 @@ impl Overlay {
     /// truncate to zero), so not even a partial file is needed.
     pub fn copy_up_with(&self, node: &Node, empty: bool) -> Result<()> {
         self.check_writable()?;
+        if node.ino == ROOT_INO || node.state().upper {
+            return Ok(());
+        }
+        // Its missing ancestors first, the topmost first, one after another: copying up each
+        // parent from within its child's copy-up took a stack frame per level, and a layer
+        // 4,000 directories deep ran a worker thread out of stack (the daemon died).
+        let mut missing = Vec::new();
+        let mut cur = self.parent_node(node)?;
+        while let Some(p) = cur.filter(|p| p.ino != ROOT_INO && !p.state().upper) {
+            cur = self.parent_node(&p)?;
+            missing.push(p);
+        }
+        for p in missing.iter().rev() {
+            self.copy_up_one(p, false)?;
+        }
+        self.copy_up_one(node, empty)
+    }
+
+    /// The node of `node`'s parent (its first name's), if it has a name.
+    fn parent_node(&self, node: &Node) -> Result<Option<std::sync::Arc<Node>>> {
+        let parent = node.state().links.first().map(|l| l.0);
+        parent.map(|p| self.node(p)).transpose()
+    }
+
+    /// `copy_up_with` of a node whose parent is in the upper layer (else it copies the parent
+    /// up first, which a rename between the two may call for).
+    fn copy_up_one(&self, node: &Node, empty: bool) -> Result<()> {
         if node.ino == ROOT_INO {
             return Ok(());
         }

@@ -1737,6 +1737,31 @@ fn at(dir: &std::os::fd::OwnedFd, name: &str) -> std::path::PathBuf {
     Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name)
 }
 
+/// A write 4,000 directories below the root of a lower layer copies up every ancestor. Each
+/// parent's copy-up used to run inside its child's, a stack frame per level: the worker
+/// thread ran out of stack and the daemon died (ECONNABORTED) — a layer from any image could
+/// take the mount down.
+#[test]
+fn a_write_four_thousand_directories_deep_copies_up_every_ancestor() {
+    const DEPTH: usize = 4000;
+    let mut m = Mount::new(1);
+    let bottom = deep_dir(m.lower(0), DEPTH, true);
+    write(at(&bottom, "file"), pattern(10_000, 3));
+    drop(bottom);
+    m.mount();
+    let d = deep_dir(&m.mnt, DEPTH, false);
+    write_at(at(&d, "file"), 5000, b"Y");
+    let mut want = pattern(10_000, 3);
+    want[5000] = b'Y';
+    assert!(fs::read(at(&d, "file")).unwrap() == want);
+    drop(d);
+    m.remount();
+    let d = deep_dir(&m.mnt, DEPTH, false);
+    assert!(fs::read(at(&d, "file")).unwrap() == want, "after a remount");
+    drop(d);
+    m.unmount();
+}
+
 #[test]
 fn trees_deeper_than_path_max_work_in_every_layer() {
     // 2,000 levels of "dd/": a 6,000-byte path below the layer root (PATH_MAX is 4,096).
