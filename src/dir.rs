@@ -438,7 +438,8 @@ impl Overlay {
     /// (fileattr.rs): checked before the kind and emptiness of the object, as `may_delete`.
     fn check_removal(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
         self.check_change(pnode, Change::RemoveEntry)?;
-        self.check_change(&self.node_for(pnode.ino, name, entry), Change::Modify)
+        self.check_change(&self.node_for(pnode.ino, name, entry), Change::Modify)?;
+        Ok(())
     }
 
     fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {

@@ -128,12 +128,14 @@ pub(crate) fn inode_protection(dir: LayerDir<'_>, name: Option<&OsStr>) -> Resul
 }
 
 impl Overlay {
-    /// EPERM when the immutable or append-only flag of `node` forbids `change`.
-    pub fn check_change(&self, node: &Node, change: Change) -> Result<()> {
-        if change.forbidden_by(self.protection(node)?) {
+    /// EPERM when the immutable or append-only flag of `node` forbids `change`; else its
+    /// flags (`protection`).
+    pub fn check_change(&self, node: &Node, change: Change) -> Result<u32> {
+        let protection = self.protection(node)?;
+        if change.forbidden_by(protection) {
             return Err(errno(libc::EPERM));
         }
-        Ok(())
+        Ok(protection)
     }
 
     /// The immutable and append-only flags of `node`: its upper object's `overlay.protattr`,

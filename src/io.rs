@@ -388,8 +388,7 @@ impl Overlay {
         // Immutable and append-only files (fileattr.rs): checked before anything changes.
         let append_only = if writable || truncate {
             let append = flags & libc::O_APPEND != 0 && !truncate;
-            self.check_change(&node, Change::Write { append })?;
-            self.protection(&node)? & FS_APPEND_FL != 0
+            self.check_change(&node, Change::Write { append })? & FS_APPEND_FL != 0
         } else {
             false
         };
