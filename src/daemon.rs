@@ -496,6 +496,7 @@ fn serve(
             .ok()
             .and_then(|ms| ms.parse().ok())
             .map(std::time::Duration::from_millis),
+        no_opendir: false,
     };
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;

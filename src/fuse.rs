@@ -30,6 +30,9 @@ pub struct MosaicFs {
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
+    /// The kernel sends no OPENDIR or RELEASEDIR once one OPENDIR was answered ENOSYS
+    /// (FUSE_NO_OPENDIR_SUPPORT): set in `init` when it can (readdir.rs says why it pays).
+    pub no_opendir: bool,
 }
 
 fn errno(e: Error) -> Errno {
@@ -267,7 +270,10 @@ impl Filesystem for MosaicFs {
             // lower or partial file opened with O_TRUNC is passthrough at once.
             | InitFlags::FUSE_ATOMIC_O_TRUNC
             // Tells which ACL changes clear the set-group-ID bit (`setxattr_ext`).
-            | InitFlags::FUSE_SETXATTR_EXT;
+            | InitFlags::FUSE_SETXATTR_EXT
+            // The kernel keeps a symlink's target in its page cache: a target never changes
+            // under one inode (a new symlink is a new inode, a copy-up copies the target).
+            | InitFlags::FUSE_CACHE_SYMLINKS;
         if self.core.config.acl {
             // DONT_MASK: the kernel hands over the mode unmasked with the umask, and the
             // creation applies the umask only where the parent has no default ACL (the upper
@@ -286,6 +292,9 @@ impl Filesystem for MosaicFs {
             }
         }
         let _ = config.add_capabilities(wanted & config.capabilities());
+        self.no_opendir = config
+            .capabilities()
+            .contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT);
         if let Some(w) = self.max_write {
             let _ = config.set_max_write(w.max(4096));
         } else {
@@ -645,6 +654,11 @@ impl Filesystem for MosaicFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        if self.no_opendir {
+            // Zero-message OPENDIR from now on: READDIR comes with handle 0, and the kernel
+            // caches every listing (FOPEN_CACHE_DIR) until the directory changes.
+            return reply.error(Errno::ENOSYS);
+        }
         match self.core.opendir(ino.0) {
             Ok((fh, cacheable)) => {
                 let flags = if cacheable {

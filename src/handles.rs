@@ -55,10 +55,10 @@ pub struct DirEntry {
     pub kind: u32,
 }
 
-/// An open directory: its listing, taken at the first READDIR and served from then on.
+/// An open directory (kernels without zero-message OPENDIR only): the directory it was opened
+/// on. Listings are kept per directory, not per handle (readdir.rs `Listings`).
 pub struct DirHandle {
     pub ino: Ino,
-    pub entries: Mutex<Option<Vec<DirEntry>>>,
 }
 
 pub type DirHandleTable = HandleMap<DirHandle>;

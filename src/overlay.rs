@@ -121,6 +121,8 @@ pub struct Overlay {
     pub sparse: SparseSupport,
     pub handles: HandleTable,
     pub dirs: DirHandleTable,
+    /// The latest snapshot of each directory being listed (readdir.rs).
+    pub listings: crate::readdir::Listings,
     pub stats: Stats,
     pub completer: crate::complete::Completer,
     /// Copy-after-write's shared state; `None` when it is off.
@@ -247,6 +249,7 @@ impl Overlay {
             sparse,
             handles: HandleTable::default(),
             dirs: DirHandleTable::default(),
+            listings: Default::default(),
             stats: Stats::default(),
             completer: Default::default(),
             caw,
@@ -855,6 +858,7 @@ impl Overlay {
         }
         self.handles.clear();
         self.dirs.clear();
+        self.listings.clear();
     }
 }
 

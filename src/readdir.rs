@@ -4,14 +4,23 @@
 //! whiteout hides its name in the layers below the one holding it; an opaque directory ends the
 //! listing (its view simply has no lower part). Whiteouts and `.wh.` names never show.
 //!
-//! A listing is taken once per open directory handle and served from that snapshot, so the
-//! offsets given to the kernel (index + 1) are stable for seekdir/telldir; a read from offset 0
-//! (rewinddir) takes a fresh snapshot.
+//! Offsets given to the kernel are cookies made from each name (`cookie`), and a listing is
+//! served in cookie order: a READDIR from offset N resumes after the entry whose cookie is N,
+//! in whichever snapshot of the directory is at hand, so a name added or removed between two
+//! READDIRs never makes another name be skipped or returned twice (POSIX leaves only the
+//! added or removed name itself unspecified), and seekdir/telldir work across snapshots.
+//! That is what lets listings be kept per directory rather than per open handle: the daemon
+//! answers OPENDIR with ENOSYS where the kernel supports it (FUSE_NO_OPENDIR_SUPPORT), which
+//! spares an OPENDIR and a RELEASEDIR per listing and has the kernel cache every directory's
+//! listing (FOPEN_CACHE_DIR) until the directory changes through the mount (`fuse_dir_changed`
+//! bumps its i_version; layers do not change under a mount). A read from offset 0 (opendir,
+//! rewinddir) takes a fresh snapshot (`Listings`).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
+use std::hash::Hasher;
 use std::os::unix::ffi::OsStrExt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
 use crate::handles::{DirEntry, DirHandle};
@@ -22,11 +31,68 @@ use crate::sys;
 use crate::sys::Attr;
 use crate::upper::LayerDir;
 
+/// A snapshot of a directory's merged listing in cookie order: `.` and `..` first.
+pub type Listing = Arc<Vec<(u64, DirEntry)>>;
+
+/// The latest snapshot of each directory being listed. Bounded: when it holds more than
+/// `MAX_DIRS` directories or `MAX_ENTRIES` entries it is emptied, and a READDIR that finds no
+/// snapshot takes one (cookies make any snapshot right to resume in).
+#[derive(Default)]
+pub struct Listings {
+    by_dir: Mutex<HashMap<Ino, Listing>>,
+}
+
+const MAX_DIRS: usize = 256;
+const MAX_ENTRIES: usize = 1 << 18;
+
+impl Listings {
+    fn get(&self, ino: Ino) -> Option<Listing> {
+        self.lock().get(&ino).cloned()
+    }
+
+    fn put(&self, ino: Ino, listing: Listing) {
+        let mut by_dir = self.lock();
+        let held: usize = by_dir.values().map(|l| l.len()).sum();
+        if by_dir.len() >= MAX_DIRS || held + listing.len() > MAX_ENTRIES {
+            by_dir.clear();
+        }
+        by_dir.insert(ino, listing);
+    }
+
+    /// Forgets every snapshot (unmount).
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Ino, Listing>> {
+        self.by_dir.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The offset of the entry after `name` in a listing: 1 and 2 for `.` and `..`, else a hash
+/// of the name above 2 and below 2^63 (the kernel's offsets are signed). Equal cookies of
+/// two names in one directory (odds about n²/2^64) are told apart in the snapshot
+/// (`take_listing`).
+fn cookie(name: &OsStr) -> u64 {
+    match name.as_bytes() {
+        b"." => 1,
+        b".." => 2,
+        bytes => {
+            // SipHash with the fixed keys every `DefaultHasher::new` has: the same cookie for
+            // a name throughout the daemon's life, which is as long as an offset may be kept.
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            h.write(bytes);
+            3 + h.finish() % ((1u64 << 63) - 4)
+        }
+    }
+}
+
 impl Overlay {
-    /// OPENDIR: a handle, and whether the kernel may keep the directory's listing across
-    /// opens (FOPEN_CACHE_DIR with FOPEN_KEEP_CACHE). It may for a directory only lower layers
-    /// hold: layers do not change under a mount, and every change through the mount (create,
-    /// unlink, rename, link in it) makes the kernel drop its cached listing at the next open
+    /// OPENDIR, for kernels that cannot do without it (fuse.rs answers ENOSYS where they can):
+    /// a handle, and whether the kernel may keep the directory's listing across opens
+    /// (FOPEN_CACHE_DIR with FOPEN_KEEP_CACHE). It may for a directory only lower layers hold:
+    /// layers do not change under a mount, and every change through the mount (create, unlink,
+    /// rename, link in it) makes the kernel drop its cached listing at the next open
     /// (`fuse_dir_changed`); the change copies the directory up, so that open gets no cache
     /// flags. A second listing — a shell's glob, a language runtime scanning its library
     /// directories — then costs no READDIRPLUS, whose lookup per entry reaches a store's
@@ -35,10 +101,7 @@ impl Overlay {
         let node = self.node(ino)?;
         self.dir_view(&node)?;
         let cacheable = !node.state().upper;
-        let fh = self.dirs.insert(DirHandle {
-            ino,
-            entries: Mutex::new(None),
-        });
+        let fh = self.dirs.insert(DirHandle { ino });
         Ok((fh, cacheable))
     }
 
@@ -46,7 +109,9 @@ impl Overlay {
         self.dirs.remove(fh);
     }
 
-    /// Entries of the open directory `fh` from `offset` on, with the offset of the next one.
+    /// Entries of directory `ino` after the one whose cookie is `offset` (0: from the start),
+    /// each with its own cookie, until `emit` says the reply is full. `fh` is 0 when the
+    /// kernel sent no OPENDIR.
     pub fn readdir(
         &self,
         ino: Ino,
@@ -54,21 +119,40 @@ impl Overlay {
         offset: u64,
         mut emit: impl FnMut(&DirEntry, u64) -> bool,
     ) -> Result<()> {
-        let handle = match self.dirs.get(fh) {
-            Some(h) if h.ino == ino => h,
-            _ => return Err(crate::error::errno(libc::EBADF)),
-        };
-        let mut entries = handle.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if offset == 0 || entries.is_none() {
-            *entries = Some(self.list_dir(ino)?);
+        if fh != 0 && self.dirs.get(fh).is_none_or(|h| h.ino != ino) {
+            return Err(crate::error::errno(libc::EBADF));
         }
-        let list = entries.as_ref().expect("listed above");
-        for (i, e) in list.iter().enumerate().skip(offset as usize) {
-            if emit(e, i as u64 + 1) {
+        let listing = match (offset, self.listings.get(ino)) {
+            (1.., Some(listing)) => listing,
+            _ => {
+                let listing = Arc::new(self.take_listing(ino)?);
+                self.listings.put(ino, listing.clone());
+                listing
+            }
+        };
+        let from = listing.partition_point(|(c, _)| *c <= offset);
+        for (c, e) in &listing[from..] {
+            if emit(e, *c) {
                 break;
             }
         }
         Ok(())
+    }
+
+    /// The merged listing of `ino` in cookie order, each cookie distinct.
+    fn take_listing(&self, ino: Ino) -> Result<Vec<(u64, DirEntry)>> {
+        let mut listing: Vec<(u64, DirEntry)> = self
+            .list_dir(ino)?
+            .into_iter()
+            .map(|e| (cookie(&e.name), e))
+            .collect();
+        listing.sort_unstable_by(|a, b| (a.0, &a.1.name).cmp(&(b.0, &b.1.name)));
+        for i in 1..listing.len() {
+            if listing[i].0 <= listing[i - 1].0 {
+                listing[i].0 = listing[i - 1].0 + 1;
+            }
+        }
+        Ok(listing)
     }
 
     /// READDIRPLUS: entries with their attributes, each looked up (one kernel reference each,

@@ -210,6 +210,138 @@ fn seekdir_and_telldir_offsets_are_stable() {
     }
 }
 
+/// The names of the next entries of the directory `fd` (getdents64 with a small buffer, a
+/// few entries per call, each call one READDIR when the kernel has no cached listing), or
+/// none at its end.
+fn getdents(fd: &fs::File) -> Vec<String> {
+    use std::os::fd::AsRawFd;
+    let mut buf = vec![0u8; 400];
+    // SAFETY: getdents64 writes at most buf.len() bytes into buf.
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_getdents64,
+            fd.as_raw_fd(),
+            buf.as_mut_ptr(),
+            buf.len(),
+        )
+    };
+    assert!(n >= 0, "getdents64: {}", std::io::Error::last_os_error());
+    let mut names = Vec::new();
+    let mut at = 0;
+    while at < n as usize {
+        let reclen = u16::from_ne_bytes([buf[at + 16], buf[at + 17]]) as usize;
+        let name = &buf[at + 19..at + reclen];
+        let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+        names.push(String::from_utf8_lossy(&name[..end]).into_owned());
+        at += reclen;
+    }
+    names
+}
+
+/// A directory changed between two reads of one open listing: every name there throughout
+/// is returned exactly once (offsets are cookies of names, readdir.rs), whichever snapshot the
+/// rest is served from — here a fresh one, since another listing after the change replaced
+/// the daemon's and the kernel's.
+#[test]
+fn a_directory_changed_while_it_is_read_neither_skips_nor_repeats_a_name() {
+    let m = Mount::with(|l| {
+        for i in 0..300 {
+            write(l.join(format!("d/low{i:03}")), "x");
+        }
+    });
+    for i in 0..300 {
+        write(m.path(&format!("d/up{i:03}")), "x");
+    }
+    let dir = fs::File::open(m.path("d")).unwrap();
+    let mut seen = getdents(&dir);
+    assert!(!seen.is_empty() && seen.len() < 20, "{seen:?}");
+    let first: std::collections::HashSet<String> = seen.iter().cloned().collect();
+    let mut removed = Vec::new();
+    for i in (0..300).step_by(3) {
+        for name in [format!("low{i:03}"), format!("up{i:03}")] {
+            if !first.contains(&name) {
+                fs::remove_file(m.path(&format!("d/{name}"))).unwrap();
+                removed.push(name);
+            }
+        }
+        write(m.path(&format!("d/new{i:03}")), "n");
+    }
+    assert_eq!(names(m.path("d")).len(), 600 - removed.len() + 100);
+    loop {
+        let more = getdents(&dir);
+        if more.is_empty() {
+            break;
+        }
+        seen.extend(more);
+    }
+    let mut counts = std::collections::HashMap::new();
+    for n in &seen {
+        *counts.entry(n.as_str()).or_insert(0) += 1;
+    }
+    let twice: Vec<_> = counts.iter().filter(|(_, c)| **c > 1).collect();
+    assert!(twice.is_empty(), "returned twice: {twice:?}");
+    for i in 0..300 {
+        for name in [format!("low{i:03}"), format!("up{i:03}")] {
+            if !removed.contains(&name) {
+                assert!(counts.contains_key(name.as_str()), "{name} skipped");
+            }
+        }
+    }
+}
+
+/// Listings cost no OPENDIR or RELEASEDIR (the daemon answers the first OPENDIR with ENOSYS,
+/// FUSE_NO_OPENDIR_SUPPORT), the listing of an unchanged directory no READDIR either, upper
+/// directories included, and a change through the mount shows in the next listing. Symlink
+/// targets are read once (FUSE_CACHE_SYMLINKS).
+#[test]
+fn listings_and_symlinks_are_kept_by_the_kernel_until_they_change() {
+    let m = Mount::with(|l| {
+        write(l.join("d/a"), "x");
+        std::os::unix::fs::symlink("target/of/link", l.join("link")).unwrap();
+    });
+    fs::create_dir(m.path("u")).unwrap();
+    for i in 0..40 {
+        write(m.path(&format!("u/f{i}")), "x");
+    }
+    let listings = |m: &Mount| requests(m, "READDIR") + requests(m, "READDIRPLUS");
+    assert_eq!(names(m.path("u")).len(), 40);
+    assert_eq!(names(m.path("d")), ["a"]);
+    let before = listings(&m);
+    assert_eq!(names(m.path("u")).len(), 40);
+    assert_eq!(names(m.path("d")), ["a"]);
+    assert_eq!(
+        listings(&m),
+        before,
+        "a listing of an unchanged directory reached the daemon"
+    );
+    assert_eq!(
+        requests(&m, "OPENDIR"),
+        1,
+        "only the first OPENDIR, answered ENOSYS"
+    );
+    assert_eq!(requests(&m, "RELEASEDIR"), 0);
+    fs::remove_file(m.path("u/f0")).unwrap();
+    write(m.path("d/b"), "y");
+    let u = names(m.path("u"));
+    assert_eq!(u.len(), 39);
+    assert!(!u.contains(&"f0".to_string()));
+    assert_eq!(names(m.path("d")), ["a", "b"]);
+
+    for _ in 0..3 {
+        assert_eq!(
+            fs::read_link(m.path("link")).unwrap(),
+            Path::new("target/of/link")
+        );
+    }
+    assert_eq!(requests(&m, "READLINK"), 1);
+    // A copy-up of the symlink (chown -h) keeps its target.
+    sh(&format!("chown -h 1:1 {}", m.path("link").display()));
+    assert_eq!(
+        fs::read_link(m.path("link")).unwrap(),
+        Path::new("target/of/link")
+    );
+}
+
 #[test]
 fn create_write_read_and_unlink_in_lower_directories() {
     let mut m = Mount::with(|l| write(l.join("dir/old"), "old"));
