@@ -442,6 +442,18 @@ impl Overlay {
         Ok(())
     }
 
+    /// Tells the directory cache (dircache.rs) that the upper path of `name` in `dir` is about
+    /// to change what it names (a directory moves or goes): called by a writer of `moves`
+    /// before its change counts as finished. A path that cannot be told (a parent chain
+    /// being taken apart) counts as the root: every cached upper directory.
+    fn note_move(&self, dir: &Node, name: &OsStr) {
+        let path = self.upper_path(dir.ino).map(|p| p.join(name));
+        self.layers.note_move(
+            self.moves.next_change(),
+            path.as_deref().unwrap_or(Path::new("")),
+        );
+    }
+
     fn remove_entry(&self, pnode: &Node, name: &OsStr, entry: &Entry) -> Result<()> {
         let needs_whiteout = self.lower_has(pnode, name)?;
         let udir = self.upper_dir(pnode)?;
@@ -468,6 +480,7 @@ impl Overlay {
             match udir.rmdir(name) {
                 Ok(()) => {
                     // Its descriptors in the directory cache are stale now (dircache.rs).
+                    self.note_move(pnode, name);
                     self.moves.record();
                     self.forget_name(entry.found.ino, pnode.ino, name);
                     return Ok(());
@@ -480,6 +493,9 @@ impl Overlay {
         // one removed in place above has nothing below it: readers of `moves` all over the
         // mount need not wait for that.)
         let _moving = entry.attr.is_dir().then(|| self.moves.write());
+        if entry.attr.is_dir() {
+            self.note_move(pnode, name);
+        }
         let tmp = temp_name("remove");
         if needs_whiteout && self.layers.whiteout_chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
@@ -730,6 +746,10 @@ impl Overlay {
             self.pin_removed(ddir, newname, d.found.ino);
         }
         let _moving = moves_dir.then(|| self.moves.write());
+        if moves_dir {
+            self.note_move(&pnode, name);
+            self.note_move(&npnode, newname);
+        }
         if let Some(d) = &dst
             && !exchange
             && d.found.upper

@@ -4,14 +4,22 @@
 //! keeping the most recent ones open saves an `openat2` and a `close` each time. Lower layers
 //! never change, so their entries stay right. An upper entry goes stale when a directory is
 //! renamed or removed (the descriptor follows the directory, the path does not): each entry
-//! carries the generation of upper directory moves it was opened in (`Overlay::moves`), and is
-//! used only in that same generation. Dropping entries at a move would not be enough: a
-//! descriptor opened just before a move may be inserted just after it. The cache holds at most
+//! carries the generation of upper directory moves it was opened in (`Overlay::moves`, a
+//! token of its change sequence). Dropping entries at a move would not be enough: a
+//! descriptor opened just before a move may be inserted just after it. Instead each move
+//! records the paths it changes (the moved directory's old and new place, a removed
+//! directory's) under the number of its change (`moved`), and an entry of an older generation
+//! is used only if no move recorded since then touched its path or a directory above it —
+//! in a workload that renames or removes directories now and then (a build, fsstress) the
+//! rest of the cache stays warm. Writers record before their change counts as finished, so a
+//! reader whose token is newer than a move always finds that move in the record; an entry
+//! older than the oldest record kept (`MOVES_KEPT`) is not used. The cache holds at most
 //! `SHARDS * PER_SHARD` descriptors, well inside RLIMIT_NOFILE.
 //!
-//! Locking: one mutex per shard, held only to look up or insert.
+//! Locking: one mutex per shard, held only to look up or insert; one for the record of moves,
+//! taken after a shard's when both are (lock order: docs/ROBUSTNESS.md).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -26,12 +34,24 @@ type Shard = Mutex<HashMap<(LayerId, PathBuf), (Arc<OwnedFd>, u64)>>;
 
 pub struct DirCache {
     shards: [Shard; SHARDS],
+    moves: Mutex<Moves>,
 }
+
+/// The upper paths recent directory moves changed, by change number (`seq::changes`).
+#[derive(Default)]
+struct Moves {
+    recent: VecDeque<(u64, PathBuf)>,
+    /// The newest change number dropped from `recent`: entries older than it cannot be checked.
+    dropped: u64,
+}
+
+const MOVES_KEPT: usize = 256;
 
 impl Default for DirCache {
     fn default() -> Self {
         DirCache {
             shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            moves: Mutex::new(Moves::default()),
         }
     }
 }
@@ -45,15 +65,43 @@ fn shard_of(layer: LayerId, rel: &Path) -> usize {
 }
 
 impl DirCache {
-    /// The descriptor of `rel` in `layer`, if one was opened in generation `generation`.
+    /// The descriptor of `rel` in `layer`, if one was opened in generation `generation` or in
+    /// an older one and no directory move since then changed what `rel` names.
     pub fn get(&self, layer: LayerId, rel: &Path, generation: u64) -> Option<Arc<OwnedFd>> {
         let shard = self.shards[shard_of(layer, rel)]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         match shard.get(&(layer, rel.to_path_buf())) {
             Some((fd, g)) if *g == generation => Some(fd.clone()),
+            Some((fd, g)) if *g < generation && self.unmoved(rel, *g, generation) => {
+                Some(fd.clone())
+            }
             _ => None,
         }
+    }
+
+    /// Records that change number `change` (a directory move or removal in the upper layer)
+    /// changes what the upper path `rel`, and every path below it, names. Called by the
+    /// writer while it holds its change guard.
+    pub fn moved(&self, change: u64, rel: &Path) {
+        let mut moves = self.moves.lock().unwrap_or_else(|e| e.into_inner());
+        if moves.recent.len() >= MOVES_KEPT
+            && let Some((n, _)) = moves.recent.pop_front()
+        {
+            moves.dropped = moves.dropped.max(n);
+        }
+        moves.recent.push_back((change, rel.to_path_buf()));
+    }
+
+    /// Whether no move recorded after generation `from` and up to `to` touched `rel`.
+    fn unmoved(&self, rel: &Path, from: u64, to: u64) -> bool {
+        let (from, to) = (crate::seq::changes(from), crate::seq::changes(to));
+        let moves = self.moves.lock().unwrap_or_else(|e| e.into_inner());
+        from >= moves.dropped
+            && !moves
+                .recent
+                .iter()
+                .any(|(n, moved)| *n > from && *n <= to && rel.starts_with(moved))
     }
 
     pub fn insert(&self, layer: LayerId, rel: &Path, fd: Arc<OwnedFd>, generation: u64) {
@@ -75,5 +123,63 @@ impl DirCache {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(layer, rel.to_path_buf()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fd() -> Arc<OwnedFd> {
+        Arc::new(std::fs::File::open("/").unwrap().into())
+    }
+
+    /// A token of a change sequence after `n` finished changes.
+    fn token(n: u64) -> u64 {
+        n << 20
+    }
+
+    #[test]
+    fn an_entry_outlives_moves_elsewhere_but_not_one_of_its_own_path_or_above() {
+        let c = DirCache::default();
+        for p in ["a/b", "a/b/c", "x/y", "ab"] {
+            c.insert(0, Path::new(p), fd(), token(3));
+        }
+        c.moved(4, Path::new("x/z"));
+        c.moved(5, Path::new("a/b"));
+        assert!(
+            c.get(0, Path::new("x/y"), token(5)).is_some(),
+            "x/z's move is not x/y's"
+        );
+        assert!(
+            c.get(0, Path::new("ab"), token(5)).is_some(),
+            "a/b is no prefix of ab"
+        );
+        assert!(c.get(0, Path::new("a/b"), token(5)).is_none());
+        assert!(
+            c.get(0, Path::new("a/b/c"), token(5)).is_none(),
+            "below a moved directory"
+        );
+        // A reader whose token predates the move still sees the entry as opened.
+        assert!(c.get(0, Path::new("a/b"), token(4)).is_some());
+        // An entry opened after the move is right for it.
+        c.insert(0, Path::new("a/b"), fd(), token(5));
+        assert!(c.get(0, Path::new("a/b"), token(9)).is_some());
+        // The root (a path that could not be told) stands for every entry.
+        c.moved(10, Path::new(""));
+        assert!(c.get(0, Path::new("x/y"), token(10)).is_none());
+    }
+
+    #[test]
+    fn an_entry_older_than_the_moves_kept_is_not_used() {
+        let c = DirCache::default();
+        c.insert(0, Path::new("keep"), fd(), token(1));
+        for n in 2..2 + MOVES_KEPT as u64 + 1 {
+            c.moved(n, Path::new("elsewhere"));
+        }
+        let now = token(2 + MOVES_KEPT as u64);
+        assert!(c.get(0, Path::new("keep"), now).is_none());
+        c.insert(0, Path::new("keep"), fd(), now);
+        assert!(c.get(0, Path::new("keep"), now).is_some());
     }
 }

@@ -762,6 +762,12 @@ impl LayerStack {
         Ok(dir)
     }
 
+    /// Records for the directory cache that upper directory move `change` changes what `rel`
+    /// and the paths below it name (dircache.rs).
+    pub fn note_move(&self, change: u64, rel: &Path) {
+        self.dirs.moved(change, rel);
+    }
+
     fn cached_dir(&self, layer: LayerId, rel: &Path, generation: u64) -> Result<Arc<OwnedFd>> {
         if let Some(fd) = self.dirs.get(layer, rel, generation) {
             return Ok(fd);

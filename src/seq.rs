@@ -17,6 +17,11 @@ const CHANGE: u64 = 1 << 20;
 #[derive(Default, Debug)]
 pub struct ChangeSeq(AtomicU64);
 
+/// How many changes had finished when `read` gave `token`.
+pub fn changes(token: u64) -> u64 {
+    token / CHANGE
+}
+
 /// A change in progress; it counts as done when dropped.
 pub struct ChangeGuard<'a>(&'a ChangeSeq);
 
@@ -56,6 +61,12 @@ impl ChangeSeq {
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
         }
+    }
+
+    /// The number of the change a writer holding a guard is making: one more than the changes
+    /// finished so far (writers that overlap may get the same number; see dircache.rs).
+    pub fn next_change(&self) -> u64 {
+        changes(self.0.load(Ordering::SeqCst)) + 1
     }
 
     /// Whether nothing changed, and nothing started changing, since `read` gave `token`.
