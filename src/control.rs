@@ -446,11 +446,8 @@ pub fn report_prometheus(overlay: &Overlay) -> String {
     r
 }
 
-/// Serves status requests for the mount on device `dev` until the daemon exits.
-pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
-    let Some(dev) = mount_device(&mountpoint) else {
-        return;
-    };
+/// Serves status requests for the mount on device `dev` (MAJ:MIN) until the daemon exits.
+pub fn serve(overlay: Arc<Overlay>, dev: &str, mountpoint: PathBuf) {
     let Some(dir) = own_socket_dir() else {
         log::info!(
             "no directory for a control socket (tried {:?}); 'mosaicfs status' will not reach \
@@ -459,7 +456,7 @@ pub fn serve(overlay: Arc<Overlay>, mountpoint: PathBuf) {
         );
         return;
     };
-    let path = dir.join(socket_name(&dev));
+    let path = dir.join(socket_name(dev));
     // Tests only (`MOSAICFS_TEST_SLOW_CONTROL=ms`): the socket comes that much after the mount,
     // the window a tool run right after a foreground mount falls into.
     if let Some(ms) = std::env::var("MOSAICFS_TEST_SLOW_CONTROL")

@@ -498,6 +498,7 @@ fn serve(
             .map(std::time::Duration::from_millis),
         no_opendir: false,
     };
+    let under = crate::sys::device_of(&opts.mountpoint);
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     let notifier = session.notifier();
@@ -536,8 +537,16 @@ fn serve(
         };
         spawn_lower_watchdog(session.request_watch(), limits, control.clone());
     }
-    set_read_ahead(&opts.mountpoint, opts.read_ahead_kb);
-    crate::control::serve(control.clone(), opts.mountpoint.clone());
+    // The new mount's device: the mount point's as the kernel knows it without asking this
+    // daemon (`device_of`), once it differs from the directory's below the mount. Else
+    // (a kernel that asks anyway) the newest mount there in /proc/self/mountinfo.
+    let device = crate::sys::device_of(&opts.mountpoint)
+        .filter(|d| Some(d) != under.as_ref())
+        .or_else(|| crate::control::mount_device(&opts.mountpoint));
+    if let Some(dev) = &device {
+        set_read_ahead(dev, opts.read_ahead_kb);
+        crate::control::serve(control.clone(), dev, opts.mountpoint.clone());
+    }
     if let Some(listener) = metrics {
         crate::control::serve_metrics(control.clone(), listener);
     }
@@ -583,14 +592,10 @@ fn log_panics() {
 /// Raises the readahead of the mount's FUSE bdi. The kernel's 128 KiB means one READ round
 /// trip per 128 KiB of a sequential read through the daemon; 4 MiB reads an untouched lower file
 /// about three times faster (docs/KERNEL-NOTES.md). Best effort: sysfs may be read-only here.
-fn set_read_ahead(mountpoint: &std::path::Path, kb: u32) {
+fn set_read_ahead(dev: &str, kb: u32) {
     if kb == 0 {
         return;
     }
-    // Not stat(2): that would ask this very daemon, which does not serve requests yet.
-    let Some(dev) = crate::control::mount_device(mountpoint) else {
-        return;
-    };
     let path = format!("/sys/class/bdi/{dev}/read_ahead_kb");
     if let Err(e) = std::fs::write(&path, kb.to_string()) {
         log::info!(

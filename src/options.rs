@@ -397,7 +397,9 @@ impl FilestorePlace {
 }
 
 fn default_threads() -> usize {
-    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    // The CPUs this process may run on (one syscall; `available_parallelism` also reads the
+    // cgroup's CPU quota files, a dozen syscalls at every mount).
+    let cpus = rustix::thread::sched_getaffinity(None).map_or(2, |set| set.count() as usize);
     (cpus * 2).clamp(2, 16)
 }
 

@@ -192,6 +192,20 @@ pub fn detached_mount(mount_point: &Path, mode: AtimeMode) -> Result<OwnedFd> {
     Ok(fd)
 }
 
+/// The device (MAJ:MIN) of what `path` names, as the kernel has it cached: statx with
+/// AT_STATX_DONT_SYNC, which a FUSE mount answers from its inode without a request — so a
+/// daemon may ask it about its own mount before it serves any.
+pub fn device_of(path: &Path) -> Option<String> {
+    let sx = rustix::fs::statx(
+        CWD,
+        path,
+        AtFlags::STATX_DONT_SYNC,
+        rustix::fs::StatxFlags::TYPE,
+    )
+    .ok()?;
+    Some(format!("{}:{}", sx.stx_dev_major, sx.stx_dev_minor))
+}
+
 /// The mount point of the mount `path` lies on, and `path` relative to it (from
 /// /proc/self/mountinfo by the mount id statx gives).
 pub fn mount_point_of(path: &Path) -> Result<(PathBuf, PathBuf)> {
