@@ -877,6 +877,38 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
     );
 }
 
+/// Context switches of all the daemon's threads so far (each wake-up of a sleeping thread is
+/// one).
+fn daemon_switches(m: &Mount) -> u64 {
+    std::fs::read_dir(format!("/proc/{}/task", m.pid()))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
+        .flat_map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// An idle daemon sleeps: no thread wakes while no request comes (the pool's supervisor
+/// ticked five times a second until it learned to sleep until a worker is busy), and a
+/// request after the sleep is answered.
+#[test]
+fn an_idle_daemon_does_not_wake() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), "x");
+    m.mount();
+    assert_eq!(std::fs::read(m.path("f")).unwrap(), b"x");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let before = daemon_switches(&m);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let woke = daemon_switches(&m) - before;
+    assert!(woke <= 2, "an idle daemon woke {woke} times in 1.5 s");
+    assert!(xattr_get(&m.path("f"), "user.none").is_err());
+}
+
 fn xattr_get(p: &Path, name: &str) -> std::io::Result<usize> {
     let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
     let n = std::ffi::CString::new(name).unwrap();

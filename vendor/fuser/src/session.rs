@@ -360,11 +360,11 @@ impl<FS: Filesystem> Session<FS> {
                 .name("fuser-pool".into())
                 .spawn(move || {
                     while !pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
-                        // An idle pool is looked at every STUCK_AFTER, a busy one four times
-                        // as often: an idle mount does not wake 20 times a second. A worker
-                        // that finds no other idle wakes it at once (`WorkerPool::demand`).
-                        let tick = if pool.any_busy() { STUCK_AFTER / 4 } else { STUCK_AFTER };
-                        thread::park_timeout(tick);
+                        // A busy pool is looked at four times per STUCK_AFTER; an idle one not
+                        // until a worker takes a request (`supervisor_wait`): an idle mount
+                        // does not wake at all. A worker that finds no other idle wakes it at
+                        // once (`WorkerPool::demand`).
+                        pool.supervisor_wait();
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
                         }
@@ -751,6 +751,10 @@ pub(crate) struct WorkerPool {
     wanted: std::sync::atomic::AtomicBool,
     demand: std::sync::atomic::AtomicUsize,
     supervisor: std::sync::OnceLock<thread::Thread>,
+    /// The supervisor is parked with no timeout: no worker was busy when it last looked, so
+    /// there is nothing to watch until one is (an idle mount does not wake at all). The first
+    /// worker to take a request then wakes it (`note_busy`).
+    asleep: std::sync::atomic::AtomicBool,
 }
 
 /// What one worker is doing.
@@ -780,6 +784,7 @@ impl WorkerPool {
             wanted: std::sync::atomic::AtomicBool::new(false),
             demand: std::sync::atomic::AtomicUsize::new(0),
             supervisor: std::sync::OnceLock::new(),
+            asleep: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -804,6 +809,37 @@ impl WorkerPool {
                 t.unpark();
             }
         }
+    }
+
+    /// A worker has just marked itself busy (SeqCst, as `asleep` is read here): wakes the
+    /// supervisor if it sleeps, so that a request that gets stuck is seen.
+    fn note_busy(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.asleep.load(SeqCst) && self.asleep.swap(false, SeqCst) {
+            if let Some(t) = self.supervisor.get() {
+                t.unpark();
+            }
+        }
+    }
+
+    /// The supervisor's wait: a tick while a worker is busy (to see it stuck), else parked
+    /// until a worker takes a request (`note_busy`) or the session ends.
+    fn supervisor_wait(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.any_busy() {
+            thread::park_timeout(STUCK_AFTER / 4);
+            return;
+        }
+        self.asleep.store(true, SeqCst);
+        // Dekker with `note_busy`: a worker that marked itself busy before this fence is seen
+        // below; one that marks itself after it sees `asleep` and unparks.
+        std::sync::atomic::fence(SeqCst);
+        if self.any_busy() || self.wanted.load(SeqCst) {
+            self.asleep.store(false, SeqCst);
+            return;
+        }
+        thread::park();
+        self.asleep.store(false, SeqCst);
     }
 
     fn request_done(&self) {
@@ -897,6 +933,7 @@ impl WorkerPool {
             busy: tracked.then(|| (busy.clone(), self.epoch)),
             ring,
             pool: on_dev.then(|| self.clone()),
+            watch: tracked.then(|| self.clone()),
         };
         handles.push(
             thread::Builder::new()
@@ -936,6 +973,9 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     /// mosaicfs patch: the pool of a /dev/fuse worker, told when it takes a request and when
     /// it is done, so that the pool grows with demand (`WorkerPool::took_request`).
     pub(crate) pool: Option<Arc<WorkerPool>>,
+    /// mosaicfs patch: the pool of a worker whose busy mark the supervisor watches, told when
+    /// it takes a request (`WorkerPool::note_busy`).
+    pub(crate) watch: Option<Arc<WorkerPool>>,
 }
 
 /// mosaicfs patch: how long the /dev/fuse reader beside the io_uring queues waits after a
@@ -969,7 +1009,10 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         if let Some((busy, epoch)) = &self.busy {
             let t = (epoch.elapsed().as_nanos() as u64).max(1);
             busy.unique.store(req.request.unique().0, std::sync::atomic::Ordering::Relaxed);
-            busy.since.store(t, std::sync::atomic::Ordering::Release);
+            busy.since.store(t, std::sync::atomic::Ordering::SeqCst);
+        }
+        if let Some(watch) = &self.watch {
+            watch.note_busy();
         }
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| req.dispatch(self)));
         if let Some((busy, _)) = &self.busy {
