@@ -4,6 +4,10 @@
 # 1.10 (apt) and fuse-overlayfs 2.0 (built from its published source with cargo, when
 # crates.io is reachable). Reports the time to mount all, and per daemon the resident memory
 # and the threads, once every mount has been listed once (as a container start would).
+# Resident memory is given three ways: RSS (counts the program's text and libc in every
+# daemon, though the host holds them once), PSS (shares those pages out among the daemons
+# that map them: what N daemons cost the host, divided by N) and anonymous memory (heap,
+# stacks: each daemon's own).
 #
 # Usage: bench/density.sh [N]   (default 100). Needs root.
 set -euo pipefail
@@ -24,7 +28,7 @@ rm -rf "$t"; mkdir -p "$t/lower"
 for d in etc bin usr/lib; do mkdir -p "$t/lower/$d"; done
 for i in $(seq 50); do echo "file $i" > "$t/lower/etc/f$i"; done
 
-declare -A secs rss threads
+declare -A secs rss pss anon threads
 setups=(mosaicfs fuse-overlayfs-1.10)
 [ -n "$fo2" ] && setups+=(fuse-overlayfs-2.0)
 for s in "${setups[@]}"; do
@@ -43,10 +47,12 @@ for s in "${setups[@]}"; do
   for i in $(seq "$n"); do ls "$t/$s/$i/m/etc" >/dev/null; done
   sleep 1
   pids=$(pgrep -f -- "$t/$s/" || true)
-  read -r r th < <(for p in $pids; do
-      echo "$(awk '/^VmRSS/ {print $2}' /proc/$p/status) $(ls /proc/$p/task | wc -l)"
-    done | awk '{r += $1; t += $2; k++} END {printf "%.1f %.1f\n", r / k / 1024, t / k}')
-  rss[$s]=$r; threads[$s]=$th
+  read -r r ps an th < <(for p in $pids; do
+      echo "$(awk '/^VmRSS/ {print $2}' /proc/$p/status) $(awk '/^Pss:/ {print $2}' /proc/$p/smaps_rollup)" \
+        "$(awk '/^RssAnon/ {print $2}' /proc/$p/status) $(ls /proc/$p/task | wc -l)"
+    done | awk '{r += $1; p += $2; a += $3; t += $4; k++}
+                END {printf "%.1f %.2f %.2f %.1f\n", r / k / 1024, p / k / 1024, a / k / 1024, t / k}')
+  rss[$s]=$r; pss[$s]=$ps; anon[$s]=$an; threads[$s]=$th
   umount_all
 done
 
@@ -56,5 +62,7 @@ echo
 printf '| per daemon |'; for s in "${setups[@]}"; do printf ' %s |' "$s"; done; echo
 printf '|---|'; for s in "${setups[@]}"; do printf -- '---|'; done; echo
 printf '| mounting %s overlays (s) |' "$n"; for s in "${setups[@]}"; do printf ' %s |' "${secs[$s]}"; done; echo
-printf '| resident memory (MB) |'; for s in "${setups[@]}"; do printf ' %s |' "${rss[$s]}"; done; echo
+printf '| resident memory, RSS (MB) |'; for s in "${setups[@]}"; do printf ' %s |' "${rss[$s]}"; done; echo
+printf '| resident memory, PSS (MB) |'; for s in "${setups[@]}"; do printf ' %s |' "${pss[$s]}"; done; echo
+printf '| anonymous memory (MB) |'; for s in "${setups[@]}"; do printf ' %s |' "${anon[$s]}"; done; echo
 printf '| threads |'; for s in "${setups[@]}"; do printf ' %s |' "${threads[$s]}"; done; echo
