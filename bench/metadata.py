@@ -15,7 +15,8 @@ Reports the median and range of the rounds, mosaicfs' ratio to fuse-overlayfs 2.
 `mosaicfs status --json` the requests per operation and the daemon's time per request by
 opcode, next to the system calls the workload itself makes (strace -c on kernel overlayfs).
 
-Usage: bench/metadata.py [--rounds N] [--quick] [--foreground] [--only NAME,...]   (root)
+Usage: bench/metadata.py [--rounds N] [--quick] [--foreground] [--only NAME,...]   (root;
+MOSAICFS=path: the build to measure, MOSAICFS_BASE=path: another build beside it)
 """
 
 import argparse
@@ -31,6 +32,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.realpath(os.environ.get("MOSAICFS", os.path.join(HERE, "..", "target", "release", "mosaicfs")))
+# Another mosaicfs build to run beside this one (a column "mosaicfs-base", over /dev/fuse):
+# how per-opcode before/after figures for docs/PERFORMANCE.md are taken in one run.
+BASE = os.environ.get("MOSAICFS_BASE")
 FSSTRESS = os.path.realpath(os.path.join(os.path.dirname(BIN), "mosaicfs-fsstress"))
 FO2 = os.environ.get("FUSE_OVERLAYFS2", "/var/tmp/fo2/bin/fuse-overlayfs")
 URING = "/sys/module/fuse/parameters/enable_uring"
@@ -86,14 +90,15 @@ class Overlay:
             sh(f"{FO2} -o {o} {self.mnt}")
         else:
             o += ",uring=" + ("on" if self.kind == "mosaicfs-io_uring" else "off")
+            binary = BASE if self.kind == "mosaicfs-base" else BIN
             if Overlay.foreground:
-                self.proc = subprocess.Popen([BIN, "-f", "-o", o, self.mnt], stderr=subprocess.DEVNULL)
+                self.proc = subprocess.Popen([binary, "-f", "-o", o, self.mnt], stderr=subprocess.DEVNULL)
                 for _ in range(500):
                     if os.path.ismount(self.mnt):
                         break
                     time.sleep(0.01)
             else:
-                sh(f"{BIN} -o {o} {self.mnt}")
+                sh(f"{binary} -o {o} {self.mnt}")
         return self
 
     def __exit__(self, *exc):
@@ -117,7 +122,7 @@ class Overlay:
         """mosaicfs' requests so far by opcode: (count, daemon µs)."""
         if not self.kind.startswith("mosaicfs"):
             return {}
-        out = sh(f"{BIN} status --json {self.mnt}")
+        out = sh(f"{BASE if self.kind == 'mosaicfs-base' else BIN} status --json {self.mnt}")
         return {k: (v["count"], v["total_us"]) for k, v in json.loads(out)["requests"].items()}
 
 
@@ -212,6 +217,8 @@ def main():
               file=sys.stderr)
     if not os.path.exists(URING):
         kinds.remove("mosaicfs-io_uring")
+    if BASE:
+        kinds.insert(kinds.index("mosaicfs"), "mosaicfs-base")
     if a.only:
         kinds = [k for k in kinds if k in a.only.split(",")]
     root = tempfile.mkdtemp(prefix="mosaicfs-metadata-bench-", dir="/var/tmp")
@@ -263,7 +270,7 @@ def main():
             cells.append(f"{fmt(med[k, row])} ({fmt(min(v))}–{fmt(max(v))})")
         line = f"| {row} | " + " | ".join(cells) + " |"
         if "fuse-overlayfs-2.0" in kinds:
-            for m in ("mosaicfs", "mosaicfs-io_uring"):
+            for m in ("mosaicfs-base", "mosaicfs", "mosaicfs-io_uring"):
                 if m in kinds:
                     x, y = med[m, row], med["fuse-overlayfs-2.0", row]
                     line += f" {m.replace('mosaicfs', '').lstrip('-') or '/dev/fuse'}: {(y / x if '(s)' in row else x / y):.2f}x"
