@@ -502,10 +502,12 @@ fn serve(
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     let notifier = session.notifier();
-    let _ = control.attrs_changed.set(Box::new(move |ino| {
-        // Attributes only (offset < 0): the cached pages stay. ENOENT: the kernel holds no
-        // inode for it, so nothing is cached.
-        let _ = notifier.inval_inode(fuser::INodeNo(ino), -1, 0);
+    let _ = control.attrs_changed.set(Box::new(move |ino, data| {
+        // Offset -1: attributes only, the cached pages stay; 0: from the start, every page
+        // (a directory's cached listing). ENOENT: the kernel holds no inode for it, so nothing
+        // is cached.
+        let offset = if data { 0 } else { -1 };
+        let _ = notifier.inval_inode(fuser::INodeNo(ino), offset, 0);
     }));
     if opts.uring == options::Uring::On && session.transport() != "io_uring" {
         return Err(format!(

@@ -803,6 +803,15 @@ impl Overlay {
         }
         drop(_moving);
         drop(_changing);
+        // A directory that changed parents lists a new `..`: the listing the kernel may hold
+        // for it (FOPEN_CACHE_DIR, readdir.rs) goes, as no change inside it says so.
+        if parent != newparent {
+            for moved in std::iter::once(&snode).chain(dnode.iter().filter(|_| exchange)) {
+                if moved.is_dir() {
+                    self.listing_changed_behind(moved.ino);
+                }
+            }
+        }
         self.note_origin_moved_into(&npnode, snode.state().has_origin)?;
         if let (Some(d), true) = (&dnode, exchange) {
             self.note_origin_moved_into(&pnode, d.state().has_origin)?;

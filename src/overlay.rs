@@ -157,9 +157,10 @@ pub struct Overlay {
     /// The upper layer's root carries `partial::LAYER_GUARD` (checked at the first partial
     /// file this mount makes).
     layer_guarded: std::sync::atomic::AtomicBool,
-    /// Tells the kernel that an inode's attributes changed without a reply saying so (the
-    /// FUSE session's notifier, set by the daemon; tools that never mount have none).
-    pub attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino) + Send + Sync>>,
+    /// Tells the kernel that an inode's attributes changed without a reply saying so, and with
+    /// `true` its cached data too (a directory's listing) (the FUSE session's notifier, set by
+    /// the daemon; tools that never mount have none).
+    pub attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino, bool) + Send + Sync>>,
     /// One scan of the tree for a file handle's object at a time (by_number.rs).
     pub(crate) scanning: std::sync::Mutex<()>,
 }
@@ -275,7 +276,15 @@ impl Overlay {
     /// carries them (a set-id bit cleared before a write, a mapped write's times).
     pub fn attrs_changed_behind(&self, ino: Ino) {
         if let Some(tell) = self.attrs_changed.get() {
-            tell(ino);
+            tell(ino, false);
+        }
+    }
+
+    /// Has the kernel drop the listing it keeps of directory `ino` (and its attributes),
+    /// changed where no change inside the directory tells it.
+    pub fn listing_changed_behind(&self, ino: Ino) {
+        if let Some(tell) = self.attrs_changed.get() {
+            tell(ino, true);
         }
     }
 

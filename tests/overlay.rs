@@ -289,6 +289,48 @@ fn a_directory_changed_while_it_is_read_neither_skips_nor_repeats_a_name() {
     }
 }
 
+/// The inode number a listing of `dir` gives for `name` (libc's readdir, which shows `..`).
+fn listed_ino(dir: &Path, name: &str) -> Option<u64> {
+    let path = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    // SAFETY: plain libc directory stream calls on a valid, NUL-terminated path; the stream is
+    // closed before returning.
+    unsafe {
+        let d = libc::opendir(path.as_ptr());
+        assert!(!d.is_null(), "opendir {dir:?}");
+        let mut found = None;
+        loop {
+            let e = libc::readdir(d);
+            if e.is_null() {
+                break;
+            }
+            if std::ffi::CStr::from_ptr((*e).d_name.as_ptr()).to_bytes() == name.as_bytes() {
+                found = Some((*e).d_ino);
+            }
+        }
+        libc::closedir(d);
+        found
+    }
+}
+
+/// A directory moved to another parent lists its new parent as `..` at once, though the
+/// kernel keeps listings (the daemon has it drop the moved directory's).
+#[test]
+fn a_moved_directory_lists_its_new_parent() {
+    let m = Mount::with(|l| write(l.join("low/d/f"), "x"));
+    for d in ["a/d", "b"] {
+        fs::create_dir_all(m.path(d)).unwrap();
+    }
+    write(m.path("a/d/f"), "y");
+    let ino = |p: &str| fs::metadata(m.path(p)).unwrap().ino();
+    assert_eq!(listed_ino(&m.path("a/d"), ".."), Some(ino("a")));
+    assert_eq!(listed_ino(&m.path("low/d"), ".."), Some(ino("low")));
+    fs::rename(m.path("a/d"), m.path("b/d")).unwrap();
+    fs::rename(m.path("low/d"), m.path("a/low-d")).unwrap();
+    assert_eq!(listed_ino(&m.path("b/d"), ".."), Some(ino("b")));
+    assert_eq!(listed_ino(&m.path("a/low-d"), ".."), Some(ino("a")));
+    assert_eq!(names(m.path("b/d")), ["f"]);
+}
+
 /// Listings cost no OPENDIR or RELEASEDIR (the daemon answers the first OPENDIR with ENOSYS,
 /// FUSE_NO_OPENDIR_SUPPORT), the listing of an unchanged directory no READDIR either, upper
 /// directories included, and a change through the mount shows in the next listing. Symlink
