@@ -81,9 +81,15 @@ impl Overlay {
             Ok(file) => file,
             // Removed, or another object renamed over it, since the kernel looked it up: a
             // pinned object is still there to open (inode.rs `Pin`), as on a local file system.
-            Err(e) if e.is(libc::ESTALE) || e.is(libc::ENOENT) => {
-                self.open_pinned(node)?.ok_or(e)?
-            }
+            // Without a pin (the rename found the name still lower-only, and this open's
+            // copy-up put the file there just before the rename took the name) ESTALE, as
+            // copy-up answers that race: the kernel looks the name up again and opens what
+            // it holds now, never ENOENT for a name that exists.
+            Err(e) if e.is(libc::ESTALE) || e.is(libc::ENOENT) => match self.open_pinned(node)? {
+                Some(file) => file,
+                None if node.state().links.is_empty() => return Err(errno(libc::ESTALE)),
+                None => return Err(e),
+            },
             Err(e) => return Err(e),
         };
         // For messages only: a concurrent rename may change it, the descriptor stays right.
