@@ -22,15 +22,15 @@ MOSAICFS=path: the build to measure, MOSAICFS_BASE=path: another build beside it
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from suite import make_tree_tar  # noqa: E402
 BIN = os.path.realpath(os.environ.get("MOSAICFS", os.path.join(HERE, "..", "target", "release", "mosaicfs")))
 # Another mosaicfs build to run beside this one (a column "mosaicfs-base", over /dev/fuse):
 # how per-opcode before/after figures for docs/PERFORMANCE.md are taken in one run.
@@ -52,16 +52,7 @@ def field(out, name):
 
 def make_tar(path):
     """2,000 files of 200 B to 8 KiB in 120 directories, as a source tree or a package."""
-    rng = random.Random(5)
-    src = tempfile.mkdtemp(dir=os.path.dirname(path))
-    for i in range(FILES):
-        d = os.path.join(src, f"src/mod{i % 40}/pkg{i % 3}")
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, f"file{i}.c"), "wb") as f:
-            f.write(os.urandom(rng.randint(200, 8000)))
-    with tarfile.open(path, "w") as t:
-        t.add(os.path.join(src, "src"), arcname="src")
-    sh(f"rm -rf {src}")
+    make_tree_tar(path, FILES, pkgs=3)
 
 
 class Overlay:

@@ -42,13 +42,14 @@ def write_random(path, size):
             left -= n
 
 
-def make_tree_tar(path, files):
-    """A synthetic source tree: `files` small files in nested directories."""
+def make_tree_tar(path, files, pkgs=7):
+    """A synthetic source tree: `files` small files of 200 B to 8 KiB in 40 x `pkgs` nested
+    directories."""
     rng = random.Random(5)
     tmp = path + ".d"
     shutil.rmtree(tmp, ignore_errors=True)
     for i in range(files):
-        d = os.path.join(tmp, f"src/mod{i % 40}/pkg{i % 7}")
+        d = os.path.join(tmp, f"src/mod{i % 40}/pkg{i % pkgs}")
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"file{i}.c"), "wb") as f:
             f.write(os.urandom(rng.randint(200, 8000)))

@@ -817,11 +817,18 @@ fn a_writable_open_racing_a_rename_over_a_lower_file_gets_a_file_not_eexist() {
     assert_eq!(opened, rounds);
 }
 
-/// The daemon's threads by name (`comm`), e.g. "fuser-0", "mosaicfs-caw-0".
-fn thread_names(m: &Mount) -> Vec<String> {
+/// The file `name` of each of the daemon's threads (/proc/PID/task/TID/`name`).
+fn per_thread(m: &Mount, name: &str) -> Vec<String> {
     std::fs::read_dir(format!("/proc/{}/task", m.pid()))
         .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join(name)).ok())
+        .collect()
+}
+
+/// The daemon's threads by name (`comm`), e.g. "fuser-0", "mosaicfs-caw-0".
+fn thread_names(m: &Mount) -> Vec<String> {
+    per_thread(m, "comm")
+        .iter()
         .map(|s| s.trim().to_string())
         .collect()
 }
@@ -880,15 +887,10 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
 /// Context switches of all the daemon's threads so far (each wake-up of a sleeping thread is
 /// one).
 fn daemon_switches(m: &Mount) -> u64 {
-    std::fs::read_dir(format!("/proc/{}/task", m.pid()))
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
-        .flat_map(|s| {
-            s.lines()
-                .filter(|l| l.contains("ctxt_switches:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .collect::<Vec<_>>()
-        })
+    per_thread(m, "status")
+        .iter()
+        .flat_map(|s| s.lines().filter(|l| l.contains("ctxt_switches:")))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         .sum()
 }
 
