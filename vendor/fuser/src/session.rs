@@ -368,8 +368,13 @@ impl<FS: Filesystem> Session<FS> {
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
                         }
+                        // A worker took a request and left none waiting: one more, unless
+                        // that was a short burst over in a moment (a listing at a container's
+                        // start), which would leave every idle mount with a worker it never
+                        // needs again.
                         if pool.wanted.swap(false, std::sync::atomic::Ordering::AcqRel)
                             && pool.workers_in(None) < pool.demand()
+                            && pool.still_none_waiting()
                         {
                             let spawned = worker(&template, None)
                                 .and_then(|w| pool.spawn(w, &filesystem, allowed, session_owner));
@@ -735,6 +740,10 @@ impl SessionUnmounter {
 /// grows (`Config::max_threads`).
 pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// mosaicfs patch: how long the supervisor waits, when a worker took a request and left none
+/// waiting, before it adds one: a burst that is over by then needs none.
+const GROW_GRACE: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// mosaicfs patch: the session's workers, for the supervisor that grows the pool and for
 /// `RequestWatch`.
 #[derive(Debug)]
@@ -840,6 +849,12 @@ impl WorkerPool {
         }
         thread::park();
         self.asleep.store(false, SeqCst);
+    }
+
+    /// Whether, a moment after a worker asked for another, still no /dev/fuse worker waits.
+    fn still_none_waiting(&self) -> bool {
+        thread::sleep(GROW_GRACE);
+        self.idle.load(std::sync::atomic::Ordering::Acquire) == 0
     }
 
     fn request_done(&self) {
