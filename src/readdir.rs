@@ -59,6 +59,14 @@ impl Listings {
         by_dir.insert(ino, listing);
     }
 
+    /// Forgets the snapshot of `ino` if it is still `listing` (not one taken since).
+    fn forget(&self, ino: Ino, listing: &Listing) {
+        let mut by_dir = self.lock();
+        if by_dir.get(&ino).is_some_and(|l| Arc::ptr_eq(l, listing)) {
+            by_dir.remove(&ino);
+        }
+    }
+
     /// Forgets every snapshot (unmount).
     pub fn clear(&self) {
         self.lock().clear();
@@ -131,6 +139,10 @@ impl Overlay {
             }
         };
         let from = listing.partition_point(|(c, _)| *c <= offset);
+        if from == listing.len() {
+            // The reader is at the end: its snapshot goes (a seekdir back takes a new one).
+            self.listings.forget(ino, &listing);
+        }
         for (c, e) in &listing[from..] {
             if emit(e, *c) {
                 break;
@@ -323,4 +335,45 @@ fn whiteout_target(name: &OsStr) -> Option<Option<OsString>> {
     Some(Some(
         OsStr::from_bytes(&b[WHITEOUT_PREFIX.len()..]).to_os_string(),
     ))
+}
+
+#[cfg(test)]
+mod listing_tests {
+    use super::*;
+
+    fn entry(name: &str) -> (u64, DirEntry) {
+        let name = OsString::from(name);
+        (
+            cookie(&name),
+            DirEntry {
+                name,
+                ino: 5,
+                kind: libc::S_IFREG,
+            },
+        )
+    }
+
+    #[test]
+    fn cookies_put_dot_entries_first_and_stay_inside_the_kernels_offsets() {
+        assert_eq!(cookie(OsStr::new(".")), 1);
+        assert_eq!(cookie(OsStr::new("..")), 2);
+        for n in ["a", "b", "file0001", "ünïcode", ".hidden", "..."] {
+            let c = cookie(OsStr::new(n));
+            assert!((3..1u64 << 63).contains(&c), "{n}: {c}");
+            assert_eq!(c, cookie(OsStr::new(n)), "the same name, the same cookie");
+        }
+    }
+
+    #[test]
+    fn a_snapshot_read_to_its_end_goes_but_not_a_newer_one() {
+        let l = Listings::default();
+        let old: Listing = Arc::new(vec![entry("a")]);
+        let new: Listing = Arc::new(vec![entry("a"), entry("b")]);
+        l.put(7, old.clone());
+        l.put(7, new.clone());
+        l.forget(7, &old);
+        assert!(l.get(7).is_some_and(|x| Arc::ptr_eq(&x, &new)));
+        l.forget(7, &new);
+        assert!(l.get(7).is_none());
+    }
 }
