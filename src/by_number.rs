@@ -55,6 +55,14 @@ impl Overlay {
                 }
             }
         };
+        if node.state().unlinked {
+            // The kernel asks by number only for an inode it no longer holds, and it lets go
+            // of a nameless one only when nothing has it open: a node without a name found
+            // here is one whose FORGET is still on its way (seen over io_uring under load).
+            // Its handle is stale, as on a local file system once the inode is freed.
+            self.inodes.forget(node.ino, 1);
+            return Err(errno(libc::ESTALE));
+        }
         match self.getattr_of(&node) {
             Ok(attr) => Ok((node, attr)),
             Err(e) => {
