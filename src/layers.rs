@@ -1105,10 +1105,14 @@ struct Holder {
 fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
     use std::os::fd::AsRawFd;
     // Nothing here stats what another process has open or names: a file on a FUSE mount whose
-    // daemon is stopped would block the stat. /proc's fdinfo and links are read instead.
-    // The inode and the name: the mount id differs where the holder opened the directory in
-    // another mount namespace, which is one of the cases to name.
-    let Some(ino) = fdinfo_ino(&format!("/proc/self/fdinfo/{}", locked.as_raw_fd())) else {
+    // daemon is stopped would block the stat. /proc's fdinfo, links and mountinfo are read
+    // instead. A file is the same when its inode number, its name and its file system are:
+    // two file systems made alike (the images of a test and a scratch mount) give their work
+    // dirs the same inode number, and blaming the daemon of the other one made a mount fail
+    // at once instead of waiting for the real holder. The file system is the `major:minor`
+    // the holder's own mountinfo gives the mount its fdinfo names: mount ids are the same in
+    // every namespace, device numbers too.
+    let Some(own) = open_file_of(Path::new("/proc/self"), &locked.as_raw_fd().to_string()) else {
         return Vec::new();
     };
     let Ok(name) = std::fs::read_link(format!("/proc/self/fd/{}", locked.as_raw_fd())) else {
@@ -1116,6 +1120,7 @@ fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
     };
     let name = name.file_name().map(OsStr::to_os_string);
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let own_dev = mount_device(&mounts, own.mnt_id);
     let mosaicfs_mounts: Vec<PathBuf> = mounts
         .lines()
         .filter(|l| l.contains(" - fuse.mosaicfs "))
@@ -1125,23 +1130,39 @@ fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
                 .map(|p| PathBuf::from(unescape_mountinfo(p)))
         })
         .collect();
-    let own = std::process::id();
+    let own_pid = std::process::id();
     let mut out = Vec::new();
     for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        if pid == own {
+        if pid == own_pid {
             continue;
         }
+        let mut their_mounts = None;
         let holds = std::fs::read_dir(p.path().join("fdinfo"))
             .into_iter()
             .flatten()
             .flatten()
             .any(|fd| {
-                fdinfo_ino(&fd.path().to_string_lossy()) == Some(ino)
-                    && std::fs::read_link(p.path().join("fd").join(fd.file_name()))
+                let fd = fd.file_name();
+                let Some(theirs) = open_file_of(&p.path(), &fd.to_string_lossy()) else {
+                    return false;
+                };
+                if theirs.ino != own.ino
+                    || !std::fs::read_link(p.path().join("fd").join(&fd))
                         .is_ok_and(|l| l.file_name().map(OsStr::to_os_string) == name)
+                {
+                    return false;
+                }
+                let mounts = their_mounts.get_or_insert_with(|| {
+                    std::fs::read_to_string(p.path().join("mountinfo")).unwrap_or_default()
+                });
+                // Unknown on either side (the process went away): the name and inode decide.
+                match (&own_dev, mount_device(mounts, theirs.mnt_id)) {
+                    (Some(a), Some(b)) => *a == b,
+                    _ => true,
+                }
             });
         if !holds {
             continue;
@@ -1167,12 +1188,32 @@ fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
     out
 }
 
-/// The inode number an open file's fdinfo names.
-fn fdinfo_ino(fdinfo: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(fdinfo).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("ino:"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
+/// What a process's fdinfo says of one of its open files.
+struct OpenFile {
+    ino: u64,
+    mnt_id: u64,
+}
+
+/// The open file `fd` of the process whose /proc directory is `proc`, by its fdinfo.
+fn open_file_of(proc: &Path, fd: &str) -> Option<OpenFile> {
+    let text = std::fs::read_to_string(proc.join("fdinfo").join(fd)).ok()?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    Some(OpenFile {
+        ino: field("ino:")?,
+        mnt_id: field("mnt_id:")?,
+    })
+}
+
+/// The `major:minor` of the file system of mount `mnt_id` in the mountinfo text `mounts`.
+fn mount_device(mounts: &str, mnt_id: u64) -> Option<String> {
+    mounts.lines().find_map(|l| {
+        let mut f = l.split(' ');
+        (f.next()?.parse::<u64>().ok()? == mnt_id).then(|| f.nth(1).map(str::to_owned))?
+    })
 }
 
 /// `path` without `.` and `..` components, by its text alone.

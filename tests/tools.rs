@@ -692,6 +692,53 @@ fn the_tools_wait_for_a_daemon_that_is_letting_go_after_umount() {
     let _ = holder.wait_with_output();
 }
 
+/// Two file systems made alike give their work dirs the same inode number: a mount waiting for
+/// the process that holds its own work dir's lock must not blame the daemon of a live mount of
+/// the other one (an xfstests cycle mount of the scratch overlay failed at once, "in use by
+/// the mosaicfs daemon serving .../test", while its own previous daemon was still exiting).
+#[test]
+fn a_mount_waits_for_its_own_lock_holder_not_a_daemon_on_a_look_alike_file_system() {
+    let base = tempfile::tempdir().unwrap();
+    let (a_dir, b_dir) = (base.path().join("a"), base.path().join("b"));
+    fs::create_dir(&a_dir).unwrap();
+    fs::create_dir(&b_dir).unwrap();
+    let a_fs = Tmpfs::mount(&a_dir, "16m");
+    let b_fs = Tmpfs::mount(&b_dir, "16m");
+    // The same steps on both: the same inode numbers.
+    let mut a = Mount::new_in(&a_dir, 1);
+    let mut b = Mount::new_in(&b_dir, 1);
+    b.mount();
+    b.unmount();
+    a.mount();
+    let lock = b.work.join("mosaicfs-work");
+    let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+    assert_eq!(
+        ino(&lock),
+        ino(&a.work.join("mosaicfs-work")),
+        "the premise: fresh tmpfs number their inodes alike"
+    );
+    let holder = std::process::Command::new("flock")
+        .arg(&lock)
+        .args(["sleep", "1"])
+        .spawn()
+        .unwrap();
+    let holder_pid = holder.id();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    b.mount();
+    let _ = holder.wait_with_output();
+    write(b.path("f"), b"b");
+    let said = b.unmount();
+    assert!(
+        said.contains(&format!("is still used by PID {holder_pid} 'flock ")),
+        "{said}"
+    );
+    assert!(!said.contains(&format!("PID {}", a.pid())), "{said}");
+    a.unmount();
+    drop((a, b));
+    a_fs.unmount().unwrap();
+    b_fs.unmount().unwrap();
+}
+
 /// `mosaicfs status --json` and `--prometheus`: requests by opcode with their times, errors by
 /// errno, partial files and the blocks block-level copy-up did not copy.
 #[test]
