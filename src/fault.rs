@@ -1,6 +1,7 @@
 //! Fault injection: every change mosaicfs makes to the upper layer passes one check here
-//! (`check`, at the top of each changing wrapper in sys.rs), so a test can make any step of a
-//! copy-up, rename or write fail and see what the mount shows afterwards.
+//! (`check`, at the top of each changing call of the upper seam, upper.rs), so a test can make
+//! any step of a copy-up, rename or write fail and see what the mount shows afterwards, on the
+//! disk store and the memory store alike.
 //!
 //! `MOSAICFS_FAULT=OP:N[+][:ERRNO][,OP:N...]` in the daemon's environment fails the N-th call of
 //! OP (counted from the first FUSE request; mount-time probes do not count) with ERRNO — EIO
@@ -141,12 +142,6 @@ pub fn check(op: Op) -> Result<()> {
         None => Ok(()),
         Some(rules) => check_rules(rules, op),
     }
-}
-
-/// `check` for callers that speak rustix' error type (sys.rs' changing wrappers).
-#[inline]
-pub fn check_io(op: Op) -> rustix::io::Result<()> {
-    check(op).map_err(|e| rustix::io::Errno::from_raw_os_error(e.errno()))
 }
 
 #[cold]

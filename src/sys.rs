@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, CWD, Mode, OFlags, ResolveFlags};
 
 use crate::error::{Result, errno};
-use crate::fault::{Op, check_io};
+use crate::fault::Op;
 use rustix::path::Arg;
 
 /// The attributes of one file in one layer, as `stat` gives them.
@@ -1043,14 +1043,15 @@ pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
 // ---- Changes to a layer --------------------------------------------------------------------
 //
 // Only the upper and work dirs are ever changed. Every change goes through a wrapper of this
-// file: those above, and these, with rustix' signatures so that call sites read as before. Each
-// passes fault.rs' check first (fault injection for tests; one load otherwise).
+// file: those above, and these, with rustix' signatures so that call sites read as before. A
+// failure the file system reports is noted for the operator (`note_failure`). Faults are
+// injected one level up, at the upper seam (upper.rs), for both stores.
 
 /// The upper file system failing a change (EIO, or read-only after errors: EROFS, or damaged:
 /// EUCLEAN) is a fact the operator must hear about, not only the caller's errno: one log line
 /// a second at most, saying what failed and where to look. The operation itself was refused
 /// whole (docs/ROBUSTNESS.md, "Failures half way").
-fn note_failure(op: Op, e: rustix::io::Errno) -> rustix::io::Errno {
+pub(crate) fn note_failure(op: Op, e: rustix::io::Errno) -> rustix::io::Errno {
     use std::sync::atomic::{AtomicU64, Ordering};
     static LAST: AtomicU64 = AtomicU64::new(0);
     static QUIET: AtomicU64 = AtomicU64::new(0);
@@ -1084,31 +1085,24 @@ fn note_failure(op: Op, e: rustix::io::Errno) -> rustix::io::Errno {
     e
 }
 
-/// A change made by `f`, for the wrappers that speak the crate's error type: the fault check
-/// first, then `f`, its failure noted.
+/// A change made by `f`, for the wrappers that speak the crate's error type: its failure noted.
 fn change<T>(op: Op, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    crate::fault::check(op).and_then(|()| f()).inspect_err(|e| {
+    f().inspect_err(|e| {
         note_failure(op, rustix::io::Errno::from_raw_os_error(e.errno()));
     })
 }
 
 pub fn mkdirat<P: Arg, Fd: AsFd>(dir: Fd, path: P, mode: Mode) -> rustix::io::Result<()> {
-    check_io(Op::Mkdir)
-        .and_then(|()| rustix::fs::mkdirat(dir, path, mode))
-        .map_err(|e| note_failure(Op::Mkdir, e))
+    rustix::fs::mkdirat(dir, path, mode).map_err(|e| note_failure(Op::Mkdir, e))
 }
 
 /// unlinkat, rmdir with `AtFlags::REMOVEDIR`.
 pub fn unlinkat<P: Arg, Fd: AsFd>(dir: Fd, path: P, flags: AtFlags) -> rustix::io::Result<()> {
-    check_io(Op::Unlink)
-        .and_then(|()| rustix::fs::unlinkat(dir, path, flags))
-        .map_err(|e| note_failure(Op::Unlink, e))
+    rustix::fs::unlinkat(dir, path, flags).map_err(|e| note_failure(Op::Unlink, e))
 }
 
 pub fn symlinkat<P: Arg, Q: Arg, Fd: AsFd>(target: P, dir: Fd, path: Q) -> rustix::io::Result<()> {
-    check_io(Op::Symlink)
-        .and_then(|()| rustix::fs::symlinkat(target, dir, path))
-        .map_err(|e| note_failure(Op::Symlink, e))
+    rustix::fs::symlinkat(target, dir, path).map_err(|e| note_failure(Op::Symlink, e))
 }
 
 pub fn linkat<P: Arg, Q: Arg, PFd: AsFd, QFd: AsFd>(
@@ -1118,9 +1112,7 @@ pub fn linkat<P: Arg, Q: Arg, PFd: AsFd, QFd: AsFd>(
     new: Q,
     flags: AtFlags,
 ) -> rustix::io::Result<()> {
-    check_io(Op::Link)
-        .and_then(|()| rustix::fs::linkat(old_dir, old, new_dir, new, flags))
-        .map_err(|e| note_failure(Op::Link, e))
+    rustix::fs::linkat(old_dir, old, new_dir, new, flags).map_err(|e| note_failure(Op::Link, e))
 }
 
 pub fn fchown<Fd: AsFd>(
@@ -1128,15 +1120,11 @@ pub fn fchown<Fd: AsFd>(
     uid: Option<rustix::fs::Uid>,
     gid: Option<rustix::fs::Gid>,
 ) -> rustix::io::Result<()> {
-    check_io(Op::Chown)
-        .and_then(|()| rustix::fs::fchown(fd, uid, gid))
-        .map_err(|e| note_failure(Op::Chown, e))
+    rustix::fs::fchown(fd, uid, gid).map_err(|e| note_failure(Op::Chown, e))
 }
 
 pub fn fchmod<Fd: AsFd>(fd: Fd, mode: Mode) -> rustix::io::Result<()> {
-    check_io(Op::Chmod)
-        .and_then(|()| rustix::fs::fchmod(fd, mode))
-        .map_err(|e| note_failure(Op::Chmod, e))
+    rustix::fs::fchmod(fd, mode).map_err(|e| note_failure(Op::Chmod, e))
 }
 
 pub fn fsetxattr<P: Arg, Fd: AsFd>(
@@ -1145,21 +1133,15 @@ pub fn fsetxattr<P: Arg, Fd: AsFd>(
     value: &[u8],
     flags: rustix::fs::XattrFlags,
 ) -> rustix::io::Result<()> {
-    check_io(Op::SetXattr)
-        .and_then(|()| rustix::fs::fsetxattr(fd, name, value, flags))
-        .map_err(|e| note_failure(Op::SetXattr, e))
+    rustix::fs::fsetxattr(fd, name, value, flags).map_err(|e| note_failure(Op::SetXattr, e))
 }
 
 pub fn fremovexattr<P: Arg, Fd: AsFd>(fd: Fd, name: P) -> rustix::io::Result<()> {
-    check_io(Op::RemoveXattr)
-        .and_then(|()| rustix::fs::fremovexattr(fd, name))
-        .map_err(|e| note_failure(Op::RemoveXattr, e))
+    rustix::fs::fremovexattr(fd, name).map_err(|e| note_failure(Op::RemoveXattr, e))
 }
 
 pub fn ftruncate<Fd: AsFd>(fd: Fd, length: u64) -> rustix::io::Result<()> {
-    check_io(Op::Truncate)
-        .and_then(|()| rustix::fs::ftruncate(fd, length))
-        .map_err(|e| note_failure(Op::Truncate, e))
+    rustix::fs::ftruncate(fd, length).map_err(|e| note_failure(Op::Truncate, e))
 }
 
 pub fn fallocate<Fd: AsFd>(
@@ -1168,9 +1150,7 @@ pub fn fallocate<Fd: AsFd>(
     offset: u64,
     len: u64,
 ) -> rustix::io::Result<()> {
-    check_io(Op::Fallocate)
-        .and_then(|()| rustix::fs::fallocate(fd, mode, offset, len))
-        .map_err(|e| note_failure(Op::Fallocate, e))
+    rustix::fs::fallocate(fd, mode, offset, len).map_err(|e| note_failure(Op::Fallocate, e))
 }
 
 /// openat; one that creates (O_CREAT, O_TMPFILE) is a change.
@@ -1182,9 +1162,7 @@ pub fn openat<P: Arg, Fd: AsFd>(
 ) -> rustix::io::Result<OwnedFd> {
     // (O_TMPFILE's bits include O_DIRECTORY: test for all of them.)
     if flags.contains(OFlags::CREATE) || flags.contains(OFlags::TMPFILE) {
-        return check_io(Op::Create)
-            .and_then(|()| rustix::fs::openat(dir, path, flags, mode))
-            .map_err(|e| note_failure(Op::Create, e));
+        return rustix::fs::openat(dir, path, flags, mode).map_err(|e| note_failure(Op::Create, e));
     }
     let path = path.into_c_str()?;
     without_atime(flags, |flags| rustix::fs::openat(&dir, &*path, flags, mode))
@@ -1192,21 +1170,15 @@ pub fn openat<P: Arg, Fd: AsFd>(
 
 /// FICLONE: a whole-file clone is a write of the destination.
 pub fn ioctl_ficlone<Fd: AsFd, SrcFd: AsFd>(fd: Fd, src: SrcFd) -> rustix::io::Result<()> {
-    check_io(Op::Write)
-        .and_then(|()| rustix::fs::ioctl_ficlone(fd, src))
-        .map_err(|e| note_failure(Op::Write, e))
+    rustix::fs::ioctl_ficlone(fd, src).map_err(|e| note_failure(Op::Write, e))
 }
 
 pub fn fsync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
-    check_io(Op::Fsync)
-        .and_then(|()| rustix::fs::fsync(fd))
-        .map_err(|e| note_failure(Op::Fsync, e))
+    rustix::fs::fsync(fd).map_err(|e| note_failure(Op::Fsync, e))
 }
 
 pub fn fdatasync<Fd: AsFd>(fd: Fd) -> rustix::io::Result<()> {
-    check_io(Op::Fsync)
-        .and_then(|()| rustix::fs::fdatasync(fd))
-        .map_err(|e| note_failure(Op::Fsync, e))
+    rustix::fs::fdatasync(fd).map_err(|e| note_failure(Op::Fsync, e))
 }
 
 // ---- fanotify pre-content events (precontent.rs) ---------------------------------------------

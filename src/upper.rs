@@ -18,6 +18,7 @@ use std::sync::Arc;
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 
 use crate::error::{Result, errno};
+use crate::fault::Op;
 use crate::memory_upper::{self, MemoryUpper, NewNode, Node};
 use crate::sys::{self, Attr, RawDirEntry, Time};
 
@@ -264,6 +265,15 @@ impl LayerDir<'_> {
     }
 }
 
+/// A change to the upper layer is about to be made, on either store: fault injection's check
+/// (fault.rs: the seam is where a test fails a step of a copy-up, a rename or a write), a
+/// failure it injects reported as the file system's own would be.
+fn changing(op: Op) -> Result<()> {
+    crate::fault::check(op).inspect_err(|e| {
+        sys::note_failure(op, rustix::io::Errno::from_raw_os_error(e.errno()));
+    })
+}
+
 impl UpperDir {
     /// This directory as the reads shared with lower layers take it.
     pub fn view(&self) -> LayerDir<'_> {
@@ -275,6 +285,7 @@ impl UpperDir {
 
     /// Makes this directory's entries durable (a journal entry for a memory upper).
     pub fn sync(&self) -> Result<()> {
+        changing(Op::Fsync)?;
         match self {
             UpperDir::Disk(fd) => {
                 // An O_PATH descriptor (the directory cache's) cannot be fsynced.
@@ -313,6 +324,7 @@ impl UpperDir {
     }
 
     pub fn mkdir(&self, name: &OsStr, c: &Creation) -> Result<()> {
+        changing(Op::Mkdir)?;
         match self {
             UpperDir::Disk(fd) => Ok(sys::mkdirat(
                 fd.as_fd(),
@@ -331,6 +343,7 @@ impl UpperDir {
 
     /// A device, FIFO, socket or empty regular file (the type in `c.mode`).
     pub fn mknod(&self, name: &OsStr, c: &Creation, rdev: u64) -> Result<()> {
+        changing(Op::Mknod)?;
         match self {
             UpperDir::Disk(fd) => sys::mknod_at(fd.as_fd(), name, c.mode, rdev),
             UpperDir::Memory(m, dir) => m.make(dir.ino(), name, &c.node(rdev, None)).map(drop),
@@ -338,6 +351,7 @@ impl UpperDir {
     }
 
     pub fn symlink(&self, target: &OsStr, name: &OsStr, c: &Creation) -> Result<()> {
+        changing(Op::Symlink)?;
         match self {
             UpperDir::Disk(fd) => Ok(sys::symlinkat(target, fd.as_fd(), name)?),
             UpperDir::Memory(m, dir) => {
@@ -352,6 +366,7 @@ impl UpperDir {
 
     /// A new regular file `name`, open for reading and writing (EEXIST if it exists).
     pub fn create(&self, name: &OsStr, c: &Creation) -> Result<UpperFile> {
+        changing(Op::Create)?;
         match self {
             UpperDir::Disk(fd) => {
                 let flags = OFlags::RDWR
@@ -380,6 +395,7 @@ impl UpperDir {
 
     /// A new regular file without a name (O_TMPFILE), open for reading and writing.
     pub fn tmpfile(&self, c: &Creation) -> Result<UpperFile> {
+        changing(Op::Create)?;
         match self {
             UpperDir::Disk(fd) => {
                 let flags = OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC;
@@ -517,6 +533,7 @@ impl UpperDir {
 
     /// A new name `to` in `to_dir` for the object `name` here (no directories).
     pub fn link(&self, name: &OsStr, to_dir: &UpperDir, to: &OsStr) -> Result<()> {
+        changing(Op::Link)?;
         match (self, to_dir) {
             (UpperDir::Disk(fd), UpperDir::Disk(to_fd)) => Ok(sys::linkat(
                 fd.as_fd(),
@@ -536,6 +553,7 @@ impl UpperDir {
     }
 
     pub fn unlink(&self, name: &OsStr) -> Result<()> {
+        changing(Op::Unlink)?;
         match self {
             UpperDir::Disk(fd) => Ok(sys::unlinkat(fd.as_fd(), name, AtFlags::empty())?),
             UpperDir::Memory(m, dir) => m.unlink(dir.ino(), name),
@@ -543,6 +561,7 @@ impl UpperDir {
     }
 
     pub fn rmdir(&self, name: &OsStr) -> Result<()> {
+        changing(Op::Unlink)?;
         match self {
             UpperDir::Disk(fd) => Ok(sys::unlinkat(fd.as_fd(), name, AtFlags::REMOVEDIR)?),
             UpperDir::Memory(m, dir) => m.rmdir(dir.ino(), name),
@@ -557,17 +576,25 @@ impl UpperDir {
         to: &OsStr,
         flags: RenameFlags,
     ) -> Result<()> {
+        changing(Op::Rename)?;
         match (self, to_dir) {
             (UpperDir::Disk(fd), UpperDir::Disk(to_fd)) => {
                 sys::rename_at(fd.as_fd(), name, to_fd.as_fd(), to, flags)
             }
             (UpperDir::Memory(m, dir), UpperDir::Memory(_, to_ino)) => {
-                if !(flags - RenameFlags::NOREPLACE - RenameFlags::EXCHANGE).is_empty() {
+                let known = RenameFlags::NOREPLACE | RenameFlags::EXCHANGE | RenameFlags::WHITEOUT;
+                if !(flags - known).is_empty() {
                     return Err(errno(libc::EINVAL));
                 }
+                // The whiteout is the daemon's, as RENAME_WHITEOUT's on disk (creds.rs).
+                let owner = || {
+                    let c = Creation::daemon(libc::S_IFCHR);
+                    (c.uid, c.gid)
+                };
                 let f = memory_upper::RenameFlags {
                     noreplace: flags.contains(RenameFlags::NOREPLACE),
                     exchange: flags.contains(RenameFlags::EXCHANGE),
+                    whiteout: flags.contains(RenameFlags::WHITEOUT).then(owner),
                 };
                 m.rename(dir.ino(), name, to_ino.ino(), to, f)
             }
@@ -607,6 +634,7 @@ impl UpperDir {
         value: &[u8],
         flags: i32,
     ) -> Result<()> {
+        changing(Op::SetXattr)?;
         match self {
             UpperDir::Disk(fd) => sys::set_xattr(fd.as_fd(), name, key, value, flags),
             UpperDir::Memory(m, dir) => {
@@ -616,6 +644,7 @@ impl UpperDir {
     }
 
     pub fn remove_xattr(&self, name: Option<&OsStr>, key: &OsStr) -> Result<()> {
+        changing(Op::RemoveXattr)?;
         match self {
             UpperDir::Disk(fd) => sys::remove_xattr(fd.as_fd(), name, key),
             UpperDir::Memory(m, dir) => m.remove_xattr(&*Self::node_of(m, dir, name)?, key),
@@ -627,6 +656,7 @@ impl UpperDir {
     }
 
     pub fn chown(&self, name: Option<&OsStr>, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
+        changing(Op::Chown)?;
         match self {
             UpperDir::Disk(fd) => sys::chown_at(fd.as_fd(), name, uid, gid),
             UpperDir::Memory(m, dir) => {
@@ -639,6 +669,7 @@ impl UpperDir {
     /// chmod of `name` here (this directory with `None`). A symlink has no mode of its own on
     /// Linux: EOPNOTSUPP, as fchmodat(AT_SYMLINK_NOFOLLOW) answers (the call never follows it).
     pub fn chmod(&self, name: Option<&OsStr>, mode: u32) -> Result<()> {
+        changing(Op::Chmod)?;
         match self {
             UpperDir::Disk(fd) => sys::chmod_at(fd.as_fd(), name, mode),
             UpperDir::Memory(m, dir) => {
@@ -653,6 +684,7 @@ impl UpperDir {
     }
 
     pub fn utimens(&self, name: Option<&OsStr>, atime: Time, mtime: Time) -> Result<()> {
+        changing(Op::Utimens)?;
         match self {
             UpperDir::Disk(fd) => sys::utimens_at(fd.as_fd(), name, atime, mtime),
             UpperDir::Memory(m, dir) => {
@@ -689,6 +721,7 @@ impl UpperFile {
     /// Gives this file, which no name reaches (an O_TMPFILE, or unlinked while open), the
     /// name `name` in `dir`.
     pub fn link_into(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
+        changing(Op::Link)?;
         match (self, dir) {
             (UpperFile::Disk(fd), UpperDir::Disk(d)) => {
                 sys::link_open_file(fd.as_fd(), d.as_fd(), name)
@@ -701,6 +734,7 @@ impl UpperFile {
     /// Clones `src`'s extents into this empty file (FICLONE). A memory file cannot share
     /// extents: EXDEV, as the kernel answers across file systems.
     pub fn clone_from(&self, src: BorrowedFd<'_>) -> rustix::io::Result<()> {
+        changing(Op::Write).map_err(|e| rustix::io::Errno::from_raw_os_error(e.errno()))?;
         match self {
             UpperFile::Disk(fd) => sys::ioctl_ficlone(fd, src),
             UpperFile::Memory(..) => Err(rustix::io::Errno::XDEV),
@@ -777,6 +811,7 @@ impl UpperFile {
     /// fallocate(2) with `mode`: 0, KEEP_SIZE, or PUNCH_HOLE|KEEP_SIZE in memory (the modes
     /// mosaicfs' own files use); on disk whatever the upper file system takes.
     pub fn fallocate(&self, mode: rustix::fs::FallocateFlags, off: u64, len: u64) -> Result<()> {
+        changing(Op::Fallocate)?;
         use rustix::fs::FallocateFlags as F;
         match self {
             UpperFile::Disk(fd) => Ok(sys::fallocate(fd, mode, off, len)?),
@@ -810,6 +845,7 @@ impl UpperFile {
 
     /// Makes the file's data durable (fdatasync; a journal entry for a memory file).
     pub fn datasync(&self) -> Result<()> {
+        changing(Op::Fsync)?;
         match self {
             UpperFile::Disk(fd) => Ok(sys::fdatasync(fd)?),
             UpperFile::Memory(m, _) => m.sync_changes(),
@@ -817,6 +853,7 @@ impl UpperFile {
     }
 
     pub fn set_times(&self, atime: Time, mtime: Time) -> Result<()> {
+        changing(Op::Utimens)?;
         match self {
             UpperFile::Disk(fd) => sys::futimens(fd.as_fd(), atime, mtime),
             UpperFile::Memory(m, node) => {
@@ -827,6 +864,7 @@ impl UpperFile {
     }
 
     pub fn remove_xattr(&self, key: &str) -> Result<()> {
+        changing(Op::RemoveXattr)?;
         match self {
             UpperFile::Disk(fd) => Ok(sys::fremovexattr(fd, key)?),
             UpperFile::Memory(m, node) => m.remove_xattr(node, OsStr::new(key)),
@@ -834,6 +872,7 @@ impl UpperFile {
     }
 
     pub fn chown(&self, uid: Option<u32>, gid: Option<u32>) -> Result<()> {
+        changing(Op::Chown)?;
         match self {
             UpperFile::Disk(fd) => Ok(sys::fchown(
                 fd,
@@ -848,6 +887,7 @@ impl UpperFile {
     }
 
     pub fn chmod(&self, mode: u32) -> Result<()> {
+        changing(Op::Chmod)?;
         match self {
             UpperFile::Disk(fd) => Ok(sys::fchmod(fd, Mode::from_raw_mode(mode & 0o7777))?),
             UpperFile::Memory(m, node) => {
@@ -873,6 +913,7 @@ impl UpperFile {
     }
 
     pub fn write_at(&self, data: &[u8], off: u64) -> Result<()> {
+        changing(Op::Write)?;
         match self {
             UpperFile::Disk(fd) => sys::pwrite_full(fd.as_fd(), data, off),
             UpperFile::Memory(m, node) => m.write(node, data, off),
@@ -880,6 +921,7 @@ impl UpperFile {
     }
 
     pub fn truncate(&self, size: u64) -> Result<()> {
+        changing(Op::Truncate)?;
         match self {
             UpperFile::Disk(fd) => Ok(sys::ftruncate(fd, size)?),
             UpperFile::Memory(m, node) => m.truncate(node, size),
@@ -888,6 +930,7 @@ impl UpperFile {
 
     /// FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
     pub fn punch_hole(&self, off: u64, len: u64) -> Result<()> {
+        changing(Op::Fallocate)?;
         match self {
             UpperFile::Disk(fd) => {
                 let mode =
@@ -914,6 +957,7 @@ impl UpperFile {
 
     /// Makes the file's data and attributes durable (a journal entry for a memory file).
     pub fn sync(&self) -> Result<()> {
+        changing(Op::Fsync)?;
         match self {
             UpperFile::Disk(fd) => Ok(sys::fsync(fd)?),
             UpperFile::Memory(m, _) => m.sync_changes(),
@@ -928,6 +972,7 @@ impl UpperFile {
     }
 
     pub fn set_xattr(&self, key: &str, value: &[u8], flags: i32) -> Result<()> {
+        changing(Op::SetXattr)?;
         match self {
             UpperFile::Disk(fd) => {
                 let flags = rustix::fs::XattrFlags::from_bits_retain(flags as _);

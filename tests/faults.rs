@@ -29,6 +29,12 @@ fn faulty_with(fault: &str, extra: &[&str]) -> Mount {
     m
 }
 
+/// Whether the upper layer holds `rel`: on a disk upper, as a file of the upper dir; in a memory
+/// upper, whose tree only a mount shows, never asked (false).
+fn in_upper(m: &Mount, rel: &str) -> bool {
+    disk_upper() && m.upper.join(rel).exists()
+}
+
 /// Nothing of a failed operation is left in the work dir (temporary objects go).
 fn work_is_clean(m: &Mount) {
     work_is_clean_after(m, "the failed call")
@@ -51,9 +57,6 @@ fn work_is_clean_after(m: &Mount, what: &str) {
 
 #[test]
 fn a_first_write_fails_whole_when_the_copy_up_cannot_be_renamed_into_place() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     let mut m = faulty("rename:1");
     let e = fs::OpenOptions::new()
         .write(true)
@@ -61,10 +64,7 @@ fn a_first_write_fails_whole_when_the_copy_up_cannot_be_renamed_into_place() {
         .and_then(|f| f.write_all_at(b"new", 0));
     assert_eq!(errno_of(e), libc::EIO);
     assert_eq!(fs::read(m.path("d/f")).unwrap(), pattern(3 * 4096, 1));
-    assert!(
-        !m.upper.join("d/f").exists(),
-        "no half-made copy in the upper layer"
-    );
+    assert!(!in_upper(&m, "d/f"), "no half-made copy in the upper layer");
     work_is_clean(&m);
     // The fault was one call: the same write now works, and stays after a remount.
     write_at(m.path("d/f"), 0, b"new");
@@ -77,9 +77,6 @@ fn a_first_write_fails_whole_when_the_copy_up_cannot_be_renamed_into_place() {
 
 #[test]
 fn a_first_write_to_a_partial_file_fails_whole_when_it_cannot_be_renamed_into_place() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     let mut m = faulty_with("rename:1", &["copy_whole=0"]);
     let e = fs::OpenOptions::new()
         .write(true)
@@ -87,7 +84,7 @@ fn a_first_write_to_a_partial_file_fails_whole_when_it_cannot_be_renamed_into_pl
         .and_then(|f| f.write_all_at(b"new", 4096));
     assert_eq!(errno_of(e), libc::EIO);
     assert_eq!(fs::read(m.path("d/f")).unwrap(), pattern(3 * 4096, 1));
-    assert!(!m.upper.join("d/f").exists());
+    assert!(!in_upper(&m, "d/f"));
     work_is_clean(&m);
     write_at(m.path("d/f"), 4096, b"new");
     m.env.clear();
@@ -99,9 +96,6 @@ fn a_first_write_to_a_partial_file_fails_whole_when_it_cannot_be_renamed_into_pl
 
 #[test]
 fn a_chown_fails_whole_when_the_partial_file_mark_cannot_be_set() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     let mut m = faulty("setxattr:1");
     let before = fs::metadata(m.path("d/f")).unwrap();
     let e = std::os::unix::fs::chown(m.path("d/f"), Some(4242), None);
@@ -109,7 +103,7 @@ fn a_chown_fails_whole_when_the_partial_file_mark_cannot_be_set() {
     let after = fs::metadata(m.path("d/f")).unwrap();
     assert_eq!((after.uid(), after.len()), (before.uid(), before.len()));
     assert_eq!(fs::read(m.path("d/f")).unwrap(), pattern(3 * 4096, 1));
-    assert!(!m.upper.join("d/f").exists());
+    assert!(!in_upper(&m, "d/f"));
     work_is_clean(&m);
     std::os::unix::fs::chown(m.path("d/f"), Some(4242), None).unwrap();
     // The operator hears of it: what failed, and where to look.
@@ -127,9 +121,6 @@ fn a_chown_fails_whole_when_the_partial_file_mark_cannot_be_set() {
 
 #[test]
 fn an_unlink_fails_and_keeps_the_file_when_no_whiteout_can_be_made() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     let mut m = faulty("mknod:1");
     assert_eq!(errno_of(fs::remove_file(m.path("d/f"))), libc::EIO);
     assert_eq!(fs::read(m.path("d/f")).unwrap(), pattern(3 * 4096, 1));
@@ -143,9 +134,6 @@ fn an_unlink_fails_and_keeps_the_file_when_no_whiteout_can_be_made() {
 
 #[test]
 fn a_directory_rename_fails_whole_when_its_copy_up_cannot_be_marked() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     let mut m = faulty("setxattr:1");
     assert_eq!(errno_of(fs::rename(m.path("d"), m.path("e"))), libc::EIO);
     assert_eq!(names(m.path("d")), ["f", "g"]);
@@ -161,9 +149,6 @@ fn a_directory_rename_fails_whole_when_its_copy_up_cannot_be_marked() {
 
 #[test]
 fn a_create_that_fails_leaves_no_name() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     let mut m = faulty("create:1");
     assert_eq!(errno_of(fs::write(m.path("d/new"), "x")), libc::EIO);
     assert!(!m.path("d/new").exists());
@@ -241,18 +226,12 @@ fn view(dir: &std::path::Path) -> Vec<String> {
 /// layers, and the remount leaves nothing in the work dir.
 #[test]
 fn every_injected_fault_leaves_layers_that_remount_as_they_were_shown() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     sweep(&["copy_whole=0"]);
 }
 
 /// The sweep with small files copied whole at their first writable open.
 #[test]
 fn every_injected_fault_with_whole_copies() {
-    if !runs_on_disk_upper_only() {
-        return;
-    }
     sweep(&[]);
 }
 
@@ -260,6 +239,7 @@ fn every_injected_fault_with_whole_copies() {
 /// way): chown and chmod become xattr changes.
 #[test]
 fn every_injected_fault_with_owners_in_xattrs() {
+    // upper=memory keeps owners on its nodes: it takes no xattr_permissions.
     if !runs_on_disk_upper_only() {
         return;
     }
@@ -331,24 +311,10 @@ fn sweep(extra: &[&str]) {
             let shown = forget_data(view(&m.mnt));
             m.env.clear();
             m.unmount();
-            let fsck = std::process::Command::new(BIN)
-                .args(["fsck", &format!("--lowerdir={}", m.lower(0).display())])
-                .arg(format!("--upperdir={}", m.upper.display()))
-                .arg(format!("--workdir={}", m.work.display()))
-                .output()
-                .unwrap();
-            let report = String::from_utf8_lossy(&fsck.stdout).into_owned()
-                + &String::from_utf8_lossy(&fsck.stderr);
-            // A clean-up that failed may leave a temporary in the work dir (never visible in
-            // the merged view; the next mount removes it): the only problem allowed. Notes
-            // (a layer guard with no partial file left after a failed copy-up) are not problems.
-            let real = report
-                .lines()
-                .filter(|l| !l.starts_with("mosaicfs fsck:") && !l.trim().is_empty())
-                .filter(|l| !l.starts_with("note: "))
-                .filter(|l| !(l.starts_with("work ") && l.contains("the next mount removes it")))
-                .count();
-            assert_eq!(real, 0, "{fault}: fsck found problems: {report}");
+            // fsck is for disk layers; a memory layer is checked whole by the remount below.
+            if disk_upper() {
+                fsck_finds_nothing(&m, &fault);
+            }
             m.mount();
             assert_eq!(
                 forget_data(view(&m.mnt)),
@@ -360,6 +326,29 @@ fn sweep(extra: &[&str]) {
             m.unmount();
         }
     }
+}
+
+/// `mosaicfs fsck` of the unmounted layers after `fault`: nothing but what the next mount
+/// cleans up.
+fn fsck_finds_nothing(m: &Mount, fault: &str) {
+    let fsck = std::process::Command::new(BIN)
+        .args(["fsck", &format!("--lowerdir={}", m.lower(0).display())])
+        .arg(format!("--upperdir={}", m.upper.display()))
+        .arg(format!("--workdir={}", m.work.display()))
+        .output()
+        .unwrap();
+    let report =
+        String::from_utf8_lossy(&fsck.stdout).into_owned() + &String::from_utf8_lossy(&fsck.stderr);
+    // A clean-up that failed may leave a temporary in the work dir (never visible in
+    // the merged view; the next mount removes it): the only problem allowed. Notes
+    // (a layer guard with no partial file left after a failed copy-up) are not problems.
+    let real = report
+        .lines()
+        .filter(|l| !l.starts_with("mosaicfs fsck:") && !l.trim().is_empty())
+        .filter(|l| !l.starts_with("note: "))
+        .filter(|l| !(l.starts_with("work ") && l.contains("the next mount removes it")))
+        .count();
+    assert_eq!(real, 0, "{fault}: fsck found problems: {report}");
 }
 
 /// ENOSPC while the daemon fills a range for a writer passing through (pre-content events):

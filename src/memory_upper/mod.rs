@@ -129,6 +129,10 @@ pub struct Usage {
 pub struct RenameFlags {
     pub noreplace: bool,
     pub exchange: bool,
+    /// RENAME_WHITEOUT: a whiteout (a char device 0/0 of this owner, uid and gid) takes the
+    /// source's name in the same step, as on a disk file system: a rename that moves a name a
+    /// lower layer also has never shows that lower object again, whatever fails.
+    pub whiteout: Option<(u32, u32)>,
 }
 
 /// Where images are written: the upper directory, next to the filestore.

@@ -267,7 +267,7 @@ impl MemoryUpper {
         dname: &OsStr,
         flags: RenameFlags,
     ) -> Result<()> {
-        if flags.noreplace && flags.exchange {
+        if (flags.noreplace || flags.whiteout.is_some()) && flags.exchange {
             return Err(errno(libc::EINVAL));
         }
         check_name(dname)?;
@@ -376,11 +376,30 @@ impl MemoryUpper {
                 (false, false) => {}
             }
         }
+        // Made before anything moves: a whiteout that cannot be made fails the whole rename.
+        let whiteout = match flags.whiteout {
+            Some((uid, gid)) => {
+                let new = NewNode {
+                    mode: libc::S_IFCHR,
+                    umask: 0,
+                    uid,
+                    gid,
+                    rdev: 0,
+                    target: None,
+                };
+                Some(self.new_node(&s, &new, t)?)
+            }
+            None => None,
+        };
         sg.entries.remove(sname);
         match &mut dg {
             Some(g) => g.entries.insert(dname.to_owned(), src),
             None => sg.entries.insert(dname.to_owned(), src),
         };
+        if let Some(w) = whiteout {
+            sg.entries.insert(sname.to_owned(), w.ino);
+            self.insert(w);
+        }
         if let Some(dn) = &dst_node {
             self.drop_link(dn, t);
             if dn.is_dir() {

@@ -218,6 +218,42 @@ fn rename_follows_renameat2() {
     assert_eq!(up.stat(f).unwrap().nlink, 2);
 }
 
+/// RENAME_WHITEOUT: the whiteout takes the source's name in the same step (a rename of a
+/// directory a lower layer also has once left its lower twin showing when the whiteout, made
+/// after the move, failed).
+#[test]
+fn a_rename_with_whiteout_leaves_a_whiteout_in_one_step() {
+    let up = volatile(None);
+    let d = up.make(ROOT, n("d"), &dir_node()).unwrap();
+    let e = up.make(ROOT, n("e"), &dir_node()).unwrap();
+    let f = up.make(d, n("f"), &reg(0o644)).unwrap();
+    let whiteout = RenameFlags {
+        whiteout: Some((7, 8)),
+        ..RenameFlags::default()
+    };
+    up.rename(d, n("f"), e, n("g"), whiteout).unwrap();
+    assert_eq!(up.lookup(e, n("g")).unwrap(), Some(f));
+    let w = up.stat(up.lookup(d, n("f")).unwrap().unwrap()).unwrap();
+    assert_eq!((w.mode & libc::S_IFMT, w.rdev), (libc::S_IFCHR, 0));
+    assert_eq!((w.uid, w.gid, w.nlink), (7, 8, 1));
+    // A directory too, in one directory; an exchange takes no whiteout.
+    up.rename(ROOT, n("e"), ROOT, n("e2"), whiteout).unwrap();
+    assert_eq!(
+        up.stat(ROOT).unwrap().nlink,
+        4,
+        "root: ., .., d/.. and e2/.."
+    );
+    let exchange = RenameFlags {
+        exchange: true,
+        ..whiteout
+    };
+    assert_eq!(
+        errno_of(up.rename(ROOT, n("d"), ROOT, n("e2"), exchange)),
+        libc::EINVAL
+    );
+    assert_eq!(up.lookup(ROOT, n("e2")).unwrap(), Some(e));
+}
+
 #[test]
 fn a_setgid_directory_passes_its_group_and_the_bit_on() {
     let up = volatile(None);
