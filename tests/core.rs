@@ -1,0 +1,326 @@
+//! The overlay core driven directly, with no FUSE mount: layers opened as a mount opens them
+//! (`LayerStack::open`, `Overlay::new`), requests made as fuse.rs makes them, over the disk
+//! store and the memory store in a temp dir. Each test runs in milliseconds; the mount tests
+//! (overlay.rs and the rest) stay the end-to-end layer. Root is needed only for the trusted.*
+//! xattrs of the disk store, as for a mount.
+
+use std::ffi::OsStr;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use mosaicfs::attr::SetAttr;
+use mosaicfs::inode::Node;
+use mosaicfs::layers::{LayerStack, MemorySpec, WorkLock};
+use mosaicfs::options::{Command, parse_args};
+use mosaicfs::overlay::{Caller, Config, Overlay};
+use mosaicfs::upper::ReadData;
+
+const ROOT: u64 = 1;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Store {
+    Disk,
+    Memory,
+}
+
+const STORES: [Store; 2] = [Store::Disk, Store::Memory];
+
+/// An overlay core over one lower layer, its upper and work dirs in a temp dir.
+struct Core {
+    ov: Option<Overlay>,
+    store: Store,
+    dir: tempfile::TempDir,
+}
+
+impl Core {
+    fn new(store: Store, fill: impl FnOnce(&Path)) -> Core {
+        let dir = tempfile::Builder::new()
+            .prefix("mosaicfs-core")
+            .tempdir_in("/tmp")
+            .unwrap();
+        for d in ["lower", "upper", "work"] {
+            std::fs::create_dir(dir.path().join(d)).unwrap();
+        }
+        fill(&dir.path().join("lower"));
+        let mut core = Core {
+            ov: None,
+            store,
+            dir,
+        };
+        core.open();
+        core
+    }
+
+    fn at(&self, d: &str) -> PathBuf {
+        self.dir.path().join(d)
+    }
+
+    /// Opens the layers as a mount does (the options a mount would be given).
+    fn open(&mut self) {
+        let mut opts = format!(
+            "lowerdir={},upperdir={},workdir={},copy_whole=0",
+            self.at("lower").display(),
+            self.at("upper").display(),
+            self.at("work").display()
+        );
+        if self.store == Store::Memory {
+            opts.push_str(",upper=memory");
+        }
+        let args = ["mosaicfs", "-o", &opts, "/nonexistent-mountpoint"];
+        let Command::Mount(o) = parse_args(args.iter().map(|a| a.into())).unwrap() else {
+            panic!("not a mount");
+        };
+        let memory = o.upper_kind == mosaicfs::options::UpperKind::Memory;
+        let spec = memory.then(|| MemorySpec {
+            filestore: o.filestore.clone().unwrap_or_default(),
+            size_limit: o.size_limit,
+        });
+        let layers = LayerStack::open(
+            &o.lowerdirs,
+            o.upperdir.as_deref(),
+            o.workdir.as_deref(),
+            false,
+            o.xattr_permissions,
+            WorkLock::Wait(std::time::Duration::from_secs(15)),
+            spec.as_ref(),
+        )
+        .unwrap();
+        self.ov = Some(Overlay::new(layers, Config::from_options(&o)).unwrap());
+    }
+
+    /// What an unmount does, then the layers opened again.
+    fn reopen(&mut self) {
+        self.close();
+        self.open();
+    }
+
+    fn close(&mut self) {
+        if let Some(ov) = self.ov.take() {
+            ov.shutdown();
+        }
+    }
+
+    fn ov(&self) -> &Overlay {
+        self.ov.as_ref().unwrap()
+    }
+
+    /// The node at `path` (from the root), as the kernel's lookups reach it.
+    fn lookup(&self, path: &str) -> mosaicfs::error::Result<Arc<Node>> {
+        let mut node = self.ov().node(ROOT)?;
+        for name in path.split('/').filter(|c| !c.is_empty()) {
+            node = self.ov().lookup(node.ino, OsStr::new(name))?.0;
+        }
+        Ok(node)
+    }
+
+    fn ino(&self, path: &str) -> u64 {
+        self.lookup(path)
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .ino
+    }
+
+    fn errno(&self, path: &str) -> i32 {
+        self.lookup(path).err().map_or(0, |e| e.errno())
+    }
+
+    /// The names a listing of `path` shows, sorted, without `.` and `..`.
+    fn names(&self, path: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        self.ov()
+            .readdir(self.ino(path), 0, 0, |e, _| {
+                let n = e.name.to_string_lossy().into_owned();
+                if n != "." && n != ".." {
+                    out.push(n);
+                }
+                false
+            })
+            .unwrap();
+        out.sort();
+        out
+    }
+
+    fn read(&self, path: &str) -> Vec<u8> {
+        let opened = self.ov().open(self.ino(path), libc::O_RDONLY, None).unwrap();
+        let mut out = Vec::new();
+        loop {
+            let got = self
+                .ov()
+                .read(opened.fh, out.len() as u64, 1 << 17, |r| match r.unwrap() {
+                    ReadData::Bytes(b) => b.to_vec(),
+                    ReadData::Mapped(parts) => parts.iter().flat_map(|p| p.to_vec()).collect(),
+                });
+            if got.is_empty() {
+                break;
+            }
+            out.extend_from_slice(&got);
+        }
+        self.ov().release(opened.fh);
+        out
+    }
+
+    /// Writes `data` at `off` through a read-write handle, as a daemon-path writer does.
+    fn write_at(&self, path: &str, off: u64, data: &[u8]) {
+        let opened = self.ov().open(self.ino(path), libc::O_RDWR, None).unwrap();
+        let n = self.ov().write(opened.fh, off, data, false, None).unwrap();
+        assert_eq!(n as usize, data.len());
+        self.ov().flush(opened.fh).unwrap();
+        self.ov().release(opened.fh);
+    }
+
+    fn create(&self, dir: &str, name: &str, data: &[u8]) -> u64 {
+        let (node, _, opened) = self
+            .ov()
+            .create(
+                self.ino(dir),
+                OsStr::new(name),
+                0o644,
+                libc::O_RDWR,
+                &Caller::root(),
+            )
+            .unwrap();
+        self.ov().write(opened.fh, 0, data, false, None).unwrap();
+        self.ov().release(opened.fh);
+        node.ino
+    }
+
+    /// Bytes the disk upper's file `rel` takes on disk; `None` for the memory store.
+    fn allocated(&self, rel: &str) -> Option<u64> {
+        (self.store == Store::Disk).then(|| {
+            std::fs::metadata(self.at("upper").join(rel))
+                .unwrap()
+                .blocks()
+                * 512
+        })
+    }
+}
+
+impl Core {
+    /// The partial-file mark on the disk upper's file `rel`.
+    fn partial_mark(&self, rel: &str) -> Option<Vec<u8>> {
+        let path = self.at("upper").join(rel);
+        let mut buf = vec![0u8; 4096];
+        rustix::fs::getxattr(&path, "trusted.mosaicfs.partial", &mut buf)
+            .ok()
+            .map(|n| buf[..n].to_vec())
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+fn lower_tree(l: &Path) {
+    std::fs::create_dir_all(l.join("d/sub")).unwrap();
+    std::fs::write(l.join("d/x"), b"x").unwrap();
+    std::fs::write(l.join("d/y"), b"y").unwrap();
+    std::fs::write(l.join("d/sub/z"), b"z").unwrap();
+    std::fs::write(l.join("big"), pattern(1 << 20, 3)).unwrap();
+    std::os::unix::fs::symlink("d/x", l.join("link")).unwrap();
+}
+
+#[test]
+fn lookups_creates_and_listings_merge_the_layers() {
+    for store in STORES {
+        let mut c = Core::new(store, lower_tree);
+        assert_eq!(c.names(""), ["big", "d", "link"], "{store:?}");
+        assert_eq!(c.errno("nothing"), libc::ENOENT);
+        assert_eq!(c.read("d/x"), b"x");
+        c.create("d", "new", b"new data");
+        let (sub, _) = c
+            .ov()
+            .mkdir(c.ino("d"), OsStr::new("made"), 0o755, &Caller::root())
+            .unwrap();
+        assert!(sub.is_dir());
+        assert_eq!(c.names("d"), ["made", "new", "sub", "x", "y"], "{store:?}");
+        let ino = c.ino("d/new");
+        c.reopen();
+        assert_eq!(c.read("d/new"), b"new data", "{store:?}");
+        assert_eq!(c.ino("d/new"), ino, "{store:?}: the inode number stays");
+        assert_eq!(c.names("d"), ["made", "new", "sub", "x", "y"], "{store:?}");
+    }
+}
+
+#[test]
+fn a_write_to_a_lower_file_copies_up_one_block_and_completion_the_rest() {
+    for store in STORES {
+        let mut c = Core::new(store, lower_tree);
+        let mut want = pattern(1 << 20, 3);
+        c.write_at("big", 8192 + 5, b"hello");
+        want[8197..8202].copy_from_slice(b"hello");
+        assert_eq!(c.read("big"), want, "{store:?}");
+        if let Some(used) = c.allocated("big") {
+            assert!(used <= 64 << 10, "{used} bytes for one changed block");
+            assert!(c.partial_mark("big").is_some(), "a partial file");
+        }
+        c.reopen();
+        assert_eq!(c.read("big"), want, "{store:?}: after a reopen");
+        // Completion fills every other block from the lower file and drops the mark.
+        let ino = c.ino("big");
+        let opened = c.ov().open(ino, libc::O_RDWR, None).unwrap();
+        let file = c.ov().completer.find(ino).expect("a partial file is queued");
+        c.ov().complete_file(&file).unwrap();
+        drop(file);
+        c.ov().release(opened.fh);
+        if let Some(used) = c.allocated("big") {
+            assert!(used >= 1 << 20, "{store:?}: completed: {used} bytes");
+            assert!(c.partial_mark("big").is_none(), "complete: no mark");
+        }
+        assert_eq!(c.read("big"), want, "{store:?}: completed");
+        c.reopen();
+        assert_eq!(c.read("big"), want, "{store:?}: completed, after a reopen");
+    }
+}
+
+#[test]
+fn a_chown_copies_metadata_only() {
+    for store in STORES {
+        let mut c = Core::new(store, lower_tree);
+        let set = SetAttr {
+            uid: Some(4242),
+            ..Default::default()
+        };
+        let attr = c.ov().setattr(c.ino("big"), set, &Caller::root()).unwrap();
+        assert_eq!((attr.uid, attr.size), (4242, 1 << 20));
+        if let Some(used) = c.allocated("big") {
+            assert!(used < 64 << 10, "{store:?}: a chown copied {used} bytes");
+        }
+        c.reopen();
+        assert_eq!(c.ov().getattr(c.ino("big")).unwrap().uid, 4242);
+        assert_eq!(c.read("big"), pattern(1 << 20, 3), "{store:?}");
+    }
+}
+
+#[test]
+fn a_renamed_lower_directory_and_removed_names_stay_so() {
+    for store in STORES {
+        let mut c = Core::new(store, lower_tree);
+        let ino = c.ino("d/sub/z");
+        c.ov()
+            .rename(ROOT, OsStr::new("d"), ROOT, OsStr::new("e"), 0, &Caller::root())
+            .unwrap();
+        assert_eq!(c.errno("d"), libc::ENOENT, "{store:?}");
+        assert_eq!(c.names("e"), ["sub", "x", "y"], "{store:?}");
+        assert_eq!(c.ino("e/sub/z"), ino, "{store:?}: the moved tree keeps its numbers");
+        c.ov().unlink(c.ino("e"), OsStr::new("x")).unwrap();
+        c.ov().unlink(ROOT, OsStr::new("link")).unwrap();
+        assert_eq!(c.names("e"), ["sub", "y"], "{store:?}");
+        c.reopen();
+        assert_eq!(c.names(""), ["big", "e"], "{store:?}: after a reopen");
+        assert_eq!(c.names("e"), ["sub", "y"], "{store:?}");
+        assert_eq!(c.read("e/sub/z"), b"z", "{store:?}");
+        // The name of the moved directory is free again, with nothing of the lower one.
+        c.ov()
+            .mkdir(ROOT, OsStr::new("d"), 0o755, &Caller::root())
+            .unwrap();
+        assert!(c.names("d").is_empty(), "{store:?}: {:?}", c.names("d"));
+    }
+}
