@@ -51,8 +51,10 @@ demo: build
 deps:
 	tests/deps.sh
 
+# The cargo passes build the `checked` profile (Cargo.toml): release code with mosaicfs' debug
+# assertions on its invariants; the scripts run the installed release binary.
 test: deps install
-	$(CARGO) test --release -- --test-threads=2
+	$(CARGO) test --profile checked -- --test-threads=2
 	tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
 	# The same random operations on kernel overlayfs and on mosaicfs, results and trees compared.
@@ -69,11 +71,11 @@ test: deps install
 	tests/xfstests/run.sh --quick
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
-	MOSAICFS_TEST_UPPER=memory $(CARGO) test --release -- --test-threads=2
+	MOSAICFS_TEST_UPPER=memory $(CARGO) test --profile checked -- --test-threads=2
 	MOSAICFS_OPTS=upper=memory tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=upper=memory tests/podman/run.sh target/release/mosaicfs
 	# Once more over FUSE's io_uring transport (issue #15; docs/URING.md).
-	tests/with-uring.sh $(CARGO) test --release -- --test-threads=2
+	tests/with-uring.sh $(CARGO) test --profile checked -- --test-threads=2
 	tests/with-uring.sh env MOSAICFS_OPTS=uring=on tests/pjdfstest/run.sh target/release/mosaicfs
 	tests/with-uring.sh tests/podman/run.sh target/release/mosaicfs
 

@@ -19,6 +19,8 @@ pub mod fault;
 pub mod file;
 pub mod fileattr;
 pub mod fuse;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handles;
 pub mod help;
 pub mod inode;

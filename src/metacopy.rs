@@ -45,7 +45,7 @@ fn eio(msg: String) -> Error {
 }
 
 /// The digest in an `overlay.metacopy` value: `None` for an empty value or algorithm 0.
-fn parse_metacopy(value: &[u8], path: &Path) -> Result<Option<(u8, Vec<u8>)>> {
+pub(crate) fn parse_metacopy(value: &[u8], path: &Path) -> Result<Option<(u8, Vec<u8>)>> {
     if value.is_empty() {
         return Ok(None);
     }

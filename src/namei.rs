@@ -379,16 +379,9 @@ impl Overlay {
         let Some(raw) = dir.get_xattr(Some(name), &self.layers.xattr.origin)? else {
             return Ok(None);
         };
-        match std::str::from_utf8(&raw)
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-        {
-            // Numbers from 2^63 up are second identities' (inode.rs); clearing the top bit
-            // also reads marks written before that rule as the number InoMap gives now.
-            Some(ino) if ino & (crate::inode::ALIAS_BASE - 1) > 1 => {
-                Ok(Some(ino & (crate::inode::ALIAS_BASE - 1)))
-            }
-            _ => {
+        match origin_number(&raw) {
+            Some(ino) => Ok(Some(ino)),
+            None => {
                 log::warn!(
                     "ignoring damaged {} xattr on {:?}: the inode number will change",
                     self.layers.xattr.origin,
@@ -408,6 +401,15 @@ impl Overlay {
             None => Ok(false),
         }
     }
+}
+
+/// The inode number an origin xattr's value names; `None` for a damaged value.
+pub(crate) fn origin_number(raw: &[u8]) -> Option<Ino> {
+    let ino = std::str::from_utf8(raw).ok()?.parse::<u64>().ok()?;
+    // Numbers from 2^63 up are second identities' (inode.rs); clearing the top bit also reads
+    // marks written before that rule as the number InoMap gives now.
+    let ino = ino & (crate::inode::ALIAS_BASE - 1);
+    (ino > 1).then_some(ino)
 }
 
 /// Where a renamed directory's lower part is, as its redirect xattr says.

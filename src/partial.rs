@@ -313,6 +313,32 @@ impl BlockMap {
             end = end.max(e);
         }
         self.ranges.insert(start, end);
+        self.check_around(start);
+    }
+
+    /// The ranges next to the one at `start` neither overlap nor touch it (the test build
+    /// checks it after each change; locally, so that a map of many ranges stays cheap).
+    fn check_around(&self, start: u64) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let mut near = self
+            .ranges
+            .range(..start)
+            .rev()
+            .take(1)
+            .chain(self.ranges.range(start..).take(2));
+        let mut prev: Option<(u64, u64)> = None;
+        for (&s, &e) in near.by_ref() {
+            assert!(s < e, "block map: empty range {s}..{e}");
+            if let Some((ps, pe)) = prev {
+                assert!(
+                    pe < s,
+                    "block map: {ps}..{pe} and {s}..{e} overlap or touch"
+                );
+            }
+            prev = Some((s, e));
+        }
     }
 
     /// Removes every block at or after `from`.
@@ -326,6 +352,7 @@ impl BlockMap {
         {
             *e = from;
         }
+        self.check_around(from);
     }
 
     /// Present ranges overlapping blocks `start..end`, clipped to it.

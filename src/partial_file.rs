@@ -311,6 +311,25 @@ impl PartialFile {
         Ok(filled)
     }
 
+    /// The partial-file invariant (partial.rs), checked in the test build before `len` bytes
+    /// are written at `at` of a file `size` bytes long: a block below `valid` that the write
+    /// covers only in part already holds its data.
+    fn check_whole_blocks(&self, at: u64, len: u64, size: u64) {
+        if !cfg!(debug_assertions) || len == 0 {
+            return;
+        }
+        let (bs, end) = (self.block, at + len);
+        for blk in [at / bs, (end - 1) / bs] {
+            let (start, stop) = (blk * bs, ((blk + 1) * bs).min(size));
+            let in_part = at > start || end < stop;
+            assert!(
+                !(start < self.mark.valid && in_part && !self.blocks.contains(blk)),
+                "partial file: block {blk} below valid={} written in part ({at}..{end})",
+                self.mark.valid
+            );
+        }
+    }
+
     pub fn needs_fill(&self, blk: u64) -> bool {
         blk * self.block < self.mark.valid && !self.blocks.contains(blk)
     }
@@ -344,6 +363,7 @@ impl PartialFile {
                 Some(attr) => attr,
                 None => self.upper.stat()?,
             };
+            self.check_whole_blocks(start, data.len() as u64, self.size);
             self.upper.write_at(&data, start)?;
             let (a, m) = (before.atime, before.mtime);
             self.upper
@@ -475,6 +495,7 @@ impl PartialFile {
             self.upper.set_times(sys::Time::Omit, sys::Time::Now)?;
         }
         for (at, bytes) in &runs {
+            self.check_whole_blocks(*at, bytes.len() as u64, new_size);
             self.upper.write_at(bytes, *at)?;
             let run_end = at + bytes.len() as u64;
             self.blocks.insert(at / bs, run_end.div_ceil(bs));

@@ -141,7 +141,10 @@ impl Core {
     }
 
     fn read(&self, path: &str) -> Vec<u8> {
-        let opened = self.ov().open(self.ino(path), libc::O_RDONLY, None).unwrap();
+        let opened = self
+            .ov()
+            .open(self.ino(path), libc::O_RDONLY, None)
+            .unwrap();
         let mut out = Vec::new();
         loop {
             let got = self
@@ -266,7 +269,11 @@ fn a_write_to_a_lower_file_copies_up_one_block_and_completion_the_rest() {
         // Completion fills every other block from the lower file and drops the mark.
         let ino = c.ino("big");
         let opened = c.ov().open(ino, libc::O_RDWR, None).unwrap();
-        let file = c.ov().completer.find(ino).expect("a partial file is queued");
+        let file = c
+            .ov()
+            .completer
+            .find(ino)
+            .expect("a partial file is queued");
         c.ov().complete_file(&file).unwrap();
         drop(file);
         c.ov().release(opened.fh);
@@ -305,11 +312,22 @@ fn a_renamed_lower_directory_and_removed_names_stay_so() {
         let mut c = Core::new(store, lower_tree);
         let ino = c.ino("d/sub/z");
         c.ov()
-            .rename(ROOT, OsStr::new("d"), ROOT, OsStr::new("e"), 0, &Caller::root())
+            .rename(
+                ROOT,
+                OsStr::new("d"),
+                ROOT,
+                OsStr::new("e"),
+                0,
+                &Caller::root(),
+            )
             .unwrap();
         assert_eq!(c.errno("d"), libc::ENOENT, "{store:?}");
         assert_eq!(c.names("e"), ["sub", "x", "y"], "{store:?}");
-        assert_eq!(c.ino("e/sub/z"), ino, "{store:?}: the moved tree keeps its numbers");
+        assert_eq!(
+            c.ino("e/sub/z"),
+            ino,
+            "{store:?}: the moved tree keeps its numbers"
+        );
         c.ov().unlink(c.ino("e"), OsStr::new("x")).unwrap();
         c.ov().unlink(ROOT, OsStr::new("link")).unwrap();
         assert_eq!(c.names("e"), ["sub", "y"], "{store:?}");

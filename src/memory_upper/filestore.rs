@@ -56,6 +56,19 @@ struct Allocation {
     deferred: Vec<u64>,
 }
 
+impl Allocation {
+    /// Every block below `end` is free or live, never both (the test build checks it).
+    fn check(&self) {
+        if cfg!(debug_assertions) && self.end != u64::MAX {
+            assert_eq!(
+                self.live + self.free.len() as u64,
+                self.end,
+                "filestore: live and free blocks do not add up to the file"
+            );
+        }
+    }
+}
+
 impl Filestore {
     /// A filestore over `fd`, whose blocks `used` (sorted, no duplicates) hold live data; every
     /// other block below the highest used one is free, and is punched out now in case it holds
@@ -146,6 +159,7 @@ impl Filestore {
         if self.limit.is_some_and(|l| s.live + n > l) {
             return Err(errno(libc::ENOSPC));
         }
+        s.check();
         s.live += n;
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut left = n;
@@ -175,8 +189,18 @@ impl Filestore {
         }
         let punched = self.punch(blocks);
         let mut s = self.state.lock().unwrap();
+        if cfg!(debug_assertions) {
+            let mut seen = BTreeSet::new();
+            for b in blocks {
+                assert!(
+                    *b < s.end && !s.free.contains(b) && seen.insert(*b),
+                    "filestore: block {b} freed twice or never handed out"
+                );
+            }
+        }
         s.live -= blocks.len() as u64;
         s.free.extend(blocks.iter().copied());
+        s.check();
         punched
     }
 

@@ -497,6 +497,42 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+/// Checks an image as a mount would load it, against the filestore `store` it maps: the
+/// memory upper's tree invariant (`check_tree`), asserted at each image in the test build.
+#[cfg(debug_assertions)]
+pub(super) fn check_encoded(
+    bytes: &[u8],
+    store: std::os::fd::BorrowedFd<'_>,
+) -> std::result::Result<(), ImageError> {
+    let store_len = rustix::fs::fstat(store).map_err(ImageError::io)?.st_size as u64;
+    let image = decode_image(bytes, store_len / BLOCK)?;
+    check_tree(&image.nodes, image.next_ino, store_len).map(|_| ())
+}
+
+/// Makes the header of `image` name its body's length and checksum, and every whole entry of
+/// `journal` fit its checksum: a forged layer that the checksums no longer stop, so that a
+/// fuzzer reaches the decoder behind them (`crate::fuzzing`).
+pub fn fit_checksums(image: &mut [u8], journal: &mut [u8]) {
+    if image.len() >= HEADER {
+        let (head, body) = image.split_at_mut(HEADER);
+        head[40..48].copy_from_slice(&(body.len() as u64).to_le_bytes());
+        head[48..52].copy_from_slice(&crc(body).to_le_bytes());
+    }
+    let mut at = super::journal::HEADER;
+    while at + 12 <= journal.len() {
+        let len = u64::from_le_bytes(journal[at..at + 8].try_into().unwrap());
+        let Some(end) = (at + 12)
+            .checked_add(len as usize)
+            .filter(|e| *e <= journal.len())
+        else {
+            break;
+        };
+        let sum = crc(&journal[at + 12..end]);
+        journal[at + 8..at + 12].copy_from_slice(&sum.to_le_bytes());
+        at = end;
+    }
+}
+
 pub(super) fn crc(b: &[u8]) -> u32 {
     let mut c = flate2::Crc::new();
     c.update(b);

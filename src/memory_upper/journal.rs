@@ -92,6 +92,14 @@ pub(super) fn read(
     generation: u64,
     store_blocks: u64,
 ) -> std::result::Result<Option<(Vec<Delta>, u64)>, ImageError> {
+    match read_file(dir)? {
+        Some(buf) => decode(&buf, generation, store_blocks),
+        None => Ok(None),
+    }
+}
+
+/// The journal file's bytes, `None` when there is none.
+pub(super) fn read_file(dir: &OwnedFd) -> std::result::Result<Option<Vec<u8>>, ImageError> {
     let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
     let fd = match rustix::fs::openat(dir, JOURNAL_NAME, flags, Mode::empty()) {
         Ok(fd) => fd,
@@ -102,6 +110,15 @@ pub(super) fn read(
     let mut buf = vec![0u8; len];
     let got = sys::pread_full(fd.as_fd(), &mut buf, 0).map_err(ImageError::io)?;
     buf.truncate(got);
+    Ok(Some(buf))
+}
+
+/// `read`, of the journal's bytes `buf`.
+pub(super) fn decode(
+    buf: &[u8],
+    generation: u64,
+    store_blocks: u64,
+) -> std::result::Result<Option<(Vec<Delta>, u64)>, ImageError> {
     if buf.len() < HEADER || &buf[..8] != MAGIC {
         return Ok(None);
     }

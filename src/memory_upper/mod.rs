@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use filestore::{BLOCK, Filestore};
-pub use image::{IMAGE_NAME, ImageError, MAGIC as IMAGE_MAGIC};
+pub use image::{IMAGE_NAME, ImageError, MAGIC as IMAGE_MAGIC, fit_checksums};
 
 use crate::error::{Result, errno};
 use crate::sys::Attr;
@@ -258,18 +258,35 @@ impl MemoryUpper {
         dir: OwnedFd,
         filestore: OwnedFd,
     ) -> std::result::Result<MemoryUpper, ImageError> {
-        let store_len = rustix::fs::fstat(&filestore)
-            .map_err(ImageError::io)?
-            .st_size as u64;
         let Some(bytes) = image::read(&dir).map_err(ImageError::io)? else {
             let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, WORK + 1);
             up.insert_roots();
             return Ok(up);
         };
-        let tree = image::decode_image(&bytes, store_len / BLOCK)?;
+        let journal = journal::read_file(&dir)?;
+        MemoryUpper::from_bytes(&bytes, journal.as_deref(), filestore)
+    }
+
+    /// The layer an image (`image`) and its journal (`journal`, if there is one) describe,
+    /// for reading only, with its data in `filestore`: every check a mount makes of them, and
+    /// nothing read from or written to a directory. `open_read_only` and the fuzz targets
+    /// (`crate::fuzzing`) load layers through it.
+    pub fn from_bytes(
+        image: &[u8],
+        journal: Option<&[u8]>,
+        filestore: OwnedFd,
+    ) -> std::result::Result<MemoryUpper, ImageError> {
+        let store_len = rustix::fs::fstat(&filestore)
+            .map_err(ImageError::io)?
+            .st_size as u64;
+        let tree = image::decode_image(image, store_len / BLOCK)?;
         let generation = tree.generation;
-        let deltas =
-            journal::read(&dir, generation, store_len / BLOCK)?.map_or_else(Vec::new, |(d, _)| d);
+        let deltas = match journal {
+            Some(j) => {
+                journal::decode(j, generation, store_len / BLOCK)?.map_or_else(Vec::new, |(d, _)| d)
+            }
+            None => Vec::new(),
+        };
         let (nodes, next_ino) = replay(tree, deltas);
         image::check_tree(&nodes, next_ino, store_len)?;
         let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, next_ino);
@@ -423,6 +440,10 @@ impl MemoryUpper {
                 }
             }
             let bytes = image::encode(self, generation);
+            #[cfg(debug_assertions)]
+            if let Err(e) = image::check_encoded(&bytes, self.store.fd()) {
+                panic!("memory upper: the image about to be written is not a tree: {e}");
+            }
             // Blocks freed before this image are not in it: they go when it is durable.
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
             (bytes, self.store.take_deferred(), removed, commit)
