@@ -51,10 +51,14 @@ demo: build
 deps:
 	tests/deps.sh
 
-# The cargo passes build the `checked` profile (Cargo.toml): release code with mosaicfs' debug
-# assertions on its invariants; the scripts run the installed release binary.
+# The cargo passes of mosaicfs build the `checked` profile (Cargo.toml): release code with its
+# debug assertions on its invariants; the snapshotter's tests (no mosaicfs code, no mounts of
+# its own) run once, as built by install; the scripts run the installed release binary.
 test: deps install
-	$(CARGO) test --profile checked -- --test-threads=2
+	# The request files call only the ones their top comments allow (docs/ARCHITECTURE.md).
+	dev/callgraph.py --check
+	$(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
+	$(CARGO) test --release -p mosaicfs-snapshotter
 	tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
 	# The same random operations on kernel overlayfs and on mosaicfs, results and trees compared.
@@ -71,11 +75,11 @@ test: deps install
 	tests/xfstests/run.sh --quick
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
-	MOSAICFS_TEST_UPPER=memory $(CARGO) test --profile checked -- --test-threads=2
+	MOSAICFS_TEST_UPPER=memory $(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
 	MOSAICFS_OPTS=upper=memory tests/pjdfstest/run.sh target/release/mosaicfs
 	MOSAICFS_OPTS=upper=memory tests/podman/run.sh target/release/mosaicfs
 	# Once more over FUSE's io_uring transport (issue #15; docs/URING.md).
-	tests/with-uring.sh $(CARGO) test --profile checked -- --test-threads=2
+	tests/with-uring.sh $(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
 	tests/with-uring.sh env MOSAICFS_OPTS=uring=on tests/pjdfstest/run.sh target/release/mosaicfs
 	tests/with-uring.sh tests/podman/run.sh target/release/mosaicfs
 

@@ -4,6 +4,8 @@
 //! becomes a partial file without a single data block (chown -R of a tree of large files writes
 //! no data). mosaicfs' and the overlays' own xattrs are hidden from the merged view; those of an
 //! overlay nested on top are kept escaped (`layers::stored_xattr_name`).
+//!
+//! May call (dev/callgraph.py --check keeps it so): copy_up, fileattr, io, overlay, upper_meta.
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
@@ -12,11 +14,10 @@ use std::sync::Arc;
 use crate::error::{Result, errno};
 use crate::fileattr::Change;
 use crate::inode::{Ino, Node};
-use crate::layers::{LayerId, UPPER, merged_xattr_name, stored_xattr_name};
+use crate::layers::{UPPER, merged_xattr_name, stored_xattr_name};
 use crate::overlay::Overlay;
 use crate::stat_override::OverrideStat;
 use crate::sys::{Attr, Time};
-use crate::upper::{LayerDir, UpperDir};
 
 /// What a setattr asks to change.
 #[derive(Default)]
@@ -32,11 +33,6 @@ pub struct SetAttr {
 impl Overlay {
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
         self.getattr_of(&*self.node(ino)?)
-    }
-
-    pub fn getattr_of(&self, node: &Node) -> Result<Attr> {
-        let attr = self.settled(|| self.stat_layer(node))?;
-        Ok(self.present(node, attr))
     }
 
     /// The birth time of `node`'s object where it lives now (statx; as kernel overlayfs shows
@@ -262,130 +258,5 @@ impl Overlay {
             let (dir, file) = self.upper_target(&node)?;
             dir.remove_xattr(file.as_deref(), name)
         })
-    }
-
-    /// Whether owners and modes of upper objects are kept in an xattr (`xattr_permissions=`).
-    pub fn upper_overrides(&self) -> bool {
-        self.layers.has_upper && self.layers.layer(UPPER).stat_override.is_some()
-    }
-
-    /// The owner and mode kept in an xattr for the object `name` in `dir` (`dir` itself for
-    /// `None`) of `layer`, when the layer keeps them so and the object has a value.
-    pub fn override_at(
-        &self,
-        layer: LayerId,
-        dir: LayerDir<'_>,
-        name: Option<&OsStr>,
-    ) -> Option<OverrideStat> {
-        let key = self.layers.layer(layer).stat_override?;
-        // ENODATA: no value (yet); symlinks and devices cannot hold user.* xattrs at all.
-        let raw = dir.get_xattr_raw(name, OsStr::new(key)).ok()?;
-        match OverrideStat::parse(&raw) {
-            Ok(v) => Some(v),
-            Err(e) => {
-                log::warn!(
-                    "{key} of {:?} in {} is damaged ({e}): showing the inode's own owner and \
-                     mode; chown and chmod it through the mount to set a good value",
-                    name.unwrap_or(OsStr::new(".")),
-                    self.layers.layer(layer).path.display()
-                );
-                None
-            }
-        }
-    }
-
-    /// `override_at` for the object behind `node`.
-    pub fn node_override(&self, node: &Node) -> Option<OverrideStat> {
-        if !self.layers.any_override {
-            return None;
-        }
-        let layer = {
-            let st = node.state();
-            if st.upper {
-                UPPER
-            } else {
-                st.lower.as_ref()?.top()
-            }
-        };
-        self.layers.layer(layer).stat_override?;
-        self.at_top_entry(node, |dir, name| Ok(self.override_at(layer, dir, name)))
-            .ok()
-            .flatten()
-    }
-
-    /// Keeps owner and mode `v` of the upper object `name` in `dir` (of type `kind`) in the
-    /// upper layer's xattr.
-    pub fn set_override(
-        &self,
-        dir: &UpperDir,
-        name: Option<&OsStr>,
-        v: &OverrideStat,
-        kind: u32,
-    ) -> Result<()> {
-        let key = self
-            .layers
-            .layer(UPPER)
-            .stat_override
-            .ok_or_else(|| errno(libc::EIO))?;
-        match dir.set_xattr(name, OsStr::new(key), v.encode(kind).as_bytes(), 0) {
-            // user.* xattrs cannot sit on symlinks and special files: those keep owner and mode
-            // on the inode (a daemon that may not chown gets EPERM, as it would without this).
-            Err(e) if e.is(libc::EPERM) && !matches!(kind, libc::S_IFREG | libc::S_IFDIR) => {
-                let real = dir.view().stat(name)?;
-                if (real.uid, real.gid) != (v.uid, v.gid) {
-                    dir.chown(name, Some(v.uid), Some(v.gid))?;
-                }
-                if kind != libc::S_IFLNK {
-                    dir.chmod(name, kind | v.mode)?;
-                }
-                Ok(())
-            }
-            r => r,
-        }
-    }
-
-    /// Gives the new upper object `name` in `dir` (`dir` itself for `None`) its owner and mode
-    /// in the upper layer's xattr: the caller, with the group of a setgid parent (`parent`, the
-    /// parent's upper directory), and the mode it was made with. The inode stays the daemon's,
-    /// which must keep reaching it whatever mode the creator asked for.
-    pub fn own_new_in_xattr(
-        &self,
-        dir: &UpperDir,
-        name: Option<&OsStr>,
-        caller: &crate::overlay::Caller,
-        parent: &UpperDir,
-    ) -> Result<()> {
-        let real = dir.view().stat(name)?;
-        let shown_parent = match self.override_at(UPPER, parent.view(), None) {
-            Some(v) => v,
-            None => OverrideStat::of(&parent.view().stat(None)?),
-        };
-        let setgid = shown_parent.mode & libc::S_ISGID != 0;
-        let mut v = OverrideStat::of(&real);
-        v.uid = self.config.uid_map.to_outside(caller.uid);
-        v.gid = if setgid {
-            shown_parent.gid
-        } else {
-            self.config.gid_map.to_outside(caller.gid)
-        };
-        if real.is_dir() && setgid {
-            v.mode |= libc::S_ISGID;
-        }
-        self.set_override(dir, name, &v, real.file_type())?;
-        self.keep_reachable(dir, name, &real)
-    }
-
-    /// Makes sure the daemon, which owns an inode whose owner and mode live in an xattr, can
-    /// read and write it (and search a directory) whatever mode the merged view shows.
-    pub fn keep_reachable(&self, dir: &UpperDir, name: Option<&OsStr>, real: &Attr) -> Result<()> {
-        let need = match real.file_type() {
-            libc::S_IFDIR => 0o700,
-            libc::S_IFREG => 0o600,
-            _ => return Ok(()),
-        };
-        if real.mode & need != need {
-            dir.chmod(name, (real.mode | need) & 0o7777)?;
-        }
-        Ok(())
     }
 }

@@ -25,6 +25,8 @@
 //! are not kept across a remount (docs/KERNEL-NOTES.md "File handles").
 //!
 //! Touches: the node table (counted references), lookups (namei.rs), listings (readdir.rs).
+//!
+//! May call (dev/callgraph.py --check keeps it so): namei, overlay, readdir.
 
 use std::sync::Arc;
 

@@ -1,5 +1,7 @@
 //! The completion worker and the completion of one file (the `impl Overlay` half of
 //! complete.rs, which holds the policy and the queue).
+//!
+//! May call (dev/callgraph.py --check keeps it so): none of the other request files.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -10,6 +10,8 @@
 //! Every object is built in the work directory and renamed into place, so the upper layer never
 //! holds a half-made object: after a crash the object is either absent (the lower one shows) or
 //! complete with its mark.
+//!
+//! May call (dev/callgraph.py --check keeps it so): metacopy, overlay, sources, upper_meta.
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -20,7 +22,7 @@ use rustix::fs::RenameFlags;
 use rustix::io::Errno;
 
 use crate::error::{Error, Result, errno};
-use crate::inode::{Node, ROOT_INO};
+use crate::inode::{Ino, Node, ROOT_INO};
 use crate::layers::{LayerId, merged_xattr_name};
 use crate::overlay::Overlay;
 use crate::partial::PartialMark;
@@ -70,6 +72,12 @@ impl Overlay {
             self.copy_up_one(p, false)?;
         }
         self.copy_up_one(node, empty)
+    }
+
+    /// The upper directory of `parent`, copied up if needed.
+    pub(crate) fn upper_dir(&self, parent: &Node) -> Result<UpperDir> {
+        self.copy_up(parent)?;
+        self.upper_fd(parent)
     }
 
     /// The node of `node`'s parent (its first name's), if it has a name.
@@ -342,6 +350,56 @@ impl Overlay {
                     ));
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// `name` in `parent` is a lower hard link of `node`, another name of which was copied up:
+    /// links the upper file there too, so all names go on showing one file (as hard links do),
+    /// after a remount as well. Kernel overlayfs does the same with `index=on`.
+    pub fn join_copied_up_link(&self, node: &Node, parent: Ino, name: &OsStr) -> Result<()> {
+        let pnode = self.node(parent)?;
+        self.copy_up(&pnode)?;
+        let udir = self.upper_dir(&pnode)?;
+        let (sdir, sname) = self.upper_entry(node)?;
+        {
+            let _changing = pnode.entries.write();
+            sdir.link(&sname, &udir, name)?;
+        }
+        self.note_origin_moved_into(&pnode, true)
+    }
+
+    /// After `node`, a lower hard link, was copied up under its first name: links the upper
+    /// file under the other names this mount knows. They are one inode to the kernel, so a
+    /// change through one name already shows through all; this makes the upper layer agree.
+    pub fn join_other_links(&self, node: &Node) {
+        let others: Vec<(Ino, OsString)> = node.state().links.iter().skip(1).cloned().collect();
+        for (p, n) in others {
+            match self.join_copied_up_link(node, p, &n) {
+                Ok(()) => {}
+                Err(e) if e.is(libc::EEXIST) => {} // that name is in the upper layer already
+                Err(e) => {
+                    // ENOENT: the name (or its directory) was removed meanwhile.
+                    if !e.is(libc::ENOENT) {
+                        log::warn!("hard link {n:?} not kept on copy-up: {e}");
+                    }
+                    node.state().links.retain(|l| !(l.0 == p && l.1 == n));
+                }
+            }
+        }
+    }
+
+    /// A copied-up object now sits in `dir`: if `dir` has no lower part, mark it, so lookups and
+    /// listings there still read the object's origin (its inode number).
+    pub(crate) fn note_origin_moved_into(&self, dir: &Node, origin: bool) -> Result<()> {
+        let needs_mark = {
+            let st = dir.state();
+            origin && st.lower.is_none() && !st.origins
+        };
+        if needs_mark {
+            let key = OsStr::new(&self.layers.xattr.origins);
+            self.upper_fd(dir)?.set_xattr(None, key, b"y", 0)?;
+            dir.state().origins = true;
         }
         Ok(())
     }

@@ -5,6 +5,8 @@
 //! directory; a directory made there is opaque, so the deleted lower directory stays hidden.
 //! Renaming a directory that has lower parts records a redirect to its lower path (as kernel
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
+//!
+//! May call (dev/callgraph.py --check keeps it so): copy_up, fileattr, io, namei, overlay, upper_meta.
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
@@ -45,12 +47,6 @@ impl Overlay {
             (UpperSlot::Empty, Some(l)) if self.resolve_lower(l, name)?.is_some() => exists(),
             _ => Ok(slot),
         }
-    }
-
-    /// The upper directory of `parent`, copied up if needed.
-    fn upper_dir(&self, parent: &Node) -> Result<UpperDir> {
-        self.copy_up(parent)?;
-        self.upper_fd(parent)
     }
 
     /// Creates a new object `name` in `parent` with `make`, owned by the caller. `make` gets
@@ -848,56 +844,6 @@ impl Overlay {
         swapped?;
         if let Err(e) = removed {
             log::warn!("could not empty the work dir of {tmp:?}; the next mount will: {e}");
-        }
-        Ok(())
-    }
-
-    /// A copied-up object now sits in `dir`: if `dir` has no lower part, mark it, so lookups and
-    /// listings there still read the object's origin (its inode number).
-    /// `name` in `parent` is a lower hard link of `node`, another name of which was copied up:
-    /// links the upper file there too, so all names go on showing one file (as hard links do),
-    /// after a remount as well. Kernel overlayfs does the same with `index=on`.
-    pub fn join_copied_up_link(&self, node: &Node, parent: Ino, name: &OsStr) -> Result<()> {
-        let pnode = self.node(parent)?;
-        self.copy_up(&pnode)?;
-        let udir = self.upper_dir(&pnode)?;
-        let (sdir, sname) = self.upper_entry(node)?;
-        {
-            let _changing = pnode.entries.write();
-            sdir.link(&sname, &udir, name)?;
-        }
-        self.note_origin_moved_into(&pnode, true)
-    }
-
-    /// After `node`, a lower hard link, was copied up under its first name: links the upper
-    /// file under the other names this mount knows. They are one inode to the kernel, so a
-    /// change through one name already shows through all; this makes the upper layer agree.
-    pub fn join_other_links(&self, node: &Node) {
-        let others: Vec<(Ino, OsString)> = node.state().links.iter().skip(1).cloned().collect();
-        for (p, n) in others {
-            match self.join_copied_up_link(node, p, &n) {
-                Ok(()) => {}
-                Err(e) if e.is(libc::EEXIST) => {} // that name is in the upper layer already
-                Err(e) => {
-                    // ENOENT: the name (or its directory) was removed meanwhile.
-                    if !e.is(libc::ENOENT) {
-                        log::warn!("hard link {n:?} not kept on copy-up: {e}");
-                    }
-                    node.state().links.retain(|l| !(l.0 == p && l.1 == n));
-                }
-            }
-        }
-    }
-
-    fn note_origin_moved_into(&self, dir: &Node, origin: bool) -> Result<()> {
-        let needs_mark = {
-            let st = dir.state();
-            origin && st.lower.is_none() && !st.origins
-        };
-        if needs_mark {
-            let key = OsStr::new(&self.layers.xattr.origins);
-            self.upper_fd(dir)?.set_xattr(None, key, b"y", 0)?;
-            dir.state().origins = true;
         }
         Ok(())
     }

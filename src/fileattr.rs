@@ -30,6 +30,8 @@
 //! upper object, one statx for a lower one) and known from the start for what the mount makes.
 //!
 //! Touches: the node's cached `protection`, copy-up, the upper object's flags and xattrs.
+//!
+//! May call (dev/callgraph.py --check keeps it so): copy_up, overlay, upper_meta.
 
 use std::ffi::OsStr;
 
@@ -37,7 +39,7 @@ use crate::error::{Result, errno};
 use crate::inode::{Ino, Node};
 use crate::overlay::Overlay;
 use crate::sys::FsXattr;
-use crate::upper::{LayerDir, UpperDir};
+use crate::upper::LayerDir;
 
 pub const FS_IMMUTABLE_FL: u32 = 0x10;
 pub const FS_APPEND_FL: u32 = 0x20;
@@ -185,30 +187,6 @@ impl Overlay {
             }
         }
         Ok(p)
-    }
-
-    /// Keeps `protection` in the upper object's `overlay.protattr` (removes it for none).
-    pub(crate) fn store_protection(
-        &self,
-        dir: &UpperDir,
-        name: Option<&OsStr>,
-        protection: u32,
-    ) -> Result<()> {
-        let key = OsStr::new(self.layers.xattr.protattr);
-        let mut value = Vec::new();
-        if protection & FS_APPEND_FL != 0 {
-            value.push(b'a');
-        }
-        if protection & FS_IMMUTABLE_FL != 0 {
-            value.push(b'i');
-        }
-        if value.is_empty() {
-            return match dir.remove_xattr(name, key) {
-                Err(e) if e.is(libc::ENODATA) => Ok(()),
-                r => r,
-            };
-        }
-        dir.set_xattr(name, key, &value, 0)
     }
 
     fn flagged_node(&self, ino: Ino) -> Result<std::sync::Arc<Node>> {

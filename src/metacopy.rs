@@ -21,18 +21,18 @@
 //! EIO, as kernel overlayfs fails it. (docs/FORMAT.md "Kernel overlayfs' metadata-only files".)
 //!
 //! Touches: lower layers (read only), the options' `metacopy` and `verity`.
+//!
+//! May call (dev/callgraph.py --check keeps it so): overlay.
 
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, Result, errno};
-use crate::inode::{LowerData, LowerRef};
+use crate::inode::LowerData;
 use crate::layers::LayerId;
 use crate::namei::Redirect;
 use crate::options::Verity;
 use crate::overlay::Overlay;
-use crate::partial_file::Source;
 use crate::sys;
 use crate::upper::LayerDir;
 
@@ -155,16 +155,6 @@ impl Overlay {
         };
         self.in_lower_dir(layer, parent, |dir| sys::stat_opt(dir, name))
             .is_ok_and(|a| a.is_some_and(|a| a.is_reg()))
-    }
-
-    /// Opens the data of the lower file `lower` for reading, its digest checked (`verity=`).
-    pub fn open_lower_data(&self, lower: &LowerRef) -> Result<Source> {
-        let (layer, path) = lower.data_at();
-        let src = self.open_lower_source(layer, path)?;
-        if let (Some(data), Source::File(fd)) = (&lower.data, &src) {
-            self.check_verity(data, fd.as_fd())?;
-        }
-        Ok(src)
     }
 
     /// Checks the data file `fd` of `data` against the digest its metadata asks for.

@@ -5,6 +5,8 @@
 //! the same name unless it is opaque or carries a redirect (then the lower directories are the
 //! ones at the redirect's path). In the lower layers the first match wins for non-directories,
 //! and directories merge downwards until an opaque one, a whiteout or a non-directory stops them.
+//!
+//! May call (dev/callgraph.py --check keeps it so): by_number, copy_up, metacopy, overlay.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;

@@ -3,6 +3,8 @@
 //! The operations live in files by concern, like kernel overlayfs: `namei.rs` (lookup),
 //! `readdir.rs` (merged listing), `dir.rs` (create, unlink, rename), `attr.rs` (attributes and
 //! xattrs), `copy_up.rs`, `file.rs` (data and partial files). This file holds what they share.
+//!
+//! May call (dev/callgraph.py --check keeps it so): metacopy, upper_meta.
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result, errno};
+use crate::file::FileData;
 use crate::handles::{DirHandleTable, HandleTable};
 use crate::inode::{Ino, InoMap, InodeTable, LowerRef, Node, ROOT_INO};
 use crate::layers::{LayerId, LayerStack, UPPER};
@@ -19,7 +22,7 @@ use crate::partial::{self, SparseSupport};
 use crate::seq::ChangeSeq;
 use crate::stats::Stats;
 use crate::sys::{self, Attr};
-use crate::upper::{LayerDir, UpperDir};
+use crate::upper::{LayerDir, UpperDir, UpperFile};
 
 /// Who asks: the caller's credentials and umask, from the FUSE request.
 #[derive(Debug, Clone, Copy)]
@@ -868,6 +871,36 @@ impl Overlay {
         self.handles.clear();
         self.dirs.clear();
         self.listings.clear();
+    }
+
+    /// The pinned upper object of a node (inode.rs `Pin`), if any.
+    pub fn pinned(&self, st: &crate::inode::NodeState) -> Option<UpperFile> {
+        st.pin.as_ref()?.object.try_clone().ok()
+    }
+
+    /// `node`'s upper object when it has no name any more (or never had one: O_TMPFILE) and
+    /// is still open or pinned (inode.rs `Pin`): the only way left to reach it.
+    pub fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
+        let file = {
+            let st = node.state();
+            if !st.links.is_empty() || !st.upper {
+                return None;
+            }
+            match st.open.upgrade() {
+                Some(file) => file,
+                None => return self.pinned(&st),
+            }
+        };
+        match &*file.read_data() {
+            FileData::Upper(f) => f.try_clone().ok(),
+            FileData::Partial(p) => p.upper.try_clone().ok(),
+            FileData::Lower(_) | FileData::Unopened(..) => None,
+        }
+    }
+
+    pub fn getattr_of(&self, node: &Node) -> Result<Attr> {
+        let attr = self.settled(|| self.stat_layer(node))?;
+        Ok(self.present(node, attr))
     }
 }
 

@@ -15,6 +15,8 @@
 //! listing (FOPEN_CACHE_DIR) until the directory changes through the mount (`fuse_dir_changed`
 //! bumps its i_version; layers do not change under a mount). A read from offset 0 (opendir,
 //! rewinddir) takes a fresh snapshot (`Listings`).
+//!
+//! May call (dev/callgraph.py --check keeps it so): namei, overlay.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
