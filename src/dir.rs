@@ -514,7 +514,17 @@ impl Overlay {
         self.forget_name(entry.found.ino, pnode.ino, name);
         drop(_moving);
         drop(_changing);
-        work.remove_tree(&tmp)
+        // A non-directory the whiteout replaced is gone; anything else waits in the work dir.
+        // The name has left the merged view either way: a failed clean-up does not fail the
+        // call that removed it (the next mount empties the work dir).
+        let replaced = needs_whiteout && self.layers.whiteout_chardev && !entry.attr.is_dir();
+        if !replaced && let Err(e) = work.remove_tree(&tmp) {
+            log::warn!(
+                "removed {name:?}, but its copy {tmp:?} stays in the work dir ({e}); the next \
+                 mount removes it"
+            );
+        }
+        Ok(())
     }
 
     /// Before the upper object `name` in `udir`, whose node is `ino`, loses that name: pins it

@@ -8,7 +8,8 @@
 //! unless one of EIO, ENOSPC, EDQUOT, EPERM, EROFS is given — and, with `+`, every later one.
 //! OP: mkdir, mknod, symlink, link, unlink, rename, create, setxattr, removexattr, chown,
 //! chmod, utimens, truncate, fallocate, write (pwrite and FICLONE), fsync (and fdatasync).
-//! Without the variable, `check` is one load of a value set once.
+//! Without the variable, `check` is two loads of values set once. A test that drives the core
+//! in-process sets and clears its rules with `set` and `clear`.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -135,9 +136,34 @@ fn parse(spec: &str) -> std::result::Result<Vec<Rule>, String> {
     Ok(rules)
 }
 
+/// Rules set in-process by a test that drives the overlay core without a mount (`set`).
+static SET: std::sync::RwLock<Vec<Rule>> = std::sync::RwLock::new(Vec::new());
+static ANY_SET: AtomicBool = AtomicBool::new(false);
+
+/// Replaces the in-process rules with `spec` (MOSAICFS_FAULT's syntax), armed at once: for
+/// tests that drive the core in-process (tests/core.rs), one sweep point after another.
+pub fn set(spec: &str) -> std::result::Result<(), String> {
+    let rules = parse(spec)?;
+    let mut set = SET.write().unwrap_or_else(|e| e.into_inner());
+    *set = rules;
+    ANY_SET.store(!set.is_empty(), Ordering::SeqCst);
+    ARMED.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+/// Removes the in-process rules (`set`).
+pub fn clear() {
+    let mut set = SET.write().unwrap_or_else(|e| e.into_inner());
+    set.clear();
+    ANY_SET.store(false, Ordering::SeqCst);
+}
+
 /// Whether this change of the upper layer is to fail (fault injection), and how.
 #[inline]
 pub fn check(op: Op) -> Result<()> {
+    if ANY_SET.load(Ordering::Relaxed) {
+        check_rules(&SET.read().unwrap_or_else(|e| e.into_inner()), op)?;
+    }
     match RULES.get() {
         None => Ok(()),
         Some(rules) => check_rules(rules, op),

@@ -26,8 +26,13 @@ enum Store {
 
 const STORES: [Store; 2] = [Store::Disk, Store::Memory];
 
+/// Fault rules are the process's (`fault::set`): while the sweep sets them, no other test of
+/// this file may run. Every `Core` holds this for its life.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// An overlay core over one lower layer, its upper and work dirs in a temp dir.
 struct Core {
+    _serial: Option<std::sync::MutexGuard<'static, ()>>,
     ov: Option<Overlay>,
     store: Store,
     dir: tempfile::TempDir,
@@ -44,6 +49,7 @@ impl Core {
         }
         fill(&dir.path().join("lower"));
         let mut core = Core {
+            _serial: Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner())),
             ov: None,
             store,
             dir,
@@ -340,5 +346,208 @@ fn a_renamed_lower_directory_and_removed_names_stay_so() {
             .mkdir(ROOT, OsStr::new("d"), 0o755, &Caller::root())
             .unwrap();
         assert!(c.names("d").is_empty(), "{store:?}: {:?}", c.names("d"));
+    }
+}
+
+impl Core {
+    /// The node at `path`, or the error a lookup gives.
+    fn try_ino(&self, path: &str) -> mosaicfs::error::Result<u64> {
+        self.lookup(path).map(|n| n.ino)
+    }
+
+    /// Every name the merged view shows, with its kind, owner, mode, size and a checksum of
+    /// its content (a symlink's target).
+    fn view(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut todo = vec![String::new()];
+        while let Some(dir) = todo.pop() {
+            for name in self.names(&dir) {
+                let path = if dir.is_empty() {
+                    name
+                } else {
+                    format!("{dir}/{name}")
+                };
+                let node = self.lookup(&path).unwrap();
+                let a = self.ov().getattr(node.ino).unwrap();
+                let content = match a.mode & libc::S_IFMT {
+                    libc::S_IFDIR => {
+                        todo.push(path.clone());
+                        String::new()
+                    }
+                    libc::S_IFREG => {
+                        let data = self.read(&path);
+                        format!(
+                            "{} sum {}",
+                            data.len(),
+                            data.iter().map(|b| *b as u64).sum::<u64>()
+                        )
+                    }
+                    libc::S_IFLNK => format!("-> {:?}", self.ov().readlink(node.ino).unwrap()),
+                    _ => String::new(),
+                };
+                out.push(format!("{path} {:o} {}:{} {content}", a.mode, a.uid, a.gid));
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+/// The changes of the fault sweep, each allowed to fail, but whole: a call that failed left
+/// its names as they were, one that succeeded made its change. A block-level copy-up, a chown,
+/// a create, a mkdir, a symlink, a hard link, an xattr, a rename of a lower directory,
+/// removals, a truncate. Returns what broke that rule.
+fn changes(c: &Core) -> Vec<String> {
+    let ov = c.ov();
+    let root = Caller::root();
+    let name = OsStr::new;
+    let mut broken = Vec::new();
+    // After a call: `present` are the names that must show, `absent` those that must not.
+    let mut whole = |what: &str, ok: bool, present: &[&str], absent: &[&str]| {
+        let (present, absent) = if ok {
+            (present, absent)
+        } else {
+            (absent, present)
+        };
+        for p in present {
+            if c.try_ino(p).is_err() {
+                broken.push(format!(
+                    "{what} ({}): {p} is missing",
+                    if ok { "done" } else { "failed" }
+                ));
+            }
+        }
+        for a in absent {
+            if c.try_ino(a).is_ok() {
+                broken.push(format!(
+                    "{what} ({}): {a} shows",
+                    if ok { "done" } else { "failed" }
+                ));
+            }
+        }
+    };
+    let _ = (|| -> mosaicfs::error::Result<()> {
+        let o = ov.open(c.try_ino("big")?, libc::O_RDWR, None)?;
+        let r = ov.write(o.fh, 8197, b"hello", false, None);
+        let _ = ov.flush(o.fh);
+        ov.release(o.fh);
+        r.map(drop)
+    })();
+    let _ = c.try_ino("d/x").and_then(|ino| {
+        let set = SetAttr {
+            uid: Some(4242),
+            ..Default::default()
+        };
+        ov.setattr(ino, set, &root)
+    });
+    let made = c.try_ino("d").and_then(|d| {
+        let (_, _, o) = ov.create(d, name("new"), 0o644, libc::O_RDWR, &root)?;
+        let r = ov.write(o.fh, 0, b"new data", false, None);
+        ov.release(o.fh);
+        r.map(drop)
+    });
+    if made.is_err() && c.try_ino("d/new").is_ok() {
+        // The create made the file and the write failed: the file stays, as on a disk.
+    } else {
+        whole("create", made.is_ok(), &["d/new"], &[]);
+    }
+    let ok = c
+        .try_ino("d")
+        .and_then(|d| ov.mkdir(d, name("made"), 0o755, &root))
+        .is_ok();
+    whole("mkdir", ok, &["d/made"], &[]);
+    let ok = c
+        .try_ino("d")
+        .and_then(|d| ov.symlink(d, name("ln"), Path::new("x"), &root))
+        .is_ok();
+    whole("symlink", ok, &["d/ln"], &[]);
+    let ok = c
+        .try_ino("d/y")
+        .and_then(|y| Ok((y, c.try_ino("d")?)))
+        .and_then(|(y, d)| ov.link(y, d, name("y2")))
+        .is_ok();
+    whole("link", ok, &["d/y2"], &[]);
+    let _ = c
+        .try_ino("d/sub/z")
+        .and_then(|z| ov.setxattr(z, name("user.k"), b"v", 0, false));
+    let ok = ov
+        .rename(ROOT, name("d"), ROOT, name("e"), 0, &root)
+        .is_ok();
+    whole("rename d e", ok, &["e", "e/sub/z"], &["d"]);
+    let dir = if ok { "e" } else { "d" };
+    let ok = c.try_ino(dir).and_then(|e| ov.unlink(e, name("x"))).is_ok();
+    whole("unlink", ok, &[], &[&format!("{dir}/x")]);
+    let ok = ov.unlink(ROOT, name("link")).is_ok();
+    whole("unlink link", ok, &[], &["link"]);
+    let _ = c.try_ino("big").and_then(|ino| {
+        let set = SetAttr {
+            size: Some(5000),
+            ..Default::default()
+        };
+        ov.setattr(ino, set, &root)
+    });
+    broken
+}
+
+/// Each kind of change to the upper layer failing at one of its first calls, or at every call
+/// from the first (`MOSAICFS_FAULT`'s rules, set in-process at the upper seam), on both stores:
+/// each call fails or succeeds whole, and whatever the core shows afterwards is what the
+/// layers show once reopened — nothing it showed was only in memory, nothing half made
+/// appears later.
+#[test]
+fn every_failed_step_leaves_layers_that_reopen_as_they_were_shown() {
+    let ops = [
+        "mkdir",
+        "mknod",
+        "symlink",
+        "link",
+        "unlink",
+        "rename",
+        "create",
+        "setxattr",
+        "removexattr",
+        "chown",
+        "chmod",
+        "utimens",
+        "truncate",
+        "fallocate",
+        "write",
+        "fsync",
+    ];
+    for store in STORES {
+        // What the changes show when nothing fails.
+        let reference = {
+            let c = Core::new(store, lower_tree);
+            assert_eq!(changes(&c), Vec::<String>::new());
+            c.view()
+        };
+        let mut differ = 0;
+        for op in ops {
+            for n in ["1", "2", "3", "1+"] {
+                let mut c = Core::new(store, lower_tree);
+                let spec = format!("{op}:{n}");
+                mosaicfs::fault::set(&spec).unwrap();
+                let broken = changes(&c);
+                mosaicfs::fault::clear();
+                assert!(broken.is_empty(), "{store:?} {spec}: {broken:?}");
+                let shown = c.view();
+                differ += usize::from(shown != reference);
+                c.reopen();
+                assert_eq!(
+                    c.view(),
+                    shown,
+                    "{store:?} {spec}: the reopened layers show another tree"
+                );
+            }
+        }
+        // The faults reach the changes: many sweep points leave another tree than the reference.
+        assert!(
+            differ >= 20,
+            "{store:?}: only {differ} sweep points changed what shows"
+        );
+        eprintln!(
+            "{store:?}: {differ} of {} sweep points changed what shows",
+            ops.len() * 4
+        );
     }
 }
