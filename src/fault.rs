@@ -55,6 +55,11 @@ const OPS: [(&str, Op); 16] = [
     ("fsync", Op::Fsync),
 ];
 
+/// The names of the operations a rule may fail, as MOSAICFS_FAULT writes them (for sweeps).
+pub fn op_names() -> impl Iterator<Item = &'static str> {
+    OPS.iter().map(|(name, _)| *name)
+}
+
 const ERRNOS: [(&str, i32); 5] = [
     ("EIO", libc::EIO),
     ("ENOSPC", libc::ENOSPC),

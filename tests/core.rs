@@ -496,24 +496,7 @@ fn changes(c: &Core) -> Vec<String> {
 /// appears later.
 #[test]
 fn every_failed_step_leaves_layers_that_reopen_as_they_were_shown() {
-    let ops = [
-        "mkdir",
-        "mknod",
-        "symlink",
-        "link",
-        "unlink",
-        "rename",
-        "create",
-        "setxattr",
-        "removexattr",
-        "chown",
-        "chmod",
-        "utimens",
-        "truncate",
-        "fallocate",
-        "write",
-        "fsync",
-    ];
+    let ops: Vec<&str> = mosaicfs::fault::op_names().collect();
     for store in STORES {
         // What the changes show when nothing fails.
         let reference = {
@@ -522,7 +505,7 @@ fn every_failed_step_leaves_layers_that_reopen_as_they_were_shown() {
             c.view()
         };
         let mut differ = 0;
-        for op in ops {
+        for &op in &ops {
             for n in ["1", "2", "3", "1+"] {
                 let mut c = Core::new(store, lower_tree);
                 let spec = format!("{op}:{n}");
