@@ -79,24 +79,22 @@ pub fn stat_override(data: &[u8]) -> bool {
     let Ok(v) = OverrideStat::parse(data) else {
         return false;
     };
-    {
-        assert_eq!(v.mode & !0o7777, 0);
-        let kind = v.kind.map_or(libc::S_IFREG, |(k, _)| k);
-        let again = OverrideStat::parse(v.encode(kind).as_bytes()).expect("encoded value parses");
-        assert_eq!((again.uid, again.gid, again.mode), (v.uid, v.gid, v.mode));
-        // A value without a type reads back with the type it was encoded for.
-        assert_eq!(again.kind, Some(v.kind.unwrap_or((kind, 0))));
-        let mut a = crate::sys::Attr {
-            mode: libc::S_IFDIR | 0o755,
-            ..Default::default()
-        };
-        v.apply(&mut a);
-        assert_eq!(
-            a.mode & libc::S_IFMT,
-            libc::S_IFDIR,
-            "a value never retypes a directory"
-        );
-    }
+    assert_eq!(v.mode & !0o7777, 0);
+    let kind = v.kind.map_or(libc::S_IFREG, |(k, _)| k);
+    let again = OverrideStat::parse(v.encode(kind).as_bytes()).expect("encoded value parses");
+    assert_eq!((again.uid, again.gid, again.mode), (v.uid, v.gid, v.mode));
+    // A value without a type reads back with the type it was encoded for.
+    assert_eq!(again.kind, Some(v.kind.unwrap_or((kind, 0))));
+    let mut a = crate::sys::Attr {
+        mode: libc::S_IFDIR | 0o755,
+        ..Default::default()
+    };
+    v.apply(&mut a);
+    assert_eq!(
+        a.mode & libc::S_IFMT,
+        libc::S_IFDIR,
+        "a value never retypes a directory"
+    );
     true
 }
 
