@@ -15,8 +15,12 @@ FILES = ["dir", "namei", "by_number", "metacopy", "copy_up", "attr", "fileattr",
          "readdir", "completion", "overlay", "upper_meta", "sources"]
 
 
+def path(name):
+    return SRC / f"{name}.rs" if name == "overlay" else SRC / "overlay" / f"{name}.rs"
+
+
 def code(name):
-    text = (SRC / f"{name}.rs").read_text()
+    text = path(name).read_text()
     return text.split("#[cfg(test)]")[0]
 
 
@@ -24,7 +28,7 @@ def main():
     owner = {}
     for f in FILES:
         for block in re.finditer(r"impl Overlay \{(.*?)\n\}\n", code(f), re.S):
-            for fn in re.finditer(r"\n    (?:pub(?:\(crate\))? )?fn (\w+)", block.group(1)):
+            for fn in re.finditer(r"\n    (?:pub(?:\(\w+\))? )?fn (\w+)", block.group(1)):
                 owner.setdefault(fn.group(1), f)
     calls = collections.defaultdict(lambda: collections.defaultdict(set))
     for f in FILES:
@@ -39,14 +43,14 @@ def main():
     if "--check" in sys.argv:
         wrong = []
         for f in FILES:
-            said = re.search(r"^//! May call[^:]*: (.*)\.$", (SRC / f"{f}.rs").read_text(), re.M)
+            said = re.search(r"^//! May call[^:]*: (.*)\.$", path(f).read_text(), re.M)
             if not said:
-                wrong.append(f"src/{f}.rs: no '//! May call ...: FILE, FILE.' line in its top comment")
+                wrong.append(f"{path(f).relative_to(SRC.parent)}: no '//! May call ...: FILE, FILE.' line in its top comment")
                 continue
             allowed = {a.strip() for a in said.group(1).split(",")}
             for g, ms in sorted(calls[f].items()):
                 if g not in allowed:
-                    wrong.append(f"src/{f}.rs calls {g}.rs ({', '.join(sorted(ms))}), which its "
+                    wrong.append(f"{path(f).relative_to(SRC.parent)} calls {g}.rs ({', '.join(sorted(ms))}), which its "
                                  f"top comment does not allow: move the method down, or say why")
         if wrong:
             print("\n".join(wrong), file=sys.stderr)

@@ -108,12 +108,12 @@ fn mount_fstype(mountpoint: &Path) -> Option<String> {
 
 /// The report a status request gets.
 pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
-    let layers: Vec<String> = (1..=overlay.layers.lower_count())
-        .map(|i| overlay.layers.layer(i as u16).path.display().to_string())
+    let layers: Vec<String> = (1..=overlay.layers().lower_count())
+        .map(|i| overlay.layers().layer(i as u16).path.display().to_string())
         .collect();
     let mut r = format!("mount: {}\n", mountpoint.display());
-    if overlay.layers.has_upper {
-        r += &format!("upper: {}\n", overlay.layers.layer(0).path.display());
+    if overlay.layers().has_upper {
+        r += &format!("upper: {}\n", overlay.layers().layer(0).path.display());
         r += &match MemoryFigures::of(overlay) {
             None => "upper store: disk\n".to_string(),
             Some(m) => format!(
@@ -139,11 +139,8 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         };
     }
     r += &format!("lower: {}\n", layers.join(":"));
-    r += &format!(
-        "transport: {}\n",
-        overlay.transport.get().copied().unwrap_or("/dev/fuse")
-    );
-    r += &match &overlay.precontent {
+    r += &format!("transport: {}\n", overlay.transport());
+    r += &match overlay.precontent() {
         Ok(pc) => format!(
             "partial files' writers: passthrough, filled on first touch (pre-content events; \
              readable opens through the daemon); {}\n",
@@ -153,18 +150,18 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     };
     r += &format!(
         "block size: {} (sparse files: {})\npassthrough: {:?}\n",
-        overlay.sparse.block,
-        if overlay.sparse.sparse {
+        overlay.sparse().block,
+        if overlay.sparse().sparse {
             "yes"
         } else {
             "no, whole-file copy-up"
         },
-        overlay.config.passthrough
+        overlay.config().passthrough
     );
-    if overlay.layers.has_upper {
-        let clones: Vec<String> = (1..=overlay.layers.lower_count())
+    if overlay.layers().has_upper {
+        let clones: Vec<String> = (1..=overlay.layers().lower_count())
             .filter(|&i| overlay.reflinks_from(i as u16))
-            .map(|i| overlay.layers.layer(i as u16).path.display().to_string())
+            .map(|i| overlay.layers().layer(i as u16).path.display().to_string())
             .collect();
         r += &format!(
             "copy-up by clone (reflink) from: {}\n",
@@ -177,17 +174,17 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     }
     r += &format!(
         "inodes known: {}\nopen handles: {}\npartial files waiting for completion: {}\n",
-        overlay.inodes.len(),
-        overlay.handles.len(),
-        overlay.completer.queued()
+        overlay.open_counts().0,
+        overlay.open_counts().1,
+        overlay.completer().queued()
     );
-    for line in overlay.completer.describe(&overlay.config.completion) {
+    for line in overlay.completer().describe(&overlay.config().completion) {
         r += &format!("  {line}\n");
     }
-    if let Some(caw) = &overlay.caw {
-        r += &format!("copy-after-write pending: {} bytes\n", caw.pending_bytes());
+    if let Some(pending) = overlay.caw_pending_bytes() {
+        r += &format!("copy-after-write pending: {pending} bytes\n");
     }
-    r += &overlay.stats.summary();
+    r += &overlay.stats().summary();
     r.push('\n');
     r
 }
@@ -225,7 +222,7 @@ struct MemoryFigures {
 
 impl MemoryFigures {
     fn of(overlay: &Overlay) -> Option<MemoryFigures> {
-        let m = overlay.layers.memory.as_ref()?;
+        let m = overlay.layers().memory.as_ref()?;
         let block = crate::memory_upper::BLOCK;
         Some(MemoryFigures {
             // The layer's root and what lies below it; the work root is the daemon's own.
@@ -239,7 +236,7 @@ impl MemoryFigures {
 }
 
 fn figures(overlay: &Overlay) -> Figures {
-    let (partial_files, blocks_present, blocks_total) = overlay.completer.totals();
+    let (partial_files, blocks_present, blocks_total) = overlay.completer().totals();
     let fds_open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
     let fds_limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
         .current
@@ -248,8 +245,8 @@ fn figures(overlay: &Overlay) -> Figures {
         partial_files,
         blocks_present,
         blocks_total,
-        bytes_not_copied: (blocks_total - blocks_present) * overlay.sparse.block,
-        caw_pending: overlay.caw.as_ref().map_or(0, |c| c.pending_bytes() as u64),
+        bytes_not_copied: (blocks_total - blocks_present) * overlay.sparse().block,
+        caw_pending: overlay.caw_pending_bytes().unwrap_or(0) as u64,
         fds_open,
         fds_limit,
     }
@@ -272,11 +269,11 @@ fn json_str(s: &str) -> String {
 /// The report as one JSON object.
 pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
     let f = figures(overlay);
-    let lower: Vec<String> = (1..=overlay.layers.lower_count())
-        .map(|i| json_str(&overlay.layers.layer(i as u16).path.display().to_string()))
+    let lower: Vec<String> = (1..=overlay.layers().lower_count())
+        .map(|i| json_str(&overlay.layers().layer(i as u16).path.display().to_string()))
         .collect();
-    let upper = if overlay.layers.has_upper {
-        json_str(&overlay.layers.layer(0).path.display().to_string())
+    let upper = if overlay.layers().has_upper {
+        json_str(&overlay.layers().layer(0).path.display().to_string())
     } else {
         "null".into()
     };
@@ -293,13 +290,13 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
         ),
     };
     let counters: Vec<String> = overlay
-        .stats
+        .stats()
         .counters()
         .iter()
         .map(|(k, v)| format!("{}: {v}", json_str(k)))
         .collect();
     let requests: Vec<String> = overlay
-        .stats
+        .stats()
         .requests
         .figures()
         .iter()
@@ -334,11 +331,11 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
          \"requests\": {{{}}}, \"errors\": {{{}}}}}\n",
         json_str(&mountpoint.display().to_string()),
         lower.join(", "),
-        json_str(overlay.transport.get().copied().unwrap_or("/dev/fuse")),
-        overlay.sparse.block,
-        json_str(&format!("{:?}", overlay.config.passthrough)),
-        overlay.inodes.len(),
-        overlay.handles.len(),
+        json_str(overlay.transport()),
+        overlay.sparse().block,
+        json_str(&format!("{:?}", overlay.config().passthrough)),
+        overlay.open_counts().0,
+        overlay.open_counts().1,
         f.partial_files,
         f.blocks_present,
         f.blocks_total,
@@ -416,12 +413,12 @@ pub fn report_prometheus(overlay: &Overlay) -> String {
         "The daemon's RLIMIT_NOFILE.",
         f.fds_limit,
     );
-    for (k, v) in overlay.stats.counters() {
+    for (k, v) in overlay.stats().counters() {
         r += &format!("# TYPE mosaicfs_{k}_total counter\nmosaicfs_{k}_total {v}\n");
     }
     r += "# HELP mosaicfs_request_duration_seconds FUSE requests by opcode: time from dispatch to reply in the daemon.\n";
     r += "# TYPE mosaicfs_request_duration_seconds histogram\n";
-    for op in overlay.stats.requests.figures() {
+    for op in overlay.stats().requests.figures() {
         for (le, n) in &op.buckets {
             let le = le.map_or("+Inf".to_string(), |us| format!("{:e}", us as f64 / 1e6));
             r += &format!(
@@ -493,11 +490,7 @@ pub fn serve(overlay: Arc<Overlay>, dev: &str, mountpoint: PathBuf) {
     let Ok(meta) = std::fs::metadata(&path) else {
         return;
     };
-    *overlay
-        .control_socket
-        .lock()
-        .unwrap_or_else(|e| e.into_inner()) =
-        Some((path, std::os::unix::fs::MetadataExt::ino(&meta)));
+    overlay.set_control_socket(path, std::os::unix::fs::MetadataExt::ino(&meta));
     let _ = std::thread::Builder::new()
         .name("mosaicfs-control".into())
         .spawn(move || {

@@ -259,7 +259,7 @@ fn mount(opts: Options) -> Result<(), String> {
     layers.add_data_layers(&opts.datadirs)?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
     use_uring(&opts, &overlay)?;
-    if overlay.layers.work.is_some() && !overlay.sparse.sparse {
+    if overlay.layers().work.is_some() && !overlay.sparse().sparse {
         eprintln!(
             "mosaicfs: warning: the upper file system does not report holes in sparse files; \
              files are copied up whole (block-level copy-up needs ext4, xfs, btrfs or tmpfs)"
@@ -302,9 +302,9 @@ fn mount(opts: Options) -> Result<(), String> {
 fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
     let kernel = fuser::uring_enabled();
     let on_store = overlay
-        .layers
+        .layers()
         .lower_ids()
-        .find(|&l| overlay.layers.layer(l).on_store);
+        .find(|&l| overlay.layers().layer(l).on_store);
     match opts.uring {
         options::Uring::Off => Ok(false),
         options::Uring::Auto => {
@@ -320,7 +320,7 @@ fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
              answering would hold up every request queued behind it over io_uring; use \
              uring=auto, which keeps /dev/fuse then",
             overlay
-                .layers
+                .layers()
                 .layer(on_store.unwrap_or_default())
                 .path
                 .display()
@@ -388,7 +388,7 @@ fn spawn_lower_watchdog(
                              that the rest of the mount keeps worker threads (lower_timeout= \
                              bounds each wait)",
                             limits.saturated,
-                            overlay.layers.layer(layer).path.display(),
+                            overlay.layers().layer(layer).path.display(),
                             limits.stuck.as_secs_f64()
                         );
                     }
@@ -397,7 +397,7 @@ fn spawn_lower_watchdog(
                     if !found.saturated.contains(&layer) {
                         log::info!(
                             "lower layer '{}' answers again",
-                            overlay.layers.layer(layer).path.display()
+                            overlay.layers().layer(layer).path.display()
                         );
                     }
                 }
@@ -415,7 +415,7 @@ fn spawn_lower_watchdog(
                     let what = if layer == crate::lower_wait::DATA {
                         "a lower file's data".to_string()
                     } else {
-                        format!("lower layer '{}'", overlay.layers.layer(layer).path.display())
+                        format!("lower layer '{}'", overlay.layers().layer(layer).path.display())
                     };
                     log::warn!(
                         "a request has waited {:.1} s on {what}: answered EIO (lower_timeout={:.1}); \
@@ -424,7 +424,7 @@ fn spawn_lower_watchdog(
                         limits.timeout.unwrap_or_default().as_secs_f64()
                     );
                     match watch.answer(req, fuser::Errno::EIO) {
-                        Ok(()) => overlay.stats.lower_timeouts.add(1),
+                        Ok(()) => overlay.stats().lower_timeouts.add(1),
                         // Answered meanwhile by its worker.
                         Err(e) => log::info!("the EIO answer was not taken: {e}"),
                     }
@@ -502,13 +502,13 @@ fn serve(
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
         .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     let notifier = session.notifier();
-    let _ = control.attrs_changed.set(Box::new(move |ino, data| {
+    control.on_attrs_changed(move |ino, data| {
         // Offset -1: attributes only, the cached pages stay; 0: from the start, every page
         // (a directory's cached listing). ENOENT: the kernel holds no inode for it, so nothing
         // is cached.
         let offset = if data { 0 } else { -1 };
         let _ = notifier.inval_inode(fuser::INodeNo(ino), offset, 0);
-    }));
+    });
     if opts.uring == options::Uring::On && session.transport() != "io_uring" {
         return Err(format!(
             "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",
@@ -516,7 +516,7 @@ fn serve(
             fuser::URING_ENABLE_PARAMETER
         ));
     }
-    let _ = control.transport.set(session.transport());
+    control.set_transport(session.transport());
     if notify.is_some() && session.transport() == "io_uring" {
         prefer_own_autogroup();
     }
@@ -527,9 +527,9 @@ fn serve(
     // A layer on a store's client is watched even without a timeout: one that stops answering
     // must not take every worker (lower_wait.rs).
     let on_store = control
-        .layers
+        .layers()
         .lower_ids()
-        .any(|l| control.layers.layer(l).on_store);
+        .any(|l| control.layers().layer(l).on_store);
     if opts.lower_timeout.is_some() || on_store && opts.threads > 1 {
         let workers = MAX_WORKERS.max(opts.threads);
         let limits = crate::lower_wait::Limits {

@@ -59,11 +59,11 @@ impl Drop for Plan<'_> {
     fn drop(&mut self) {
         for (_, item) in self.items.drain(..) {
             if let Item::Object(node) = item {
-                self.ov.inodes.forget(node.ino, 1);
+                self.ov.forget(node.ino, 1);
             }
         }
         for node in self.held.drain(..) {
-            self.ov.inodes.forget(node.ino, 1);
+            self.ov.forget(node.ino, 1);
         }
     }
 }
@@ -108,7 +108,7 @@ pub fn plan(ov: &Overlay) -> Result<Plan<'_>, String> {
         held: Vec::new(),
         data_bytes: 0,
     };
-    if !ov.layers.has_upper {
+    if !ov.layers().has_upper {
         return Err("the mount has no upper layer: there is nothing to export".into());
     }
     plan_dir(&mut plan, ROOT_INO, b"", false)?;
@@ -141,10 +141,10 @@ fn plan_lower_links(plan: &mut Plan) -> Result<(), String> {
     let exported: std::collections::HashSet<Vec<u8>> =
         plan.items.iter().map(|(p, _)| p.clone()).collect();
     let mut found = Vec::new();
-    for layer in ov.layers.lower_ids() {
+    for layer in ov.layers().lower_ids() {
         let mut todo = vec![std::path::PathBuf::new()];
         while let Some(dir) = todo.pop() {
-            let entries = crate::sys::read_dir(ov.layers.root(layer), &dir)
+            let entries = crate::sys::read_dir(ov.layers().root(layer), &dir)
                 .map_err(|e| failed(dir.as_os_str().as_bytes(), e))?;
             for e in entries {
                 let path = dir.join(&e.name);
@@ -261,7 +261,7 @@ fn plan_dir(plan: &mut Plan, ino: Ino, path: &[u8], whole: bool) -> Result<(), S
                     let (dir, entry) =
                         ov.upper_entry(&child).map_err(|e| failed(&child_path, e))?;
                     let flags = ov
-                        .layers
+                        .layers()
                         .dir_flags(dir.view(), Some(&entry), true)
                         .map_err(|e| failed(&child_path, e))?;
                     below_whole = flags.redirect.is_some();
@@ -513,10 +513,10 @@ fn write_file<W: Write>(
         Ok(())
     })();
     drop(file);
-    if ov.config.read_only {
+    if ov.config().read_only {
         // Nothing completes a partial file of a read-only overlay; its queue would only hold
         // descriptors (offline export of a layer of many partial files).
-        drop(ov.completer.drain());
+        drop(ov.completer().drain());
     }
     r
 }

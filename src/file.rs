@@ -140,6 +140,10 @@ pub enum IoMode {
     Cached,
 }
 
+/// A passthrough registration as the session made it (a FUSE backing id), kept by the inode
+/// while any of its handles passes through.
+pub type Backing = Arc<dyn Any + Send + Sync>;
+
 /// The I/O binding of one kernel inode (one node id, see `IoMode`). Its lock may be held while
 /// the file's data lock is taken (`backing`), never the other way round.
 ///
@@ -166,7 +170,7 @@ struct IoState {
     cached: usize,
     /// The FUSE adapter's registration of the backing file, shared by all passthrough handles
     /// of the kernel inode.
-    backing: Option<Arc<dyn Any + Send + Sync>>,
+    backing: Option<Backing>,
     /// Whether the backing file is the upper file (else the lower file: read-only handles only).
     backing_upper: bool,
     /// `backing` is kept with no passthrough handle open (counted in `IDLE_BACKINGS`).
@@ -336,9 +340,9 @@ impl NodeIo {
     pub fn backing<E>(
         &self,
         file: &OpenFile,
-        register: impl FnOnce(BorrowedFd<'_>) -> std::result::Result<Arc<dyn Any + Send + Sync>, E>,
+        register: impl FnOnce(BorrowedFd<'_>) -> std::result::Result<Backing, E>,
         changed: impl FnOnce() -> E,
-    ) -> std::result::Result<Arc<dyn Any + Send + Sync>, E> {
+    ) -> std::result::Result<Backing, E> {
         let mut io = self.state();
         if let Some(b) = &io.backing {
             return Ok(b.clone());

@@ -14,9 +14,9 @@ use fuser::{
     WriteFlags,
 };
 
-use crate::attr::SetAttr;
 use crate::error::Error;
 use crate::file::IoMode;
+use crate::overlay::SetAttr;
 use crate::overlay::{Caller, Overlay};
 use crate::sys::{Attr, Time};
 use crate::upper::ReadData;
@@ -166,26 +166,9 @@ impl MosaicFs {
         &self,
         fh: u64,
         open_backing: impl FnOnce(std::os::fd::BorrowedFd<'_>) -> std::io::Result<BackingId>,
-    ) -> Result<Arc<dyn std::any::Any + Send + Sync>, IoMode> {
-        let refused = |why: String| {
-            log::debug!("passthrough refused, serving through the daemon: {why}");
-            self.core.passthrough_refused(fh).unwrap_or(IoMode::Cached)
-        };
-        let Some(h) = self.core.handles.get(fh) else {
-            return Err(refused("handle gone".into()));
-        };
-        h.node
-            .io
-            .backing(
-                &h.file,
-                |fd| {
-                    let b = open_backing(fd)?;
-                    self.core.stats.backings.add(1);
-                    Ok(Arc::new(b) as Arc<dyn std::any::Any + Send + Sync>)
-                },
-                || std::io::Error::other("the file was copied up meanwhile"),
-            )
-            .map_err(|e| refused(e.to_string()))
+    ) -> Result<crate::file::Backing, IoMode> {
+        self.core
+            .passthrough_backing(fh, |fd| Ok(Arc::new(open_backing(fd)?) as _))
     }
 
     /// Replies to create or tmpfile: the new entry and its open handle, with passthrough when
@@ -208,7 +191,7 @@ impl MosaicFs {
         if opened.io == IoMode::Passthrough {
             match self.backing(opened.fh, |fd| reply.open_backing(fd)) {
                 Ok(b) => {
-                    self.core.stats.opens_passthrough.add(1);
+                    self.core.stats().opens_passthrough.add(1);
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
@@ -221,7 +204,7 @@ impl MosaicFs {
                 }
             }
         }
-        self.core.stats.opens_daemon.add(1);
+        self.core.stats().opens_daemon.add(1);
         reply.created(
             &ttl,
             &attr,
@@ -232,15 +215,15 @@ impl MosaicFs {
     }
 
     fn ttl(&self) -> Duration {
-        self.core.config.timeout
+        self.core.config().timeout
     }
 
     /// The cache time for `node`: longer for an object only lower layers hold (`lower_cache=`).
     fn ttl_of(&self, node: &crate::inode::Node) -> Duration {
         if node.state().upper {
-            self.core.config.timeout
+            self.core.config().timeout
         } else {
-            self.core.config.lower_cache
+            self.core.config().lower_cache
         }
     }
 
@@ -274,17 +257,17 @@ impl Filesystem for MosaicFs {
             // The kernel keeps a symlink's target in its page cache: a target never changes
             // under one inode (a new symlink is a new inode, a copy-up copies the target).
             | InitFlags::FUSE_CACHE_SYMLINKS;
-        if self.core.config.acl {
+        if self.core.config().acl {
             // DONT_MASK: the kernel hands over the mode unmasked with the umask, and the
             // creation applies the umask only where the parent has no default ACL (the upper
             // file system does that with the worker's umask; the memory store in acl.rs).
             // Masked by the kernel, a default ACL's group bits were cut by the umask.
             wanted |= InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK;
         }
-        if self.core.config.passthrough != crate::options::PassthroughPolicy::Off {
+        if self.core.config().passthrough != crate::options::PassthroughPolicy::Off {
             if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {
                 wanted |= InitFlags::FUSE_PASSTHROUGH;
-                let _ = config.set_max_stack_depth(self.core.layers.stack_depth());
+                let _ = config.set_max_stack_depth(self.core.layers().stack_depth());
             } else {
                 log::warn!(
                     "the kernel offers no FUSE passthrough: every read and write goes through the daemon"
@@ -302,7 +285,7 @@ impl Filesystem for MosaicFs {
         }
         let _ = config.set_max_background(64);
         // Counted before the reply leaves: whoever sees a reply sees its request counted.
-        let requests = self.core.stats.requests.clone();
+        let requests = self.core.stats().requests.clone();
         if !fuser::on_request_served(Box::new(move |op, took| requests.record(op, took))) {
             log::warn!("request metrics already go to another mount of this process");
         }
@@ -335,7 +318,7 @@ impl Filesystem for MosaicFs {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.core.inodes.forget(ino.0, nlookup);
+        self.core.forget(ino.0, nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -515,7 +498,7 @@ impl Filesystem for MosaicFs {
         if opened.io == IoMode::Passthrough {
             match self.backing(opened.fh, |fd| reply.open_backing(fd)) {
                 Ok(b) => {
-                    self.core.stats.opens_passthrough.add(1);
+                    self.core.stats().opens_passthrough.add(1);
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
@@ -527,7 +510,7 @@ impl Filesystem for MosaicFs {
                 }
             }
         }
-        self.core.stats.opens_daemon.add(1);
+        self.core.stats().opens_daemon.add(1);
         reply.opened(
             fh,
             fopen_flags(opened.io, opened.flushes, opened.keep_cache),

@@ -100,7 +100,7 @@ pub fn stat_override(data: &[u8]) -> bool {
 
 /// A directory's redirect xattr (`overlay.redirect`): what it names stays inside the layer.
 pub fn redirect(data: &[u8]) -> bool {
-    use crate::namei::Redirect;
+    use crate::overlay::Redirect;
     use std::path::Component;
     match Redirect::parse(data) {
         Some(Redirect::Absolute(p)) => {
@@ -125,7 +125,7 @@ pub fn redirect(data: &[u8]) -> bool {
 
 /// The origin xattr a copied-up object keeps its inode number in.
 pub fn origin(data: &[u8]) -> bool {
-    let Some(ino) = crate::namei::origin_number(data) else {
+    let Some(ino) = crate::overlay::origin_number(data) else {
         return false;
     };
     assert!(ino > 1 && ino < crate::inode::ALIAS_BASE);
@@ -134,7 +134,7 @@ pub fn origin(data: &[u8]) -> bool {
 
 /// A metadata-only file's `overlay.metacopy` value.
 pub fn metacopy(data: &[u8]) -> bool {
-    match crate::metacopy::parse_metacopy(data, Path::new("fuzz")) {
+    match crate::overlay::parse_metacopy(data, Path::new("fuzz")) {
         Ok(Some((algorithm, digest))) => {
             assert_ne!(algorithm, 0);
             assert_eq!(digest.len() + 4, data.len());

@@ -1,10 +1,32 @@
 //! The overlay core: one mounted overlay, independent of FUSE.
 //!
-//! The operations live in files by concern, like kernel overlayfs: `namei.rs` (lookup),
-//! `readdir.rs` (merged listing), `dir.rs` (create, unlink, rename), `attr.rs` (attributes and
-//! xattrs), `copy_up.rs`, `file.rs` (data and partial files). This file holds what they share.
+//! The operations live in files by concern under overlay/, like kernel overlayfs: `namei.rs`
+//! (lookup), `readdir.rs` (merged listing), `dir.rs` (create, unlink, rename), `attr.rs`
+//! (attributes and xattrs), `io.rs` (data), `copy_up.rs`. This file holds what they share.
+//! They are its submodules so that the overlay's state stays private to them: the rest of the
+//! crate sees the methods below marked `pub` and the requests (docs/ARCHITECTURE.md).
 //!
 //! May call (dev/callgraph.py --check keeps it so): metacopy, upper_meta.
+
+// The request files: each holds one concern's `impl Overlay` block and sees the overlay's
+// private state; everything outside `overlay` goes through the methods they make public.
+mod attr;
+mod by_number;
+mod completion;
+mod copy_up;
+mod dir;
+mod fileattr;
+mod io;
+mod metacopy;
+mod namei;
+mod readdir;
+mod sources;
+mod upper_meta;
+
+pub use attr::SetAttr;
+pub(crate) use metacopy::parse_metacopy;
+pub use namei::Redirect;
+pub(crate) use namei::origin_number;
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -117,41 +139,40 @@ impl Config {
 pub const LOWER_CACHE: Duration = Duration::from_secs(60);
 
 pub struct Overlay {
-    pub layers: LayerStack,
-    pub inodes: InodeTable,
-    pub ino_map: InoMap,
-    pub config: Config,
-    pub sparse: SparseSupport,
-    pub handles: HandleTable,
-    pub dirs: DirHandleTable,
+    layers: LayerStack,
+    inodes: InodeTable,
+    ino_map: InoMap,
+    config: Config,
+    sparse: SparseSupport,
+    handles: HandleTable,
+    dirs: DirHandleTable,
     /// The latest snapshot of each directory being listed (readdir.rs).
-    pub listings: crate::readdir::Listings,
-    pub stats: Stats,
-    pub completer: crate::complete::Completer,
+    listings: crate::overlay::readdir::Listings,
+    stats: Stats,
+    completer: crate::complete::Completer,
     /// Copy-after-write's shared state; `None` when it is off.
-    pub caw: Option<Arc<crate::caw::CawShared>>,
-    /// The control socket, removed at shutdown (control.rs).
+    caw: Option<Arc<crate::caw::CawShared>>,
     /// The control socket's path and inode (control.rs), removed at shutdown.
-    pub control_socket: std::sync::Mutex<Option<(PathBuf, u64)>>,
+    control_socket: std::sync::Mutex<Option<(PathBuf, u64)>>,
     /// Moves of upper directories (renames, removals), which change the upper paths of
     /// everything below them. Upper objects are reached by paths built from the inodes' links;
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
     /// request never acts on a path that a concurrent rename of an ancestor made wrong.
-    pub moves: ChangeSeq,
+    moves: ChangeSeq,
     /// Pins of removed upper objects held now (inode.rs `Pin`).
-    pub pins: Arc<std::sync::atomic::AtomicUsize>,
+    pins: Arc<std::sync::atomic::AtomicUsize>,
     /// The descriptors open files may not take (file.rs).
-    pub fd_reserve: crate::file::FdReserve,
+    fd_reserve: crate::file::FdReserve,
     /// Per layer id: copy-up may clone this lower layer's files into the upper layer
     /// (copy_up.rs). Turned off for a layer at the first clone the kernel refuses (EXDEV).
-    pub reflink: Vec<std::sync::atomic::AtomicBool>,
+    reflink: Vec<std::sync::atomic::AtomicBool>,
     shut_down: std::sync::atomic::AtomicBool,
     /// Pre-content events for partial files whose writers pass through (precontent.rs), or
     /// why there are none.
-    pub precontent: std::result::Result<Arc<crate::precontent::PreContent>, String>,
+    precontent: std::result::Result<Arc<crate::precontent::PreContent>, String>,
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
-    pub transport: std::sync::OnceLock<&'static str>,
+    transport: std::sync::OnceLock<&'static str>,
     /// The background workers (copy-after-write, completion) start at the first job, not at
     /// mount: an idle mount holds no thread for them (`arm_workers`, `need_*`).
     me: std::sync::OnceLock<std::sync::Weak<Overlay>>,
@@ -163,7 +184,7 @@ pub struct Overlay {
     /// Tells the kernel that an inode's attributes changed without a reply saying so, and with
     /// `true` its cached data too (a directory's listing) (the FUSE session's notifier, set by
     /// the daemon; tools that never mount have none).
-    pub attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino, bool) + Send + Sync>>,
+    attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino, bool) + Send + Sync>>,
     /// One scan of the tree for a file handle's object at a time (by_number.rs).
     pub(crate) scanning: std::sync::Mutex<()>,
 }
@@ -232,7 +253,7 @@ impl Overlay {
         let reflink = (0..=layers.last_layer())
             .map(|i| std::sync::atomic::AtomicBool::new(clones && i as LayerId != UPPER))
             .collect();
-        let precontent = Self::precontent(&layers, &config)?;
+        let precontent = Self::open_precontent(&layers, &config)?;
         let caw = config
             .caw_memory
             .filter(|_| layers.work.is_some())
@@ -275,9 +296,81 @@ impl Overlay {
         })
     }
 
+    // What the session, the control socket and the tools see of the overlay: views to read
+    // and the hooks the daemon sets once. Everything else stays with the request files.
+
+    pub fn layers(&self) -> &LayerStack {
+        &self.layers
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The upper layer's block size, and whether partial files can be sparse on it.
+    pub fn sparse(&self) -> &SparseSupport {
+        &self.sparse
+    }
+
+    /// The queue of partial files waiting for completion.
+    pub fn completer(&self) -> &crate::complete::Completer {
+        &self.completer
+    }
+
+    /// The bytes copy-after-write still has to fill; `None` when it is off.
+    pub fn caw_pending_bytes(&self) -> Option<usize> {
+        self.caw.as_ref().map(|c| c.pending_bytes())
+    }
+
+    /// This mount's pre-content group, or why partial files' writers go through the daemon.
+    pub fn precontent(&self) -> std::result::Result<&crate::precontent::PreContent, &str> {
+        match &self.precontent {
+            Ok(pc) => Ok(pc),
+            Err(why) => Err(why),
+        }
+    }
+
+    /// Inodes the kernel knows, and open file handles.
+    pub fn open_counts(&self) -> (usize, usize) {
+        (self.inodes.len(), self.handles.len())
+    }
+
+    /// The kernel forgot `n` lookups of `ino`.
+    pub fn forget(&self, ino: Ino, n: u64) {
+        self.inodes.forget(ino, n);
+    }
+
+    /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`).
+    pub fn transport(&self) -> &'static str {
+        self.transport.get().copied().unwrap_or("/dev/fuse")
+    }
+
+    /// Set once the session is up.
+    pub fn set_transport(&self, transport: &'static str) {
+        let _ = self.transport.set(transport);
+    }
+
+    /// How the daemon tells the kernel to drop what it caches of an inode (its attributes, or
+    /// with `true` its data or listing too), for changes no reply carries. Set once.
+    pub fn on_attrs_changed(&self, tell: impl Fn(Ino, bool) + Send + Sync + 'static) {
+        let _ = self.attrs_changed.set(Box::new(tell));
+    }
+
+    /// The control socket's path and inode, removed at shutdown while it is still this socket.
+    pub fn set_control_socket(&self, path: PathBuf, ino: u64) {
+        *self
+            .control_socket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((path, ino));
+    }
+
     /// Has the kernel drop the cached attributes of `ino`, changed by the daemon where no reply
     /// carries them (a set-id bit cleared before a write, a mapped write's times).
-    pub fn attrs_changed_behind(&self, ino: Ino) {
+    fn attrs_changed_behind(&self, ino: Ino) {
         if let Some(tell) = self.attrs_changed.get() {
             tell(ino, false);
         }
@@ -285,7 +378,7 @@ impl Overlay {
 
     /// Has the kernel drop the listing it keeps of directory `ino` (and its attributes),
     /// changed where no change inside the directory tells it.
-    pub fn listing_changed_behind(&self, ino: Ino) {
+    fn listing_changed_behind(&self, ino: Ino) {
         if let Some(tell) = self.attrs_changed.get() {
             tell(ino, true);
         }
@@ -294,7 +387,7 @@ impl Overlay {
     /// Makes sure the upper layer's root carries the guard that keeps fuse-overlayfs from
     /// reading partial files (`partial::LAYER_GUARD`): called before each partial-file mark
     /// is written, it costs one atomic load after the first.
-    pub fn guard_layer_for_partial_files(&self) -> Result<()> {
+    fn guard_layer_for_partial_files(&self) -> Result<()> {
         use std::sync::atomic::Ordering;
         if self.layers.memory.is_some() || self.layer_guarded.load(Ordering::Acquire) {
             // No other overlay reads a memory upper's image.
@@ -315,7 +408,7 @@ impl Overlay {
     }
 
     /// The copy-after-write workers, started at the first deferred block.
-    pub fn need_caw_workers(&self) {
+    fn need_caw_workers(&self) {
         // On the write path: once started, one atomic load and nothing more.
         if self.caw_started.is_completed() {
             return;
@@ -326,7 +419,7 @@ impl Overlay {
     }
 
     /// Queues a partial file for completion; the worker starts with the first one.
-    pub fn register_partial(&self, file: &Arc<crate::file::OpenFile>) {
+    fn register_partial(&self, file: &Arc<crate::file::OpenFile>) {
         self.completer.register(file);
         if self.completion_started.is_completed() {
             return;
@@ -338,7 +431,7 @@ impl Overlay {
 
     /// This mount's pre-content group, or why partial files stay on the daemon path. Err
     /// (the outer one) only for `partial_passthrough=on` where it cannot work.
-    fn precontent(
+    fn open_precontent(
         layers: &LayerStack,
         config: &Config,
     ) -> std::result::Result<std::result::Result<Arc<crate::precontent::PreContent>, String>, String>
@@ -386,7 +479,7 @@ impl Overlay {
     }
 
     /// The path of `ino` relative to the upper layer's root, built from its parent chain.
-    pub fn upper_path(&self, ino: Ino) -> Result<PathBuf> {
+    fn upper_path(&self, ino: Ino) -> Result<PathBuf> {
         let mut names = Vec::new();
         let mut cur = ino;
         while cur != ROOT_INO {
@@ -468,7 +561,7 @@ impl Overlay {
     /// reached the object by a name in its parent directory, and a concurrent rename of that
     /// very directory (which the kernel does not serialise against every call on it) changed
     /// the name under it. `op` must not have changed anything when it fails so.
-    pub fn settled<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+    fn settled<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
         let mut tries = 0;
         loop {
             let moves = self.moves.read();
@@ -491,7 +584,7 @@ impl Overlay {
     /// one is dropped, the directory opened again by its path and `op` run once more. ESTALE
     /// twice (the layer's root itself was replaced, say) is answered EIO with the path in the
     /// log: no local file system answers ESTALE, and this one will not heal by retrying.
-    pub fn in_lower_dir<T>(
+    fn in_lower_dir<T>(
         &self,
         layer: LayerId,
         rel: &Path,
@@ -529,7 +622,7 @@ impl Overlay {
 
     /// The object `rel` of the lower layer `layer`: its parent directory, its name there and
     /// its `stat`.
-    pub fn lower_entry<'a>(
+    fn lower_entry<'a>(
         &self,
         layer: LayerId,
         rel: &'a Path,
@@ -546,7 +639,7 @@ impl Overlay {
     /// `node`'s upper object as a directory and a name in it, or as a descriptor of the object
     /// itself (`None`) for the root and for an unnamed open file (O_TMPFILE, or unlinked while
     /// open), which no name reaches.
-    pub fn upper_target(&self, node: &Node) -> Result<(UpperDir, Option<OsString>)> {
+    fn upper_target(&self, node: &Node) -> Result<(UpperDir, Option<OsString>)> {
         if let Some(f) = self.unnamed_upper_file(node) {
             return Ok((f.into_object(), None));
         }
@@ -556,7 +649,7 @@ impl Overlay {
 
     /// Runs `op` on the layer object `node` shows now (upper if it has an upper part), as a
     /// directory and a name in it — no name for a layer's root or an unnamed upper file.
-    pub fn at_top_entry<T>(
+    fn at_top_entry<T>(
         &self,
         node: &Node,
         mut op: impl FnMut(LayerDir<'_>, Option<&OsStr>) -> Result<T>,
@@ -580,7 +673,7 @@ impl Overlay {
 
     /// A wait on the lower layer `node` lives in, if it is not in the upper layer
     /// (lower_wait.rs): for the syscalls of `at_top_entry`.
-    pub fn waiting_on(&self, node: &Node) -> Result<Option<crate::lower_wait::Waiting>> {
+    fn waiting_on(&self, node: &Node) -> Result<Option<crate::lower_wait::Waiting>> {
         if !crate::lower_wait::watched() {
             return Ok(None);
         }
@@ -595,7 +688,7 @@ impl Overlay {
     }
 
     /// The lower layer `node` shows, if it has no upper part.
-    pub fn lower_only_layer(&self, node: &Node) -> Option<&crate::layers::Layer> {
+    fn lower_only_layer(&self, node: &Node) -> Option<&crate::layers::Layer> {
         let st = node.state();
         match (&st.lower, st.upper) {
             (Some(l), false) => Some(self.layers.layer(l.top())),
@@ -632,7 +725,7 @@ impl Overlay {
     /// Whether `attr`, found at the path of `node`, is `node`'s object: of its type, and with
     /// its number unless a copy-up gave the node its origin's. Always for lower-only nodes
     /// (lower layers do not change under a name).
-    pub fn is_upper_object_of(&self, node: &Node, attr: &Attr) -> bool {
+    fn is_upper_object_of(&self, node: &Node, attr: &Attr) -> bool {
         let st = node.state();
         if !st.upper {
             return true;
@@ -656,7 +749,7 @@ impl Overlay {
     }
 
     /// Keeps `attr`, just taken of `node`'s layer object, for `store_attr`.
-    pub fn keep_store_attr(&self, node: &Node, attr: Attr) {
+    fn keep_store_attr(&self, node: &Node, attr: Attr) {
         let mut st = node.state();
         let on_store = match (&st.lower, st.upper) {
             (Some(l), false) => self.layers.layer(l.top()).on_store,
@@ -759,14 +852,14 @@ impl Overlay {
     }
 
     /// The on-disk owner for a merged-view owner.
-    pub fn disk_ids(&self, uid: u32, gid: u32) -> (u32, u32) {
+    fn disk_ids(&self, uid: u32, gid: u32) -> (u32, u32) {
         (
             self.config.uid_map.to_outside(uid),
             self.config.gid_map.to_outside(gid),
         )
     }
 
-    pub fn check_writable(&self) -> Result<()> {
+    fn check_writable(&self) -> Result<()> {
         if self.config.read_only || !self.layers.has_upper {
             return Err(errno(libc::EROFS));
         }
@@ -874,13 +967,13 @@ impl Overlay {
     }
 
     /// The pinned upper object of a node (inode.rs `Pin`), if any.
-    pub fn pinned(&self, st: &crate::inode::NodeState) -> Option<UpperFile> {
+    fn pinned(&self, st: &crate::inode::NodeState) -> Option<UpperFile> {
         st.pin.as_ref()?.object.try_clone().ok()
     }
 
     /// `node`'s upper object when it has no name any more (or never had one: O_TMPFILE) and
     /// is still open or pinned (inode.rs `Pin`): the only way left to reach it.
-    pub fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
+    fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
         let file = {
             let st = node.state();
             if !st.links.is_empty() || !st.upper {

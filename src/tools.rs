@@ -17,8 +17,8 @@ use rustix::fs::OFlags;
 
 use crate::inode::{Ino, ROOT_INO};
 use crate::layers::{LayerStack, WORK_SUBDIR, WorkLock, XattrNames};
-use crate::namei::Redirect;
 use crate::options::{Redirects, ToolArgs};
+use crate::overlay::Redirect;
 use crate::overlay::{Config, Overlay};
 use crate::partial::PartialMark;
 use crate::sys;
@@ -74,8 +74,8 @@ pub fn complete(t: &ToolArgs) -> i32 {
     let visited = run.visit(ROOT_INO, Path::new(""), false);
     drop(progress);
     let unguarded = || -> crate::error::Result<()> {
-        if run.partial_left == 0 && run.overlay.layers.memory.is_none() {
-            crate::partial::unguard_layer(&run.overlay.layers.upper_root()?)?;
+        if run.partial_left == 0 && run.overlay.layers().memory.is_none() {
+            crate::partial::unguard_layer(&run.overlay.layers().upper_root()?)?;
         }
         Ok(())
     };
@@ -117,12 +117,12 @@ impl Progress {
         let (ov, flag) = (ov.clone(), stop.clone());
         let thread = std::thread::spawn(move || {
             let bar = indicatif::ProgressBar::new_spinner();
-            let block = ov.sparse.block;
+            let block = ov.sparse().block;
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                let filled = ov.stats.blocks_filled.get() * block;
+                let filled = ov.stats().blocks_filled.get() * block;
                 bar.set_message(format!(
                     "completing: {} files whole, {} filled from lower files",
-                    ov.stats.completions.get(),
+                    ov.stats().completions.get(),
                     indicatif::HumanBytes(filled)
                 ));
                 bar.tick();
@@ -173,7 +173,7 @@ impl Completion {
         let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
         let node = ov.node(ino).map_err(at)?;
         let (dir, name) = ov.upper_entry(&node).map_err(at)?;
-        let names = &ov.layers.xattr;
+        let names = &ov.layers().xattr;
         let redirect = dir
             .view()
             .get_xattr(Some(&name), &names.redirect)
@@ -214,7 +214,7 @@ impl Completion {
         if copy {
             // Every entry is in the upper layer now: hide the lower parts, then drop the
             // redirect that pointed at them.
-            ov.layers.make_opaque(&dir, &name).map_err(at)?;
+            ov.layers().make_opaque(&dir, &name).map_err(at)?;
             self.drop_whiteouts(&dir, &name).map_err(at)?;
             for key in [names.redirect.clone(), kernel_redirect(names)] {
                 match dir.remove_xattr(Some(&name), OsStr::new(&key)) {
@@ -246,7 +246,7 @@ impl Completion {
             let is_wh_file = n.as_bytes().starts_with(crate::layers::WHITEOUT_PREFIX)
                 && n != crate::layers::OPAQUE_WHITEOUT;
             let attr = d.stat_at(n)?;
-            if is_wh_file || self.overlay.layers.is_whiteout(d.view(), n, &attr)? {
+            if is_wh_file || self.overlay.layers().is_whiteout(d.view(), n, &attr)? {
                 d.unlink(n)?;
             }
         }
@@ -277,7 +277,7 @@ impl Completion {
             self.done.files += 1;
         }
         // Completion keeps each file it registers open; this one is done.
-        drop(ov.completer.drain());
+        drop(ov.completer().drain());
         Ok(())
     }
 
@@ -288,7 +288,7 @@ impl Completion {
             .overlay
             .upper_entry(node)
             .map_err(|e| format!("{}: {e}", shown(path)))?;
-        let device = &self.overlay.layers.xattr.device;
+        let device = &self.overlay.layers().xattr.device;
         if dir
             .view()
             .get_xattr(Some(&name), device)
@@ -312,7 +312,7 @@ impl Completion {
         let ov = self.overlay.clone();
         let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
         let (dir, name) = ov.upper_entry(node).map_err(at)?;
-        let names = &ov.layers.xattr;
+        let names = &ov.layers().xattr;
         let guard = crate::partial::guard(names);
         let (witness, value) = guard[guard.len() - 1];
         // Only our own guard: a kernel overlayfs metacopy file holds the same names.

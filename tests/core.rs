@@ -9,10 +9,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use mosaicfs::attr::SetAttr;
 use mosaicfs::inode::Node;
 use mosaicfs::layers::{LayerStack, MemorySpec, WorkLock};
 use mosaicfs::options::{Command, parse_args};
+use mosaicfs::overlay::SetAttr;
 use mosaicfs::overlay::{Caller, Config, Overlay};
 use mosaicfs::upper::ReadData;
 
@@ -277,7 +277,7 @@ fn a_write_to_a_lower_file_copies_up_one_block_and_completion_the_rest() {
         let opened = c.ov().open(ino, libc::O_RDWR, None).unwrap();
         let file = c
             .ov()
-            .completer
+            .completer()
             .find(ino)
             .expect("a partial file is queued");
         c.ov().complete_file(&file).unwrap();

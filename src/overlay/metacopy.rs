@@ -30,9 +30,9 @@ use std::sync::Arc;
 use crate::error::{Error, Result, errno};
 use crate::inode::LowerData;
 use crate::layers::LayerId;
-use crate::namei::Redirect;
 use crate::options::Verity;
 use crate::overlay::Overlay;
+use crate::overlay::namei::Redirect;
 use crate::sys;
 use crate::upper::LayerDir;
 

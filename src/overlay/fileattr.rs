@@ -132,7 +132,7 @@ pub(crate) fn inode_protection(dir: LayerDir<'_>, name: Option<&OsStr>) -> Resul
 impl Overlay {
     /// EPERM when the immutable or append-only flag of `node` forbids `change`; else its
     /// flags (`protection`).
-    pub fn check_change(&self, node: &Node, change: Change) -> Result<u32> {
+    pub(super) fn check_change(&self, node: &Node, change: Change) -> Result<u32> {
         let protection = self.protection(node)?;
         if change.forbidden_by(protection) {
             return Err(errno(libc::EPERM));

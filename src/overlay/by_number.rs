@@ -75,7 +75,7 @@ impl Overlay {
     }
 
     /// LOOKUP of ".." in the directory `ino`: its parent, one kernel reference counted.
-    pub fn lookup_parent(&self, ino: Ino) -> Result<(Arc<Node>, Attr)> {
+    pub(super) fn lookup_parent(&self, ino: Ino) -> Result<(Arc<Node>, Attr)> {
         let node = self.node(ino)?;
         if !node.is_dir() {
             return Err(errno(libc::ENOTDIR));

@@ -8,23 +8,23 @@
 use std::ffi::OsStr;
 
 use crate::error::{Result, errno};
-use crate::fileattr::{FS_APPEND_FL, FS_IMMUTABLE_FL};
 use crate::inode::Node;
 use crate::layers::{LayerId, UPPER};
 use crate::overlay::Overlay;
+use crate::overlay::fileattr::{FS_APPEND_FL, FS_IMMUTABLE_FL};
 use crate::stat_override::OverrideStat;
 use crate::sys::Attr;
 use crate::upper::{LayerDir, UpperDir};
 
 impl Overlay {
     /// Whether owners and modes of upper objects are kept in an xattr (`xattr_permissions=`).
-    pub fn upper_overrides(&self) -> bool {
+    pub(super) fn upper_overrides(&self) -> bool {
         self.layers.has_upper && self.layers.layer(UPPER).stat_override.is_some()
     }
 
     /// The owner and mode kept in an xattr for the object `name` in `dir` (`dir` itself for
     /// `None`) of `layer`, when the layer keeps them so and the object has a value.
-    pub fn override_at(
+    pub(super) fn override_at(
         &self,
         layer: LayerId,
         dir: LayerDir<'_>,
@@ -48,7 +48,7 @@ impl Overlay {
     }
 
     /// `override_at` for the object behind `node`.
-    pub fn node_override(&self, node: &Node) -> Option<OverrideStat> {
+    pub(super) fn node_override(&self, node: &Node) -> Option<OverrideStat> {
         if !self.layers.any_override {
             return None;
         }
@@ -68,7 +68,7 @@ impl Overlay {
 
     /// Keeps owner and mode `v` of the upper object `name` in `dir` (of type `kind`) in the
     /// upper layer's xattr.
-    pub fn set_override(
+    pub(super) fn set_override(
         &self,
         dir: &UpperDir,
         name: Option<&OsStr>,
@@ -101,7 +101,7 @@ impl Overlay {
     /// in the upper layer's xattr: the caller, with the group of a setgid parent (`parent`, the
     /// parent's upper directory), and the mode it was made with. The inode stays the daemon's,
     /// which must keep reaching it whatever mode the creator asked for.
-    pub fn own_new_in_xattr(
+    pub(super) fn own_new_in_xattr(
         &self,
         dir: &UpperDir,
         name: Option<&OsStr>,
@@ -130,7 +130,7 @@ impl Overlay {
 
     /// Makes sure the daemon, which owns an inode whose owner and mode live in an xattr, can
     /// read and write it (and search a directory) whatever mode the merged view shows.
-    pub fn keep_reachable(&self, dir: &UpperDir, name: Option<&OsStr>, real: &Attr) -> Result<()> {
+    pub(super) fn keep_reachable(&self, dir: &UpperDir, name: Option<&OsStr>, real: &Attr) -> Result<()> {
         let need = match real.file_type() {
             libc::S_IFDIR => 0o700,
             libc::S_IFREG => 0o600,

@@ -54,7 +54,7 @@ impl Overlay {
 
     /// Copies `node` up; with `empty`, a regular file comes up empty and complete (for a
     /// truncate to zero), so not even a partial file is needed.
-    pub fn copy_up_with(&self, node: &Node, empty: bool) -> Result<()> {
+    pub(super) fn copy_up_with(&self, node: &Node, empty: bool) -> Result<()> {
         self.check_writable()?;
         if node.ino == ROOT_INO || node.state().upper {
             return Ok(());
@@ -227,7 +227,7 @@ impl Overlay {
         self.copy_xattrs(ldir.into(), lname, work, tmp, Xattrs::OfTheFile)?;
         if lattr.is_reg() || lattr.is_dir() {
             // Immutable and append-only lower objects stay so (fileattr.rs).
-            let protection = crate::fileattr::inode_protection(ldir.into(), Some(lname))?;
+            let protection = crate::overlay::fileattr::inode_protection(ldir.into(), Some(lname))?;
             if protection != 0 {
                 self.store_protection(work, Some(tmp), protection)?;
             }
@@ -357,7 +357,7 @@ impl Overlay {
     /// `name` in `parent` is a lower hard link of `node`, another name of which was copied up:
     /// links the upper file there too, so all names go on showing one file (as hard links do),
     /// after a remount as well. Kernel overlayfs does the same with `index=on`.
-    pub fn join_copied_up_link(&self, node: &Node, parent: Ino, name: &OsStr) -> Result<()> {
+    pub(super) fn join_copied_up_link(&self, node: &Node, parent: Ino, name: &OsStr) -> Result<()> {
         let pnode = self.node(parent)?;
         self.copy_up(&pnode)?;
         let udir = self.upper_dir(&pnode)?;
@@ -372,7 +372,7 @@ impl Overlay {
     /// After `node`, a lower hard link, was copied up under its first name: links the upper
     /// file under the other names this mount knows. They are one inode to the kernel, so a
     /// change through one name already shows through all; this makes the upper layer agree.
-    pub fn join_other_links(&self, node: &Node) {
+    pub(super) fn join_other_links(&self, node: &Node) {
         let others: Vec<(Ino, OsString)> = node.state().links.iter().skip(1).cloned().collect();
         for (p, n) in others {
             match self.join_copied_up_link(node, p, &n) {

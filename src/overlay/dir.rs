@@ -15,12 +15,12 @@ use std::sync::Arc;
 
 use rustix::fs::RenameFlags;
 
-use crate::copy_up::{Xattrs, temp_name};
 use crate::error::{Result, errno};
-use crate::fileattr::Change;
 use crate::inode::{Found, Ino, Node, Pin};
 use crate::layers::{UPPER, is_reserved_name, wh_name};
-use crate::namei::{Entry, UpperSlot, check_name};
+use crate::overlay::copy_up::{Xattrs, temp_name};
+use crate::overlay::fileattr::Change;
+use crate::overlay::namei::{Entry, UpperSlot, check_name};
 use crate::overlay::{Caller, DirView, Overlay};
 use crate::sys::Attr;
 use crate::upper::{Creation, UpperDir};

@@ -17,7 +17,7 @@ const BACKGROUND_RATE: u64 = 256 << 20;
 
 impl Overlay {
     /// Starts the completion worker; it ends when `shutdown` stops it.
-    pub fn start_completion(self: &Arc<Self>) {
+    pub(super) fn start_completion(self: &Arc<Self>) {
         let policy = &self.config.completion;
         if policy.after_idle.is_none() && policy.ratio <= 0.0 && policy.on_reopen_below == 0 {
             return;
@@ -45,7 +45,7 @@ impl Overlay {
     }
 
     /// Completes every queued file that is due, and drops those no longer partial.
-    pub fn complete_due(&self) {
+    pub(super) fn complete_due(&self) {
         let files: Vec<Arc<OpenFile>> = self
             .completer
             .queue

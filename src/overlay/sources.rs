@@ -113,7 +113,7 @@ impl Overlay {
     }
 
     /// After `node` was copied up, moves its open state (if any) to the upper file.
-    pub fn refresh_open(&self, node: &Node) -> Result<()> {
+    pub(super) fn refresh_open(&self, node: &Node) -> Result<()> {
         let Some(f) = node.state().open.upgrade() else {
             return Ok(());
         };
@@ -130,7 +130,7 @@ impl Overlay {
 
     /// Opens file `path` of lower layer `layer` for reading: a plain file, or a partial file
     /// left there by an earlier mount whose upper dir is now stacked as a lower one.
-    pub fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
+    pub(super) fn open_lower_source(&self, layer: LayerId, path: &Path) -> Result<Source> {
         let _waiting = crate::lower_wait::enter(layer)?;
         self.stats.lower_opens.add(1);
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
@@ -244,7 +244,7 @@ impl Overlay {
     }
 
     /// Opens the data of the lower file `lower` for reading, its digest checked (`verity=`).
-    pub fn open_lower_data(&self, lower: &LowerRef) -> Result<Source> {
+    pub(super) fn open_lower_data(&self, lower: &LowerRef) -> Result<Source> {
         let (layer, path) = lower.data_at();
         let src = self.open_lower_source(layer, path)?;
         if let (Some(data), Source::File(fd)) = (&lower.data, &src) {

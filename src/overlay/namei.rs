@@ -129,7 +129,7 @@ impl Overlay {
     /// What the upper directory `dir` holds at `name`. `below`: whether lower layers lie under
     /// it; only then can a `.wh.NAME` file matter (it hides nothing otherwise, and a stale one
     /// is harmless), so only then is it looked for.
-    pub fn upper_slot(&self, dir: LayerDir<'_>, name: &OsStr, below: bool) -> Result<UpperSlot> {
+    pub(super) fn upper_slot(&self, dir: LayerDir<'_>, name: &OsStr, below: bool) -> Result<UpperSlot> {
         if let Some(attr) = dir.stat_opt(name)? {
             if self.layers.is_whiteout(dir, name, &attr)? {
                 return Ok(UpperSlot::Whiteout);
@@ -269,7 +269,7 @@ impl Overlay {
     }
 
     /// Resolves `name` in the lower directories `dir` only.
-    pub fn resolve_lower(&self, dir: &LowerRef, name: &OsStr) -> Result<Option<(Attr, LowerRef)>> {
+    pub(super) fn resolve_lower(&self, dir: &LowerRef, name: &OsStr) -> Result<Option<(Attr, LowerRef)>> {
         let candidates = dir
             .layers
             .iter()
@@ -279,7 +279,7 @@ impl Overlay {
     }
 
     /// The lower directories at `target`, for a renamed directory's redirect.
-    pub fn resolve_redirect(&self, target: &Path) -> Result<Option<LowerRef>> {
+    pub(super) fn resolve_redirect(&self, target: &Path) -> Result<Option<LowerRef>> {
         let candidates = self
             .layers
             .lower_ids()
@@ -377,7 +377,7 @@ impl Overlay {
     }
 
     /// The inode number a copied-up object keeps from its origin, if it has one.
-    pub fn origin_ino(&self, dir: LayerDir<'_>, name: &OsStr) -> Result<Option<Ino>> {
+    pub(super) fn origin_ino(&self, dir: LayerDir<'_>, name: &OsStr) -> Result<Option<Ino>> {
         let Some(raw) = dir.get_xattr(Some(name), &self.layers.xattr.origin)? else {
             return Ok(None);
         };
@@ -396,7 +396,7 @@ impl Overlay {
 
     /// Whether `name` in the directory `node` is visible in a lower layer, so that removing it
     /// from the merged view needs a whiteout.
-    pub fn lower_has(&self, dir: &Node, name: &OsStr) -> Result<bool> {
+    pub(super) fn lower_has(&self, dir: &Node, name: &OsStr) -> Result<bool> {
         let lower = dir.state().lower.clone();
         match lower {
             Some(l) => Ok(self.resolve_lower(&l, name)?.is_some()),

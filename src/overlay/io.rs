@@ -11,12 +11,12 @@ use std::time::Duration;
 use rustix::fs::FallocateFlags;
 
 use crate::error::{Error, Result, errno};
-use crate::file::{DataRef, FileData, IoMode, OpenFile, Opened};
-use crate::fileattr::{Change, FS_APPEND_FL};
+use crate::file::{Backing, DataRef, FileData, IoMode, OpenFile, Opened};
 use crate::handles::Handle;
 use crate::inode::{Ino, Node};
 use crate::layers::UPPER;
 use crate::options::PassthroughPolicy;
+use crate::overlay::fileattr::{Change, FS_APPEND_FL};
 use crate::overlay::{Caller, Overlay};
 use crate::upper::ReadData;
 use crate::upper::UpperFile;
@@ -121,7 +121,7 @@ impl Overlay {
     }
 
     /// Makes `data` the open state of `node` (an O_TMPFILE, which has no path to open by).
-    pub fn adopt_open_file(&self, node: &Node, data: FileData) -> Arc<OpenFile> {
+    pub(super) fn adopt_open_file(&self, node: &Node, data: FileData) -> Arc<OpenFile> {
         let f = Arc::new(OpenFile::new(node.st_ino, data));
         node.state().open = Arc::downgrade(&f);
         f
@@ -339,8 +339,37 @@ impl Overlay {
         }
     }
 
+    /// The inode's registration for passthrough of handle `fh`, made with `register` on first
+    /// use and shared by the inode's handles. When it cannot be made, the handle goes through
+    /// the daemon instead: its new I/O mode is the error.
+    pub fn passthrough_backing(
+        &self,
+        fh: u64,
+        register: impl FnOnce(std::os::fd::BorrowedFd<'_>) -> std::io::Result<Backing>,
+    ) -> std::result::Result<Backing, IoMode> {
+        let refused = |why: String| {
+            log::debug!("passthrough refused, serving through the daemon: {why}");
+            self.passthrough_refused(fh).unwrap_or(IoMode::Cached)
+        };
+        let Ok(h) = self.handle(fh) else {
+            return Err(refused("handle gone".into()));
+        };
+        h.node
+            .io
+            .backing(
+                &h.file,
+                |fd| {
+                    let b = register(fd)?;
+                    self.stats.backings.add(1);
+                    Ok(b)
+                },
+                || std::io::Error::other("the file was copied up meanwhile"),
+            )
+            .map_err(|e| refused(e.to_string()))
+    }
+
     /// The kernel did not take the backing file: handle `fh` goes through the daemon instead.
-    pub fn passthrough_refused(&self, fh: u64) -> Result<IoMode> {
+    fn passthrough_refused(&self, fh: u64) -> Result<IoMode> {
         let h = self.handle(fh)?;
         let mut io = h.io.lock().unwrap_or_else(|e| e.into_inner());
         h.node.io.end(*io);
@@ -572,7 +601,7 @@ impl Overlay {
     /// (`setattr_should_drop_suidgid`): set-group-id goes when the file is group-executable,
     /// or when `caller` is not in the file's group. The kernel's cached
     /// attributes are dropped when the mode changed (`attrs_changed_behind`).
-    pub fn kill_privs(&self, node: &Node, file: &OpenFile, caller: &Caller) -> Result<()> {
+    pub(super) fn kill_privs(&self, node: &Node, file: &OpenFile, caller: &Caller) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
         let lower_has_setid = match &*self.opened_data(file)? {
             FileData::Lower(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
@@ -792,7 +821,7 @@ impl PrivsOf<'_> {
 }
 
 impl Overlay {
-    pub fn privs_of(&self) -> PrivsOf<'_> {
+    pub(super) fn privs_of(&self) -> PrivsOf<'_> {
         PrivsOf {
             overlay: self,
             in_xattr: self.upper_overrides(),
@@ -804,7 +833,7 @@ impl Overlay {
 impl Overlay {
     /// Starts the copy-after-write workers (`caw_workers=0`: blocks are filled only when
     /// something needs them, at fsync, truncate, completion or close).
-    pub fn start_caw_workers(self: &Arc<Self>) {
+    pub(super) fn start_caw_workers(self: &Arc<Self>) {
         let Some(caw) = self.caw.clone() else { return };
         for i in 0..self.config.caw_workers {
             let me = self.clone();

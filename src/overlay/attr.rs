@@ -12,10 +12,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
 use crate::error::{Result, errno};
-use crate::fileattr::Change;
 use crate::inode::{Ino, Node};
 use crate::layers::{UPPER, merged_xattr_name, stored_xattr_name};
 use crate::overlay::Overlay;
+use crate::overlay::fileattr::Change;
 use crate::stat_override::OverrideStat;
 use crate::sys::{Attr, Time};
 
