@@ -14,6 +14,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::error::Result;
 use crate::options::Format;
 use crate::overlay::Overlay;
 
@@ -568,9 +569,9 @@ fn serve_http(listener: &std::net::TcpListener, body: impl Fn() -> String) {
 /// `mosaicfs metrics --listen ADDR`: one scrape target for every mosaicfs mount of the host
 /// (of this mount namespace): each scrape asks every live mount's daemon, and each series
 /// carries a `mount` label with its mount point. Serves until killed.
-pub fn serve_all_metrics(addr: std::net::SocketAddr) -> Result<(), String> {
+pub fn serve_all_metrics(addr: std::net::SocketAddr) -> Result<()> {
     let listener = std::net::TcpListener::bind(addr).map_err(|e| {
-        format!("metrics --listen {addr}: cannot listen there ({e}): pick a free port")
+        crate::message!("metrics --listen {addr}: cannot listen there ({e}): pick a free port")
     })?;
     serve_http(&listener, all_mounts_prometheus);
     Ok(())
@@ -670,9 +671,9 @@ fn prometheus_escape(v: &str) -> String {
 }
 
 /// Connects to the daemon of the mount at `mountpoint` and asks for `what`.
-pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
+pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream> {
     let dev = mount_device(mountpoint)
-        .ok_or_else(|| format!("'{}' is not a mount point", mountpoint.display()))?;
+        .ok_or_else(|| crate::message!("'{}' is not a mount point", mountpoint.display()))?;
     // A daemon binds its socket just after its mount appears (`serve`): a tool run right after
     // a foreground mount (`-f`) waits for it, up to 2 s, rather than report no daemon.
     let mut path = find_socket(&dev);
@@ -698,7 +699,7 @@ pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
         )
     })?;
     let mut conn = UnixStream::connect(&path).map_err(|e| {
-        format!(
+        crate::message!(
             "no mosaicfs daemon answers for '{}' ({}: {e}); is it a mosaicfs mount?",
             mountpoint.display(),
             path.display()
@@ -711,17 +712,17 @@ pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream, String> {
 }
 
 /// `mosaicfs sync MNT`: makes the mount's memory upper durable as it is now (an image).
-pub fn sync(mountpoint: &Path) -> Result<(), String> {
+pub fn sync(mountpoint: &Path) -> Result<()> {
     let mut conn = connect(mountpoint, "sync")?;
     let mut out = String::new();
     conn.read_to_string(&mut out).map_err(|e| e.to_string())?;
     match out.trim_end() {
         "ok" => Ok(()),
-        "" => Err(format!(
+        "" => Err(crate::message!(
             "the daemon of '{}' closed the connection without an answer (it is shutting down?)",
             mountpoint.display()
         )),
-        e => Err(format!(
+        e => Err(crate::message!(
             "'{}': {}: check the upper dir's file system (full? read-only?) and run sync again",
             mountpoint.display(),
             e.trim_start_matches("error: ")
@@ -730,7 +731,7 @@ pub fn sync(mountpoint: &Path) -> Result<(), String> {
 }
 
 /// `mosaicfs status MNT`: the report of the mount at `mountpoint`, in `format`.
-pub fn status(mountpoint: &Path, format: Format) -> Result<String, String> {
+pub fn status(mountpoint: &Path, format: Format) -> Result<String> {
     let mut conn = connect(mountpoint, format.word())?;
     let mut out = String::new();
     conn.read_to_string(&mut out).map_err(|e| e.to_string())?;

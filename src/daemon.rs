@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use crate::error::Result;
 use crate::fuse::MosaicFs;
 use crate::layers::{LayerStack, MemorySpec};
 use crate::options::{self, Command, Options};
@@ -147,7 +148,7 @@ fn remount(opts: &Options) -> i32 {
     }
 }
 
-fn check_mountpoint(opts: &Options) -> Result<(), String> {
+fn check_mountpoint(opts: &Options) -> Result<()> {
     // statfs reaches the daemon of a FUSE mount there (stat may be answered from the
     // kernel's cache): ENOTCONN when that daemon is gone.
     let dead = matches!(
@@ -161,20 +162,20 @@ fn check_mountpoint(opts: &Options) -> Result<(), String> {
     };
     match seen {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(format!(
+        Ok(_) => Err(crate::message!(
             "mount point '{}' is not a directory",
             opts.mountpoint.display()
         )),
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Err(format!(
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Err(crate::message!(
             "mount point '{0}' holds a dead FUSE mount (its daemon exited or was killed): \
              unmount it first ('umount {0}', or 'umount -l {0}' while it is busy)",
             opts.mountpoint.display()
         )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(crate::message!(
             "mount point '{}' does not exist: create it first",
             opts.mountpoint.display()
         )),
-        Err(e) => Err(format!(
+        Err(e) => Err(crate::message!(
             "mount point '{}' cannot be used: {e}",
             opts.mountpoint.display()
         )),
@@ -194,7 +195,7 @@ fn raise_nofile_limit() {
     }
 }
 
-fn mount(opts: Options) -> Result<(), String> {
+fn mount(opts: Options) -> Result<()> {
     check_mountpoint(&opts)?;
     crate::sys::set_noatime(opts.noatime);
     if opts.noatime || opts.strictatime || opts.nodiratime {
@@ -237,7 +238,7 @@ fn mount(opts: Options) -> Result<(), String> {
             None
         }
         Some((addr, Err(e))) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "metrics={addr}: cannot listen there ({e}): pick a free local port"
             ));
         }
@@ -269,8 +270,8 @@ fn mount(opts: Options) -> Result<(), String> {
 
     let mut notify: Option<OwnedFd> = None;
     if !opts.foreground {
-        let (r, w) = rustix::pipe::pipe().map_err(|e| format!("pipe: {e}"))?;
-        match crate::sys::fork().map_err(|e| format!("fork: {e}"))? {
+        let (r, w) = rustix::pipe::pipe().map_err(|e| crate::message!("pipe: {e}"))?;
+        match crate::sys::fork().map_err(|e| crate::message!("fork: {e}"))? {
             Some(_child) => {
                 drop(w);
                 return wait_for_child(r);
@@ -285,7 +286,7 @@ fn mount(opts: Options) -> Result<(), String> {
     let result = serve(overlay, &opts, &mut notify, metrics, log_file);
     if let (Err(e), Some(w)) = (&result, notify) {
         let mut f = std::fs::File::from(w);
-        let _ = f.write_all(e.as_bytes());
+        let _ = f.write_all(e.to_string().as_bytes());
     }
     result
 }
@@ -299,7 +300,7 @@ fn mount(opts: Options) -> Result<(), String> {
 /// store's client that stops answering must not take every worker — over io_uring a request
 /// waits for an entry of its CPU's queue, and requests queued behind stuck entries move only
 /// when one of those entries answers (entries added later take new requests, not queued ones).
-fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
+fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool> {
     let kernel = fuser::uring_enabled();
     let on_store = overlay
         .layers()
@@ -315,7 +316,7 @@ fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
              its worker): use uring=auto, which keeps /dev/fuse then, or drop lower_timeout"
                 .into(),
         ),
-        options::Uring::On if on_store.is_some() => Err(format!(
+        options::Uring::On if on_store.is_some() => Err(crate::message!(
             "uring=on: lower layer '{}' is on a network or FUSE store, and a store that stops \
              answering would hold up every request queued behind it over io_uring; use \
              uring=auto, which keeps /dev/fuse then",
@@ -327,7 +328,7 @@ fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
         )),
         options::Uring::On => match kernel {
             Some(true) => Ok(true),
-            Some(false) => Err(format!(
+            Some(false) => Err(crate::message!(
                 "uring=on: FUSE over io_uring is off in this kernel; turn it on as root with \
                  'echo Y > {}', or mount with uring=auto",
                 fuser::URING_ENABLE_PARAMETER
@@ -341,14 +342,14 @@ fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool, String> {
     }
 }
 
-fn wait_for_child(r: OwnedFd) -> Result<(), String> {
+fn wait_for_child(r: OwnedFd) -> Result<()> {
     let mut f = std::fs::File::from(r);
     let mut buf = Vec::new();
     let _ = f.read_to_end(&mut buf);
     match buf.as_slice() {
         [0] => Ok(()),
         [] => Err("the mount daemon exited before the mount was live".into()),
-        msg => Err(String::from_utf8_lossy(msg).into_owned()),
+        msg => Err(String::from_utf8_lossy(msg).into_owned().into()),
     }
 }
 
@@ -484,7 +485,7 @@ fn serve(
     notify: &mut Option<OwnedFd>,
     metrics: Option<std::net::TcpListener>,
     log_file: Option<std::fs::File>,
-) -> Result<(), String> {
+) -> Result<()> {
     overlay.arm_workers();
     let control = overlay.clone();
     log_panics();
@@ -500,7 +501,7 @@ fn serve(
     };
     let under = crate::sys::device_of(&opts.mountpoint);
     let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
-        .map_err(|e| format!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
+        .map_err(|e| crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     let notifier = session.notifier();
     control.on_attrs_changed(move |ino, data| {
         // Offset -1: attributes only, the cached pages stay; 0: from the start, every page
@@ -510,7 +511,7 @@ fn serve(
         let _ = notifier.inval_inode(fuser::INodeNo(ino), offset, 0);
     });
     if opts.uring == options::Uring::On && session.transport() != "io_uring" {
-        return Err(format!(
+        return Err(crate::message!(
             "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",
             opts.mountpoint.display(),
             fuser::URING_ENABLE_PARAMETER
@@ -565,7 +566,7 @@ fn serve(
     // Pending blocks reach the disk on every way out, not only through FUSE's destroy.
     control.shutdown();
     log::debug!("shut down");
-    result.map_err(|e| format!("FUSE session ended: {e}"))
+    result.map_err(|e| crate::message!("FUSE session ended: {e}"))
 }
 
 /// The panic policy (docs/ROBUSTNESS.md): a panic in a request ends that request with EIO and

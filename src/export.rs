@@ -96,12 +96,12 @@ fn shown(path: &[u8]) -> String {
     format!("/{}", String::from_utf8_lossy(path))
 }
 
-fn failed(path: &[u8], e: impl std::fmt::Display) -> String {
-    format!("{}: {e}", shown(path))
+fn failed(path: &[u8], e: impl std::fmt::Display) -> Error {
+    crate::message!("{}: {e}", shown(path))
 }
 
 /// Finds every entry to export.
-pub fn plan(ov: &Overlay) -> Result<Plan<'_>, String> {
+pub fn plan(ov: &Overlay) -> FsResult<Plan<'_>> {
     let mut plan = Plan {
         ov,
         items: Vec::new(),
@@ -122,7 +122,7 @@ pub fn plan(ov: &Overlay) -> Result<Plan<'_>, String> {
 /// as hard links to the copy. They are found by a walk of the lower layers' directories,
 /// matching entries' inode numbers (no stat per file), done when the layer has copied-up
 /// files at all: a read of every lower directory, what any diff of a layer costs.
-fn plan_lower_links(plan: &mut Plan) -> Result<(), String> {
+fn plan_lower_links(plan: &mut Plan) -> FsResult<()> {
     let ov = plan.ov;
     // Copied-up regular files, by merged inode number (the lower file's). Whether the lower
     // file had other names is not known without its path, which a copy-up does not keep.
@@ -189,7 +189,7 @@ fn plan_lower_links(plan: &mut Plan) -> Result<(), String> {
 
 /// The directory at merged path `path`, if there is one. Every node on the way stays
 /// referenced until the plan ends (`held`): a node's path is resolved through its parents.
-fn resolve_dir(plan: &mut Plan, path: &[u8]) -> Result<Option<Arc<Node>>, String> {
+fn resolve_dir(plan: &mut Plan, path: &[u8]) -> FsResult<Option<Arc<Node>>> {
     let mut node = plan.ov.node(ROOT_INO).map_err(|e| failed(path, e))?;
     for part in path.split(|&c| c == b'/').filter(|p| !p.is_empty()) {
         match plan.ov.lookup(node.ino, std::ffi::OsStr::from_bytes(part)) {
@@ -206,7 +206,7 @@ fn resolve_dir(plan: &mut Plan, path: &[u8]) -> Result<Option<Arc<Node>>, String
 
 /// Adds the entries of directory `ino` (archive path `path`). `whole`: every entry the merged
 /// view shows (below a redirect); otherwise only the upper layer's objects and whiteouts.
-fn plan_dir(plan: &mut Plan, ino: Ino, path: &[u8], whole: bool) -> Result<(), String> {
+fn plan_dir(plan: &mut Plan, ino: Ino, path: &[u8], whole: bool) -> FsResult<()> {
     let ov = plan.ov;
     let node = ov.node(ino).map_err(|e| failed(path, e))?;
     let view = ov.dir_view(&node).map_err(|e| failed(path, e))?;
@@ -286,7 +286,7 @@ pub fn write<W: Write>(
     plan: Plan,
     out: W,
     progress: &mut dyn FnMut(u64),
-) -> Result<(W, Summary), String> {
+) -> FsResult<(W, Summary)> {
     let ov = plan.ov;
     let mut tar = TarWriter::new(out);
     let mut sum = Summary::default();
@@ -341,7 +341,7 @@ pub fn write<W: Write>(
     }
     let out = tar
         .finish()
-        .map_err(|e| format!("writing the archive: {e}"))?;
+        .map_err(|e| crate::message!("writing the archive: {e}"))?;
     Ok((out, sum))
 }
 
@@ -632,7 +632,9 @@ pub fn serve(ov: &Overlay, conn: std::os::unix::net::UnixStream) {
             send_frame(&mut out, FRAME_SUMMARY, &figures)?;
             out.flush()
         })(),
-        Err(e) => send_frame(&mut out, FRAME_ERROR, e.as_bytes()).and_then(|()| out.flush()),
+        Err(e) => {
+            send_frame(&mut out, FRAME_ERROR, e.to_string().as_bytes()).and_then(|()| out.flush())
+        }
     };
 }
 
@@ -742,7 +744,7 @@ pub fn run(a: &ExportArgs) -> i32 {
         )),
     };
     let r = Sink::new(dest, a.compression)
-        .map_err(|e| format!("cannot start the compressor: {e}"))
+        .map_err(|e| crate::message!("cannot start the compressor: {e}"))
         .and_then(|sink| match &a.from {
             ExportFrom::Mount(mnt) => export_live(mnt, sink, &bar),
             ExportFrom::Dirs(o) => export_offline(o, sink, &bar),
@@ -750,13 +752,15 @@ pub fn run(a: &ExportArgs) -> i32 {
         .and_then(|(sink, sum)| {
             drop(
                 sink.finish()
-                    .map_err(|e| format!("writing the archive: {e}"))?,
+                    .map_err(|e| crate::message!("writing the archive: {e}"))?,
             );
             if let (Some(t), Some(out)) = (&temp, &a.output) {
                 std::fs::File::open(t)
                     .and_then(|f| f.sync_all())
                     .and_then(|()| std::fs::rename(t, out))
-                    .map_err(|e| format!("cannot put the archive at '{}': {e}", out.display()))?;
+                    .map_err(|e| {
+                        crate::message!("cannot put the archive at '{}': {e}", out.display())
+                    })?;
             }
             Ok(sum)
         });
@@ -790,7 +794,7 @@ pub fn run(a: &ExportArgs) -> i32 {
     }
 }
 
-type Exported<W> = Result<(Sink<W>, Summary), String>;
+type Exported<W> = FsResult<(Sink<W>, Summary)>;
 
 fn export_offline<W: Write>(
     o: &Options,
@@ -808,9 +812,13 @@ fn export_offline<W: Write>(
                     | rustix::fs::OFlags::CLOEXEC,
                 rustix::fs::Mode::empty(),
             )
-            .map_err(|e| format!("workdir '{}': {}", w.display(), std::io::Error::from(e)))?;
+            .map_err(|e| {
+                crate::message!("workdir '{}': {}", w.display(), std::io::Error::from(e))
+            })?;
             Some(lock_work_dir(fd.as_fd(), w, WorkLock::Tool).map_err(|e| {
-                format!("{e}\n(to export a layer while it is mounted: mosaicfs export MOUNTPOINT)")
+                crate::message!(
+                    "{e}\n(to export a layer while it is mounted: mosaicfs export MOUNTPOINT)"
+                )
             })?)
         }
         _ => None,
@@ -844,7 +852,7 @@ fn export_live<W: Write>(
     let conn = crate::control::connect(mnt, "export")?;
     let mut conn = std::io::BufReader::with_capacity(CHUNK as usize, conn);
     let lost = |e: std::io::Error| {
-        format!(
+        crate::message!(
             "the daemon of '{}' stopped answering ({e}); the archive is incomplete",
             mnt.display()
         )
@@ -873,14 +881,14 @@ fn export_live<W: Write>(
             FRAME_TOTAL => bar.set_length(u64_at(0)),
             FRAME_DATA => {
                 sink.write_all(&payload)
-                    .map_err(|e| format!("writing the archive: {e}"))?;
+                    .map_err(|e| crate::message!("writing the archive: {e}"))?;
                 received += len;
                 bar.set_position(received.min(bar.length().unwrap_or(0)));
             }
             FRAME_WARNING => sum
                 .warnings
                 .push(String::from_utf8_lossy(&payload).into_owned()),
-            FRAME_ERROR => return Err(String::from_utf8_lossy(&payload).into_owned()),
+            FRAME_ERROR => return Err(String::from_utf8_lossy(&payload).into_owned().into()),
             FRAME_SUMMARY => {
                 sum.entries = u64_at(0);
                 sum.whiteouts = u64_at(1);
@@ -890,7 +898,7 @@ fn export_live<W: Write>(
                 return Ok((sink, sum));
             }
             t => {
-                return Err(format!(
+                return Err(crate::message!(
                     "unexpected frame {t:#x} from the daemon of '{}'",
                     mnt.display()
                 ));

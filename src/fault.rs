@@ -81,7 +81,7 @@ static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
 static ARMED: AtomicBool = AtomicBool::new(false);
 
 /// Reads `MOSAICFS_FAULT`; an error names what is wrong with it.
-pub fn init() -> std::result::Result<(), String> {
+pub fn init() -> Result<()> {
     let Ok(spec) = std::env::var("MOSAICFS_FAULT") else {
         return Ok(());
     };
@@ -96,9 +96,9 @@ pub fn arm() {
     ARMED.store(true, Ordering::Relaxed);
 }
 
-fn parse(spec: &str) -> std::result::Result<Vec<Rule>, String> {
+fn parse(spec: &str) -> Result<Vec<Rule>> {
     let bad = |part: &str, why: &str| {
-        format!("MOSAICFS_FAULT: '{part}' {why}: write OP:N[+][:ERRNO], e.g. rename:2:EIO")
+        crate::message!("MOSAICFS_FAULT: '{part}' {why}: write OP:N[+][:ERRNO], e.g. rename:2:EIO")
     };
     let mut rules = Vec::new();
     for part in spec.split(',').filter(|p| !p.is_empty()) {
@@ -147,7 +147,7 @@ static ANY_SET: AtomicBool = AtomicBool::new(false);
 
 /// Replaces the in-process rules with `spec` (MOSAICFS_FAULT's syntax), armed at once: for
 /// tests that drive the core in-process (tests/core.rs), one sweep point after another.
-pub fn set(spec: &str) -> std::result::Result<(), String> {
+pub fn set(spec: &str) -> Result<()> {
     let rules = parse(spec)?;
     let mut set = SET.write().unwrap_or_else(|e| e.into_inner());
     *set = rules;
@@ -212,7 +212,7 @@ mod tests {
             ("rename:1:EWHAT", "errno not offered"),
             ("rename:1:EIO:x", "too many fields"),
         ] {
-            let e = parse(spec).err().unwrap();
+            let e = parse(spec).err().unwrap().to_string();
             assert!(e.contains(why), "{spec}: {e}");
         }
     }

@@ -236,17 +236,14 @@ fn holds_memory_layer(ufd: BorrowedFd<'_>) -> bool {
 
 /// The memory upper kept in the upper dir `upper`, opened for reading only: its image and
 /// journal as they are, data from the filestore in the upper dir.
-fn read_memory_upper(
-    ufd: BorrowedFd<'_>,
-    upper: &Path,
-) -> std::result::Result<MemoryUpper, String> {
-    let at = |e: Error| format!("upperdir '{}': {e}", upper.display());
+fn read_memory_upper(ufd: BorrowedFd<'_>, upper: &Path) -> Result<MemoryUpper> {
+    let at = |e: Error| crate::message!("upperdir '{}': {e}", upper.display());
     let flags = OFlags::RDONLY | OFlags::CLOEXEC;
     let filestore = match crate::sys::openat(ufd, FILESTORE_NAME, flags, rustix::fs::Mode::empty())
     {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "upperdir '{}' holds a memory upper layer whose filestore is elsewhere \
                  (filestore=PATH): mount it with those options and export the mount \
                  (mosaicfs export MOUNTPOINT)",
@@ -258,7 +255,7 @@ fn read_memory_upper(
     let dir =
         sys::open_beneath(ufd, Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, 0).map_err(at)?;
     MemoryUpper::open_read_only(dir, filestore).map_err(|e| {
-        format!(
+        crate::message!(
             "upperdir '{}': the memory layer cannot be read ({e}); mount it to see what the \
              mount says",
             upper.display()
@@ -268,15 +265,11 @@ fn read_memory_upper(
 
 /// Opens the memory upper kept in the upper dir `upper` (`ufd`), refusing a dir that holds
 /// something else. Errors are one line naming the dir and what to do.
-fn open_memory_upper(
-    ufd: BorrowedFd<'_>,
-    upper: &Path,
-    spec: &MemorySpec,
-) -> std::result::Result<MemoryUpper, String> {
-    let at = |e: Error| format!("upperdir '{}': {e}", upper.display());
+fn open_memory_upper(ufd: BorrowedFd<'_>, upper: &Path, spec: &MemorySpec) -> Result<MemoryUpper> {
+    let at = |e: Error| crate::message!("upperdir '{}': {e}", upper.display());
     let entries = sys::read_dir(ufd, Path::new("")).map_err(at)?;
     if let Some(e) = entries.iter().find(|e| !is_memory_layer_file(&e.name)) {
-        return Err(format!(
+        return Err(crate::message!(
             "upperdir '{}' holds '{}', which is not a file of a memory upper layer: \
              upper=memory needs an empty upper dir or one a memory upper wrote; mount this \
              one with upper=disk",
@@ -292,7 +285,7 @@ fn open_memory_upper(
     let mode = rustix::fs::Mode::from_raw_mode(0o600);
     let filestore = match &spec.filestore {
         FilestorePlace::Anonymous if has_image => {
-            return Err(format!(
+            return Err(crate::message!(
                 "upperdir '{}' holds a memory layer kept at an unmount; filestore=memory would \
                  start an empty layer that is never kept: mount with the filestore= it was \
                  made with (self or a path), or empty the upper dir",
@@ -309,7 +302,7 @@ fn open_memory_upper(
             crate::sys::openat(ufd, FILESTORE_NAME, create, mode).map_err(|e| at(e.into()))?
         }
         FilestorePlace::File(p) => rustix::fs::open(p, create, mode).map_err(|e| {
-            format!(
+            crate::message!(
                 "filestore '{}' cannot be opened ({e}): give a file on a local file system \
                  the daemon may write, or filestore=self",
                 p.display()
@@ -320,13 +313,13 @@ fn open_memory_upper(
     let dir =
         sys::open_beneath(ufd, Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, 0).map_err(at)?;
     MemoryUpper::open(dir, filestore, limit).map_err(|e| match e {
-        ImageError::Damaged(_) => format!(
+        ImageError::Damaged(_) => crate::message!(
             "upperdir '{}': {e}; the layer was not changed. To start it empty, move \
              {IMAGE_NAME} and .mosaicfs-journal out of the upper dir; to keep it, restore the \
              upper dir from a copy",
             upper.display()
         ),
-        ImageError::Io(e) => format!(
+        ImageError::Io(e) => crate::message!(
             "upperdir '{}': the memory layer cannot be read or written there ({e}): check \
              that its file system is writable and not full",
             upper.display()
@@ -336,14 +329,11 @@ fn open_memory_upper(
 
 /// A lower layer's root (`what` names it in messages): its canonical path, an `O_PATH`
 /// handle and its `stat`, refused on a file system no layer can be on.
-fn open_lower_root(
-    dir: &Path,
-    what: &str,
-) -> std::result::Result<(PathBuf, OwnedFd, Attr), String> {
+fn open_lower_root(dir: &Path, what: &str) -> Result<(PathBuf, OwnedFd, Attr)> {
     let path = canonical(dir, what)?;
     let (fd, attr) = open_layer_root(&path, what)?;
     if let Some(fs) = unsupported_fs(fd.as_fd()) {
-        return Err(format!(
+        return Err(crate::message!(
             "{what} '{}' is on {fs}, which cannot be a layer",
             path.display()
         ));
@@ -351,7 +341,7 @@ fn open_lower_root(
     Ok((path, fd, attr))
 }
 
-fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Attr), String> {
+fn open_layer_root(path: &Path, what: &str) -> Result<(OwnedFd, Attr)> {
     let fd = rustix::fs::open(
         path,
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
@@ -369,7 +359,8 @@ fn open_layer_root(path: &Path, what: &str) -> std::result::Result<(OwnedFd, Att
         }
     })?;
     let fd = through_atime_mount(path).unwrap_or(fd);
-    let attr = sys::fstat(fd.as_fd()).map_err(|e| format!("{what} '{}': {e}", path.display()))?;
+    let attr =
+        sys::fstat(fd.as_fd()).map_err(|e| crate::message!("{what} '{}': {e}", path.display()))?;
     Ok((fd, attr))
 }
 
@@ -425,18 +416,13 @@ fn override_key_of(root: BorrowedFd<'_>) -> Option<&'static str> {
 
 /// Gives the upper root the key `xattr_permissions=` writes, so that the layer is read the
 /// same way by later mounts and when stacked below another.
-fn mark_override_root(
-    root: BorrowedFd<'_>,
-    attr: &Attr,
-    key: &str,
-    path: &Path,
-) -> std::result::Result<(), String> {
+fn mark_override_root(root: BorrowedFd<'_>, attr: &Attr, key: &str, path: &Path) -> Result<()> {
     if override_key_of(root) == Some(key) {
         return Ok(());
     }
     let value = stat_override::OverrideStat::of(attr).encode(libc::S_IFDIR);
     sys::set_xattr(root, None, key, value.as_bytes(), 0).map_err(|e| {
-        format!(
+        crate::message!(
             "upperdir '{}': cannot set {key} ({e}), which xattr_permissions= keeps owners and \
              modes in: xattr_permissions=1 needs a privileged daemon; use xattr_permissions=2",
             path.display()
@@ -466,7 +452,7 @@ impl LayerStack {
         perms: XattrPermissions,
         lock: WorkLock,
         memory_spec: Option<&MemorySpec>,
-    ) -> std::result::Result<LayerStack, String> {
+    ) -> Result<LayerStack> {
         let mut layers = Vec::new();
         let mut devs: Vec<u64> = Vec::new();
         let mut add = |fd: OwnedFd, attr: Attr, path: PathBuf| {
@@ -509,21 +495,21 @@ impl LayerStack {
                 let work = canonical(work, "workdir")?;
                 let (wfd, wattr) = open_layer_root(&work, "workdir")?;
                 if uattr.dev != wattr.dev {
-                    return Err(format!(
+                    return Err(crate::message!(
                         "upperdir '{}' and workdir '{}' are on different file systems: put both on one",
                         upper.display(),
                         work.display()
                     ));
                 }
                 if work.starts_with(&upper) || upper.starts_with(&work) {
-                    return Err(format!(
+                    return Err(crate::message!(
                         "workdir '{}' and upperdir '{}' must not contain one another: use sibling directories",
                         work.display(),
                         upper.display()
                     ));
                 }
                 if let Some(fs) = unsupported_fs(ufd.as_fd()) {
-                    return Err(format!(
+                    return Err(crate::message!(
                         "upperdir '{}' is on {fs}, which cannot hold an upper layer",
                         upper.display()
                     ));
@@ -540,7 +526,7 @@ impl LayerStack {
                         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
                         rustix::fs::Mode::empty(),
                     )
-                    .map_err(|e| format!("upperdir '{}': {e}", upper.display()))?;
+                    .map_err(|e| crate::message!("upperdir '{}': {e}", upper.display()))?;
                     upper_lock = Some(lock_dir(ulock, "upperdir", &upper, lock)?);
                     whiteout_chardev = probe_whiteout(wsub.as_fd());
                     let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
@@ -552,7 +538,7 @@ impl LayerStack {
                         probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
                     }
                     probed.map_err(|e| {
-                    format!(
+                    crate::message!(
                         "upperdir '{}' does not support extended attributes ({e}), which mosaicfs needs \
                          to mark partial files: use ext4, xfs, btrfs or tmpfs",
                         upper.display()
@@ -578,7 +564,7 @@ impl LayerStack {
                     uattr.dev = MEMORY_DEV;
                 }
                 None if holds_memory_layer(ufd.as_fd()) => {
-                    return Err(format!(
+                    return Err(crate::message!(
                         "upperdir '{}' holds a memory upper layer ({IMAGE_NAME}): mount it with \
                          upper=memory (and the filestore= it was made with)",
                         upper.display()
@@ -598,7 +584,7 @@ impl LayerStack {
             let what = format!("lowerdir #{}", i + 1);
             let (path, fd, attr) = open_lower_root(lower, &what)?;
             if has_memory_image(fd.as_fd()) {
-                return Err(format!(
+                return Err(crate::message!(
                     "{what} '{}' is the upper dir of a memory upper layer (upper=memory): its \
                      files live in its image and filestore, not in the directory; use a mount \
                      of it, or 'mosaicfs export' it into a layer",
@@ -677,7 +663,7 @@ impl LayerStack {
     /// Appends data-only lower layers (`lowerdir=A::DATA1::DATA2`): opened and checked as
     /// the lower layers are, numbered after them, and never looked up by name: they only
     /// serve the data of metadata-only files (metacopy.rs).
-    pub fn add_data_layers(&mut self, dirs: &[PathBuf]) -> std::result::Result<(), String> {
+    pub fn add_data_layers(&mut self, dirs: &[PathBuf]) -> Result<()> {
         for (i, dir) in dirs.iter().enumerate() {
             let what = format!("data-only lowerdir #{}", i + 1);
             let (path, fd, attr) = open_lower_root(dir, &what)?;
@@ -915,11 +901,11 @@ fn on_idmapped_mount(path: &Path) -> bool {
 /// path"). An upper dir inside a lower layer is allowed, as the kernel allows it (`lowerdir=/`).
 /// A writable layer's dir (`what` '`path`'): on a read-write file system, and writable by the
 /// daemon. Mounted otherwise, every write through the mount would fail (EROFS, EACCES).
-fn check_writable(fd: BorrowedFd<'_>, path: &Path, what: &str) -> std::result::Result<(), String> {
+fn check_writable(fd: BorrowedFd<'_>, path: &Path, what: &str) -> Result<()> {
     if let Ok(st) = rustix::fs::fstatvfs(fd)
         && st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY)
     {
-        return Err(format!(
+        return Err(crate::message!(
             "{what} '{}' is on a read-only file system: remount it read-write, or mount the \
              overlay without upperdir and workdir (read-only)",
             path.display()
@@ -929,7 +915,7 @@ fn check_writable(fd: BorrowedFd<'_>, path: &Path, what: &str) -> std::result::R
     match rustix::fs::accessat(rustix::fs::CWD, path, access, rustix::fs::AtFlags::EACCESS) {
         Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::PERM) => {
             let st = sys::fstat(fd).ok();
-            Err(format!(
+            Err(crate::message!(
                 "{what} '{}' is not writable by uid {} (it belongs to uid {}, mode {:o}): \
                  mount as its owner, or give it to the user that mounts",
                 path.display(),
@@ -942,11 +928,7 @@ fn check_writable(fd: BorrowedFd<'_>, path: &Path, what: &str) -> std::result::R
     }
 }
 
-fn check_no_lower_inside(
-    lowers: &[PathBuf],
-    upper: &Path,
-    work: Option<&Path>,
-) -> std::result::Result<(), String> {
+fn check_no_lower_inside(lowers: &[PathBuf], upper: &Path, work: Option<&Path>) -> Result<()> {
     let mut writable = vec![("upperdir", canonical(upper, "upperdir")?)];
     if let Some(work) = work {
         writable.push(("workdir", canonical(work, "workdir")?));
@@ -956,7 +938,7 @@ fn check_no_lower_inside(
         let path = canonical(lower, &what)?;
         for (name, dir) in &writable {
             if path.starts_with(dir) {
-                return Err(format!(
+                return Err(crate::message!(
                     "{what} '{}' is inside {name} '{}' (or is it): the layer would change under \
                      the mount with every copy-up; use separate directories",
                     path.display(),
@@ -964,7 +946,7 @@ fn check_no_lower_inside(
                 ));
             }
             if dir.starts_with(&path) {
-                return Err(format!(
+                return Err(crate::message!(
                     "{name} '{}' is inside {what} '{}': it would show inside the merged view, \
                      and change it with every write (kernel overlayfs refuses overlapping \
                      layers too); use separate directories",
@@ -988,13 +970,13 @@ pub fn is_reserved_name(name: &OsStr) -> bool {
     name.as_bytes().starts_with(WHITEOUT_PREFIX)
 }
 
-fn canonical(p: &Path, what: &str) -> std::result::Result<PathBuf, String> {
+fn canonical(p: &Path, what: &str) -> Result<PathBuf> {
     std::fs::canonicalize(p).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) => format!(
+        Some(libc::ENOENT) => crate::message!(
             "{what} '{}' does not exist: create it or fix the path",
             p.display()
         ),
-        _ => format!("{what} '{}' cannot be resolved: {e}", p.display()),
+        _ => crate::message!("{what} '{}' cannot be resolved: {e}", p.display()),
     })
 }
 
@@ -1018,29 +1000,20 @@ pub enum WorkLock {
 /// How long a mount, or a tool, waits for the previous user of its work dir to let go.
 pub const MOUNT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
-pub fn lock_work_dir(
-    work: BorrowedFd<'_>,
-    path: &Path,
-    how: WorkLock,
-) -> std::result::Result<OwnedFd, String> {
+pub fn lock_work_dir(work: BorrowedFd<'_>, path: &Path, how: WorkLock) -> Result<OwnedFd> {
     let fd = sys::open_beneath(
         work,
         Path::new(WORK_SUBDIR),
         OFlags::RDONLY | OFlags::DIRECTORY,
         0,
     )
-    .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+    .map_err(|e| crate::message!("workdir '{}': {e}", path.display()))?;
     lock_dir(fd, "workdir", path, how)
 }
 
 /// Takes the exclusive `flock` on the open directory `fd` (`what` '`path`' in messages), as
 /// `how` says.
-fn lock_dir(
-    fd: OwnedFd,
-    what: &str,
-    path: &Path,
-    how: WorkLock,
-) -> std::result::Result<OwnedFd, String> {
+fn lock_dir(fd: OwnedFd, what: &str, path: &Path, how: WorkLock) -> Result<OwnedFd> {
     use rustix::fs::FlockOperation;
     let wait = match how {
         WorkLock::Wait(d) => d,
@@ -1055,7 +1028,7 @@ fn lock_dir(
                 let holders = lock_holders(fd.as_fd());
                 let live = holders.iter().find_map(|h| h.mount.clone());
                 if let Some(mnt) = &live {
-                    return Err(format!(
+                    return Err(crate::message!(
                         "{what} '{}' is in use by the mosaicfs daemon serving '{}' ({}): unmount it first",
                         path.display(),
                         mnt.display(),
@@ -1081,7 +1054,7 @@ fn lock_dir(
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }
             Err(e) => {
-                return Err(format!(
+                return Err(crate::message!(
                     "{what} '{}': cannot lock it: {}",
                     path.display(),
                     std::io::Error::from(e)
@@ -1271,7 +1244,7 @@ fn in_use(
     waited: std::time::Duration,
     holders: &[Holder],
     live: bool,
-) -> String {
+) -> Error {
     let why = if live || holders.is_empty() {
         "a mount of the same upper layer (with this or another workdir), or 'mosaicfs \
          complete', 'fsck' or 'export' on it: \
@@ -1281,7 +1254,7 @@ fn in_use(
          namespace ('unshare -m' or a container taken while it was mounted), or one still \
          writing back after its unmount; unmount it in that namespace, or stop that process"
     };
-    format!(
+    crate::message!(
         "{what} '{}' is in use by {} after waiting {} s ({why})",
         path.display(),
         described(holders),
@@ -1294,7 +1267,7 @@ fn prepare_work_dir(
     work: BorrowedFd<'_>,
     path: &Path,
     lock: WorkLock,
-) -> std::result::Result<(Arc<OwnedFd>, OwnedFd), String> {
+) -> Result<(Arc<OwnedFd>, OwnedFd)> {
     let name = OsStr::new(WORK_SUBDIR);
     match crate::sys::mkdirat(work, name, rustix::fs::Mode::from_raw_mode(0o700)) {
         Ok(()) => {}
@@ -1302,13 +1275,13 @@ fn prepare_work_dir(
         Err(rustix::io::Errno::ROFS)
         | Err(rustix::io::Errno::ACCESS)
         | Err(rustix::io::Errno::PERM) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "workdir '{}' is not writable: mosaicfs needs to create '{WORK_SUBDIR}' in it",
                 path.display()
             ));
         }
         Err(e) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "workdir '{}': {}",
                 path.display(),
                 std::io::Error::from(e)
@@ -1317,14 +1290,14 @@ fn prepare_work_dir(
     }
     let held = lock_work_dir(work, path, lock)?;
     let fd = sys::open_dir(work, Path::new(WORK_SUBDIR))
-        .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+        .map_err(|e| crate::message!("workdir '{}': {e}", path.display()))?;
     let fd = Arc::new(fd);
     let dir = UpperDir::Disk(fd.clone());
     let entries = sys::read_dir(work, Path::new(WORK_SUBDIR))
-        .map_err(|e| format!("workdir '{}': {e}", path.display()))?;
+        .map_err(|e| crate::message!("workdir '{}': {e}", path.display()))?;
     for e in entries {
         dir.remove_tree(&e.name).map_err(|err| {
-            format!(
+            crate::message!(
                 "cannot clean workdir '{0}': {err}; '{0}/{WORK_SUBDIR}/{1}' is left from an \
                  interrupted operation and never visible: remove it by hand (chattr -i if it \
                  is immutable) and mount again",

@@ -10,6 +10,8 @@ use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
+use crate::error::Result;
+
 const SYSLOG_SOCKET: &str = "/dev/log";
 /// syslog's facility "daemon" (3), shifted as the priority field wants it.
 const FACILITY_DAEMON: u8 = 3 << 3;
@@ -48,13 +50,13 @@ pub fn init(debug: bool) {
 
 /// Opens the file of `log_file=` for appending: done before the daemon detaches, so that a
 /// path it cannot write fails the mount with a message instead of losing the log.
-pub fn open_log_file(path: &Path) -> Result<std::fs::File, String> {
+pub fn open_log_file(path: &Path) -> Result<std::fs::File> {
     std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
         .map_err(|e| {
-            format!(
+            crate::message!(
                 "log_file='{}': cannot open it for appending ({e}): name a file the daemon may write",
                 path.display()
             )

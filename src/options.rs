@@ -10,6 +10,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::error::Result;
+
 /// One range of an id mapping: `inside..inside+len` in the merged view is
 /// `outside..outside+len` on disk. Written `OUTSIDE:INSIDE:LEN` in the option, the order of
 /// fuse-overlayfs (containers/storage passes `uidmapping=0:100000:65536` to show an image's
@@ -51,17 +53,17 @@ impl IdMap {
         65534
     }
 
-    fn parse(value: &str) -> Result<IdMap, String> {
+    fn parse(value: &str) -> Result<IdMap> {
         // Empty fields are skipped, as fuse-overlayfs' strtok does: containers/storage writes
         // "uidmapping=:0:100000:65536".
-        let nums: Result<Vec<u32>, _> = value
+        let nums: std::result::Result<Vec<u32>, _> = value
             .split(':')
             .filter(|s| !s.trim().is_empty())
             .map(|s| s.trim().parse::<u32>())
             .collect();
-        let nums = nums.map_err(|_| format!("'{value}' is not a list of numbers"))?;
+        let nums = nums.map_err(|_| crate::message!("'{value}' is not a list of numbers"))?;
         if nums.is_empty() || nums.len() % 3 != 0 {
-            return Err(format!(
+            return Err(crate::message!(
                 "'{value}' must be triples DISK:MOUNT:LENGTH separated by ':'"
             ));
         }
@@ -186,7 +188,7 @@ impl Options {
             .unwrap_or(!self.datadirs.is_empty() || self.verity != Verity::Off)
     }
 
-    fn check_metacopy(&self) -> Result<(), String> {
+    fn check_metacopy(&self) -> Result<()> {
         if self.metacopy == Some(false) && !self.datadirs.is_empty() {
             return Err(
                 "data-only lower layers (after '::' in lowerdir) need metacopy: \
@@ -337,12 +339,12 @@ pub enum Uring {
 
 impl Uring {
     /// The value of `uring=` or of `MOSAICFS_URING` (no value: `on`).
-    fn parse(value: Option<&str>) -> Result<Uring, String> {
+    fn parse(value: Option<&str>) -> Result<Uring> {
         match value.map(|v| v.to_ascii_lowercase()).as_deref() {
             None | Some("on") | Some("1") => Ok(Uring::On),
             Some("auto") => Ok(Uring::Auto),
             Some("off") | Some("0") => Ok(Uring::Off),
-            Some(v) => Err(format!("takes on, auto or off, not '{v}'")),
+            Some(v) => Err(crate::message!("takes on, auto or off, not '{v}'")),
         }
     }
 
@@ -350,10 +352,11 @@ impl Uring {
     /// container engine, or of a test run, can be switched at once), else `auto`: the kernel's
     /// parameter, which only root can set, is the switch (io_uring was faster on every row of
     /// bench/uring.py, README).
-    fn from_env() -> Result<Uring, String> {
+    fn from_env() -> Result<Uring> {
         match std::env::var("MOSAICFS_URING") {
-            Ok(v) if !v.is_empty() => Uring::parse(Some(&v))
-                .map_err(|e| format!("MOSAICFS_URING {e}: set it to one of those or unset it")),
+            Ok(v) if !v.is_empty() => Uring::parse(Some(&v)).map_err(|e| {
+                crate::message!("MOSAICFS_URING {e}: set it to one of those or unset it")
+            }),
             _ => Ok(Uring::Auto),
         }
     }
@@ -384,12 +387,12 @@ pub enum FilestorePlace {
 }
 
 impl FilestorePlace {
-    fn parse(value: &str) -> Result<FilestorePlace, String> {
+    fn parse(value: &str) -> Result<FilestorePlace> {
         match value {
             "self" => Ok(FilestorePlace::InUpper),
             "memory" => Ok(FilestorePlace::Anonymous),
             p if p.starts_with('/') => Ok(FilestorePlace::File(PathBuf::from(p))),
-            v => Err(format!(
+            v => Err(crate::message!(
                 "option 'filestore' takes self, memory or an absolute path, not '{v}'"
             )),
         }
@@ -464,7 +467,7 @@ pub struct ToolArgs {
     pub redirects: Redirects,
 }
 
-fn parse_tool(command: &str, args: &[OsString]) -> Result<ToolArgs, String> {
+fn parse_tool(command: &str, args: &[OsString]) -> Result<ToolArgs> {
     let usage = match command {
         "complete" => {
             "usage: mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]"
@@ -495,21 +498,21 @@ fn parse_tool(command: &str, args: &[OsString]) -> Result<ToolArgs, String> {
             a if a.starts_with("--") && a.contains('=') && !a.starts_with("--redirects=") => {
                 t.opts.apply(&a[2..])?
             }
-            a => return Err(format!("unknown argument '{a}'\n{usage}")),
+            a => return Err(crate::message!("unknown argument '{a}'\n{usage}")),
         }
     }
     if t.opts.lowerdirs.is_empty() {
-        return Err(format!(
+        return Err(crate::message!(
             "no lower layers given: pass --lowerdir=DIR[:DIR...] as the layer is mounted\n{usage}"
         ));
     }
     if t.opts.upperdir.is_none() {
-        return Err(format!(
+        return Err(crate::message!(
             "no upper layer given: pass --upperdir=DIR\n{usage}"
         ));
     }
     if t.opts.workdir.is_none() && (command == "complete" || t.repair) {
-        return Err(format!(
+        return Err(crate::message!(
             "--workdir=DIR is needed: the work dir the layer is mounted with (scratch space on \
              the upper file system)\n{usage}"
         ));
@@ -546,7 +549,7 @@ pub struct ExportArgs {
 const EXPORT_USAGE: &str = "usage: mosaicfs export [-o FILE] [--gzip|--zstd] [-q] \
      (MOUNTPOINT | --lowerdir=L[:L...] --upperdir=U [--workdir=W])";
 
-fn parse_export(args: &[OsString]) -> Result<ExportArgs, String> {
+fn parse_export(args: &[OsString]) -> Result<ExportArgs> {
     let mut opts = Options::default();
     let mut mnt = None;
     let mut output = None;
@@ -556,7 +559,7 @@ fn parse_export(args: &[OsString]) -> Result<ExportArgs, String> {
     while let Some(arg) = args.next() {
         let s = arg.to_string_lossy();
         let mut compress = |c| match compression.replace(c) {
-            Some(old) if old != c => Err(format!("choose one compression\n{EXPORT_USAGE}")),
+            Some(old) if old != c => Err(crate::message!("choose one compression\n{EXPORT_USAGE}")),
             _ => Ok(()),
         };
         match s.as_ref() {
@@ -573,28 +576,28 @@ fn parse_export(args: &[OsString]) -> Result<ExportArgs, String> {
             "-q" | "--quiet" => quiet = true,
             a if a.starts_with("--") && a.contains('=') => opts.apply(&a[2..])?,
             a if a.starts_with('-') => {
-                return Err(format!("unknown argument '{a}'\n{EXPORT_USAGE}"));
+                return Err(crate::message!("unknown argument '{a}'\n{EXPORT_USAGE}"));
             }
             _ if mnt.is_none() => mnt = Some(PathBuf::from(arg)),
-            a => return Err(format!("unexpected argument '{a}'\n{EXPORT_USAGE}")),
+            a => return Err(crate::message!("unexpected argument '{a}'\n{EXPORT_USAGE}")),
         }
     }
     let from = match (mnt, opts.lowerdirs.is_empty(), opts.upperdir.is_some()) {
         (Some(m), true, false) => ExportFrom::Mount(m),
         (None, false, true) => ExportFrom::Dirs(Box::new(opts)),
         (Some(_), _, _) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "give a mount point or the layers' dirs, not both\n{EXPORT_USAGE}"
             ));
         }
         (None, true, _) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "nothing to export: name a live mount, or the dirs of an unmounted layer with \
                  --lowerdir=L --upperdir=U\n{EXPORT_USAGE}"
             ));
         }
         (None, false, false) => {
-            return Err(format!(
+            return Err(crate::message!(
                 "no upper layer given: pass --upperdir=DIR (the layer to export)\n{EXPORT_USAGE}"
             ));
         }
@@ -607,7 +610,7 @@ fn parse_export(args: &[OsString]) -> Result<ExportArgs, String> {
         Some(n) if compression.is_none() => {
             let other = [".xz", ".txz", ".bz2", ".tbz2", ".lz4", ".lzma", ".Z"];
             if let Some(ext) = other.iter().find(|e| n.ends_with(*e)) {
-                return Err(format!(
+                return Err(crate::message!(
                     "'{n}' names {ext} compression, which export does not write: use .gz or .zst, \
                      or --compress=none for a plain tar under that name\n{EXPORT_USAGE}"
                 ));
@@ -673,26 +676,29 @@ fn unescape(value: &str, split_colon: bool) -> Vec<String> {
     out
 }
 
-fn parse_bool(name: &str, value: Option<&str>) -> Result<bool, String> {
+fn parse_bool(name: &str, value: Option<&str>) -> Result<bool> {
     match value.map(|v| v.to_ascii_lowercase()) {
         None => Ok(true),
         Some(v) => match v.as_str() {
             "1" | "on" | "yes" | "true" | "y" => Ok(true),
             "0" | "off" | "no" | "false" | "n" => Ok(false),
-            _ => Err(format!("option '{name}' takes 0/1 or on/off, not '{v}'")),
+            _ => Err(crate::message!(
+                "option '{name}' takes 0/1 or on/off, not '{v}'"
+            )),
         },
     }
 }
 
-fn parse_num<T: std::str::FromStr>(name: &str, value: Option<&str>) -> Result<T, String> {
-    let v = value.ok_or_else(|| format!("option '{name}' needs a value: {name}=N"))?;
+fn parse_num<T: std::str::FromStr>(name: &str, value: Option<&str>) -> Result<T> {
+    let v = value.ok_or_else(|| crate::message!("option '{name}' needs a value: {name}=N"))?;
     v.parse::<T>()
-        .map_err(|_| format!("option '{name}' takes a number, not '{v}'"))
+        .map_err(|_| crate::message!("option '{name}' takes a number, not '{v}'"))
 }
 
 /// A size in bytes, with an optional K, M or G suffix (powers of 1024).
-fn parse_size(name: &str, value: Option<&str>) -> Result<u64, String> {
-    let v = value.ok_or_else(|| format!("option '{name}' needs a size: {name}=N[K|M|G]"))?;
+fn parse_size(name: &str, value: Option<&str>) -> Result<u64> {
+    let v =
+        value.ok_or_else(|| crate::message!("option '{name}' needs a size: {name}=N[K|M|G]"))?;
     let (digits, shift) = match v.as_bytes().last().map(u8::to_ascii_uppercase) {
         Some(b'K') => (&v[..v.len() - 1], 10),
         Some(b'M') => (&v[..v.len() - 1], 20),
@@ -703,17 +709,20 @@ fn parse_size(name: &str, value: Option<&str>) -> Result<u64, String> {
         .parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(1 << shift))
-        .ok_or_else(|| format!("option '{name}' takes a size such as 4096, 512K or 1M, not '{v}'"))
+        .ok_or_else(|| {
+            crate::message!("option '{name}' takes a size such as 4096, 512K or 1M, not '{v}'")
+        })
 }
 
 impl Options {
-    fn apply(&mut self, opt: &str) -> Result<(), String> {
+    fn apply(&mut self, opt: &str) -> Result<()> {
         let (name, value) = match opt.split_once('=') {
             Some((n, v)) => (n, Some(v)),
             None => (opt, None),
         };
-        let need = |v: Option<&str>| -> Result<String, String> {
-            let v = v.ok_or_else(|| format!("option '{name}' needs a value: {name}=..."))?;
+        let need = |v: Option<&str>| -> Result<String> {
+            let v =
+                v.ok_or_else(|| crate::message!("option '{name}' needs a value: {name}=..."))?;
             Ok(unescape(v, false).concat())
         };
         match name {
@@ -747,8 +756,8 @@ impl Options {
             }
             "upperdir" => self.upperdir = Some(PathBuf::from(need(value)?)),
             "workdir" => self.workdir = Some(PathBuf::from(need(value)?)),
-            "uidmapping" => self.uid_map = IdMap::parse(&need(value)?).map_err(|e| format!("uidmapping: {e}"))?,
-            "gidmapping" => self.gid_map = IdMap::parse(&need(value)?).map_err(|e| format!("gidmapping: {e}"))?,
+            "uidmapping" => self.uid_map = IdMap::parse(&need(value)?).map_err(|e| crate::message!("uidmapping: {e}"))?,
+            "gidmapping" => self.gid_map = IdMap::parse(&need(value)?).map_err(|e| crate::message!("gidmapping: {e}"))?,
             "squash_to_root" => {
                 self.squash_uid = Some(0);
                 self.squash_gid = Some(0);
@@ -767,7 +776,7 @@ impl Options {
             "timeout" | "entry_timeout" | "attr_timeout" => {
                 let secs: f64 = parse_num(name, value)?;
                 if !(0.0..=86400.0 * 365.0).contains(&secs) {
-                    return Err(format!("option '{name}' must be between 0 and one year"));
+                    return Err(crate::message!("option '{name}' must be between 0 and one year"));
                 }
                 self.timeout = Duration::from_secs_f64(secs);
                 self.timeout_given = true;
@@ -785,7 +794,7 @@ impl Options {
                     None | Some("on") | Some("1") => Switch::On,
                     Some("off") | Some("0") => Switch::Off,
                     Some(v) => {
-                        return Err(format!(
+                        return Err(crate::message!(
                             "option 'partial_passthrough' takes auto, on or off, not '{v}'"
                         ));
                     }
@@ -799,7 +808,7 @@ impl Options {
                 self.caw_always = value == Some("always");
                 let on = self.caw_always
                     || parse_bool(name, value).map_err(|_| {
-                        format!(
+                        crate::message!(
                             "option 'copy_after_write' takes 1 (defer blocks the lower layer must \
                              read from disk), always (defer every block) or 0, not '{}'",
                             value.unwrap_or_default()
@@ -827,7 +836,7 @@ impl Options {
             "lower_cache" => {
                 let secs: f64 = parse_num(name, value)?;
                 if !(0.0..=86400.0 * 365.0).contains(&secs) {
-                    return Err(format!("option '{name}' must be between 0 and one year"));
+                    return Err(crate::message!("option '{name}' must be between 0 and one year"));
                 }
                 self.lower_cache = Some(Duration::from_secs_f64(secs));
             }
@@ -841,7 +850,7 @@ impl Options {
             "metrics" => {
                 let v = need(value)?;
                 self.metrics = Some(v.parse().map_err(|_| {
-                    format!(
+                    crate::message!(
                         "option 'metrics' takes an address and port such as 127.0.0.1:9101, not '{v}'"
                     )
                 })?);
@@ -871,13 +880,13 @@ impl Options {
                 self.completion.ratio = pct / 100.0;
             }
             "uring" => {
-                self.uring = Uring::parse(value).map_err(|e| format!("option 'uring' {e}"))?;
+                self.uring = Uring::parse(value).map_err(|e| crate::message!("option 'uring' {e}"))?;
             }
             "upper" => {
                 self.upper_kind = match need(value)?.as_str() {
                     "disk" => UpperKind::Disk,
                     "memory" => UpperKind::Memory,
-                    v => return Err(format!("option 'upper' takes disk or memory, not '{v}'")),
+                    v => return Err(crate::message!("option 'upper' takes disk or memory, not '{v}'")),
                 }
             }
             "filestore" => self.filestore = Some(FilestorePlace::parse(&need(value)?)?),
@@ -894,7 +903,7 @@ impl Options {
                     None | Some("upper") | Some("1") | Some("on") => P::Upper,
                     Some("all") => P::All,
                     Some("off") | Some("0") => P::Off,
-                    Some(v) => return Err(format!("option 'passthrough' takes upper, all or off, not '{v}'")),
+                    Some(v) => return Err(crate::message!("option 'passthrough' takes upper, all or off, not '{v}'")),
                 };
             }
             "ro" => self.read_only = true,
@@ -953,7 +962,7 @@ impl Options {
                 "option 'auto_unmount' is ignored: unmount with 'umount MNT' or 'fusermount3 -u MNT'".into(),
             ),
             _ => {
-                return Err(format!(
+                return Err(crate::message!(
                     "unknown mount option '{opt}': see 'mosaicfs --help' and the README option table"
                 ));
             }
@@ -968,15 +977,17 @@ impl Options {
     }
 }
 
-fn parse_listen(addr: &std::ffi::OsStr) -> Result<Command, String> {
+fn parse_listen(addr: &std::ffi::OsStr) -> Result<Command> {
     let a = addr.to_string_lossy();
     a.parse().map(Command::Metrics).map_err(|_| {
-        format!("metrics --listen takes an address and port such as 127.0.0.1:9100, not '{a}'")
+        crate::message!(
+            "metrics --listen takes an address and port such as 127.0.0.1:9100, not '{a}'"
+        )
     })
 }
 
 /// Parses the whole command line (without argv[0]).
-pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, String> {
+pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command> {
     let args: Vec<OsString> = args.into_iter().collect();
     let first = args.first().and_then(|a| a.to_str());
     if first == Some("help") {
@@ -985,7 +996,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             Some(cmd) if crate::help::command_help(cmd).is_some() => {
                 Ok(Command::Help(Some(cmd.to_string())))
             }
-            Some(other) => Err(format!(
+            Some(other) => Err(crate::message!(
                 "no help for '{other}': 'mosaicfs help' shows the mount options, and \
                  'mosaicfs help CMD' a command: {}",
                 crate::help::COMMANDS.map(|(c, _)| c).join(", ")
@@ -1005,7 +1016,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             [one] if one.to_str().is_some_and(|a| a.starts_with("--listen=")) => parse_listen(
                 std::ffi::OsStr::new(&one.to_str().unwrap_or_default()["--listen=".len()..]),
             ),
-            _ => Err(crate::help::COMMANDS[5].1.to_string()),
+            _ => Err(crate::help::COMMANDS[5].1.into()),
         };
     }
     if args.first().is_some_and(|a| a == "status") {
@@ -1061,7 +1072,9 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             }
             _ if s.starts_with("-o") => option_strings.push(s[2..].to_string()),
             _ if s.starts_with('-') && s.len() > 1 => {
-                return Err(format!("unknown argument '{s}': see 'mosaicfs --help'"));
+                return Err(crate::message!(
+                    "unknown argument '{s}': see 'mosaicfs --help'"
+                ));
             }
             _ => positional.push(arg),
         }
@@ -1077,8 +1090,12 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
             opts.fsname = positional[0].to_string_lossy().into_owned();
             opts.mountpoint = PathBuf::from(&positional[1]);
         }
-        0 => return Err("no mount point given\n".to_string() + USAGE),
-        _ => return Err(format!("too many arguments: {positional:?}\n{USAGE}")),
+        0 => return Err(("no mount point given\n".to_string() + USAGE).into()),
+        _ => {
+            return Err(crate::message!(
+                "too many arguments: {positional:?}\n{USAGE}"
+            ));
+        }
     }
     if opts.remount {
         return Ok(Command::Remount(Box::new(opts)));
@@ -1101,7 +1118,7 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command, 
 }
 
 /// The options of a memory upper (`upper=memory`) that must go with it, or not with it.
-fn check_memory_upper(opts: &Options) -> Result<(), String> {
+fn check_memory_upper(opts: &Options) -> Result<()> {
     if opts.upper_kind == UpperKind::Disk {
         return match (&opts.filestore, opts.size_limit) {
             (Some(_), _) => {
@@ -1137,8 +1154,8 @@ fn check_memory_upper(opts: &Options) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<Options, String> {
-        match parse_args(args.iter().map(OsString::from))? {
+    fn parse(args: &[&str]) -> std::result::Result<Options, String> {
+        match parse_args(args.iter().map(OsString::from)).map_err(|e| e.to_string())? {
             Command::Mount(o) => Ok(*o),
             c => panic!("unexpected {c:?}"),
         }

@@ -200,7 +200,7 @@ pub struct DirView {
 }
 
 impl Overlay {
-    pub fn new(layers: LayerStack, config: Config) -> std::result::Result<Self, String> {
+    pub fn new(layers: LayerStack, config: Config) -> Result<Self> {
         let devices = {
             let mut devs: Vec<u64> = (0..=layers.lower_count())
                 .map(|i| layers.layer(i as LayerId).dev)
@@ -216,7 +216,7 @@ impl Overlay {
                 sparse: true,
             },
             Some(w) => partial::probe_sparse(w.as_fd()).map_err(|e| {
-                format!(
+                crate::message!(
                     "cannot probe the upper file system for sparse files (a file \
                          probe-sparse in the work dir): {e}; check that the work dir is on the \
                          upper dir's file system and that it is writable and not full"
@@ -434,8 +434,7 @@ impl Overlay {
     fn open_precontent(
         layers: &LayerStack,
         config: &Config,
-    ) -> std::result::Result<std::result::Result<Arc<crate::precontent::PreContent>, String>, String>
-    {
+    ) -> Result<std::result::Result<Arc<crate::precontent::PreContent>, String>> {
         use crate::options::{PassthroughPolicy, Switch};
         let available = match (&layers.work, config.partial_passthrough) {
             (_, Switch::Off) => Err("partial_passthrough=off".to_string()),
@@ -448,7 +447,7 @@ impl Overlay {
             (Some(work), _) => crate::precontent::PreContent::open(work.as_fd()),
         };
         match available {
-            Err(why) if config.partial_passthrough == Switch::On => Err(format!(
+            Err(why) if config.partial_passthrough == Switch::On => Err(crate::message!(
                 "partial_passthrough=on, but writers of partial files cannot pass through \
                  here: {why}; mount with partial_passthrough=auto to serve them through the \
                  daemon"
@@ -462,14 +461,11 @@ impl Overlay {
     }
 
     /// Starts the pre-content threads and guardian (after the daemon went to the background).
-    pub fn start_precontent(
-        &self,
-        mountpoint: &std::path::Path,
-    ) -> std::result::Result<(), String> {
+    pub fn start_precontent(&self, mountpoint: &std::path::Path) -> Result<()> {
         match &self.precontent {
-            Ok(pc) => pc
-                .start(mountpoint)
-                .map_err(|e| format!("cannot start serving partial files by passthrough: {e}")),
+            Ok(pc) => pc.start(mountpoint).map_err(|e| {
+                crate::message!("cannot start serving partial files by passthrough: {e}")
+            }),
             Err(_) => Ok(()),
         }
     }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use rustix::fs::OFlags;
 
+use crate::error::Result;
 use crate::inode::{Ino, ROOT_INO};
 use crate::layers::{LayerStack, WORK_SUBDIR, WorkLock, XattrNames};
 use crate::options::{Redirects, ToolArgs};
@@ -73,13 +74,15 @@ pub fn complete(t: &ToolArgs) -> i32 {
     let progress = Progress::start(&run.overlay);
     let visited = run.visit(ROOT_INO, Path::new(""), false);
     drop(progress);
-    let unguarded = || -> crate::error::Result<()> {
+    let unguarded = || -> Result<()> {
         if run.partial_left == 0 && run.overlay.layers().memory.is_none() {
             crate::partial::unguard_layer(&run.overlay.layers().upper_root()?)?;
         }
         Ok(())
     };
-    if let Err(e) = visited.and_then(|()| unguarded().map_err(|e| format!("upperdir /: {e}"))) {
+    if let Err(e) =
+        visited.and_then(|()| unguarded().map_err(|e| crate::message!("upperdir /: {e}")))
+    {
         eprintln!("mosaicfs complete: {e}");
         return FAILED;
     }
@@ -168,9 +171,9 @@ impl Completion {
     /// Converts directory `ino` (merged path `path`) and every upper object below it. With
     /// `copy`, its lower entries are first copied up and it is then made opaque: a directory
     /// below a redirect that is being replaced by a copy.
-    fn visit(&mut self, ino: Ino, path: &Path, copy: bool) -> Result<(), String> {
+    fn visit(&mut self, ino: Ino, path: &Path, copy: bool) -> Result<()> {
         let ov = self.overlay.clone();
-        let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
+        let at = |e: crate::error::Error| crate::message!("{}: {e}", shown(path));
         let node = ov.node(ino).map_err(at)?;
         let (dir, name) = ov.upper_entry(&node).map_err(at)?;
         let names = &ov.layers().xattr;
@@ -191,7 +194,7 @@ impl Completion {
         let entries = ov.list_dir(ino).map_err(at)?;
         for e in entries.iter().filter(|e| e.name != "." && e.name != "..") {
             let child_path = path.join(&e.name);
-            let at = |err: crate::error::Error| format!("{}: {err}", shown(&child_path));
+            let at = |err: crate::error::Error| crate::message!("{}: {err}", shown(&child_path));
             let (child, _) = ov.lookup(ino, &e.name).map_err(at)?;
             if copy && !child.state().upper {
                 ov.copy_up(&child).map_err(at)?;
@@ -235,11 +238,7 @@ impl Completion {
     /// Removes the whiteouts of the directory `name` in `dir`, made opaque: they hide nothing
     /// there, and kernel overlayfs lists those of an opaque directory as entries it cannot
     /// stat (`c?????????`). `.wh..wh..opq` stays: it may be what makes the directory opaque.
-    fn drop_whiteouts(
-        &mut self,
-        dir: &crate::upper::UpperDir,
-        name: &OsStr,
-    ) -> crate::error::Result<()> {
+    fn drop_whiteouts(&mut self, dir: &crate::upper::UpperDir, name: &OsStr) -> Result<()> {
         let d = dir.open_dir(name)?;
         for e in d.read_dir()? {
             let n = e.name.as_os_str();
@@ -253,9 +252,9 @@ impl Completion {
         Ok(())
     }
 
-    fn complete_file(&mut self, node: &Arc<crate::inode::Node>, path: &Path) -> Result<(), String> {
+    fn complete_file(&mut self, node: &Arc<crate::inode::Node>, path: &Path) -> Result<()> {
         let ov = self.overlay.clone();
-        let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
+        let at = |e: crate::error::Error| crate::message!("{}: {e}", shown(path));
         let f = match ov.open_file(node) {
             Ok(f) => f,
             Err(e) if e.is(libc::EIO) => {
@@ -272,7 +271,10 @@ impl Completion {
         if f.is_partial() {
             ov.complete_file(&f).map_err(at)?;
             if f.is_partial() {
-                return Err(format!("{}: still partial after completion", shown(path)));
+                return Err(crate::message!(
+                    "{}: still partial after completion",
+                    shown(path)
+                ));
             }
             self.done.files += 1;
         }
@@ -283,11 +285,11 @@ impl Completion {
 
     /// A char device 0/0 that is a real device (`mosaicfs.device`): other overlays read it
     /// as a whiteout, and nothing else can stand for it.
-    fn check_device(&mut self, node: &crate::inode::Node, path: &Path) -> Result<(), String> {
+    fn check_device(&mut self, node: &crate::inode::Node, path: &Path) -> Result<()> {
         let (dir, name) = self
             .overlay
             .upper_entry(node)
-            .map_err(|e| format!("{}: {e}", shown(path)))?;
+            .map_err(|e| crate::message!("{}: {e}", shown(path)))?;
         let device = &self.overlay.layers().xattr.device;
         if dir
             .view()
@@ -308,9 +310,9 @@ impl Completion {
     /// Removes mosaicfs' own xattrs (origin, origins) from an upper object: other overlays
     /// would show them. The mark and the redirect are gone already, and so is the guard of a
     /// partial file, unless a crash came between the mark's removal and the guard's.
-    fn strip(&mut self, node: &crate::inode::Node, path: &Path) -> Result<(), String> {
+    fn strip(&mut self, node: &crate::inode::Node, path: &Path) -> Result<()> {
         let ov = self.overlay.clone();
-        let at = |e: crate::error::Error| format!("{}: {e}", shown(path));
+        let at = |e: crate::error::Error| crate::message!("{}: {e}", shown(path));
         let (dir, name) = ov.upper_entry(node).map_err(at)?;
         let names = &ov.layers().xattr;
         let guard = crate::partial::guard(names);
@@ -394,7 +396,7 @@ pub fn fsck(t: &ToolArgs) -> i32 {
     }
 }
 
-fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
+fn run_fsck(t: &ToolArgs) -> Result<i32> {
     let o = &t.opts;
     let upper_path = o.upperdir.as_deref().expect("checked by parse_tool");
     let upper = rustix::fs::open(
@@ -402,7 +404,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
-    .map_err(|e| format!("upperdir '{}': {e}", upper_path.display()))?;
+    .map_err(|e| crate::message!("upperdir '{}': {e}", upper_path.display()))?;
     let mut lowers = LayerStack::open(
         &o.lowerdirs,
         None,
@@ -422,7 +424,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
     if sys::stat_opt(upper.as_fd(), OsStr::new(crate::memory_upper::IMAGE_NAME))
         .is_ok_and(|a| a.is_some())
     {
-        return Err(format!(
+        return Err(crate::message!(
             "upperdir '{}' holds a memory upper layer (upper=memory): every mount checks its \
              image whole (checksum, tree, blocks) and refuses a damaged one with the reason; \
              fsck checks disk layers",
@@ -446,7 +448,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
     }
     let (guard_key, guard_value) = crate::partial::LAYER_GUARD;
     let guarded = sys::get_xattr(c.upper.as_fd(), None, guard_key)
-        .map_err(|e| format!("upperdir '{}': {e}", upper_path.display()))?
+        .map_err(|e| crate::message!("upperdir '{}': {e}", upper_path.display()))?
         .is_some_and(|v| v == guard_value);
     if c.partial_files > 0 && !guarded {
         c.problem(
@@ -475,7 +477,9 @@ fn run_fsck(t: &ToolArgs) -> Result<i32, String> {
             && let Some(r) = &p.repair
         {
             let work = work.as_ref().map(|(w, _)| w.try_clone().map(Arc::new));
-            let work = work.transpose().map_err(|e| format!("work dir: {e}"))?;
+            let work = work
+                .transpose()
+                .map_err(|e| crate::message!("work dir: {e}"))?;
             match c.repair(r, work.map(UpperDir::Disk).as_ref()) {
                 Ok(()) => {
                     repaired += 1;
@@ -519,28 +523,28 @@ fn trusted_namespace() -> bool {
 }
 
 /// The work dir's scratch space and its lock; `None` when no mount has made it yet.
-fn open_work(work: &Path) -> Result<Option<(OwnedFd, OwnedFd)>, String> {
+fn open_work(work: &Path) -> Result<Option<(OwnedFd, OwnedFd)>> {
     let root = rustix::fs::open(
         work,
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
-    .map_err(|e| format!("workdir '{}': {e}", work.display()))?;
+    .map_err(|e| crate::message!("workdir '{}': {e}", work.display()))?;
     if sys::stat_opt(root.as_fd(), OsStr::new(WORK_SUBDIR))
-        .map_err(|e| format!("workdir '{}': {e}", work.display()))?
+        .map_err(|e| crate::message!("workdir '{}': {e}", work.display()))?
         .is_none()
     {
         return Ok(None);
     }
     let lock = crate::layers::lock_work_dir(root.as_fd(), work, WorkLock::Tool)?;
     let sub = sys::open_dir(root.as_fd(), Path::new(WORK_SUBDIR))
-        .map_err(|e| format!("workdir '{}': {e}", work.display()))?;
+        .map_err(|e| crate::message!("workdir '{}': {e}", work.display()))?;
     Ok(Some((sub, lock)))
 }
 
 impl Check {
-    fn walk(&mut self, rel: &Path) -> Result<(), String> {
-        let at = |e: crate::error::Error| format!("upperdir, {}: {e}", shown(rel));
+    fn walk(&mut self, rel: &Path) -> Result<()> {
+        let at = |e: crate::error::Error| crate::message!("upperdir, {}: {e}", shown(rel));
         let dir = sys::open_dir(self.upper.as_fd(), rel).map_err(at)?;
         for e in sys::read_dir(self.upper.as_fd(), rel).map_err(at)? {
             let path = rel.join(&e.name);
@@ -548,7 +552,7 @@ impl Check {
             let kind = match e.kind {
                 0 => {
                     sys::stat_at(dir.as_fd(), &e.name)
-                        .map_err(|err| format!("upperdir, {}: {err}", shown(&path)))?
+                        .map_err(|err| crate::message!("upperdir, {}: {err}", shown(&path)))?
                         .mode
                         & libc::S_IFMT
                 }
@@ -765,8 +769,8 @@ impl Check {
         }
     }
 
-    fn orphans(&mut self, work: BorrowedFd<'_>) -> Result<(), String> {
-        for e in sys::read_dir(work, Path::new("")).map_err(|e| format!("workdir: {e}"))? {
+    fn orphans(&mut self, work: BorrowedFd<'_>) -> Result<()> {
+        for e in sys::read_dir(work, Path::new("")).map_err(|e| crate::message!("workdir: {e}"))? {
             self.problems.push(Problem {
                 at: format!("work {WORK_SUBDIR}/{}", e.name.to_string_lossy()),
                 what: "left by an operation a crash interrupted (never visible in the merged view)"
@@ -778,7 +782,7 @@ impl Check {
         Ok(())
     }
 
-    fn repair(&self, r: &Repair, work: Option<&UpperDir>) -> crate::error::Result<()> {
+    fn repair(&self, r: &Repair, work: Option<&UpperDir>) -> Result<()> {
         match r {
             Repair::DropXattr(rel, key) => {
                 let (parent, name) = match (rel.parent(), rel.file_name()) {

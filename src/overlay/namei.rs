@@ -129,7 +129,12 @@ impl Overlay {
     /// What the upper directory `dir` holds at `name`. `below`: whether lower layers lie under
     /// it; only then can a `.wh.NAME` file matter (it hides nothing otherwise, and a stale one
     /// is harmless), so only then is it looked for.
-    pub(super) fn upper_slot(&self, dir: LayerDir<'_>, name: &OsStr, below: bool) -> Result<UpperSlot> {
+    pub(super) fn upper_slot(
+        &self,
+        dir: LayerDir<'_>,
+        name: &OsStr,
+        below: bool,
+    ) -> Result<UpperSlot> {
         if let Some(attr) = dir.stat_opt(name)? {
             if self.layers.is_whiteout(dir, name, &attr)? {
                 return Ok(UpperSlot::Whiteout);
@@ -269,7 +274,11 @@ impl Overlay {
     }
 
     /// Resolves `name` in the lower directories `dir` only.
-    pub(super) fn resolve_lower(&self, dir: &LowerRef, name: &OsStr) -> Result<Option<(Attr, LowerRef)>> {
+    pub(super) fn resolve_lower(
+        &self,
+        dir: &LowerRef,
+        name: &OsStr,
+    ) -> Result<Option<(Attr, LowerRef)>> {
         let candidates = dir
             .layers
             .iter()

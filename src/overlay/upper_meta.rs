@@ -130,7 +130,12 @@ impl Overlay {
 
     /// Makes sure the daemon, which owns an inode whose owner and mode live in an xattr, can
     /// read and write it (and search a directory) whatever mode the merged view shows.
-    pub(super) fn keep_reachable(&self, dir: &UpperDir, name: Option<&OsStr>, real: &Attr) -> Result<()> {
+    pub(super) fn keep_reachable(
+        &self,
+        dir: &UpperDir,
+        name: Option<&OsStr>,
+        real: &Attr,
+    ) -> Result<()> {
         let need = match real.file_type() {
             libc::S_IFDIR => 0o700,
             libc::S_IFREG => 0o600,
