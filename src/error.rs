@@ -120,7 +120,13 @@ mod tests {
         let from_string: Error = String::from("bad option").into();
         assert_eq!(from_string.to_string(), "bad option");
         let e = Error::with_context(libc::EIO, "reading the mark of 'a'");
-        assert_eq!(e.to_string(), "reading the mark of 'a': Input/output error (os error 5)");
-        assert_eq!(errno(libc::ENOENT).to_string(), "No such file or directory (os error 2)");
+        assert_eq!(
+            e.to_string(),
+            "reading the mark of 'a': Input/output error (os error 5)"
+        );
+        assert_eq!(
+            errno(libc::ENOENT).to_string(),
+            "No such file or directory (os error 2)"
+        );
     }
 }

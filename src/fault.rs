@@ -24,6 +24,9 @@ pub enum Op {
     Link,
     Unlink,
     Rename,
+    /// A rename that leaves a whiteout at the old name (RENAME_WHITEOUT): its own operation,
+    /// so that a test can refuse it (EINVAL) as a file system without it does.
+    RenameWhiteout,
     Create,
     SetXattr,
     RemoveXattr,
@@ -36,13 +39,14 @@ pub enum Op {
     Fsync,
 }
 
-const OPS: [(&str, Op); 16] = [
+const OPS: [(&str, Op); 17] = [
     ("mkdir", Op::Mkdir),
     ("mknod", Op::Mknod),
     ("symlink", Op::Symlink),
     ("link", Op::Link),
     ("unlink", Op::Unlink),
     ("rename", Op::Rename),
+    ("rename_whiteout", Op::RenameWhiteout),
     ("create", Op::Create),
     ("setxattr", Op::SetXattr),
     ("removexattr", Op::RemoveXattr),
@@ -60,8 +64,9 @@ pub fn op_names() -> impl Iterator<Item = &'static str> {
     OPS.iter().map(|(name, _)| *name)
 }
 
-const ERRNOS: [(&str, i32); 5] = [
+const ERRNOS: [(&str, i32); 6] = [
     ("EIO", libc::EIO),
+    ("EINVAL", libc::EINVAL),
     ("ENOSPC", libc::ENOSPC),
     ("EDQUOT", libc::EDQUOT),
     ("EPERM", libc::EPERM),

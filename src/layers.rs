@@ -852,7 +852,19 @@ impl LayerStack {
                 Err(e) => return Err(e),
             }
         }
-        dir.mknod(&wh_name(name), &Creation::daemon(libc::S_IFREG | 0o600), 0)
+        self.make_wh_file(dir, name).map(drop)
+    }
+
+    /// Writes the `.wh.NAME` whiteout for `name` in the upper directory `dir`, which may still
+    /// hold `name`: beside it, the whiteout hides nothing of its own layer, only the layers
+    /// below. Ok(false): one was there already.
+    pub fn make_wh_file(&self, dir: &UpperDir, name: &OsStr) -> Result<bool> {
+        crate::creds::act_as_daemon();
+        match dir.mknod(&wh_name(name), &Creation::daemon(libc::S_IFREG | 0o600), 0) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is(libc::EEXIST) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Marks the upper directory `name` in `dir` opaque.

@@ -369,6 +369,8 @@ enum Repair {
     Guard(PathBuf),
     /// Give the upper layer's root the guard that keeps fuse-overlayfs from the layer.
     LayerGuard,
+    /// Remove the `.wh.NAME` file at `rel`, beside the `NAME` it would hide.
+    RemoveWhFile(PathBuf),
 }
 
 struct Check {
@@ -559,6 +561,7 @@ impl Check {
                 k => k,
             };
             self.check_object(dir.as_fd(), &e.name, &path, kind);
+            self.check_wh_file(dir.as_fd(), &e.name, &path);
             match kind {
                 libc::S_IFREG => self.check_mark(dir.as_fd(), &e.name, &path),
                 libc::S_IFDIR => {
@@ -569,6 +572,32 @@ impl Check {
             }
         }
         Ok(())
+    }
+
+    /// A `.wh.NAME` whiteout beside `NAME` itself: what a crash leaves in the middle of a
+    /// removal or rename where whiteouts are `.wh.` files (dir.rs makes the whiteout first).
+    /// A mount of mosaicfs shows `NAME` (a whiteout hides only the layers below), as before
+    /// the operation; fuse-overlayfs hides it.
+    fn check_wh_file(&mut self, dir: BorrowedFd<'_>, name: &OsStr, rel: &Path) {
+        let Some(hidden) = name.as_bytes().strip_prefix(crate::layers::WHITEOUT_PREFIX) else {
+            return;
+        };
+        let hidden = OsStr::from_bytes(hidden);
+        if name == crate::layers::OPAQUE_WHITEOUT || hidden.is_empty() {
+            return;
+        }
+        if let Ok(Some(_)) = sys::stat_opt(dir, hidden) {
+            self.problem(
+                rel,
+                format!(
+                    "a whiteout beside {:?}, which it would hide: left by a removal or rename \
+                     that stopped half way; mosaicfs shows the object, fuse-overlayfs hides it",
+                    hidden
+                ),
+                "--repair removes the whiteout (what mosaicfs shows stays)",
+                Some(Repair::RemoveWhFile(rel.to_owned())),
+            );
+        }
     }
 
     fn problem(&mut self, rel: &Path, what: String, fix: &str, repair: Option<Repair>) {
@@ -804,6 +833,16 @@ impl Check {
             Repair::LayerGuard => {
                 let (key, value) = crate::partial::LAYER_GUARD;
                 sys::set_xattr(self.upper.as_fd(), None, key, value, 0)
+            }
+            Repair::RemoveWhFile(rel) => {
+                let parent = rel.parent().unwrap_or(Path::new(""));
+                let dir = sys::open_dir(self.upper.as_fd(), parent)?;
+                let name = rel.file_name().unwrap_or_default();
+                Ok(sys::unlinkat(
+                    dir.as_fd(),
+                    name,
+                    rustix::fs::AtFlags::empty(),
+                )?)
             }
             Repair::RemoveOrphan(name) => match work {
                 Some(w) => w.remove_tree(name),

@@ -576,7 +576,11 @@ impl UpperDir {
         to: &OsStr,
         flags: RenameFlags,
     ) -> Result<()> {
-        changing(Op::Rename)?;
+        changing(if flags.contains(RenameFlags::WHITEOUT) {
+            Op::RenameWhiteout
+        } else {
+            Op::Rename
+        })?;
         match (self, to_dir) {
             (UpperDir::Disk(fd), UpperDir::Disk(to_fd)) => {
                 sys::rename_at(fd.as_fd(), name, to_fd.as_fd(), to, flags)

@@ -22,9 +22,24 @@ const ROOT: u64 = 1;
 enum Store {
     Disk,
     Memory,
+    /// On disk, as on a file system where char devices cannot be made: whiteouts are
+    /// `.wh.NAME` files (the layers' probe says so; set here after it).
+    WhFiles,
+    /// On disk, as on a file system without RENAME_WHITEOUT (refused with EINVAL).
+    NoRenameWhiteout,
 }
 
 const STORES: [Store; 2] = [Store::Disk, Store::Memory];
+
+impl Store {
+    /// The fault rules that make this store what it stands for.
+    fn rules(self) -> &'static str {
+        match self {
+            Store::NoRenameWhiteout => "rename_whiteout:1+:EINVAL",
+            _ => "",
+        }
+    }
+}
 
 /// Fault rules are the process's (`fault::set`): while the sweep sets them, no other test of
 /// this file may run. Every `Core` holds this for its life.
@@ -82,7 +97,7 @@ impl Core {
             filestore: o.filestore.clone().unwrap_or_default(),
             size_limit: o.size_limit,
         });
-        let layers = LayerStack::open(
+        let mut layers = LayerStack::open(
             &o.lowerdirs,
             o.upperdir.as_deref(),
             o.workdir.as_deref(),
@@ -92,6 +107,9 @@ impl Core {
             spec.as_ref(),
         )
         .unwrap();
+        if self.store == Store::WhFiles {
+            layers.whiteout_chardev = false;
+        }
         self.ov = Some(Overlay::new(layers, Config::from_options(&o)).unwrap());
     }
 
@@ -490,25 +508,30 @@ fn changes(c: &Core) -> Vec<String> {
 }
 
 /// Each kind of change to the upper layer failing at one of its first calls, or at every call
-/// from the first (`MOSAICFS_FAULT`'s rules, set in-process at the upper seam), on both stores:
+/// from the first (`MOSAICFS_FAULT`'s rules, set in-process at the upper seam), on both stores
+/// and on disk as where whiteouts cannot be char devices or made by RENAME_WHITEOUT:
 /// each call fails or succeeds whole, and whatever the core shows afterwards is what the
 /// layers show once reopened — nothing it showed was only in memory, nothing half made
 /// appears later.
 #[test]
 fn every_failed_step_leaves_layers_that_reopen_as_they_were_shown() {
     let ops: Vec<&str> = mosaicfs::fault::op_names().collect();
-    for store in STORES {
+    let stores = [Store::WhFiles, Store::NoRenameWhiteout];
+    for store in STORES.into_iter().chain(stores) {
         // What the changes show when nothing fails.
         let reference = {
             let c = Core::new(store, lower_tree);
-            assert_eq!(changes(&c), Vec::<String>::new());
+            mosaicfs::fault::set(store.rules()).unwrap();
+            let broken = changes(&c);
+            mosaicfs::fault::clear();
+            assert_eq!(broken, Vec::<String>::new(), "{store:?}");
             c.view()
         };
         let mut differ = 0;
         for &op in &ops {
             for n in ["1", "2", "3", "1+"] {
                 let mut c = Core::new(store, lower_tree);
-                let spec = format!("{op}:{n}");
+                let spec = format!("{},{op}:{n}", store.rules());
                 mosaicfs::fault::set(&spec).unwrap();
                 let broken = changes(&c);
                 mosaicfs::fault::clear();

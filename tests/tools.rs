@@ -549,8 +549,20 @@ fn fsck_reports_each_problem_with_its_path_and_repairs_what_it_can() {
         b"a/../b",
     );
     write(m.work.join("mosaicfs-work/copyup-1-2"), b"left by a crash");
+    // A crash between the `.wh.` whiteout and the move of a removal (where whiteouts are
+    // `.wh.` files, dir.rs makes the whiteout first): the whiteout beside its name.
+    write(m.upper.join(".wh.big"), b"");
+    write(m.upper.join(".wh.gone"), b"");
     let (status, out) = run_tool("fsck", &m, &[]);
     assert_eq!(status, 4, "{out}");
+    assert!(
+        out.contains("upper /.wh.big: a whiteout beside \"big\""),
+        "{out}"
+    );
+    assert!(
+        !out.contains(".wh.gone"),
+        "a whiteout alone is no problem: {out}"
+    );
     assert!(
         out.contains("upper /big: trusted.mosaicfs.origin is not a number"),
         "{out}"
@@ -563,11 +575,12 @@ fn fsck_reports_each_problem_with_its_path_and_repairs_what_it_can() {
         out.contains("work mosaicfs-work/copyup-1-2: left by an operation"),
         "{out}"
     );
-    assert!(out.contains("3 problems (run with --repair"), "{out}");
+    assert!(out.contains("4 problems (run with --repair"), "{out}");
     let (status, out) = run_tool("fsck", &m, &["--repair"]);
     assert_eq!(status, 1, "all repaired: {out}");
     assert_eq!(run_tool("fsck", &m, &[]).0, 0);
     assert!(!m.work.join("mosaicfs-work/copyup-1-2").exists());
+    assert!(!m.upper.join(".wh.big").exists() && m.upper.join(".wh.gone").exists());
     assert_eq!(
         get_xattr(&m.upper.join("big"), "trusted.mosaicfs.partial"),
         Some(mark.clone()),

@@ -505,11 +505,18 @@ impl Overlay {
                 let _ = work.unlink(&tmp);
                 return Err(e);
             }
+        } else if needs_whiteout {
+            // `.wh.NAME` files: the whiteout goes first (beside `name` it hides nothing of its
+            // own layer), and goes again if the move fails.
+            let made = self.layers.make_wh_file(&udir, name)?;
+            if let Err(e) = udir.rename(name, &work, &tmp, RenameFlags::NOREPLACE) {
+                if made && let Err(e) = udir.unlink(&wh_name(name)) {
+                    log::error!("a removal failed and its whiteout {name:?} stays: {e}");
+                }
+                return Err(e);
+            }
         } else {
             udir.rename(name, &work, &tmp, RenameFlags::NOREPLACE)?;
-            if needs_whiteout {
-                self.layers.make_whiteout(&udir, name)?;
-            }
         }
         self.forget_name(entry.found.ino, pnode.ino, name);
         drop(_moving);
@@ -525,6 +532,79 @@ impl Overlay {
             );
         }
         Ok(())
+    }
+
+    /// Moves `name` in `sdir` to `newname` in `ddir` and leaves a whiteout at `name`: in one
+    /// step where the file system has RENAME_WHITEOUT; else in steps ordered so that a failure
+    /// leaves both names showing what they showed. `undoable`: nothing at `newname` is
+    /// replaced, so the move can be taken back.
+    fn move_leaving_whiteout(
+        &self,
+        sdir: &UpperDir,
+        name: &OsStr,
+        ddir: &UpperDir,
+        newname: &OsStr,
+        rflags: RenameFlags,
+        undoable: bool,
+    ) -> Result<()> {
+        if self.layers.whiteout_chardev {
+            // The whiteout RENAME_WHITEOUT makes is owned by this thread's fs ids.
+            crate::creds::act_as_daemon();
+            match sdir.rename(name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
+                Err(e) if e.is(libc::EINVAL) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
+                r => return r,
+            }
+            // No RENAME_WHITEOUT here: the whiteout is made in the work dir first, so that all
+            // that is left after the move is renaming it into the name the move vacated.
+            let work = self.layers.work()?;
+            let tmp = temp_name("whiteout");
+            match work.mknod(&tmp, &Creation::daemon(libc::S_IFCHR), 0) {
+                Ok(()) => {
+                    if let Err(e) = sdir.rename(name, ddir, newname, rflags) {
+                        let _ = work.unlink(&tmp);
+                        return Err(e);
+                    }
+                    let Err(e) = work.rename(&tmp, sdir, name, RenameFlags::NOREPLACE) else {
+                        return Ok(());
+                    };
+                    let _ = work.unlink(&tmp);
+                    self.undo_move(sdir, name, ddir, newname, undoable);
+                    return Err(e);
+                }
+                // No char devices after all: a `.wh.` file, as below.
+                Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // `.wh.NAME` files: the whiteout goes first (beside `name` it hides nothing of its own
+        // layer), and goes again if the move fails.
+        let made = self.layers.make_wh_file(sdir, name)?;
+        sdir.rename(name, ddir, newname, rflags).inspect_err(|_| {
+            if made && let Err(e) = sdir.unlink(&wh_name(name)) {
+                log::error!("a rename failed and its whiteout {name:?} stays: {e}");
+            }
+        })
+    }
+
+    /// Takes back the move of `name` to `newname` after its whiteout could not be made.
+    fn undo_move(
+        &self,
+        sdir: &UpperDir,
+        name: &OsStr,
+        ddir: &UpperDir,
+        newname: &OsStr,
+        undoable: bool,
+    ) {
+        let undone = undoable
+            && ddir
+                .rename(newname, sdir, name, RenameFlags::NOREPLACE)
+                .is_ok();
+        if !undone {
+            log::error!(
+                "renamed {name:?} to {newname:?}, but no whiteout could be left at {name:?}: \
+                 the lower layers' {name:?} shows again"
+            );
+        }
     }
 
     /// Before the upper object `name` in `udir`, whose node is `ino`, loses that name: pins it
@@ -779,22 +859,13 @@ impl Overlay {
             if !src_needs_whiteout && let Err(e) = sdir.unlink(name) {
                 log::warn!("a whiteout {name:?} is left in the upper layer: {e}");
             }
-        } else if src_needs_whiteout && self.layers.whiteout_chardev {
-            // The whiteout RENAME_WHITEOUT makes is owned by this thread's fs ids.
-            crate::creds::act_as_daemon();
-            match sdir.rename(name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
-                Ok(()) => {}
-                Err(e) if e.is(libc::EINVAL) || e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {
-                    sdir.rename(name, ddir, newname, rflags)?;
-                    self.layers.make_whiteout(sdir, name)?;
-                }
-                Err(e) => return Err(e),
-            }
+        } else if src_needs_whiteout {
+            // Whether the upper layer has nothing at `newname` that the move replaces, so that
+            // moving back restores both names.
+            let undoable = !over_whiteout && dst.as_ref().is_none_or(|d| !d.found.upper);
+            self.move_leaving_whiteout(sdir, name, ddir, newname, rflags, undoable)?;
         } else {
             sdir.rename(name, ddir, newname, rflags)?;
-            if src_needs_whiteout {
-                self.layers.make_whiteout(sdir, name)?;
-            }
         }
         if wh_file_after {
             let _ = ddir.unlink(&wh_name(newname));
