@@ -6,7 +6,7 @@
 //! They are its submodules so that the overlay's state stays private to them: the rest of the
 //! crate sees the methods below marked `pub` and the requests (docs/ARCHITECTURE.md).
 //!
-//! May call (dev/callgraph.py --check keeps it so): metacopy, upper_meta.
+//! May call (dev/callgraph.py --check keeps it so): nothing.
 
 // The request files: each holds one concern's `impl Overlay` block and sees the overlay's
 // private state; everything outside `overlay` goes through the methods they make public.
@@ -784,69 +784,6 @@ impl Overlay {
         self.ino_map.map(self.layers.layer(layer).dev_index, st_ino)
     }
 
-    /// The merged view's attributes of `node`: its own inode number, overlay nlink rules, the
-    /// id mapping and squashing options.
-    pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
-        a.ino = node.st_ino;
-        let (unlinked, merged_dir, lower_names_gone, data) = {
-            let st = node.state();
-            let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
-            let gone = if st.upper { 0 } else { st.lower_names_gone };
-            let data = st.lower.as_ref().and_then(|l| l.data.clone());
-            let data = data.filter(|_| !st.upper);
-            (
-                st.unlinked,
-                st.kind == libc::S_IFDIR && layers > 1,
-                gone,
-                data,
-            )
-        };
-        if let Some(data) = data {
-            // A metadata-only file occupies what its data file does (as kernel overlayfs
-            // shows it: `du` counts the data).
-            if let Ok(d) = self.lower_data_attr(&data) {
-                a.blocks = d.blocks;
-            }
-        }
-        if unlinked {
-            a.nlink = 0;
-        } else if lower_names_gone > 0 && !a.is_dir() {
-            a.nlink = a.nlink.saturating_sub(lower_names_gone).max(1);
-        } else if a.is_dir() && self.config.static_nlink {
-            a.nlink = 1;
-        } else if a.is_dir() && merged_dir {
-            // One layer's count misses the others' subdirectories: count the merged view (as
-            // fuse-overlayfs does; kernel overlayfs says 1). `find` relies on it being exact.
-            a.nlink = match self.merged_subdirs(node) {
-                Ok(n) => n + 2,
-                Err(e) => {
-                    // A directory removed meanwhile has no count to give; anything else is odd.
-                    if !node.state().unlinked {
-                        log::warn!("counting subdirectories of inode {}: {e}", node.ino);
-                    }
-                    1
-                }
-            };
-        }
-        if let Some(v) = self.node_override(node) {
-            v.apply(&mut a);
-        }
-        // Owners of an idmapped lower layer are already in the mount's id space.
-        let idmapped = self.lower_only_layer(node).is_some_and(|l| l.idmapped);
-        let (uid, gid) = if idmapped {
-            (a.uid, a.gid)
-        } else {
-            (
-                self.config.uid_map.to_inside(a.uid),
-                self.config.gid_map.to_inside(a.gid),
-            )
-        };
-        a.uid = self.config.squash_uid.unwrap_or(uid);
-        a.gid = self.config.squash_gid.unwrap_or(gid);
-
-        a
-    }
-
     /// The on-disk owner for a merged-view owner.
     fn disk_ids(&self, uid: u32, gid: u32) -> (u32, u32) {
         (
@@ -985,11 +922,6 @@ impl Overlay {
             FileData::Partial(p) => p.upper.try_clone().ok(),
             FileData::Lower(_) | FileData::Unopened(..) => None,
         }
-    }
-
-    pub fn getattr_of(&self, node: &Node) -> Result<Attr> {
-        let attr = self.settled(|| self.stat_layer(node))?;
-        Ok(self.present(node, attr))
     }
 }
 

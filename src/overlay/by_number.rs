@@ -26,8 +26,9 @@
 //!
 //! Touches: the node table (counted references), lookups (namei.rs), listings (readdir.rs).
 //!
-//! May call (dev/callgraph.py --check keeps it so): namei, overlay, readdir.
+//! May call (dev/callgraph.py --check keeps it so): namei, overlay, readdir, upper_meta.
 
+use std::ffi::OsStr;
 use std::sync::Arc;
 
 use crate::error::{Result, errno};
@@ -37,6 +38,19 @@ use crate::overlay::Overlay;
 use crate::sys::Attr;
 
 impl Overlay {
+    /// LOOKUP: `name` in `parent` (namei.rs), with one kernel reference counted. "." and ".."
+    /// come only from the kernel decoding a file handle: the object by its number, or its
+    /// parent.
+    pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
+        if name == "." {
+            return self.lookup_by_number(parent);
+        }
+        if name == ".." {
+            return self.lookup_parent(parent);
+        }
+        self.lookup_name(parent, name)
+    }
+
     /// LOOKUP of "." in `ino`: the object numbered `ino`, with one kernel reference counted.
     pub fn lookup_by_number(&self, ino: Ino) -> Result<(Arc<Node>, Attr)> {
         let node = match self.revive(ino)? {
@@ -114,7 +128,7 @@ impl Overlay {
         };
         // ...and down again, one lookup per step.
         while let Some((want, name)) = chain.pop() {
-            match self.lookup(dir.ino, &name) {
+            match self.lookup_name(dir.ino, &name) {
                 Ok((node, _)) if node.ino == want => {
                     self.inodes.hold_parent(&node, dir.ino);
                     dir = node;
@@ -161,7 +175,7 @@ impl Overlay {
                 break;
             }
             if e.kind == libc::S_IFDIR {
-                match self.lookup(dir.ino, &e.name) {
+                match self.lookup_name(dir.ino, &e.name) {
                     Ok((sub, _)) => {
                         let listing = self.scan_listing(&sub, &mut whole);
                         stack.push((sub, listing));

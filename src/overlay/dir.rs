@@ -305,7 +305,7 @@ impl Overlay {
                 v
             }
             Err(e) if e.is(libc::EEXIST) && flags & libc::O_EXCL == 0 => {
-                self.lookup(parent, name)?
+                self.lookup_name(parent, name)?
             }
             Err(e) => return Err(e),
         };

@@ -6,7 +6,7 @@
 //! ones at the redirect's path). In the lower layers the first match wins for non-directories,
 //! and directories merge downwards until an opaque one, a whiteout or a non-directory stops them.
 //!
-//! May call (dev/callgraph.py --check keeps it so): by_number, copy_up, metacopy, overlay.
+//! May call (dev/callgraph.py --check keeps it so): copy_up, metacopy, overlay, upper_meta.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -49,15 +49,9 @@ pub fn check_name(name: &OsStr) -> Result<()> {
 }
 
 impl Overlay {
-    /// Looks `name` up in `parent` and records it for the kernel (one more reference).
-    pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
-        // The kernel asks these only when decoding a file handle (by_number.rs).
-        if name == "." {
-            return self.lookup_by_number(parent);
-        }
-        if name == ".." {
-            return self.lookup_parent(parent);
-        }
+    /// Looks `name` up in `parent` and records it for the kernel (one more reference). The
+    /// LOOKUP request is `lookup` (by_number.rs): "." and ".." go there, every name comes here.
+    pub(super) fn lookup_name(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Attr)> {
         check_name(name)?;
         let pnode = self.node(parent)?;
         // Joins tried; a name that keeps answering EEXIST (another object made there between

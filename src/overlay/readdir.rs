@@ -184,7 +184,7 @@ impl Overlay {
             if e.name == "." || e.name == ".." {
                 return emit(e, next, None);
             }
-            match self.lookup(ino, &e.name) {
+            match self.lookup_name(ino, &e.name) {
                 Ok((node, attr)) => {
                     let full = emit(e, next, Some((&node, &attr)));
                     if full {

@@ -1,9 +1,10 @@
 //! Metadata mosaicfs keeps on upper objects beside what their inodes hold: owners and modes
 //! kept in an xattr (`xattr_permissions=`, stat_override.rs) and the immutable and append-only
-//! flags of `overlay.protattr` (fileattr.rs). Requests, copy-up and the overlay base all write
-//! or read them, so they sit below copy-up: nothing here calls a request or copy-up.
+//! flags of `overlay.protattr` (fileattr.rs); and the attributes the merged view presents
+//! (`present`, `getattr_of`), which apply them. Requests and copy-up write or read them, so
+//! they sit below copy-up: nothing here calls a request or copy-up.
 //!
-//! May call (dev/callgraph.py --check keeps it so): overlay.
+//! May call (dev/callgraph.py --check keeps it so): metacopy, overlay.
 
 use std::ffi::OsStr;
 
@@ -17,6 +18,74 @@ use crate::sys::Attr;
 use crate::upper::{LayerDir, UpperDir};
 
 impl Overlay {
+    /// The merged view's attributes of `node`: its own inode number, overlay nlink rules, the
+    /// id mapping and squashing options.
+    pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
+        a.ino = node.st_ino;
+        let (unlinked, merged_dir, lower_names_gone, data) = {
+            let st = node.state();
+            let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
+            let gone = if st.upper { 0 } else { st.lower_names_gone };
+            let data = st.lower.as_ref().and_then(|l| l.data.clone());
+            let data = data.filter(|_| !st.upper);
+            (
+                st.unlinked,
+                st.kind == libc::S_IFDIR && layers > 1,
+                gone,
+                data,
+            )
+        };
+        if let Some(data) = data {
+            // A metadata-only file occupies what its data file does (as kernel overlayfs
+            // shows it: `du` counts the data).
+            if let Ok(d) = self.lower_data_attr(&data) {
+                a.blocks = d.blocks;
+            }
+        }
+        if unlinked {
+            a.nlink = 0;
+        } else if lower_names_gone > 0 && !a.is_dir() {
+            a.nlink = a.nlink.saturating_sub(lower_names_gone).max(1);
+        } else if a.is_dir() && self.config.static_nlink {
+            a.nlink = 1;
+        } else if a.is_dir() && merged_dir {
+            // One layer's count misses the others' subdirectories: count the merged view (as
+            // fuse-overlayfs does; kernel overlayfs says 1). `find` relies on it being exact.
+            a.nlink = match self.merged_subdirs(node) {
+                Ok(n) => n + 2,
+                Err(e) => {
+                    // A directory removed meanwhile has no count to give; anything else is odd.
+                    if !node.state().unlinked {
+                        log::warn!("counting subdirectories of inode {}: {e}", node.ino);
+                    }
+                    1
+                }
+            };
+        }
+        if let Some(v) = self.node_override(node) {
+            v.apply(&mut a);
+        }
+        // Owners of an idmapped lower layer are already in the mount's id space.
+        let idmapped = self.lower_only_layer(node).is_some_and(|l| l.idmapped);
+        let (uid, gid) = if idmapped {
+            (a.uid, a.gid)
+        } else {
+            (
+                self.config.uid_map.to_inside(a.uid),
+                self.config.gid_map.to_inside(a.gid),
+            )
+        };
+        a.uid = self.config.squash_uid.unwrap_or(uid);
+        a.gid = self.config.squash_gid.unwrap_or(gid);
+
+        a
+    }
+
+    pub fn getattr_of(&self, node: &Node) -> Result<Attr> {
+        let attr = self.settled(|| self.stat_layer(node))?;
+        Ok(self.present(node, attr))
+    }
+
     /// Whether owners and modes of upper objects are kept in an xattr (`xattr_permissions=`).
     pub(super) fn upper_overrides(&self) -> bool {
         self.layers.has_upper && self.layers.layer(UPPER).stat_override.is_some()
