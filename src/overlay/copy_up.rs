@@ -11,6 +11,17 @@
 //! holds a half-made object: after a crash the object is either absent (the lower one shows) or
 //! complete with its mark.
 //!
+//! Its interface. Asked for: `copy_up` (a node and its parents get their upper objects; the
+//! requests that change an object call it first), `copy_up_with` (a regular file copied up
+//! empty and complete, for a truncate to zero), `upper_dir`, `copy_xattrs`,
+//! `note_origin_moved_into`, and the joining of hard links (`join_copied_up_link`,
+//! `join_other_links`). What it needs: the layers (the lower object, the work dir, the upper
+//! directory), the inode table (a node's state: its lower part, links, kind; the parent
+//! chain) and the upper seam. What it does to the rest once the object is in place: the
+//! node's state says `upper`; the other lower names of a hard-linked file join the copied-up
+//! inode (`join_other_links`); the files open on the node are re-pointed at their upper copy
+//! (`refresh_open`, sources.rs). It calls nothing above itself.
+//!
 //! May call (dev/callgraph.py --check keeps it so): metacopy, overlay, sources, upper_meta.
 
 use std::ffi::{OsStr, OsString};
