@@ -455,6 +455,7 @@ impl LayerStack {
     ) -> Result<LayerStack> {
         let mut layers = Vec::new();
         let mut devs: Vec<u64> = Vec::new();
+        let idmaps = Idmaps::read();
         let mut add = |fd: OwnedFd, attr: Attr, path: PathBuf| {
             let dev_index = match devs.iter().position(|d| *d == attr.dev) {
                 Some(i) => i,
@@ -468,7 +469,7 @@ impl LayerStack {
                 on_store: on_store(fd.as_fd()),
                 stat_override,
                 root: fd,
-                idmapped: on_idmapped_mount(&path),
+                idmapped: idmaps.covers(&path),
                 path,
                 dev: attr.dev,
                 dev_index,
@@ -664,6 +665,10 @@ impl LayerStack {
     /// the lower layers are, numbered after them, and never looked up by name: they only
     /// serve the data of metadata-only files (metacopy.rs).
     pub fn add_data_layers(&mut self, dirs: &[PathBuf]) -> Result<()> {
+        if dirs.is_empty() {
+            return Ok(());
+        }
+        let idmaps = Idmaps::read();
         for (i, dir) in dirs.iter().enumerate() {
             let what = format!("data-only lowerdir #{}", i + 1);
             let (path, fd, attr) = open_lower_root(dir, &what)?;
@@ -681,7 +686,7 @@ impl LayerStack {
                 on_store: on_store(fd.as_fd()),
                 stat_override: override_key_of(fd.as_fd()),
                 root: fd,
-                idmapped: on_idmapped_mount(&path),
+                idmapped: idmaps.covers(&path),
                 path,
                 dev: attr.dev,
                 dev_index: dev_index as u64,
@@ -884,28 +889,48 @@ impl LayerStack {
     }
 }
 
-/// Whether `path` lies on an idmapped mount: the mount in /proc/self/mountinfo with the longest
-/// mount point that contains it carries the `idmapped` option.
-fn on_idmapped_mount(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let mut best: Option<(usize, bool)> = None;
-    for line in info.lines() {
-        let f: Vec<&str> = line.split(' ').collect();
-        if f.len() < 6 {
-            continue;
-        }
-        let point = f[4]
-            .replace("\\040", " ")
-            .replace("\\011", "\t")
-            .replace("\\012", "\n")
-            .replace("\\134", "\\");
-        if path.starts_with(&point) && best.is_none_or(|(len, _)| point.len() >= len) {
-            best = Some((point.len(), f[5].split(',').any(|o| o == "idmapped")));
+/// Which layers lie on idmapped mounts, from /proc/self/mountinfo read once per stack opened:
+/// a container's mount has a lower layer per image layer, and the table grows with every mount
+/// on the host (each read makes the kernel print all of it).
+struct Idmaps {
+    /// Every mount point, with whether its mount is idmapped; empty when none is.
+    mounts: Vec<(PathBuf, bool)>,
+}
+
+impl Idmaps {
+    fn read() -> Idmaps {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        Idmaps::parse(&info)
+    }
+
+    fn parse(info: &str) -> Idmaps {
+        let mounts: Vec<(PathBuf, bool)> = info
+            .lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split(' ').collect();
+                let point = PathBuf::from(unescape_mountinfo(f.get(4)?));
+                Some((point, f.get(5)?.split(',').any(|o| o == "idmapped")))
+            })
+            .collect();
+        // The common case: no mount is idmapped, and no layer needs the table.
+        let any = mounts.iter().any(|(_, idmapped)| *idmapped);
+        Idmaps {
+            mounts: if any { mounts } else { Vec::new() },
         }
     }
-    best.is_some_and(|(_, idmapped)| idmapped)
+
+    /// Whether `path` lies on an idmapped mount: the mount with the longest mount point that
+    /// contains it (the last of equals: the newest, on top) carries the `idmapped` option.
+    fn covers(&self, path: &Path) -> bool {
+        let mut best: Option<(usize, bool)> = None;
+        for (point, idmapped) in &self.mounts {
+            let len = point.as_os_str().len();
+            if path.starts_with(point) && best.is_none_or(|(l, _)| len >= l) {
+                best = Some((len, *idmapped));
+            }
+        }
+        best.is_some_and(|(_, idmapped)| idmapped)
+    }
 }
 
 /// Refuses a lower layer that is the upper or work dir or lies inside one: it would change
@@ -1340,4 +1365,35 @@ fn probe_xattrs(work: BorrowedFd<'_>, names: &XattrNames) -> Result<()> {
     let r = sys::set_xattr(work, Some(name), &names.origin, b"probe", 0);
     let _ = crate::sys::unlinkat(work, name, rustix::fs::AtFlags::empty());
     r.map_err(|e| Error::with_context(e.errno(), "setxattr"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idmapped_layers_are_told_by_the_innermost_mount_from_one_read_of_the_table() {
+        let info = "\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 253:0 / / rw,relatime - ext4 /dev/vda rw
+40 27 0:40 / /srv/id rw,relatime,idmapped - ext4 /dev/vdb rw
+41 40 0:41 / /srv/id/plain rw,relatime - tmpfs tmpfs rw
+42 27 0:42 / /srv/with\\040space rw,idmapped - tmpfs tmpfs rw
+";
+        let maps = Idmaps::parse(info);
+        assert!(maps.covers(Path::new("/srv/id/layer")));
+        assert!(
+            !maps.covers(Path::new("/srv/id/plain/layer")),
+            "a mount inside wins"
+        );
+        assert!(!maps.covers(Path::new("/srv/identity")), "whole names only");
+        assert!(
+            maps.covers(Path::new("/srv/with space/l")),
+            "escaped mount points"
+        );
+        assert!(!maps.covers(Path::new("/var/lib/layer")));
+        // No idmapped mount: nothing is kept to look through.
+        let plain = Idmaps::parse("27 1 253:0 / / rw,relatime - ext4 /dev/vda rw\n");
+        assert!(plain.mounts.is_empty() && !plain.covers(Path::new("/x")));
+    }
 }
