@@ -9,7 +9,8 @@
 # that map them: what N daemons cost the host, divided by N) and anonymous memory (heap,
 # stacks: each daemon's own).
 #
-# Usage: bench/density.sh [N]   (default 100). Needs root.
+# Usage: bench/density.sh [N]   (default 100). LAYERS=K gives each overlay K lower layers (as
+# a container has one per image layer; default 1). Needs root.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$(realpath "${MOSAICFS:-$here/../target/release/mosaicfs}")
@@ -24,9 +25,15 @@ fi
 umount_all() { grep " $t/" /proc/self/mounts | awk '{print $2}' | xargs -r -n1 umount 2>/dev/null || true; }
 trap umount_all EXIT
 umount_all
+layers=${LAYERS:-1}
 rm -rf "$t"; mkdir -p "$t/lower"
 for d in etc bin usr/lib; do mkdir -p "$t/lower/$d"; done
 for i in $(seq 50); do echo "file $i" > "$t/lower/etc/f$i"; done
+lowerdir=$t/lower
+for k in $(seq 2 "$layers"); do
+  mkdir -p "$t/lower$k/usr/lib/l$k"; echo "layer $k" > "$t/lower$k/usr/lib/l$k/f"
+  lowerdir="$t/lower$k:$lowerdir"
+done
 
 declare -A secs rss pss anon threads
 setups=(mosaicfs fuse-overlayfs-1.10)
@@ -41,7 +48,7 @@ for s in "${setups[@]}"; do
   sync
   a=$(date +%s%N)
   for i in $(seq "$n"); do
-    "$prog" -o "lowerdir=$t/lower,upperdir=$t/$s/$i/u,workdir=$t/$s/$i/w" "$t/$s/$i/m"
+    "$prog" -o "lowerdir=$lowerdir,upperdir=$t/$s/$i/u,workdir=$t/$s/$i/w" "$t/$s/$i/m"
   done
   secs[$s]=$(python3 -c "print(f'{($(date +%s%N) - $a) / 1e9:.2f}')")
   for i in $(seq "$n"); do ls "$t/$s/$i/m/etc" >/dev/null; done
@@ -57,7 +64,7 @@ for s in "${setups[@]}"; do
 done
 
 echo
-echo "Idle mounts, $(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), $n mounts one after another, daemons in the background"
+echo "Idle mounts, $(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), $n mounts of $layers lower layer(s) one after another, daemons in the background"
 echo
 printf '| per daemon |'; for s in "${setups[@]}"; do printf ' %s |' "$s"; done; echo
 printf '|---|'; for s in "${setups[@]}"; do printf -- '---|'; done; echo
