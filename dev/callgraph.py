@@ -4,7 +4,7 @@
 docs/ARCHITECTURE.md ("Calls between the request files") shows its output; run it again after
 moving a method. Each file's top comment says which of the others it may call ("May call:");
 `--check` fails when a file calls one it does not name there (make test runs it).
-Usage: dev/callgraph.py [--cycles | --check]"""
+Usage: dev/callgraph.py [--files | --cycles | --check]"""
 import collections
 import pathlib
 import re
@@ -36,6 +36,10 @@ def main():
             g = owner.get(c.group(1))
             if g and g != f:
                 calls[f][g].add(c.group(1))
+    if "--files" in sys.argv:
+        for f in FILES:
+            print(f"{f:11} -> {', '.join(sorted(calls[f])) or '-'}")
+        return
     if "--check" not in sys.argv:
         for f in FILES:
             out = "; ".join(f"{g} ({', '.join(sorted(ms))})" for g, ms in sorted(calls[f].items()))
