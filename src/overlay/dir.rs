@@ -634,7 +634,9 @@ impl Overlay {
         }
     }
 
-    pub fn unlink(&self, parent: Ino, name: &OsStr) -> Result<()> {
+    /// The parent and the entry that unlink or rmdir of `name` in `parent` would remove, once
+    /// the mount is writable, the name valid and its removal allowed.
+    fn entry_to_remove(&self, parent: Ino, name: &OsStr) -> Result<(Arc<Node>, Entry)> {
         self.check_writable()?;
         check_name(name)?;
         let pnode = self.node(parent)?;
@@ -643,6 +645,11 @@ impl Overlay {
             .resolve(&view, name)?
             .ok_or_else(|| errno(libc::ENOENT))?;
         self.check_removal(&pnode, name, &entry)?;
+        Ok((pnode, entry))
+    }
+
+    pub fn unlink(&self, parent: Ino, name: &OsStr) -> Result<()> {
+        let (pnode, entry) = self.entry_to_remove(parent, name)?;
         if entry.attr.is_dir() {
             return Err(errno(libc::EISDIR));
         }
@@ -672,17 +679,11 @@ impl Overlay {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<()> {
-        self.check_writable()?;
-        check_name(name)?;
         if name == "." {
+            self.check_writable()?;
             return Err(errno(libc::EINVAL));
         }
-        let pnode = self.node(parent)?;
-        let view = self.dir_view(&pnode)?;
-        let entry = self
-            .resolve(&view, name)?
-            .ok_or_else(|| errno(libc::ENOENT))?;
-        self.check_removal(&pnode, name, &entry)?;
+        let (pnode, entry) = self.entry_to_remove(parent, name)?;
         if !entry.attr.is_dir() {
             return Err(errno(libc::ENOTDIR));
         }
