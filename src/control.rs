@@ -173,10 +173,11 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
             }
         );
     }
+    let (inodes, handles) = overlay.open_counts();
     r += &format!(
         "inodes known: {}\nopen handles: {}\npartial files waiting for completion: {}\n",
-        overlay.open_counts().0,
-        overlay.open_counts().1,
+        inodes,
+        handles,
         overlay.completer().queued()
     );
     for line in overlay.completer().describe(&overlay.config().completion) {
@@ -323,6 +324,7 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
         .iter()
         .map(|(e, n)| format!("{}: {n}", json_str(&crate::stats::errno_name(*e))))
         .collect();
+    let (inodes, handles) = overlay.open_counts();
     format!(
         "{{\"mount\": {}, \"upper\": {upper}, \"upper_store\": {upper_store}, \"lower\": [{}], \"transport\": {}, \"block_size\": {}, \
          \"passthrough\": {}, \"inodes\": {}, \"open_handles\": {}, \
@@ -335,8 +337,8 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
         json_str(overlay.transport()),
         overlay.sparse().block,
         json_str(&format!("{:?}", overlay.config().passthrough)),
-        overlay.open_counts().0,
-        overlay.open_counts().1,
+        inodes,
+        handles,
         f.partial_files,
         f.blocks_present,
         f.blocks_total,

@@ -506,15 +506,7 @@ impl Overlay {
                 return Err(e);
             }
         } else if needs_whiteout {
-            // `.wh.NAME` files: the whiteout goes first (beside `name` it hides nothing of its
-            // own layer), and goes again if the move fails.
-            let made = self.layers.make_wh_file(&udir, name)?;
-            if let Err(e) = udir.rename(name, &work, &tmp, RenameFlags::NOREPLACE) {
-                if made && let Err(e) = udir.unlink(&wh_name(name)) {
-                    log::error!("a removal failed and its whiteout {name:?} stays: {e}");
-                }
-                return Err(e);
-            }
+            self.move_after_wh_file(&udir, name, &work, &tmp, RenameFlags::NOREPLACE)?;
         } else {
             udir.rename(name, &work, &tmp, RenameFlags::NOREPLACE)?;
         }
@@ -576,12 +568,24 @@ impl Overlay {
                 Err(e) => return Err(e),
             }
         }
-        // `.wh.NAME` files: the whiteout goes first (beside `name` it hides nothing of its own
-        // layer), and goes again if the move fails.
+        self.move_after_wh_file(sdir, name, ddir, newname, rflags)
+    }
+
+    /// Moves `name` in `sdir` to `newname` in `ddir`, leaving a `.wh.NAME` whiteout: made
+    /// first (beside `name` it hides nothing of its own layer, only the layers below), and
+    /// removed again if the move fails.
+    fn move_after_wh_file(
+        &self,
+        sdir: &UpperDir,
+        name: &OsStr,
+        ddir: &UpperDir,
+        newname: &OsStr,
+        rflags: RenameFlags,
+    ) -> Result<()> {
         let made = self.layers.make_wh_file(sdir, name)?;
         sdir.rename(name, ddir, newname, rflags).inspect_err(|_| {
             if made && let Err(e) = sdir.unlink(&wh_name(name)) {
-                log::error!("a rename failed and its whiteout {name:?} stays: {e}");
+                log::error!("a move failed and its whiteout {name:?} stays: {e}");
             }
         })
     }
