@@ -57,6 +57,8 @@ deps:
 test: deps install
 	# The request files call only the ones their top comments allow (docs/ARCHITECTURE.md).
 	dev/callgraph.py --check
+	# The daemon's hot functions were linked together (src/hot.ld; docs/PERFORMANCE.md).
+	dev/hotcode.py --check
 	$(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
 	$(CARGO) test --release -p mosaicfs-snapshotter
 	tests/pjdfstest/run.sh target/release/mosaicfs

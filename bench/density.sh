@@ -46,6 +46,10 @@ for s in "${setups[@]}"; do
   esac
   for i in $(seq "$n"); do mkdir -p "$t/$s/$i"/{u,w,m}; done
   sync
+  # Each program starts out of the page cache, as after a boot: how a file's pages were last
+  # cached changes how many a daemon maps (a file just written is cached in large folios,
+  # and Linux 6.18 maps a large folio whole on a fault).
+  dd if="$prog" iflag=nocache count=0 status=none
   a=$(date +%s%N)
   for i in $(seq "$n"); do
     "$prog" -o "lowerdir=$lowerdir,upperdir=$t/$s/$i/u,workdir=$t/$s/$i/w" "$t/$s/$i/m"
