@@ -49,19 +49,41 @@ CHECK_MATCHING = 0.8
 WORKLOAD = r"""
 set -e
 cd "$1"
-ls -la etc usr/lib >/dev/null; stat etc/f1 >/dev/null; cat etc/f1 etc/f2 >/dev/null
-find . -xdev >/dev/null; du -s . >/dev/null
-echo more >> etc/f3; echo new > etc/new; truncate -s 100000 etc/big; dd if=/dev/zero of=etc/big bs=4k seek=7 count=1 conv=notrunc status=none
-cat etc/big >/dev/null; sync etc/big
-mkdir -p var/run/a/b; touch var/run/a/b/c; ln -s ../etc/f1 var/link; readlink var/link >/dev/null; ln etc/new etc/hard
-mv etc/f4 etc/f4.moved; mv var/run/a var/run/b; rm etc/f5; rm -r var/run/b; rmdir usr/lib/empty
-chmod 600 etc/f6; chown 1:1 etc/f7; touch -d @1 etc/f8; setfattr -n user.k -v v etc/f9; getfattr -d etc/f9 >/dev/null
-setfattr -x user.k etc/f9; ls -la etc >/dev/null
-mkfifo var/fifo; mknod var/null c 1 3 2>/dev/null || true; rm var/fifo
-python3 -c 'import os; fd = os.open("etc", os.O_TMPFILE | os.O_WRONLY); os.write(fd, b"x"); os.close(fd)' 2>/dev/null || true
-python3 -c 'import os; os.rename("etc/f10", "etc/f11")'
-cp -a etc etc.copy; rm -rf etc.copy
-df . >/dev/null; stat -f . >/dev/null
+ls -la etc usr/lib >/dev/null
+stat etc/f1 >/dev/null
+cat etc/f1 etc/f2 >/dev/null
+find . -xdev >/dev/null
+du -s . >/dev/null
+echo more >> etc/f3
+echo new > etc/new
+truncate -s 100000 etc/big
+dd if=/dev/zero of=etc/big bs=4k seek=7 count=1 conv=notrunc status=none
+cat etc/big >/dev/null
+sync etc/big
+mkdir -p var/run/a/b
+touch var/run/a/b/c
+ln -s ../etc/f1 var/link
+readlink var/link >/dev/null
+ln etc/new etc/hard
+mv etc/f4 etc/f4.moved
+mv var/run/a var/run/b
+rm etc/f5
+rm -r var/run/b
+rmdir usr/lib/empty
+chmod 600 etc/f6
+chown 1:1 etc/f7
+touch -d @1 etc/f8
+setfattr -n user.k -v v etc/f9
+getfattr -d etc/f9 >/dev/null
+setfattr -x user.k etc/f9
+mkfifo var/fifo
+rm var/fifo
+mknod var/null c 1 3
+python3 -c 'import os; os.write(os.open("etc", os.O_TMPFILE | os.O_WRONLY), b"x")'
+cp -a etc etc.copy
+rm -rf etc.copy
+df . >/dev/null
+stat -f . >/dev/null
 """
 
 
@@ -125,9 +147,9 @@ def pattern(symbol):
 
 def profile(binary, fsstress, funcs):
     """The functions the daemon ran while mounting (traced, by thread: the command's own
-    thread only runs until it has forked the daemon), hit counts once the mount is up, after
-    its first listing and after the workload, and the functions whose first instruction uprobes refuse (a `lock` prefix,
-    for one)."""
+    thread only runs until it has forked the daemon); hit counts once the mount is up, after
+    its first listing and after the workload; and the functions whose first instruction
+    uprobes refuse (a `lock` prefix, for one)."""
     t = tempfile.mkdtemp(prefix="mosaicfs-hot-")
     for d in ("l/etc", "l/usr/lib/empty", "u", "w", "m"):
         os.makedirs(f"{t}/{d}")
