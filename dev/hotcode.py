@@ -264,16 +264,22 @@ def main():
     # What an idle mount has run: the daemon's start and a first listing.
     idle = [i for i in by_address if i in in_daemon or listed.get(i, 0) > started.get(i, 0)]
     # The daemon also runs what the command had entered before it forked: it returns there.
-    idle += [i for i in by_address if re.match(FORK_PATH, funcs[i][0]) and i not in set(idle)]
+    idle += [i for i in by_address if re.match(FORK_PATH, funcs[i][0]) and i not in idle]
+    in_idle = set(idle)
     # Then the other requests, the most called first; those probes refused are unknown, and
     # small: kept here.
-    busy = [i for i in by_address if ran.get(i, 0) > listed.get(i, 0) and i not in set(idle)]
+    busy = [i for i in by_address if ran.get(i, 0) > listed.get(i, 0) and i not in in_idle]
     busy.sort(key=lambda i: listed.get(i, 0) - ran[i])
-    busy += [i for i in refused if i not in set(idle)]
-    # What only the command ran before it forked the daemon stays out: the daemon's page
-    # tables hold none of it, and a large folio of it beside the requests' would be mapped.
-    command = [i for i in by_address if started.get(i, 0) > 0 and i not in in_daemon]
-    command = [i for i in command if ran.get(i, 0) == started[i] and i not in set(idle)]
+    busy += [i for i in refused if i not in in_idle]
+    # What only the command ran before it forked the daemon stays out (counted for the
+    # report): the daemon's page tables hold none of it, and a large folio of it beside the
+    # requests' would be mapped.
+    command = [
+        i
+        for i in by_address
+        if started.get(i, 0) > 0 and i not in in_daemon and i not in in_idle
+        and ran.get(i, 0) == started[i]
+    ]
     seen = set()
     lines = []
     for title, group in (("an idle mount", idle), ("requests, the most called first", busy)):
