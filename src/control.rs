@@ -446,15 +446,17 @@ pub fn report_prometheus(overlay: &Overlay) -> String {
     r
 }
 
-/// Serves status requests for the mount on device `dev` (MAJ:MIN) until the daemon exits.
-pub fn serve(overlay: Arc<Overlay>, dev: &str, mountpoint: PathBuf) {
+/// Binds the control socket of the mount on device `dev` (MAJ:MIN), through which `mosaicfs
+/// status` and the other tools reach the daemon. `None` (logged) where there is no place for
+/// one: the mount works without it.
+pub fn bind(overlay: &Overlay, dev: &str) -> Option<Listener> {
     let Some(dir) = own_socket_dir() else {
         log::info!(
             "no directory for a control socket (tried {:?}); 'mosaicfs status' will not reach \
              this mount",
             socket_dirs()
         );
-        return;
+        return None;
     };
     let path = dir.join(socket_name(dev));
     // Tests only (`MOSAICFS_TEST_SLOW_CONTROL=ms`): the socket comes that much after the mount,
@@ -478,51 +480,64 @@ pub fn serve(overlay: Arc<Overlay>, dev: &str, mountpoint: PathBuf) {
                 "no control socket at {}: {e}; 'mosaicfs status' will not reach this mount",
                 path.display()
             );
-            return;
+            return None;
         }
     };
     // Its owner only: the socket hands out the layer's contents (export).
     use std::os::unix::fs::PermissionsExt;
     if let Err(e) = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)) {
         log::info!("control socket {}: {e}; not served", path.display());
-        return;
+        return None;
     }
     // The socket file's inode: at exit the daemon removes the path only while it is still
     // this socket. Device numbers of FUSE mounts are reused at once, so a new mount on the same
     // number may have bound its own socket there by the time an old daemon exits.
-    let Ok(meta) = std::fs::metadata(&path) else {
-        return;
-    };
+    let meta = std::fs::metadata(&path).ok()?;
     overlay.set_control_socket(path, std::os::unix::fs::MetadataExt::ino(&meta));
-    let _ = std::thread::Builder::new()
-        .name("mosaicfs-control".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut conn) = conn else { continue };
-                let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(500)));
-                let mut asked = Vec::new();
-                let _ = (&mut conn).take(64).read_to_end(&mut asked);
-                let out = match asked.trim_ascii() {
-                    b"export" => {
-                        // Long: its own thread, so status requests are still answered.
-                        let _ = conn.set_read_timeout(None);
-                        let ov = overlay.clone();
-                        let _ = std::thread::Builder::new()
-                            .name("mosaicfs-export".into())
-                            .spawn(move || crate::export::serve(&ov, conn));
-                        continue;
-                    }
-                    b"json" => report_json(&overlay, &mountpoint),
-                    b"sync" => match overlay.sync_layer() {
-                        Ok(()) => "ok\n".into(),
-                        Err(e) => format!("error: {e}\n"),
-                    },
-                    b"prometheus" => report_prometheus(&overlay),
-                    _ => report(&overlay, &mountpoint),
-                };
-                let _ = conn.write_all(out.as_bytes());
-            }
-        });
+    Some(Listener(listener))
+}
+
+/// A bound control socket, served by `Listener::serve`.
+pub struct Listener(UnixListener);
+
+impl Listener {
+    /// Answers the socket's requests in a thread of its own until the daemon exits.
+    pub fn serve(self, overlay: Arc<Overlay>, mountpoint: PathBuf) {
+        let listener = self.0;
+        let _ = std::thread::Builder::new()
+            .name("mosaicfs-control".into())
+            .spawn(move || {
+                for conn in listener.incoming().filter_map(|c| c.ok()) {
+                    answer(conn, &overlay, &mountpoint);
+                }
+            });
+    }
+}
+
+/// Answers one request on the control socket.
+fn answer(mut conn: UnixStream, overlay: &Arc<Overlay>, mountpoint: &Path) {
+    let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(500)));
+    let mut asked = Vec::new();
+    let _ = (&mut conn).take(64).read_to_end(&mut asked);
+    let out = match asked.trim_ascii() {
+        b"export" => {
+            // Long: its own thread, so status requests are still answered.
+            let _ = conn.set_read_timeout(None);
+            let ov = overlay.clone();
+            let _ = std::thread::Builder::new()
+                .name("mosaicfs-export".into())
+                .spawn(move || crate::export::serve(&ov, conn));
+            return;
+        }
+        b"json" => report_json(overlay, mountpoint),
+        b"sync" => match overlay.sync_layer() {
+            Ok(()) => "ok\n".into(),
+            Err(e) => format!("error: {e}\n"),
+        },
+        b"prometheus" => report_prometheus(overlay),
+        _ => report(overlay, mountpoint),
+    };
+    let _ = conn.write_all(out.as_bytes());
 }
 
 /// Serves the Prometheus text of the mount over HTTP (`metrics=ADDR`) until the daemon exits:

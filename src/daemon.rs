@@ -1,8 +1,10 @@
 //! The command: parse options, check the layers, mount, serve until unmounted.
 //!
-//! Without `-f` the command forks once before any thread exists; the parent waits until the
-//! child reports the mount live (or why it failed) and exits 0 only then, which is what
-//! containers/storage and mount(8) wait for.
+//! Without `-f` the command mounts, answers the kernel's INIT and binds the control socket
+//! itself, then forks once, before any thread exists: the parent exits 0 with the mount live,
+//! which is what containers/storage and mount(8) wait for, and the child serves it. Whatever
+//! can fail the mount fails it before the fork, with its reason; only the pre-content guardian
+//! starts after it, and then the parent waits for the child's word (`mount`).
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -259,31 +261,46 @@ fn mount(opts: Options) -> Result<()> {
     )?;
     layers.add_data_layers(&opts.datadirs)?;
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
-    use_uring(&opts, &overlay)?;
+    let uring = use_uring(&opts, &overlay)?;
     if overlay.layers().work.is_some() && !overlay.sparse().sparse {
         eprintln!(
             "mosaicfs: warning: the upper file system does not report holes in sparse files; \
              files are copied up whole (block-level copy-up needs ext4, xfs, btrfs or tmpfs)"
         );
     }
-    let overlay = Arc::new(overlay);
-
+    let started = start(Arc::new(overlay), &opts, uring)?;
     let mut notify: Option<OwnedFd> = None;
     if !opts.foreground {
-        let (r, w) = rustix::pipe::pipe().map_err(|e| crate::message!("pipe: {e}"))?;
+        // The mount is live: it answers as soon as the child serves. Only the pre-content
+        // guardian (partial_passthrough) can still fail in the child; the parent waits for
+        // the child only then, and else exits at once (it never unmounts: the child owns the
+        // session now).
+        let pipe = if started.overlay.precontent().is_ok() {
+            Some(rustix::pipe::pipe().map_err(|e| crate::message!("pipe: {e}"))?)
+        } else {
+            None
+        };
         match crate::sys::fork().map_err(|e| crate::message!("fork: {e}"))? {
             Some(_child) => {
-                drop(w);
-                return wait_for_child(r);
+                std::mem::forget(started);
+                return match pipe {
+                    Some((r, w)) => {
+                        drop(w);
+                        wait_for_child(r)
+                    }
+                    None => Ok(()),
+                };
             }
             None => {
-                drop(r);
                 let _ = rustix::process::setsid();
-                notify = Some(w);
+                notify = pipe.map(|(r, w)| {
+                    drop(r);
+                    w
+                });
             }
         }
     }
-    let result = serve(overlay, &opts, &mut notify, metrics, log_file);
+    let result = serve(started, &opts, &mut notify, metrics, log_file);
     if let (Err(e), Some(w)) = (&result, notify) {
         let mut f = std::fs::File::from(w);
         let _ = f.write_all(e.to_string().as_bytes());
@@ -437,7 +454,8 @@ fn spawn_lower_watchdog(
 /// The most FUSE worker threads a mount grows to (see `fuser_config`).
 const MAX_WORKERS: usize = 64;
 
-fn fuser_config(opts: &Options, overlay: &Overlay) -> fuser::Config {
+/// The session's settings; `uring`: ask the kernel for io_uring (`use_uring`).
+fn fuser_config(opts: &Options, uring: bool) -> fuser::Config {
     use fuser::MountOption as M;
     let mut mo = vec![
         M::FSName(opts.fsname.clone()),
@@ -475,22 +493,26 @@ fn fuser_config(opts: &Options, overlay: &Overlay) -> fuser::Config {
         cfg.max_threads = Some(MAX_WORKERS.max(opts.threads));
     }
     cfg.clone_fd = true;
-    cfg.uring = use_uring(opts, overlay).unwrap_or(false);
+    cfg.uring = uring;
     cfg
 }
 
-fn serve(
+/// The mount as the command leaves it before it goes to the background: mounted, the
+/// kernel's INIT answered, the control socket bound. No thread runs yet, so that the command
+/// can fork.
+struct Started {
+    session: fuser::Session<MosaicFs>,
     overlay: Arc<Overlay>,
-    opts: &Options,
-    notify: &mut Option<OwnedFd>,
-    metrics: Option<std::net::TcpListener>,
-    log_file: Option<std::fs::File>,
-) -> Result<()> {
+    control: Option<crate::control::Listener>,
+}
+
+/// Mounts and does all that can fail the mount without a thread: what fails here fails the
+/// command with its reason.
+fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool) -> Result<Started> {
     overlay.arm_workers();
-    let control = overlay.clone();
     log_panics();
     let fs = MosaicFs {
-        core: overlay,
+        core: overlay.clone(),
         max_write: opts.max_write,
         panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
         slow_release: std::env::var("MOSAICFS_TEST_SLOW_RELEASE")
@@ -500,10 +522,10 @@ fn serve(
         no_opendir: false,
     };
     let under = crate::sys::device_of(&opts.mountpoint);
-    let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, &control))
+    let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, uring))
         .map_err(|e| crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
     let notifier = session.notifier();
-    control.on_attrs_changed(move |ino, data| {
+    overlay.on_attrs_changed(move |ino, data| {
         // Offset -1: attributes only, the cached pages stay; 0: from the start, every page
         // (a directory's cached listing). ENOENT: the kernel holds no inode for it, so nothing
         // is cached.
@@ -517,20 +539,50 @@ fn serve(
             fuser::URING_ENABLE_PARAMETER
         ));
     }
-    control.set_transport(session.transport());
-    if notify.is_some() && session.transport() == "io_uring" {
+    overlay.set_transport(session.transport());
+    // The new mount's device: the mount point's as the kernel knows it without asking this
+    // daemon (`device_of`), once it differs from the directory's below the mount. Else
+    // (a kernel that asks anyway) the newest mount there in /proc/self/mountinfo.
+    let device = crate::sys::device_of(&opts.mountpoint)
+        .filter(|d| Some(d) != under.as_ref())
+        .or_else(|| crate::control::mount_device(&opts.mountpoint));
+    let control = device.and_then(|dev| {
+        set_read_ahead(&dev, opts.read_ahead_kb);
+        crate::control::bind(&overlay, &dev)
+    });
+    Ok(Started {
+        session,
+        overlay,
+        control,
+    })
+}
+
+/// Starts the daemon's threads, then serves until the mount goes away.
+fn serve(
+    started: Started,
+    opts: &Options,
+    notify: &mut Option<OwnedFd>,
+    metrics: Option<std::net::TcpListener>,
+    log_file: Option<std::fs::File>,
+) -> Result<()> {
+    let Started {
+        session,
+        overlay,
+        control,
+    } = started;
+    if !opts.foreground && session.transport() == "io_uring" {
         prefer_own_autogroup();
     }
     // Mounted: the guardian learns the mount it guards (precontent.rs). No partial file is
     // opened before the session runs.
-    control.start_precontent(&opts.mountpoint)?;
+    overlay.start_precontent(&opts.mountpoint)?;
     crate::sys::detach_on_signals(&opts.mountpoint);
     // A layer on a store's client is watched even without a timeout: one that stops answering
     // must not take every worker (lower_wait.rs).
-    let on_store = control
+    let on_store = overlay
         .layers()
         .lower_ids()
-        .any(|l| control.layers().layer(l).on_store);
+        .any(|l| overlay.layers().layer(l).on_store);
     if opts.lower_timeout.is_some() || on_store && opts.threads > 1 {
         let workers = MAX_WORKERS.max(opts.threads);
         let limits = crate::lower_wait::Limits {
@@ -538,33 +590,28 @@ fn serve(
             stuck: crate::lower_wait::STUCK,
             saturated: workers - (workers / 4).max(2),
         };
-        spawn_lower_watchdog(session.request_watch(), limits, control.clone());
+        spawn_lower_watchdog(session.request_watch(), limits, overlay.clone());
     }
-    // The new mount's device: the mount point's as the kernel knows it without asking this
-    // daemon (`device_of`), once it differs from the directory's below the mount. Else
-    // (a kernel that asks anyway) the newest mount there in /proc/self/mountinfo.
-    let device = crate::sys::device_of(&opts.mountpoint)
-        .filter(|d| Some(d) != under.as_ref())
-        .or_else(|| crate::control::mount_device(&opts.mountpoint));
-    if let Some(dev) = &device {
-        set_read_ahead(dev, opts.read_ahead_kb);
-        crate::control::serve(control.clone(), dev, opts.mountpoint.clone());
+    if let Some(control) = control {
+        control.serve(overlay.clone(), opts.mountpoint.clone());
     }
     if let Some(listener) = metrics {
-        crate::control::serve_metrics(control.clone(), listener);
+        crate::control::serve_metrics(overlay.clone(), listener);
     }
     if let Some(w) = notify.take() {
         // Closing the pipe after the byte lets the waiting parent exit.
         let mut f = std::fs::File::from(w);
         let _ = f.write_all(&[0]);
         drop(f);
+    }
+    if !opts.foreground {
         crate::logging::to_background(log_file);
         detach_stdio();
     }
     let result = session.run();
     log::debug!("session ended");
     // Pending blocks reach the disk on every way out, not only through FUSE's destroy.
-    control.shutdown();
+    overlay.shutdown();
     log::debug!("shut down");
     result.map_err(|e| crate::message!("FUSE session ended: {e}"))
 }
