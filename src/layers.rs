@@ -14,6 +14,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use rustix::fs::OFlags;
 
@@ -182,8 +183,8 @@ pub struct LayerStack {
     /// Holds the upper dir's lock while the stack lives (the same upper, another work dir).
     _upper_lock: Option<OwnedFd>,
     pub xattr: XattrNames,
-    /// Whether whiteouts can be char devices 0/0 (mknod works on the upper layer).
-    pub whiteout_chardev: bool,
+    /// Whether whiteouts are char devices 0/0 (`chardev_whiteouts`).
+    whiteout_chardev: std::sync::atomic::AtomicBool,
     /// Whether any layer keeps owners and modes in an xattr (`Layer::stat_override`).
     pub any_override: bool,
     dirs: crate::dircache::DirCache,
@@ -455,7 +456,7 @@ impl LayerStack {
     ) -> Result<LayerStack> {
         let mut layers = Vec::new();
         let mut devs: Vec<u64> = Vec::new();
-        let idmaps = Idmaps::read();
+        let idmaps = Idmaps::default();
         let mut add = |fd: OwnedFd, attr: Attr, path: PathBuf| {
             let dev_index = match devs.iter().position(|d| *d == attr.dev) {
                 Some(i) => i,
@@ -482,7 +483,6 @@ impl LayerStack {
         let mut work_lock = None;
         let mut upper_lock = None;
         let mut has_upper = false;
-        let mut whiteout_chardev = false;
         let mut memory = None;
         if let Some(upper) = upper.filter(|_| !read_only) {
             check_no_lower_inside(lowers, upper, work)?;
@@ -529,7 +529,6 @@ impl LayerStack {
                     )
                     .map_err(|e| crate::message!("upperdir '{}': {e}", upper.display()))?;
                     upper_lock = Some(lock_dir(ulock, "upperdir", &upper, lock)?);
-                    whiteout_chardev = probe_whiteout(wsub.as_fd());
                     let mut probed = probe_xattrs(wsub.as_fd(), &XattrNames::new(trusted));
                     if trusted && probed.as_ref().is_err_and(|e| e.is(libc::EPERM)) {
                         log::info!(
@@ -553,7 +552,6 @@ impl LayerStack {
                 // After the work dir's lock: the daemon before may still be writing the image.
                 Some(spec) if work_fd.is_some() => {
                     memory = Some(Arc::new(open_memory_upper(ufd.as_fd(), &upper, spec)?));
-                    whiteout_chardev = true;
                     // Its inode numbers are the store's own: a device of their own, so that
                     // they never meet a lower layer's on the upper dir's file system.
                     uattr.dev = MEMORY_DEV;
@@ -616,7 +614,7 @@ impl LayerStack {
             _work_lock: work_lock,
             _upper_lock: upper_lock,
             xattr: XattrNames::new(trusted),
-            whiteout_chardev,
+            whiteout_chardev: std::sync::atomic::AtomicBool::new(true),
             dirs: Default::default(),
             memory,
         })
@@ -668,7 +666,7 @@ impl LayerStack {
         if dirs.is_empty() {
             return Ok(());
         }
-        let idmaps = Idmaps::read();
+        let idmaps = Idmaps::default();
         for (i, dir) in dirs.iter().enumerate() {
             let what = format!("data-only lowerdir #{}", i + 1);
             let (path, fd, attr) = open_lower_root(dir, &what)?;
@@ -847,15 +845,44 @@ impl LayerStack {
         dir.has_in(Some(name), OsStr::new(OPAQUE_WHITEOUT))
     }
 
+    /// Whether whiteouts are char devices 0/0, kernel overlayfs' own kind, else `.wh.` files.
+    /// Found at the first whiteout, not probed at mount (a probe costs an inode at every
+    /// mount): a mknod that the file system or the daemon's privileges refuse turns them off
+    /// for the rest of the mount (`mknod_whiteout`).
+    pub fn chardev_whiteouts(&self) -> bool {
+        self.whiteout_chardev.load(Ordering::Relaxed)
+    }
+
+    /// Turns char-device whiteouts off for the rest of the mount, as a refused mknod does.
+    pub fn no_chardev_whiteouts(&self) {
+        self.whiteout_chardev.store(false, Ordering::Relaxed);
+    }
+
+    /// Makes the char-device whiteout `name` in `dir`. Ok(false): the upper layer takes no
+    /// char devices (EPERM, EOPNOTSUPP), now or since an earlier refusal; make a `.wh.` file.
+    pub fn mknod_whiteout(&self, dir: &UpperDir, name: &OsStr) -> Result<bool> {
+        if !self.chardev_whiteouts() {
+            return Ok(false);
+        }
+        crate::creds::act_as_daemon();
+        match dir.mknod(name, &Creation::daemon(libc::S_IFCHR), 0) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {
+                if self.whiteout_chardev.swap(false, Ordering::Relaxed) {
+                    log::info!(
+                        "the upper layer takes no char devices ({e}): whiteouts are .wh. files"
+                    );
+                }
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Writes a whiteout for `name` in the upper directory `dir` (which must not hold `name`).
     pub fn make_whiteout(&self, dir: &UpperDir, name: &OsStr) -> Result<()> {
-        crate::creds::act_as_daemon();
-        if self.whiteout_chardev {
-            match dir.mknod(name, &Creation::daemon(libc::S_IFCHR), 0) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
-                Err(e) => return Err(e),
-            }
+        if self.mknod_whiteout(dir, name)? {
+            return Ok(());
         }
         self.make_wh_file(dir, name).map(drop)
     }
@@ -889,21 +916,36 @@ impl LayerStack {
     }
 }
 
-/// Which layers lie on idmapped mounts, from /proc/self/mountinfo read once per stack opened:
-/// a container's mount has a lower layer per image layer, and the table grows with every mount
-/// on the host (each read makes the kernel print all of it).
+/// Which layers lie on idmapped mounts. The kernel is asked about each layer's own mount
+/// (statmount); only where it cannot answer so is /proc/self/mountinfo read, once per stack
+/// opened: a container's mount has a lower layer per image layer, and the table grows with
+/// every mount on the host (each read makes the kernel print all of it).
+#[derive(Default)]
 struct Idmaps {
-    /// Every mount point, with whether its mount is idmapped; empty when none is.
+    table: std::cell::OnceCell<IdmapTable>,
+}
+
+/// Every mount point in /proc/self/mountinfo, with whether its mount is idmapped; empty when
+/// none is.
+struct IdmapTable {
     mounts: Vec<(PathBuf, bool)>,
 }
 
 impl Idmaps {
-    fn read() -> Idmaps {
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        Idmaps::parse(&info)
+    fn covers(&self, path: &Path) -> bool {
+        sys::on_idmapped_mount(path).unwrap_or_else(|| {
+            self.table
+                .get_or_init(|| {
+                    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+                    IdmapTable::parse(&info)
+                })
+                .covers(path)
+        })
     }
+}
 
-    fn parse(info: &str) -> Idmaps {
+impl IdmapTable {
+    fn parse(info: &str) -> IdmapTable {
         let mounts: Vec<(PathBuf, bool)> = info
             .lines()
             .filter_map(|line| {
@@ -914,7 +956,7 @@ impl Idmaps {
             .collect();
         // The common case: no mount is idmapped, and no layer needs the table.
         let any = mounts.iter().any(|(_, idmapped)| *idmapped);
-        Idmaps {
+        IdmapTable {
             mounts: if any { mounts } else { Vec::new() },
         }
     }
@@ -1346,25 +1388,13 @@ fn prepare_work_dir(
     Ok((fd, held))
 }
 
-fn probe_whiteout(work: BorrowedFd<'_>) -> bool {
-    let name = OsStr::new("probe-whiteout");
-    let ok = sys::mknod_at(work, name, libc::S_IFCHR, 0).is_ok();
-    let _ = crate::sys::unlinkat(work, name, rustix::fs::AtFlags::empty());
-    ok
-}
-
+/// Sets and removes one of mosaicfs' xattrs on the work dir itself: nothing is created (a
+/// file costs an inode on the upper file system at every mount).
 fn probe_xattrs(work: BorrowedFd<'_>, names: &XattrNames) -> Result<()> {
-    let name = OsStr::new("probe-xattr");
-    let fd = crate::sys::openat(
-        work,
-        name,
-        OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
-        rustix::fs::Mode::from_raw_mode(0o600),
-    )?;
-    drop(fd);
-    let r = sys::set_xattr(work, Some(name), &names.origin, b"probe", 0);
-    let _ = crate::sys::unlinkat(work, name, rustix::fs::AtFlags::empty());
-    r.map_err(|e| Error::with_context(e.errno(), "setxattr"))
+    sys::set_xattr(work, None, &names.origin, b"probe", 0)
+        .map_err(|e| Error::with_context(e.errno(), "setxattr"))?;
+    let _ = sys::remove_xattr(work, None, &names.origin);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1380,7 +1410,7 @@ mod tests {
 41 40 0:41 / /srv/id/plain rw,relatime - tmpfs tmpfs rw
 42 27 0:42 / /srv/with\\040space rw,idmapped - tmpfs tmpfs rw
 ";
-        let maps = Idmaps::parse(info);
+        let maps = IdmapTable::parse(info);
         assert!(maps.covers(Path::new("/srv/id/layer")));
         assert!(
             !maps.covers(Path::new("/srv/id/plain/layer")),
@@ -1393,7 +1423,7 @@ mod tests {
         );
         assert!(!maps.covers(Path::new("/var/lib/layer")));
         // No idmapped mount: nothing is kept to look through.
-        let plain = Idmaps::parse("27 1 253:0 / / rw,relatime - ext4 /dev/vda rw\n");
+        let plain = IdmapTable::parse("27 1 253:0 / / rw,relatime - ext4 /dev/vda rw\n");
         assert!(plain.mounts.is_empty() && !plain.covers(Path::new("/x")));
     }
 }

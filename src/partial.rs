@@ -480,7 +480,16 @@ impl Drop for ProbeFile<'_> {
 
 /// Whether the upper file system clones extents (FICLONE): XFS with reflink, btrfs. Whether a
 /// given lower layer's files can be cloned into it is found at the first copy-up.
+/// File systems that never clone (ext2/3/4, tmpfs) are told by their type, without the two
+/// probe files: each would cost an inode at every mount.
 pub fn probe_reflink(work: BorrowedFd<'_>) -> bool {
+    const EXT4_SUPER_MAGIC: i64 = 0xef53;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    if rustix::fs::fstatfs(work)
+        .is_ok_and(|st| [EXT4_SUPER_MAGIC, TMPFS_MAGIC].contains(&(st.f_type as i64)))
+    {
+        return false;
+    }
     let (Ok(src), Ok(dst)) = (
         ProbeFile::create(work, "probe-reflink-src"),
         ProbeFile::create(work, "probe-reflink-dst"),

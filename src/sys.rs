@@ -206,6 +206,60 @@ pub fn device_of(path: &Path) -> Option<String> {
     Some(format!("{}:{}", sx.stx_dev_major, sx.stx_dev_minor))
 }
 
+/// Whether `path` lies on an idmapped mount, asked of the kernel for that one mount (statx
+/// `STATX_MNT_ID_UNIQUE`, then statmount, Linux 6.8): the cost does not grow with the number
+/// of mounts, as reading /proc/self/mountinfo does on a host with hundreds of overlays.
+/// `None` where the kernel cannot answer so (older kernels): the caller reads mountinfo.
+pub fn on_idmapped_mount(path: &Path) -> Option<bool> {
+    const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
+    const STATMOUNT_MNT_BASIC: u64 = 0x2;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    // The same number on every architecture: statmount came after the tables were unified.
+    const SYS_STATMOUNT: libc::c_long = 457;
+    /// The kernel's `struct mnt_id_req`, first version.
+    #[repr(C)]
+    struct MntIdReq {
+        size: u32,
+        spare: u32,
+        mnt_id: u64,
+        param: u64,
+    }
+    let sx = rustix::fs::statx(
+        CWD,
+        path,
+        AtFlags::empty(),
+        rustix::fs::StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
+    )
+    .ok()?;
+    if sx.stx_mask & STATX_MNT_ID_UNIQUE == 0 {
+        return None;
+    }
+    let req = MntIdReq {
+        size: std::mem::size_of::<MntIdReq>() as u32,
+        spare: 0,
+        mnt_id: sx.stx_mnt_id,
+        param: STATMOUNT_MNT_BASIC,
+    };
+    // `struct statmount` as u64 words: `mask` is word 1, `mnt_attr` word 8; the rest of the
+    // buffer leaves room for the fields later kernels add.
+    let mut sm = [0u64; 64];
+    // SAFETY: `req` has the layout of the kernel's `struct mnt_id_req` and the size it
+    // states; the kernel writes at most `size_of_val(&sm)` bytes into `sm`.
+    let r = unsafe {
+        libc::syscall(
+            SYS_STATMOUNT,
+            &req as *const MntIdReq,
+            sm.as_mut_ptr(),
+            std::mem::size_of_val(&sm),
+            0,
+        )
+    };
+    if r < 0 || sm[1] & STATMOUNT_MNT_BASIC == 0 {
+        return None;
+    }
+    Some(sm[8] & MOUNT_ATTR_IDMAP != 0)
+}
+
 /// The mount point of the mount `path` lies on, and `path` relative to it (from
 /// /proc/self/mountinfo by the mount id statx gives).
 pub fn mount_point_of(path: &Path) -> Result<(PathBuf, PathBuf)> {
@@ -1018,7 +1072,8 @@ pub fn set_umask(mask: u32) -> u32 {
 
 /// `fork(2)`. Only called before any thread is started.
 pub fn fork() -> Result<Option<i32>> {
-    // SAFETY: called from main() before the FUSE session or any other thread exists, so the
+    // SAFETY: called from main() before any other thread exists (the FUSE session is mounted
+    // but starts its threads in the child), so the
     // child inherits no lock held by another thread.
     let pid = unsafe { libc::fork() };
     match pid {
@@ -1417,6 +1472,26 @@ pub fn close_other_fds(keep: &[i32]) {
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
+
+    /// statmount answers for a plain mount on kernels that have it (6.8+), so that opening
+    /// layers never reads /proc/self/mountinfo there; the idmapped case is in tests/overlay.rs.
+    #[test]
+    fn statmount_tells_a_plain_mount_from_an_idmapped_one() {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        let mut v = release
+            .split(|c: char| !c.is_ascii_digit())
+            .map(|n| n.parse::<u32>());
+        let (major, minor) = (v.next(), v.next());
+        let has_statmount =
+            matches!((major, minor), (Some(Ok(a)), Some(Ok(b))) if (a, b) >= (6, 8));
+        let got = on_idmapped_mount(Path::new("/"));
+        if has_statmount {
+            assert_eq!(got, Some(false), "kernel {release}");
+        } else {
+            assert_eq!(got, None, "kernel {release}");
+        }
+        assert_eq!(on_idmapped_mount(Path::new("/nonexistent/x")), None);
+    }
 
     /// Every kind of object an xattr call reaches — a file by name, a directory by name, a
     /// directory itself, an unnamed regular file (its O_PATH handle) and a symlink by name,

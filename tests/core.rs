@@ -23,7 +23,7 @@ enum Store {
     Disk,
     Memory,
     /// On disk, as on a file system where char devices cannot be made: whiteouts are
-    /// `.wh.NAME` files (the layers' probe says so; set here after it).
+    /// `.wh.NAME` files (as after the upper layer refused the first one).
     WhFiles,
     /// On disk, as on a file system without RENAME_WHITEOUT (refused with EINVAL).
     NoRenameWhiteout,
@@ -97,7 +97,7 @@ impl Core {
             filestore: o.filestore.clone().unwrap_or_default(),
             size_limit: o.size_limit,
         });
-        let mut layers = LayerStack::open(
+        let layers = LayerStack::open(
             &o.lowerdirs,
             o.upperdir.as_deref(),
             o.workdir.as_deref(),
@@ -108,7 +108,7 @@ impl Core {
         )
         .unwrap();
         if self.store == Store::WhFiles {
-            layers.whiteout_chardev = false;
+            layers.no_chardev_whiteouts();
         }
         self.ov = Some(Overlay::new(layers, Config::from_options(&o)).unwrap());
     }

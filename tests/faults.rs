@@ -132,6 +132,32 @@ fn an_unlink_fails_and_keeps_the_file_when_no_whiteout_can_be_made() {
     assert_eq!(names(m.path("d")), ["g"]);
 }
 
+/// An upper dir that takes no char devices (EPERM at the first, as for a daemon without
+/// CAP_MKNOD; nothing is probed at mount): the removal that finds out still succeeds, with a
+/// `.wh.` file, and later ones make `.wh.` files without trying a char device again.
+#[test]
+fn a_refused_char_device_whiteout_turns_whiteouts_into_wh_files() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let mut m = faulty("mknod:1:EPERM");
+    fs::remove_file(m.path("d/f")).unwrap();
+    fs::remove_file(m.path("d/g")).unwrap();
+    assert!(names(m.path("d")).is_empty());
+    for n in ["f", "g"] {
+        let wh = fs::symlink_metadata(m.upper.join(format!("d/.wh.{n}"))).unwrap();
+        assert!(wh.file_type().is_file(), "d/.wh.{n}: {wh:?}");
+        assert!(
+            fs::symlink_metadata(m.upper.join(format!("d/{n}"))).is_err(),
+            "no char device d/{n}"
+        );
+    }
+    work_is_clean_after(&m, "the removals");
+    m.env.clear(); // the remount has no faults
+    m.remount();
+    assert!(names(m.path("d")).is_empty());
+}
+
 #[test]
 fn a_directory_rename_fails_whole_when_its_copy_up_cannot_be_marked() {
     let mut m = faulty("setxattr:1");

@@ -4,8 +4,9 @@ mod common;
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirEntryExt, FileExt, FileTypeExt, MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::*;
@@ -1564,6 +1565,118 @@ fn uid_and_gid_mapping_shift_ids_both_ways() {
         65534,
         "root of the host is unmapped in this mapping"
     );
+}
+
+/// An idmapped mount of `dir` at `at` whose ids are those of a user namespace mapping 0 to
+/// 100000 (65536 ids): a file that is uid 5 on disk shows as 100005 there.
+struct IdmappedMount {
+    at: PathBuf,
+    ns_holder: std::process::Child,
+}
+
+impl IdmappedMount {
+    fn new(dir: &Path, at: &Path) -> IdmappedMount {
+        let _forking = forking();
+        let mut ns_holder = Command::new("unshare")
+            .args(["--user", "--", "sleep", "600"])
+            .spawn()
+            .unwrap();
+        let ns = format!("/proc/{}/ns/user", ns_holder.id());
+        let started = std::time::Instant::now();
+        while fs::read_link(&ns).ok() == fs::read_link("/proc/self/ns/user").ok() {
+            assert!(
+                started.elapsed().as_secs() < 10,
+                "unshare made no user namespace"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for map in ["uid_map", "gid_map"] {
+            fs::write(
+                format!("/proc/{}/{map}", ns_holder.id()),
+                "0 100000 65536\n",
+            )
+            .unwrap();
+        }
+        let userns = fs::File::open(&ns).unwrap();
+        let tree = rustix::mount::open_tree(
+            rustix::fs::CWD,
+            dir,
+            rustix::mount::OpenTreeFlags::OPEN_TREE_CLONE
+                | rustix::mount::OpenTreeFlags::OPEN_TREE_CLOEXEC,
+        )
+        .unwrap();
+        const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+        // struct mount_attr: attr_set, attr_clr, propagation, userns_fd.
+        let attr: [u64; 4] = [MOUNT_ATTR_IDMAP, 0, 0, userns.as_raw_fd() as u64];
+        // SAFETY: `tree` is a live descriptor, the path is an empty C string, and `attr` has
+        // the layout and size of the kernel's struct mount_attr.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                attr.as_ptr(),
+                std::mem::size_of_val(&attr),
+            )
+        };
+        if r != 0 {
+            let _ = ns_holder.kill();
+            let _ = ns_holder.wait();
+            panic!(
+                "mount_setattr(MOUNT_ATTR_IDMAP): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        rustix::mount::move_mount(
+            &tree,
+            "",
+            rustix::fs::CWD,
+            at,
+            rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+        .unwrap();
+        IdmappedMount {
+            at: at.to_path_buf(),
+            ns_holder,
+        }
+    }
+}
+
+impl Drop for IdmappedMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
+        let _ = self.ns_holder.kill();
+        let _ = self.ns_holder.wait();
+    }
+}
+
+/// A lower layer on an idmapped mount (containers/storage idmaps image layers and passes
+/// uidmapping= too) shows its owners as that mount shows them: uidmapping= does not shift
+/// them a second time. Which layers are idmapped is asked of the kernel per layer (statmount).
+#[test]
+fn a_lower_layer_on_an_idmapped_mount_is_not_shifted_twice() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), "x");
+    std::os::unix::fs::chown(m.lower(0).join("f"), Some(5), Some(7)).unwrap();
+    let shifted = m.dir.path().join("idmapped");
+    fs::create_dir(&shifted).unwrap();
+    let _idmapped = IdmappedMount::new(m.lower(0), &shifted);
+    let md = fs::metadata(shifted.join("f")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (100005, 100007), "the idmapped view");
+    m.lowers = vec![shifted.clone()];
+    m.extra = vec![
+        "uidmapping=0:100000:65536".into(),
+        "gidmapping=0:100000:65536".into(),
+    ];
+    m.mount();
+    let md = fs::metadata(m.path("f")).unwrap();
+    assert_eq!(
+        (md.uid(), md.gid()),
+        (100005, 100007),
+        "owners of an idmapped lower layer are shown as that mount shows them"
+    );
+    m.unmount();
 }
 
 #[test]

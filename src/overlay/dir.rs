@@ -493,9 +493,9 @@ impl Overlay {
             self.note_move(pnode, name);
         }
         let tmp = temp_name("remove");
-        if needs_whiteout && self.layers.whiteout_chardev {
+        let chardev = needs_whiteout && self.layers.mknod_whiteout(&work, &tmp)?;
+        if chardev {
             // One atomic step: the whiteout takes the object's place, the object goes to work.
-            work.mknod(&tmp, &Creation::daemon(libc::S_IFCHR), 0)?;
             let flags = if entry.attr.is_dir() {
                 RenameFlags::EXCHANGE
             } else {
@@ -516,7 +516,7 @@ impl Overlay {
         // A non-directory the whiteout replaced is gone; anything else waits in the work dir.
         // The name has left the merged view either way: a failed clean-up does not fail the
         // call that removed it (the next mount empties the work dir).
-        let replaced = needs_whiteout && self.layers.whiteout_chardev && !entry.attr.is_dir();
+        let replaced = chardev && !entry.attr.is_dir();
         if !replaced && let Err(e) = work.remove_tree(&tmp) {
             log::warn!(
                 "removed {name:?}, but its copy {tmp:?} stays in the work dir ({e}); the next \
@@ -539,7 +539,7 @@ impl Overlay {
         rflags: RenameFlags,
         undoable: bool,
     ) -> Result<()> {
-        if self.layers.whiteout_chardev {
+        if self.layers.chardev_whiteouts() {
             // The whiteout RENAME_WHITEOUT makes is owned by this thread's fs ids.
             crate::creds::act_as_daemon();
             match sdir.rename(name, ddir, newname, rflags | RenameFlags::WHITEOUT) {
@@ -550,22 +550,18 @@ impl Overlay {
             // that is left after the move is renaming it into the name the move vacated.
             let work = self.layers.work()?;
             let tmp = temp_name("whiteout");
-            match work.mknod(&tmp, &Creation::daemon(libc::S_IFCHR), 0) {
-                Ok(()) => {
-                    if let Err(e) = sdir.rename(name, ddir, newname, rflags) {
-                        let _ = work.unlink(&tmp);
-                        return Err(e);
-                    }
-                    let Err(e) = work.rename(&tmp, sdir, name, RenameFlags::NOREPLACE) else {
-                        return Ok(());
-                    };
+            // No char devices after all (false): a `.wh.` file, as below.
+            if self.layers.mknod_whiteout(&work, &tmp)? {
+                if let Err(e) = sdir.rename(name, ddir, newname, rflags) {
                     let _ = work.unlink(&tmp);
-                    self.undo_move(sdir, name, ddir, newname, undoable);
                     return Err(e);
                 }
-                // No char devices after all: a `.wh.` file, as below.
-                Err(e) if e.is(libc::EPERM) || e.is(libc::EOPNOTSUPP) => {}
-                Err(e) => return Err(e),
+                let Err(e) = work.rename(&tmp, sdir, name, RenameFlags::NOREPLACE) else {
+                    return Ok(());
+                };
+                let _ = work.unlink(&tmp);
+                self.undo_move(sdir, name, ddir, newname, undoable);
+                return Err(e);
             }
         }
         self.move_after_wh_file(sdir, name, ddir, newname, rflags)
