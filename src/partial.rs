@@ -485,9 +485,11 @@ impl Drop for ProbeFile<'_> {
 pub fn probe_reflink(work: BorrowedFd<'_>) -> bool {
     const EXT4_SUPER_MAGIC: i64 = 0xef53;
     const TMPFS_MAGIC: i64 = 0x0102_1994;
-    if rustix::fs::fstatfs(work)
-        .is_ok_and(|st| [EXT4_SUPER_MAGIC, TMPFS_MAGIC].contains(&(st.f_type as i64)))
-    {
+    // `f_type`'s type differs between architectures.
+    #[allow(clippy::unnecessary_cast)]
+    let never_clones = rustix::fs::fstatfs(work)
+        .is_ok_and(|st| [EXT4_SUPER_MAGIC, TMPFS_MAGIC].contains(&(st.f_type as i64)));
+    if never_clones {
         return false;
     }
     let (Ok(src), Ok(dst)) = (
