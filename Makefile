@@ -4,7 +4,7 @@ SBINDIR ?= /usr/sbin
 MANDIR ?= $(PREFIX)/share/man
 CARGO ?= cargo
 
-.PHONY: build install uninstall deb static demo deps test unit-test integration-test pjdfstest bench clean
+.PHONY: build daemon install uninstall deb static demo deps test unit-test integration-test pjdfstest bench clean
 
 # The snapshotter's gRPC code is generated at build time by protoc (Debian: protobuf-compiler).
 build:
@@ -12,11 +12,21 @@ build:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq protobuf-compiler >/dev/null; }
 	$(CARGO) build --release
 
-# The binaries (stripped: target/release keeps the symbols for perf), the helpers mount(8) runs
+# The daemon as installed, and as the test scripts run it: linked statically (glibc's
+# static-pie). Every mount execs it, and loading its three libraries was a third of a mount's
+# time (docs/PERFORMANCE.md, "Mounting"); static, it also maps less. `cargo build --release`
+# still makes the dynamically linked one, in target/release.
+HOST := $(shell rustc -vV | sed -n 's/^host: //p')
+STATIC_RUSTFLAGS := -C target-feature=+crt-static
+DAEMON := target/$(HOST)/release/mosaicfs
+daemon:
+	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release --target $(HOST) -p mosaicfs --bin mosaicfs
+
+# The binaries (stripped: those in target/ keep their symbols for perf), the helpers mount(8) runs
 # for `mount -t fuse.mosaicfs` and `mount -t fuse3.mosaicfs` (the type containerd's snapshots
 # have; mount(8) looks in /sbin, which is /usr/sbin here, whatever PREFIX is), and the man page.
-install: build
-	install -D -s -m 0755 target/release/mosaicfs $(DESTDIR)$(PREFIX)/bin/mosaicfs
+install: build daemon
+	install -D -s -m 0755 $(DAEMON) $(DESTDIR)$(PREFIX)/bin/mosaicfs
 	install -D -s -m 0755 target/release/mosaicfs-snapshotter $(DESTDIR)$(PREFIX)/bin/mosaicfs-snapshotter
 	install -d $(DESTDIR)$(SBINDIR)
 	ln -sf $(PREFIX)/bin/mosaicfs $(DESTDIR)$(SBINDIR)/mount.fuse.mosaicfs
@@ -35,12 +45,11 @@ deb: build
 
 # Both binaries linked statically (glibc's static-pie: no library needed at run time, any
 # distribution's kernel), stripped, in target/static/.
-STATIC_TARGET := $(shell rustc -vV | sed -n 's/^host: //p')
-static:
+static: daemon
 	@command -v protoc >/dev/null || $(MAKE) --no-print-directory build
-	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release --target $(STATIC_TARGET)
-	install -D -s -m 0755 target/$(STATIC_TARGET)/release/mosaicfs target/static/mosaicfs
-	install -D -s -m 0755 target/$(STATIC_TARGET)/release/mosaicfs-snapshotter target/static/mosaicfs-snapshotter
+	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release --target $(HOST) -p mosaicfs-snapshotter
+	install -D -s -m 0755 $(DAEMON) target/static/mosaicfs
+	install -D -s -m 0755 target/$(HOST)/release/mosaicfs-snapshotter target/static/mosaicfs-snapshotter
 
 demo: build
 	./demo.sh
@@ -61,16 +70,16 @@ test: deps install
 	dev/hotcode.py --check
 	$(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
 	$(CARGO) test --release -p mosaicfs-snapshotter
-	tests/pjdfstest/run.sh target/release/mosaicfs
-	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh target/release/mosaicfs
+	tests/pjdfstest/run.sh $(DAEMON)
+	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh $(DAEMON)
 	# The same random operations on kernel overlayfs and on mosaicfs, results and trees compared.
-	tests/differential.py target/release/mosaicfs 1,2,3,4,5,6 2000
-	tests/differential.py target/release/mosaicfs 1,2,3,4,5,6 2000 ,upper=memory
-	tests/podman/run.sh target/release/mosaicfs
+	tests/differential.py $(DAEMON) 1,2,3,4,5,6 2000
+	tests/differential.py $(DAEMON) 1,2,3,4,5,6 2000 ,upper=memory
+	tests/podman/run.sh $(DAEMON)
 	# containerd (its snapshotter test suite, then ctr run) on mosaicfs-snapshotter, and Docker's
 	# fuse-overlayfs driver running mosaicfs (issue #39).
 	tests/containerd/run.sh target/release
-	tests/docker/run.sh target/release/mosaicfs
+	tests/docker/run.sh $(DAEMON)
 	# The Debian package installed, used and purged; the static binaries (issue #38).
 	tests/package/run.sh
 	# xfstests' generic tests that take under 10 s here (issue #40; tests/xfstests/expected).
@@ -78,12 +87,12 @@ test: deps install
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
 	MOSAICFS_TEST_UPPER=memory $(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
-	MOSAICFS_OPTS=upper=memory tests/pjdfstest/run.sh target/release/mosaicfs
-	MOSAICFS_OPTS=upper=memory tests/podman/run.sh target/release/mosaicfs
+	MOSAICFS_OPTS=upper=memory tests/pjdfstest/run.sh $(DAEMON)
+	MOSAICFS_OPTS=upper=memory tests/podman/run.sh $(DAEMON)
 	# Once more over FUSE's io_uring transport (issue #15; docs/URING.md).
 	tests/with-uring.sh $(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
-	tests/with-uring.sh env MOSAICFS_OPTS=uring=on tests/pjdfstest/run.sh target/release/mosaicfs
-	tests/with-uring.sh tests/podman/run.sh target/release/mosaicfs
+	tests/with-uring.sh env MOSAICFS_OPTS=uring=on tests/pjdfstest/run.sh $(DAEMON)
+	tests/with-uring.sh tests/podman/run.sh $(DAEMON)
 
 bench: build
 	bench/run.sh
