@@ -13,7 +13,10 @@
 # a container has one per image layer; default 1). Needs root.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-bin=$(realpath "${MOSAICFS:-$here/../target/release/mosaicfs}")
+# The daemon as installed (linked statically, make daemon), else cargo's dynamic build.
+installed=$here/../target/$(rustc -vV | sed -n 's/^host: //p')/release/mosaicfs
+[ -x "$installed" ] || installed=$here/../target/release/mosaicfs
+bin=$(realpath "${MOSAICFS:-$installed}")
 n=${1:-100}
 t=${BENCH_DIR:-/var/tmp/mfs-density}
 command -v fuse-overlayfs >/dev/null || apt-get install -y -qq fuse-overlayfs >/dev/null
