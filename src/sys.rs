@@ -1416,27 +1416,76 @@ pub fn mount_in_use(mnt_id: u64) -> bool {
 }
 
 /// Makes SIGTERM, SIGINT and SIGHUP detach the mount at `mountpoint` (lazy unmount; the FUSE
-/// session then ends as on umount). The handler makes one syscall on a path prepared here, so
+/// session then ends as on umount). The handler makes two syscalls on a path prepared here, so
 /// no thread has to wait for signals: an idle daemon holds one thread less.
+///
+/// It detaches only the daemon's own mount: what `mountpoint` showed when this was called
+/// (device and mount id, taken right after mounting) must still be what the path leads to.
+/// Once the mount was lazily unmounted, a file still open on it keeps the daemon serving, and a
+/// newer overlay may be mounted at the same path meanwhile: a path alone would detach that one.
 pub fn detach_on_signals(mountpoint: &Path) {
-    static MOUNTPOINT: std::sync::OnceLock<CString> = std::sync::OnceLock::new();
+    static MOUNTED: std::sync::OnceLock<(CString, Option<MountIdentity>)> =
+        std::sync::OnceLock::new();
     let Ok(path) = CString::new(mountpoint.as_os_str().as_bytes()) else {
         return;
     };
-    let _ = MOUNTPOINT.set(path);
+    let identity = MountIdentity::of(&path);
+    if identity.is_none() {
+        log::warn!(
+            "cannot tell which mount {} is: a signal will detach whatever is mounted there",
+            mountpoint.display()
+        );
+    }
+    let _ = MOUNTED.set((path, identity));
     for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: the action is async-signal-safe: it reads a CString set before registration
-        // (an atomic load, no lock, no allocation) and calls umount2.
+        // SAFETY: the action is async-signal-safe: it reads a value set before registration
+        // (an atomic load, no lock, no allocation) and calls statx and umount2.
         let registered = unsafe {
             signal_hook::low_level::register(sig, || {
-                if let Some(p) = MOUNTPOINT.get() {
-                    libc::umount2(p.as_ptr(), libc::MNT_DETACH);
+                if let Some((path, identity)) = MOUNTED.get()
+                    && identity.is_none_or(|id| MountIdentity::of(path) == Some(id))
+                {
+                    libc::umount2(path.as_ptr(), libc::MNT_DETACH);
                 }
             })
         };
         if let Err(e) = registered {
             log::warn!("signal {sig} will not unmount: {e}");
         }
+    }
+}
+
+/// Which mount a path leads to: its device and, where the kernel tells (Linux 5.8, unique
+/// and never reused since 6.8), the mount's id. Asked with statx and no attribute, so a FUSE
+/// mount (this daemon's own, or a hung one over it) is sent no request; async-signal-safe.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct MountIdentity {
+    dev: (u32, u32),
+    /// `STATX_MNT_ID` or `STATX_MNT_ID_UNIQUE`, whichever the kernel answered, and the id.
+    mnt: (u32, u64),
+}
+
+impl MountIdentity {
+    const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
+
+    fn of(path: &CStr) -> Option<MountIdentity> {
+        let ids = libc::STATX_MNT_ID | Self::STATX_MNT_ID_UNIQUE;
+        // SAFETY: all-zero bytes are a valid `struct statx`.
+        let mut sx: libc::statx = unsafe { std::mem::zeroed() };
+        // SAFETY: `path` is NUL-terminated and `sx` is a `struct statx` the kernel fills.
+        let r = unsafe {
+            libc::statx(
+                libc::AT_FDCWD,
+                path.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT | libc::AT_STATX_DONT_SYNC,
+                ids,
+                &mut sx,
+            )
+        };
+        (r == 0).then_some(MountIdentity {
+            dev: (sx.stx_dev_major, sx.stx_dev_minor),
+            mnt: (sx.stx_mask & ids, sx.stx_mnt_id),
+        })
     }
 }
 
@@ -1491,6 +1540,18 @@ mod tests {
             assert_eq!(got, None, "kernel {release}");
         }
         assert_eq!(on_idmapped_mount(Path::new("/nonexistent/x")), None);
+    }
+
+    /// A path's mount identity names the mount it leads to: the same for the same mount,
+    /// different for the mount beside it, none for a path that does not exist.
+    #[test]
+    fn mount_identity_tells_mounts_apart() {
+        let root = MountIdentity::of(c"/").unwrap();
+        assert_eq!(MountIdentity::of(c"/"), Some(root));
+        let proc = MountIdentity::of(c"/proc").unwrap();
+        assert_ne!(proc, root);
+        assert_ne!(root.mnt.0, 0, "this kernel (5.8+) names mounts by id");
+        assert_eq!(MountIdentity::of(c"/nonexistent/x"), None);
     }
 
     /// Every kind of object an xattr call reaches — a file by name, a directory by name, a

@@ -883,6 +883,59 @@ fn an_exiting_daemon_leaves_a_newer_mounts_control_socket_alone() {
     fs::remove_file(&sock).unwrap();
 }
 
+/// A signal detaches the daemon's own mount, not whatever the path leads to: after its mount
+/// was lazily unmounted (a file still open keeps the daemon serving it), a newer overlay
+/// mounted at the same path outlives the old daemon's SIGTERM.
+#[test]
+fn a_signal_leaves_a_newer_mount_at_the_same_path_alone() {
+    let mut old = Mount::new(1);
+    write(old.lower(0).join("f"), "old");
+    old.mount();
+    let held = fs::File::open(old.path("f")).unwrap();
+    rustix::mount::unmount(&old.mnt, rustix::mount::UnmountFlags::DETACH).unwrap();
+    let mut newer = Mount::new(1);
+    write(newer.lower(0).join("f"), "newer");
+    newer.mnt = old.mnt.clone();
+    newer.mount();
+    let mut daemon = old.take_daemon();
+    // SAFETY: kill(2) on the daemon this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) }, 0);
+    // The handler has run once the signal is no longer pending.
+    let status = format!("/proc/{}/status", daemon.id());
+    let start = Instant::now();
+    while fs::read_to_string(&status).unwrap().lines().any(|l| {
+        (l.starts_with("SigPnd:") || l.starts_with("ShdPnd:")) && !l.ends_with("0000000000000000")
+    }) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "signal still pending"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        is_mounted(&newer.mnt),
+        "the old daemon's signal detached the newer mount"
+    );
+    assert_eq!(fs::read_to_string(newer.path("f")).unwrap(), "newer");
+    // The old daemon ends when its last file closes.
+    drop(held);
+    let start = Instant::now();
+    let exit = loop {
+        if let Some(st) = daemon.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "old daemon still running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "{exit:?}");
+    assert_eq!(fs::read_to_string(newer.path("f")).unwrap(), "newer");
+    newer.unmount();
+}
+
 /// SIGTERM, SIGINT and SIGHUP unmount the file system and the daemon exits 0, data written
 /// before on disk (the handler detaches the mount itself: no thread waits for signals).
 #[test]

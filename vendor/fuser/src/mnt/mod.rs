@@ -207,7 +207,12 @@ fn is_mounted(fuse_device: &DevFuse) -> bool {
         let res = poll(slice::from_mut(&mut poll_fd), PollTimeout::ZERO);
         break match res {
             Ok(0) => true,
-            Ok(1) => poll_fd
+            // mosaicfs patch: the device reports POLLERR once the connection is gone (the
+            // file system unmounted and destroyed, or aborted), as libfuse's
+            // fuse_kern_unmount reads it; upstream took POLLERR for "mounted", so a daemon
+            // whose lazily unmounted file system ended unmounted whatever was mounted at its
+            // path by then.
+            Ok(1) => !poll_fd
                 .revents()
                 .is_some_and(|r| r.contains(PollFlags::POLLERR)),
             Ok(_) => unreachable!(),
