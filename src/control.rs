@@ -489,11 +489,15 @@ pub fn bind(overlay: &Overlay, dev: &str) -> Option<Listener> {
         log::info!("control socket {}: {e}; not served", path.display());
         return None;
     }
-    // The socket file's inode: at exit the daemon removes the path only while it is still
-    // this socket. Device numbers of FUSE mounts are reused at once, so a new mount on the same
-    // number may have bound its own socket there by the time an old daemon exits.
     let meta = std::fs::metadata(&path).ok()?;
-    overlay.set_control_socket(path, std::os::unix::fs::MetadataExt::ino(&meta));
+    let Ok(dup) = listener.try_clone() else {
+        return None;
+    };
+    overlay.set_control_socket(crate::overlay::ControlSocket {
+        path,
+        ino: std::os::unix::fs::MetadataExt::ino(&meta),
+        listener: dup.into(),
+    });
     Some(Listener(listener))
 }
 
@@ -507,8 +511,13 @@ impl Listener {
         let _ = std::thread::Builder::new()
             .name("mosaicfs-control".into())
             .spawn(move || {
-                for conn in listener.incoming().filter_map(|c| c.ok()) {
-                    answer(conn, &overlay, &mountpoint);
+                for conn in listener.incoming() {
+                    match conn {
+                        Ok(conn) => answer(conn, &overlay, &mountpoint),
+                        // Shut down at the daemon's exit (`Overlay::shutdown`).
+                        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
+                        Err(_) => continue,
+                    }
                 }
             });
     }

@@ -669,7 +669,8 @@ fn prefer_own_autogroup() {
     }
 }
 
-/// SIGTERM, SIGINT and SIGHUP unmount (lazily), which ends the session cleanly.
+/// Points stdin, stdout and stderr at /dev/null: a daemon in the background keeps no terminal
+/// or pipe of the command that started it open.
 fn detach_stdio() {
     if let Ok(null) = std::fs::OpenOptions::new()
         .read(true)

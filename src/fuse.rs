@@ -298,6 +298,10 @@ impl Filesystem for MosaicFs {
         self.core.shutdown();
     }
 
+    fn unmounted(&self) {
+        self.core.stop_threads();
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         if self.panic_on_lookup.as_deref() == Some(name) {
             panic!("injected by MOSAICFS_TEST_PANIC");

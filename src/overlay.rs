@@ -154,8 +154,8 @@ pub struct Overlay {
     completer: crate::complete::Completer,
     /// Copy-after-write's shared state; `None` when it is off.
     caw: Option<Arc<crate::caw::CawShared>>,
-    /// The control socket's path and inode (control.rs), removed at shutdown.
-    control_socket: std::sync::Mutex<Option<(PathBuf, u64)>>,
+    /// The control socket (control.rs): shut down and removed at shutdown.
+    control_socket: std::sync::Mutex<Option<ControlSocket>>,
     /// Moves of upper directories (renames, removals), which change the upper paths of
     /// everything below them. Upper objects are reached by paths built from the inodes' links;
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
@@ -362,12 +362,13 @@ impl Overlay {
         let _ = self.attrs_changed.set(Box::new(tell));
     }
 
-    /// The control socket's path and inode, removed at shutdown while it is still this socket.
-    pub fn set_control_socket(&self, path: PathBuf, ino: u64) {
+    /// The control socket, shut down at shutdown (its thread then ends) and removed while its
+    /// path is still this socket.
+    pub fn set_control_socket(&self, socket: ControlSocket) {
         *self
             .control_socket
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some((path, ino));
+            .unwrap_or_else(|e| e.into_inner()) = Some(socket);
     }
 
     /// Has the kernel drop the cached attributes of `ino`, changed by the daemon where no reply
@@ -833,6 +834,25 @@ impl Overlay {
         m.sync()
     }
 
+    /// Tells the daemon's own threads to end (the control socket's, completion's,
+    /// copy-after-write's): as soon as the mount is gone (FUSE `unmounted`), and again at
+    /// `shutdown`. The process's descriptors — the layers, whose file systems `umount` finds
+    /// busy until then — close only when its last thread has exited, and a container engine
+    /// unmounts a layer's file system right after the overlay.
+    pub fn stop_threads(&self) {
+        if let Some(socket) = &*self
+            .control_socket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            crate::sys::shut_down_socket(socket.listener.as_fd());
+        }
+        self.completer.stop();
+        if let Some(caw) = &self.caw {
+            caw.stop();
+        }
+    }
+
     /// Completes what is pending and lets go of every open file (unmount). Runs once, on
     /// whichever exit path comes first (FUSE `destroy`, or the session ending without it).
     pub fn shutdown(&self) {
@@ -842,10 +862,7 @@ impl Overlay {
         {
             return;
         }
-        self.completer.stop();
-        if let Some(caw) = &self.caw {
-            caw.stop();
-        }
+        self.stop_threads();
         // Pending copy-after-write blocks go to disk before the daemon exits.
         let files = self
             .completer
@@ -884,16 +901,18 @@ impl Overlay {
             Err(why) => log::info!("pre-content events: event-fills=0 (not used: {why})"),
         }
         log::info!("{}", self.stats.summary());
-        if let Some((p, ino)) = self
+        if let Some(ControlSocket { path, ino, .. }) = self
             .control_socket
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
         {
             // Under the lock a new daemon binds under: checked and removed in one step.
-            let _locked = p.parent().and_then(lock_socket_dir);
-            if std::fs::metadata(&p).is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino) {
-                let _ = std::fs::remove_file(p);
+            let _locked = path.parent().and_then(lock_socket_dir);
+            if std::fs::metadata(&path)
+                .is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino)
+            {
+                let _ = std::fs::remove_file(path);
             }
         }
         self.handles.clear();
@@ -925,6 +944,17 @@ impl Overlay {
             FileData::Lower(_) | FileData::Unopened(..) => None,
         }
     }
+}
+
+/// The daemon's control socket (control.rs), as the overlay holds it for shutdown.
+pub struct ControlSocket {
+    /// Removed at exit while it is still this socket (`ino`): device numbers of FUSE mounts
+    /// are reused at once, so a newer mount may have bound its own socket at the same path.
+    pub path: PathBuf,
+    pub ino: u64,
+    /// The listening socket (a duplicate of the served one): shutting it down ends the thread
+    /// that accepts on it.
+    pub listener: OwnedFd,
 }
 
 /// Locks the directory of the control sockets (flock on the directory itself) while held. A

@@ -1489,6 +1489,13 @@ impl MountIdentity {
     }
 }
 
+/// Shuts a socket down both ways: a thread blocked in `accept` on a listening one returns
+/// EINVAL.
+pub fn shut_down_socket(fd: BorrowedFd<'_>) {
+    // SAFETY: shutdown(2) on a descriptor the caller holds open; no memory is passed.
+    unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+}
+
 /// Takes ownership of descriptor `n`, which the parent passed to this process (by number on
 /// its command line): `None` when no such descriptor is open.
 pub fn inherited_fd(n: i32) -> Option<OwnedFd> {

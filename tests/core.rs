@@ -48,7 +48,7 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// An overlay core over one lower layer, its upper and work dirs in a temp dir.
 struct Core {
     _serial: Option<std::sync::MutexGuard<'static, ()>>,
-    ov: Option<Overlay>,
+    ov: Option<Arc<Overlay>>,
     store: Store,
     dir: tempfile::TempDir,
 }
@@ -110,7 +110,9 @@ impl Core {
         if self.store == Store::WhFiles {
             layers.no_chardev_whiteouts();
         }
-        self.ov = Some(Overlay::new(layers, Config::from_options(&o)).unwrap());
+        self.ov = Some(Arc::new(
+            Overlay::new(layers, Config::from_options(&o)).unwrap(),
+        ));
     }
 
     /// What an unmount does, then the layers opened again.
@@ -126,7 +128,7 @@ impl Core {
     }
 
     fn ov(&self) -> &Overlay {
-        self.ov.as_ref().unwrap()
+        self.ov.as_deref().unwrap()
     }
 
     /// The node at `path` (from the root), as the kernel's lookups reach it.
@@ -252,6 +254,41 @@ fn lower_tree(l: &Path) {
     std::fs::write(l.join("d/sub/z"), b"z").unwrap();
     std::fs::write(l.join("big"), pattern(1 << 20, 3)).unwrap();
     std::os::unix::fs::symlink("d/x", l.join("link")).unwrap();
+}
+
+/// Threads of this process named `name` (its first 15 bytes, as the kernel keeps it).
+fn threads_named(name: &str) -> usize {
+    let name = &name[..name.len().min(15)];
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+/// The control socket's thread ends as soon as the mount is gone (`stop_threads`, which FUSE's
+/// `unmounted` calls), not only when the process exits: a daemon's descriptors close with its
+/// last thread, and an engine unmounts a layer's file system right after the overlay.
+#[test]
+fn the_control_thread_ends_when_the_mount_is_gone() {
+    let core = Core::new(Store::Disk, |_| {});
+    let ov = core.ov.clone().unwrap();
+    let before = threads_named("mosaicfs-control");
+    let dev = format!("core-test-{}", std::process::id());
+    let listener = mosaicfs::control::bind(&ov, &dev).expect("a control socket");
+    listener.serve(ov.clone(), PathBuf::from("/nonexistent-mountpoint"));
+    let until = |want: usize, what: &str| {
+        let start = std::time::Instant::now();
+        while threads_named("mosaicfs-control") != want {
+            assert!(start.elapsed() < std::time::Duration::from_secs(30), "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    // (A thread names itself once it runs.)
+    until(before + 1, "the control thread never started");
+    ov.stop_threads();
+    until(before, "the control thread still runs");
+    ov.shutdown();
 }
 
 #[test]

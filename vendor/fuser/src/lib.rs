@@ -422,6 +422,12 @@ pub trait Filesystem: Send + Sync + 'static {
     /// Called on filesystem exit.
     fn destroy(&mut self) {}
 
+    /// mosaicfs patch: the mount is gone (a worker read ENODEV). Called once, at once, by
+    /// that worker, while the others are still being joined and before `destroy`: a file
+    /// system tells its own threads to end here, so that they end in parallel with the
+    /// session rather than one after another at `destroy`.
+    fn unmounted(&self) {}
+
     /// Look up a directory entry by name and get its attributes.
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         warn!("[Not Implemented] lookup(parent: {parent:#x?}, name {name:?})");

@@ -435,7 +435,7 @@ impl<FS: Filesystem> Session<FS> {
                 }
             };
             // A worker ends only with the session: no more workers from here on.
-            pool.end();
+            pool.session_over();
             if let Err(e) = res {
                 if reply.is_ok() {
                     reply = Err(e);
@@ -764,6 +764,8 @@ pub(crate) struct WorkerPool {
     /// there is nothing to watch until one is (an idle mount does not wake at all). The first
     /// worker to take a request then wakes it (`note_busy`).
     asleep: std::sync::atomic::AtomicBool,
+    /// A worker has told the file system that the mount is gone (`Filesystem::unmounted`).
+    unmounted: std::sync::atomic::AtomicBool,
 }
 
 /// What one worker is doing.
@@ -794,6 +796,7 @@ impl WorkerPool {
             demand: std::sync::atomic::AtomicUsize::new(0),
             supervisor: std::sync::OnceLock::new(),
             asleep: std::sync::atomic::AtomicBool::new(false),
+            unmounted: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -852,8 +855,19 @@ impl WorkerPool {
     }
 
     /// Whether, a moment after a worker asked for another, still no /dev/fuse worker waits.
+    /// The moment is cut short when the session ends (`session_over` unparks).
     fn still_none_waiting(&self) -> bool {
-        thread::sleep(GROW_GRACE);
+        let deadline = std::time::Instant::now() + GROW_GRACE;
+        loop {
+            if self.ended.load(std::sync::atomic::Ordering::Relaxed) {
+                return false;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            thread::park_timeout(deadline - now);
+        }
         self.idle.load(std::sync::atomic::Ordering::Acquire) == 0
     }
 
@@ -902,6 +916,17 @@ impl WorkerPool {
         // Under the handles' lock, which `spawn` holds: no worker is added after this.
         let _handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
         self.ended.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The session is over (a worker read ENODEV): no worker is added, and the supervisor,
+    /// woken now, ends at once rather than when `run` gets to it. The daemon's descriptors
+    /// (the layers, which `umount` of a layer's file system finds busy) close only when its
+    /// last thread has exited, so every thread ends as early as it can.
+    fn session_over(&self) {
+        self.end();
+        if let Some(t) = self.supervisor.get() {
+            t.unpark();
+        }
     }
 
     /// Starts a worker, unless the session has ended (then `false`).
@@ -1006,6 +1031,20 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         self.busy.is_none() && self.ring.is_none()
     }
 
+    /// This worker saw the mount go: the pool stops growing and the file system hears of it
+    /// (`Filesystem::unmounted`, once per session).
+    fn session_over(&self) {
+        if let Some(pool) = self.pool.as_ref().or(self.watch.as_ref()) {
+            pool.session_over();
+            if pool.unmounted.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                return;
+            }
+        }
+        if let Some(fs) = &self.filesystem.fs {
+            fs.unmounted();
+        }
+    }
+
     fn run(&self) -> io::Result<()> {
         if let Some((busy, _)) = &self.busy {
             busy.thread.store(nix::unistd::gettid().as_raw(), std::sync::atomic::Ordering::Relaxed);
@@ -1048,7 +1087,10 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         loop {
             match entry.fetch(commit.take()) {
                 Ok(Fetched::Request) => {}
-                Ok(Fetched::Ended) => return Ok(()),
+                Ok(Fetched::Ended) => {
+                    self.session_over();
+                    return Ok(());
+                }
                 // Before INIT's reply is processed: not yet.
                 Err(e) if commit.is_none() && e.raw_os_error() == Some(libc::EAGAIN) => {
                     thread::sleep(std::time::Duration::from_millis(1));
@@ -1126,7 +1168,10 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 },
                 // mosaicfs patch: a channel cloned with clone_fd can read ECONNABORTED instead of
                 // ENODEV when the mount goes away; either way the session is over.
-                Err(nix::errno::Errno::ENODEV) | Err(nix::errno::Errno::ECONNABORTED) => return Ok(()),
+                Err(nix::errno::Errno::ENODEV) | Err(nix::errno::Errno::ECONNABORTED) => {
+                    self.session_over();
+                    return Ok(());
+                }
                 Err(err) => return Err(err.into()),
             }
         }
