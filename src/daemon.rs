@@ -260,6 +260,7 @@ fn mount(opts: Options) -> Result<()> {
         memory_spec.as_ref(),
     )?;
     layers.add_data_layers(&opts.datadirs)?;
+    layers.follow_redirects = opts.redirect_dir.follows();
     let overlay = Overlay::new(layers, Config::from_options(&opts))?;
     let uring = use_uring(&opts, &overlay)?;
     if overlay.layers().work.is_some() && !overlay.sparse().sparse {

@@ -185,6 +185,8 @@ pub struct LayerStack {
     pub xattr: XattrNames,
     /// Whether whiteouts are char devices 0/0 (`chardev_whiteouts`).
     whiteout_chardev: std::sync::atomic::AtomicBool,
+    /// Whether directories' redirects are followed (`redirect_dir=nofollow` turns it off).
+    pub follow_redirects: bool,
     /// Whether any layer keeps owners and modes in an xattr (`Layer::stat_override`).
     pub any_override: bool,
     dirs: crate::dircache::DirCache,
@@ -615,6 +617,7 @@ impl LayerStack {
             _upper_lock: upper_lock,
             xattr: XattrNames::new(trusted),
             whiteout_chardev: std::sync::atomic::AtomicBool::new(true),
+            follow_redirects: true,
             dirs: Default::default(),
             memory,
         })
@@ -817,7 +820,7 @@ impl LayerStack {
         };
         let own = [self.xattr.redirect.as_str()];
         for key in own.into_iter().chain(REDIRECT_XATTRS) {
-            if has(key) {
+            if has(key) && self.follow_redirects {
                 flags.redirect = dir.get_xattr(name, key)?;
                 break;
             }

@@ -89,6 +89,31 @@ pub enum Verity {
     Require,
 }
 
+/// `redirect_dir=`, as kernel overlayfs takes it: whether the rename of a directory that has
+/// lower parts records where they are (a redirect xattr, docs/FORMAT.md) and succeeds, or
+/// fails with EXDEV (`mv` then copies the tree, as on fuse-overlayfs, which only has that);
+/// and whether redirects already in the layers are followed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RedirectDir {
+    /// Made and followed (the default).
+    #[default]
+    On,
+    /// Followed, not made (`follow`, and `off`: the kernel's default `redirect_always_follow`).
+    Follow,
+    /// Neither made nor followed: a renamed directory shows its upper part only.
+    NoFollow,
+}
+
+impl RedirectDir {
+    pub fn creates(self) -> bool {
+        self == RedirectDir::On
+    }
+
+    pub fn follows(self) -> bool {
+        self != RedirectDir::NoFollow
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Options {
     pub lowerdirs: Vec<PathBuf>,
@@ -99,6 +124,8 @@ pub struct Options {
     pub metacopy: Option<bool>,
     /// `verity=off|on|require` (metacopy.rs).
     pub verity: Verity,
+    /// `redirect_dir=on|follow|off|nofollow`.
+    pub redirect_dir: RedirectDir,
     pub upperdir: Option<PathBuf>,
     pub workdir: Option<PathBuf>,
     pub mountpoint: PathBuf,
@@ -199,6 +226,14 @@ impl Options {
         if self.metacopy == Some(false) && self.verity != Verity::Off {
             return Err("verity=on|require checks metadata-only files: remove metacopy=off".into());
         }
+        if self.follows_metacopy() && !self.redirect_dir.follows() {
+            return Err(
+                "metadata-only files are found through redirects, which redirect_dir=nofollow \
+                 turns off: use redirect_dir=follow (or off), or remove metacopy, verity and \
+                 data-only layers"
+                    .into(),
+            );
+        }
         Ok(())
     }
 }
@@ -210,6 +245,7 @@ impl Default for Options {
             datadirs: Vec::new(),
             metacopy: None,
             verity: Verity::Off,
+            redirect_dir: RedirectDir::On,
             upperdir: None,
             workdir: None,
             mountpoint: PathBuf::new(),
@@ -930,7 +966,19 @@ impl Options {
                 self.foreground = true;
             }
             // Inode numbers are always stable and unique (see inode.rs), whatever is asked.
-            "xino" | "fast_ino" | "redirect_dir" | "index" | "userxattr" => {}
+            "redirect_dir" => {
+                self.redirect_dir = match value {
+                    Some("on") => RedirectDir::On,
+                    Some("follow") | Some("off") => RedirectDir::Follow,
+                    Some("nofollow") => RedirectDir::NoFollow,
+                    _ => {
+                        return Err(
+                            "option 'redirect_dir' takes on, follow, off or nofollow".into()
+                        );
+                    }
+                }
+            }
+            "xino" | "fast_ino" | "index" | "userxattr" => {}
             // The kernel's own FUSE mount options, which mount(8) repeats on a remount.
             "user_id" | "group_id" | "rootmode" | "fd" => {}
             // Options that only mount(8) or fstab read.

@@ -97,6 +97,9 @@ pub struct Config {
     pub partial_passthrough: crate::options::Switch,
     /// `xattr_permissions=`: how xattr names of the merged view are stored (stat_override.rs).
     pub xattr_permissions: crate::stat_override::XattrPermissions,
+    /// A directory with lower parts may be renamed (a redirect records where they are);
+    /// `redirect_dir=off|follow|nofollow`: EXDEV instead.
+    pub redirect_create: bool,
 }
 
 impl Config {
@@ -118,6 +121,7 @@ impl Config {
                 LOWER_CACHE
             }),
             xattr_permissions: o.xattr_permissions,
+            redirect_create: o.redirect_dir.creates(),
             passthrough: o.passthrough,
             completion: o.completion,
             caw_memory: o.caw_memory,

@@ -625,6 +625,44 @@ fn renaming_a_lower_directory_keeps_its_contents_across_remount() {
     assert_eq!(fs::read_to_string(m.path("b2/c")).unwrap(), "deep");
 }
 
+/// `redirect_dir=off` (fuse-overlayfs' only behaviour, kernel overlayfs' default on many
+/// distributions): a directory with lower parts cannot move (EXDEV, nothing changed; `mv`
+/// copies the tree), while new directories and files move as ever and redirects made before
+/// are still followed. `nofollow` stops following them: the renamed directory shows its upper
+/// part only. Unknown values are refused.
+#[test]
+fn redirect_dir_off_refuses_to_move_lower_directories_and_nofollow_ignores_redirects() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("a/b/c"), "deep");
+    write(m.lower(0).join("moved/x"), "x");
+    m.mount();
+    fs::rename(m.path("moved"), m.path("renamed")).unwrap();
+    write(m.path("renamed/new"), "upper");
+    m.unmount();
+
+    m.mount_with(&format!("{},redirect_dir=off", m.options()));
+    assert_eq!(errno_of(fs::rename(m.path("a"), m.path("z"))), libc::EXDEV);
+    assert_eq!(errno_of(fs::rename(m.path("a/b"), m.path("a/b2"))), libc::EXDEV);
+    assert_eq!(names(&m.mnt), ["a", "renamed"]);
+    assert_eq!(fs::read_to_string(m.path("a/b/c")).unwrap(), "deep");
+    fs::create_dir(m.path("fresh")).unwrap();
+    fs::rename(m.path("fresh"), m.path("fresh2")).unwrap();
+    fs::rename(m.path("a/b/c"), m.path("c")).unwrap();
+    assert_eq!(fs::read_to_string(m.path("c")).unwrap(), "deep");
+    // Made before, under the default: still followed.
+    assert_eq!(fs::read_to_string(m.path("renamed/x")).unwrap(), "x");
+    m.unmount();
+
+    m.mount_with(&format!("{},redirect_dir=nofollow", m.options()));
+    assert_eq!(names(m.path("renamed")), ["new"]);
+    m.unmount();
+
+    let bad = m.refused(&format!("{},redirect_dir=maybe", m.options()));
+    assert!(bad.contains("redirect_dir' takes on, follow, off or nofollow"), "{bad}");
+    let bad = m.refused(&format!("{},redirect_dir=nofollow,metacopy=on", m.options()));
+    assert!(bad.contains("redirect_dir=nofollow"), "{bad}");
+}
+
 #[test]
 fn rename_replaces_files_and_empty_directories() {
     let m = Mount::with(|l| {

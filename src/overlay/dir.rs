@@ -786,6 +786,18 @@ impl Overlay {
         }
         let snode = self.node_for(parent, name, &src);
         let dnode = dst.as_ref().map(|d| self.node_for(newparent, newname, d));
+        // Without redirects (`redirect_dir=off`), a directory with lower parts cannot move:
+        // refused before anything changes, as kernel overlayfs does (`mv` copies the tree).
+        if !self.config.redirect_create {
+            let moved = [Some(&snode), dnode.as_ref().filter(|_| exchange)];
+            if moved
+                .into_iter()
+                .flatten()
+                .any(|n| n.is_dir() && n.state().lower.is_some())
+            {
+                return Err(errno(libc::EXDEV));
+            }
+        }
         let src_needs_whiteout = !exchange && self.lower_has(&pnode, name)?;
         self.copy_up(&snode)?;
         if snode.is_dir() {
