@@ -280,7 +280,10 @@ fn the_control_thread_ends_when_the_mount_is_gone() {
     let until = |want: usize, what: &str| {
         let start = std::time::Instant::now();
         while threads_named("mosaicfs-control") != want {
-            assert!(start.elapsed() < std::time::Duration::from_secs(30), "{what}");
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(30),
+                "{what}"
+            );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     };

@@ -642,7 +642,10 @@ fn redirect_dir_off_refuses_to_move_lower_directories_and_nofollow_ignores_redir
 
     m.mount_with(&format!("{},redirect_dir=off", m.options()));
     assert_eq!(errno_of(fs::rename(m.path("a"), m.path("z"))), libc::EXDEV);
-    assert_eq!(errno_of(fs::rename(m.path("a/b"), m.path("a/b2"))), libc::EXDEV);
+    assert_eq!(
+        errno_of(fs::rename(m.path("a/b"), m.path("a/b2"))),
+        libc::EXDEV
+    );
     assert_eq!(names(&m.mnt), ["a", "renamed"]);
     assert_eq!(fs::read_to_string(m.path("a/b/c")).unwrap(), "deep");
     fs::create_dir(m.path("fresh")).unwrap();
@@ -658,8 +661,14 @@ fn redirect_dir_off_refuses_to_move_lower_directories_and_nofollow_ignores_redir
     m.unmount();
 
     let bad = m.refused(&format!("{},redirect_dir=maybe", m.options()));
-    assert!(bad.contains("redirect_dir' takes on, follow, off or nofollow"), "{bad}");
-    let bad = m.refused(&format!("{},redirect_dir=nofollow,metacopy=on", m.options()));
+    assert!(
+        bad.contains("redirect_dir' takes on, follow, off or nofollow"),
+        "{bad}"
+    );
+    let bad = m.refused(&format!(
+        "{},redirect_dir=nofollow,metacopy=on",
+        m.options()
+    ));
     assert!(bad.contains("redirect_dir=nofollow"), "{bad}");
 }
 
