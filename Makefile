@@ -84,6 +84,8 @@ test: deps install
 	tests/package/run.sh
 	# xfstests' generic tests that take under 10 s here (issue #40; tests/xfstests/expected).
 	tests/xfstests/run.sh --quick
+	# unionmount-testsuite, as kernel overlayfs and fuse-overlayfs run it (tests/unionmount).
+	tests/unionmount/run.sh
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same
 	# tests, those that look into a disk upper dir skipped (tests/common: disk_upper).
 	MOSAICFS_TEST_UPPER=memory $(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
@@ -93,6 +95,7 @@ test: deps install
 	tests/with-uring.sh $(CARGO) test --profile checked -p mosaicfs -- --test-threads=2
 	tests/with-uring.sh env MOSAICFS_OPTS=uring=on tests/pjdfstest/run.sh $(DAEMON)
 	tests/with-uring.sh tests/podman/run.sh $(DAEMON)
+	tests/with-uring.sh tests/unionmount/run.sh --ov "--ov=3 --verify"
 
 bench: build
 	bench/run.sh
