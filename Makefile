@@ -76,6 +76,7 @@ test: deps install
 	tests/differential.py $(DAEMON) 1,2,3,4,5,6 2000
 	tests/differential.py $(DAEMON) 1,2,3,4,5,6 2000 ,upper=memory
 	tests/podman/run.sh $(DAEMON)
+	tests/podman/rootless.sh $(DAEMON)
 	# containers/storage's own tests with mosaicfs as its overlay driver's mount program.
 	tests/storage/run.sh $(DAEMON)
 	# containerd (its snapshotter test suite, then ctr run) on mosaicfs-snapshotter, and Docker's
