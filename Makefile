@@ -79,6 +79,8 @@ test: deps install
 	tests/podman/rootless.sh $(DAEMON)
 	# containers/storage's own tests with mosaicfs as its overlay driver's mount program.
 	tests/storage/run.sh $(DAEMON)
+	# fuse-overlayfs' own test scripts, with `fuse-overlayfs` running mosaicfs.
+	tests/fuse-overlayfs/run.sh $(DAEMON)
 	# containerd (its snapshotter test suite, then ctr run) on mosaicfs-snapshotter, and Docker's
 	# fuse-overlayfs driver running mosaicfs (issue #39).
 	tests/containerd/run.sh target/release
