@@ -19,15 +19,8 @@ work=${FO_TESTS_WORK:-/var/tmp/mosaicfs-fo-tests}
 tarball=$(ls "$top"/vendor/fuse-overlayfs-tests/fuse-overlayfs-tests-*.tar.xz | head -1)
 
 # What the scripts use: fuse2fs (mmap's layers), gcc, getfattr/setfattr, mkfifo, md5sum.
-need=()
-command -v fuse2fs >/dev/null || need+=(fuse2fs)
-command -v gcc >/dev/null || need+=(gcc)
-command -v setfattr >/dev/null || need+=(attr)
-if [ ${#need[@]} -gt 0 ]; then
-  echo "fuse-overlayfs tests: installing ${need[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null || exit 1
-fi
+. "$here/../need.sh"
+need "fuse-overlayfs tests" fuse2fs:fuse2fs gcc:gcc setfattr:attr || exit 1
 
 rm -rf "$work"
 mkdir -p "$work/bin"

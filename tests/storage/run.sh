@@ -19,11 +19,8 @@ export GOPATH=$work/gopath GOFLAGS=-mod=mod
 PATH=$PATH:/usr/local/go/bin
 
 command -v go >/dev/null || { echo "storage: Go is missing (tests/deps.sh installs it)"; exit 1; }
-if ! command -v bats >/dev/null; then
-  echo "storage: installing bats"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bats >/dev/null
-fi
+. "$(dirname "$0")/../need.sh"
+need storage bats:bats
 
 src=$work/storage-$version
 if [ ! -x "$src/containers-storage" ]; then

@@ -26,16 +26,8 @@ work=${UNIONMOUNT_WORK:-/var/tmp/mosaicfs-unionmount}
 tarball=$(ls "$top"/vendor/unionmount-testsuite/unionmount-testsuite-*.tar.xz | head -1)
 
 [ -x /usr/sbin/mount.fuse.mosaicfs ] || { echo "unionmount: mount.fuse.mosaicfs is missing (make install)"; exit 1; }
-need=()
-command -v python3 >/dev/null || need+=(python3)
-command -v mksquashfs >/dev/null || need+=(squashfs-tools)
-command -v mkfs.erofs >/dev/null || need+=(erofs-utils)
-command -v xz >/dev/null || need+=(xz-utils)
-if [ ${#need[@]} -gt 0 ]; then
-  echo "unionmount: installing ${need[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null || exit 1
-fi
+. "$here/../need.sh"
+need unionmount python3:python3 mksquashfs:squashfs-tools mkfs.erofs:erofs-utils xz:xz-utils || exit 1
 
 rm -rf "$work"
 mkdir -p "$work/bin"
