@@ -15,3 +15,15 @@ summary() {
   echo "$1: $passed passed, $failed failed"
   [ "$failed" -eq 0 ]
 }
+
+# Fails the script at once when any of the tools after WHAT and HINT is missing; HINT says what
+# installs them (tests/deps.sh installs them all).
+require_tools() {
+  local what=$1 hint=$2 tool
+  shift 2
+  for tool in "$@"; do
+    command -v "$tool" >/dev/null && continue
+    echo "$what: '$tool' is missing ($hint)"
+    exit 1
+  done
+}

@@ -11,12 +11,9 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$(realpath "${1:-$here/../../target/release/mosaicfs}")
-for tool in dockerd docker containerd runc busybox; do
-  if ! command -v $tool >/dev/null; then
-    echo "docker test: '$tool' is missing (tests/deps.sh installs docker.io, containerd, runc, busybox-static)"
-    exit 1
-  fi
-done
+. "$here/../check.sh"
+require_tools "docker test" "tests/deps.sh installs docker.io, containerd, runc, busybox-static" \
+  dockerd docker containerd runc busybox
 
 t=$(mktemp -d /var/tmp/mosaicfs-docker.XXXXXX)
 mkdir -p "$t/bin"
@@ -31,7 +28,6 @@ cleanup() {
 }
 [ -n "${KEEP:-}" ] || trap cleanup EXIT
 
-. "$here/../check.sh"
 
 PATH="$t/bin:$PATH" dockerd --data-root "$t/data" --exec-root "$t/exec" --pidfile "$t/docker.pid" \
   -H "unix://$t/docker.sock" --storage-driver fuse-overlayfs --bridge none --iptables=false \

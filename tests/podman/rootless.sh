@@ -15,13 +15,9 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$(realpath "${1:-$here/../../target/release/mosaicfs}")
-for tool in podman runc busybox newuidmap runuser; do
-  if ! command -v $tool >/dev/null; then
-    echo "rootless podman test skipped: '$tool' is not installed (apt-get install podman runc busybox-static uidmap)"
-    echo "rootless podman: 0 passed, 0 failed"
-    exit 0
-  fi
-done
+. "$here/../check.sh"
+require_tools "rootless podman test" "tests/deps.sh installs podman, runc, busybox-static, uidmap" \
+  podman runc busybox newuidmap runuser
 
 user=mosaicfs-rootless
 t=$(mktemp -d /var/tmp/mosaicfs-rootless.XXXXXX)
@@ -73,7 +69,6 @@ podman() {
 }
 RUN=(--network none)
 
-. "$here/../check.sh"
 
 mkdir -p "$t/rootfs"/{bin,etc,data}
 cp "$(command -v busybox)" "$t/rootfs/bin/busybox"

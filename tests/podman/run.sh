@@ -9,13 +9,8 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$(realpath "${1:-$here/../../target/release/mosaicfs}")
-for tool in podman runc busybox; do
-  if ! command -v $tool >/dev/null; then
-    echo "podman test skipped: '$tool' is not installed (apt-get install podman runc busybox-static)"
-    echo "podman: 0 passed, 0 failed"
-    exit 0
-  fi
-done
+. "$here/../check.sh"
+require_tools "podman test" "tests/deps.sh installs podman, runc, busybox-static" podman runc busybox
 
 t=$(mktemp -d /var/tmp/mosaicfs-podman.XXXXXX)
 cat > "$t/mount-program" <<WRAP
@@ -43,7 +38,6 @@ cleanup() {
 }
 [ -n "${KEEP:-}" ] || trap cleanup EXIT
 
-. "$here/../check.sh"
 
 # An image built from busybox-static, imported without a registry.
 mkdir -p "$t/rootfs"/{bin,etc,tmp,data,root}
