@@ -10,7 +10,8 @@
 # Every mode runs in a mount namespace of its own (`unshare -m`); the suite mounts tmpfs
 # layers on /lower, /upper and /base, which are made here when missing and removed after.
 #
-# One thing is changed in how it runs: its `umount` of a layer's file system right after it
+# Two things are changed in how it runs. The overlay it leaves mounted at its end is unmounted
+# (see below). And its `umount` of a layer's file system right after it
 # unmounted the overlay is retried while busy. umount(2) of a FUSE mount returns before the
 # daemon has exited and closed its descriptors, for every FUSE overlay (fuse-overlayfs 2.0 too:
 # 1 of 165 unmounts beside two busy loops, mosaicfs 1 of 174); the retries are counted and
@@ -80,8 +81,15 @@ for mode in "${modes[@]}"; do
   : > "$retries"
   log=$work/$(echo "$mode" | tr -c 'a-z0-9\n' '_').log
   start=$(date +%s)
+  # The suite ends by mounting the overlay again "for further playing": unmounted here, in its
+  # namespace, or the daemon (in that namespace) would keep the namespace alive, and the
+  # namespace its mount — and a copy of every mount the host had when it was made.
   (cd "$suite" && PATH=$work/bin:$PATH UNIONMOUNT_MNTOPTIONS=${opts:-rw} \
-    unshare -m ./run "$first" --fuse=mosaicfs "${flags[@]}") > "$log" 2>&1
+    unshare -m sh -c './run "$@"; rc=$?
+      for m in /mnt /base/m; do
+        if mountpoint -q "$m"; then umount "$m" || umount -l "$m"; fi
+      done
+      exit $rc' run "$first" --fuse=mosaicfs "${flags[@]}") > "$log" 2>&1
   rc=$?
   tests=$(grep -ac '^TEST ' "$log")
   busy=$(wc -l < "$retries")
