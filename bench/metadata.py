@@ -16,7 +16,8 @@ Reports the median and range of the rounds, mosaicfs' ratio to fuse-overlayfs 2.
 opcode, next to the system calls the workload itself makes (strace -c on kernel overlayfs).
 
 Usage: bench/metadata.py [--rounds N] [--quick] [--foreground] [--only NAME,...]   (root;
-MOSAICFS=path: the build to measure, MOSAICFS_BASE=path: another build beside it)
+MOSAICFS=path: the build to measure, MOSAICFS_BASE=path: another build beside it,
+MOSAICFS_FSSTRESS=path: the workload tool, else beside MOSAICFS or in target/release)
 """
 
 import argparse
@@ -35,7 +36,15 @@ BIN = os.path.realpath(os.environ.get("MOSAICFS", os.path.join(HERE, "..", "targ
 # Another mosaicfs build to run beside this one (a column "mosaicfs-base", over /dev/fuse):
 # how per-opcode before/after figures for docs/PERFORMANCE.md are taken in one run.
 BASE = os.environ.get("MOSAICFS_BASE")
-FSSTRESS = os.path.realpath(os.path.join(os.path.dirname(BIN), "mosaicfs-fsstress"))
+# The workload tool: beside MOSAICFS, else the one cargo built (a static daemon is built alone,
+# under target/HOST/release).
+FSSTRESS = next(
+    (os.path.realpath(p) for p in (
+        os.environ.get("MOSAICFS_FSSTRESS", ""),
+        os.path.join(os.path.dirname(BIN), "mosaicfs-fsstress"),
+        os.path.join(HERE, "..", "target", "release", "mosaicfs-fsstress"),
+    ) if p and os.access(p, os.X_OK)),
+    "mosaicfs-fsstress")
 FO2 = os.environ.get("FUSE_OVERLAYFS2", "/var/tmp/fo2/bin/fuse-overlayfs")
 URING = "/sys/module/fuse/parameters/enable_uring"
 FILES = 2000
