@@ -594,6 +594,16 @@ fn fsx_with_owners_and_modes_in_xattrs_matches_the_model() {
     run_seed(seed, ops, &["xattr_permissions=2"]);
 }
 
+/// The same without directory redirects (`redirect_dir=off`, fuse-overlayfs' behaviour): file
+/// renames, the only ones fsx makes, go on as ever.
+#[test]
+fn fsx_with_redirect_dir_off_matches_the_model() {
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(17);
+    eprintln!("fsx (redirect_dir=off): seed {seed}, {ops} operations");
+    run_seed(seed, ops, &["redirect_dir=off"]);
+}
+
 /// The same with the lower layer on a FUSE file system, as on a shared store's client: its
 /// files are read through the daemon and opened at their first read (`FileData::Unopened`).
 #[test]
