@@ -281,6 +281,13 @@ impl Node {
         self.state().kind
     }
 
+    /// Its most recent name, for the record of where it was once forgotten.
+    fn last_place(&self) -> Place {
+        let st = self.state();
+        let first = st.links.first().filter(|_| !st.unlinked);
+        first.map(|(p, name)| (*p, Box::<OsStr>::from(name.as_os_str())))
+    }
+
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Relaxed)
     }
@@ -365,11 +372,14 @@ struct ShardMap {
 struct Departed {
     /// Its parent and name; `None` once the last name the mount knew was removed (the object
     /// may live on under a name the mount never looked up: a hard link).
-    place: Option<(Ino, Box<OsStr>)>,
+    place: Place,
     generation: u64,
     /// `InodeTable::scans` when recorded.
     epoch: u64,
 }
+
+/// A forgotten node's parent and name, `None` once its last known name was removed.
+type Place = Option<(Ino, Box<OsStr>)>;
 
 /// What the table knows of a number it holds no node for (`InodeTable::seen`).
 #[derive(Debug, PartialEq, Eq)]
@@ -503,13 +513,7 @@ impl InodeTable {
         self.depart(&mut shard, ino, Some((parent, name.into())), generation)
     }
 
-    fn depart(
-        &self,
-        shard: &mut ShardMap,
-        ino: Ino,
-        place: Option<(Ino, Box<OsStr>)>,
-        generation: u64,
-    ) -> bool {
+    fn depart(&self, shard: &mut ShardMap, ino: Ino, place: Place, generation: u64) -> bool {
         let room = shard.departed.len() < DEPARTED_PER_SHARD || shard.departed.contains_key(&ino);
         if !room {
             shard.departed.clear();
@@ -737,23 +741,50 @@ impl InodeTable {
     }
 
     /// `forget` of one node: the node if it left the table.
+    ///
+    /// A node leaves the table and its record (`Departed`) is written in one hold of the
+    /// shard: a look in between would find the number neither held nor recorded, which after a
+    /// whole scan means "names nothing" (`surely_gone`: a directory's file handle answered
+    /// ESTALE after `drop_caches`), and a lookup there would make a node of generation 0 for
+    /// an object whose handles carry another. Where the node was is read from its state
+    /// before the shard is locked (no state lock is taken under a shard's), and read again if
+    /// the count it was read for changed meanwhile.
     fn forget_one(&self, ino: Ino, n: u64) -> Option<Arc<Node>> {
         if ino == ROOT_INO {
             return None;
         }
-        let removed = {
+        let mut read: Option<(Arc<Node>, Place)> = None;
+        loop {
             let mut shard = self.write(ino);
             let node = shard.nodes.get(&ino)?;
             let left = node.lookups.load(Ordering::Relaxed).saturating_sub(n);
-            node.lookups.store(left, Ordering::Relaxed);
             let current = node.current.load(Ordering::Relaxed);
             // A retired node whose second identity lives stays, to lead lookups there.
             if left > 0 || (current != SELF && current != RETIRED) {
+                node.lookups.store(left, Ordering::Relaxed);
                 return None;
             }
-            shard.nodes.remove(&ino)?
-        };
-        if removed.is_alias() {
+            let place = match &read {
+                Some((was, place)) if Arc::ptr_eq(was, node) => place.clone(),
+                _ if node.is_alias() => None,
+                _ => {
+                    let node = node.clone();
+                    drop(shard);
+                    let place = node.last_place();
+                    read = Some((node, place));
+                    continue;
+                }
+            };
+            node.lookups.store(0, Ordering::Relaxed);
+            let removed = shard
+                .nodes
+                .remove(&ino)
+                .expect("held under the shard's lock");
+            if !removed.is_alias() {
+                self.depart(&mut shard, ino, place, removed.generation());
+                return Some(removed);
+            }
+            drop(shard);
             let mut shard = self.write(removed.st_ino);
             if let Some(p) = shard.nodes.get(&removed.st_ino)
                 && p.current.load(Ordering::Relaxed) == removed.ino
@@ -765,20 +796,8 @@ impl InodeTable {
                     p.current.store(RETIRED, Ordering::Relaxed);
                 }
             }
-        } else {
-            // The state lock is not taken under a shard's: read it first.
-            let place = {
-                let st = removed.state();
-                let first = st.links.first().filter(|_| !st.unlinked);
-                first.map(|(p, name)| (*p, Box::<OsStr>::from(name.as_os_str())))
-            };
-            let mut shard = self.write(ino);
-            // A node made meanwhile under the number records itself when it goes.
-            if !shard.nodes.contains_key(&ino) {
-                self.depart(&mut shard, ino, place, removed.generation());
-            }
+            return Some(removed);
         }
-        Some(removed)
     }
 
     pub fn len(&self) -> usize {
@@ -894,6 +913,37 @@ mod tests {
         t.forget(8, 1);
         t.forget(third.ino, 1);
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_number_is_always_held_or_recorded_while_its_node_leaves() {
+        // A node leaving the table and the record of where it was are one step: a look in
+        // between found neither, and a scan that had seen the whole tree then took the number
+        // for gone (a directory's file handle answered ESTALE after drop_caches).
+        let t = table();
+        let f = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+        t.forget(f.ino, 1);
+        drop(f);
+        // A whole scan that did not meet 42 (it was recorded then).
+        t.scanned_whole(t.begin_scan());
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..200_000 {
+                    t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+                    t.forget(42, 1);
+                }
+                done.store(true, Ordering::Relaxed);
+            });
+            let mut looks = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                assert!(
+                    !t.surely_gone(42),
+                    "number 42 taken for gone after {looks} looks"
+                );
+                looks += 1;
+            }
+        });
     }
 
     #[test]

@@ -92,7 +92,17 @@ fn file_handles_outlive_drop_caches_and_a_remount_for_objects_of_every_layer() {
     write_at(p("a/b/copied"), 0, b"TO");
     fs::rename(p("to_move"), p("c/moved")).unwrap();
     fs::rename(p("deep/er"), p("c/er")).unwrap();
-    write(p("gone"), "soon removed");
+    // Made without an open: the kernel holds a closed file's inode until the daemon has
+    // answered its asynchronous RELEASE (fs/fuse/file.c `fuse_release_common`), and a
+    // handle of an inode it still holds opens, removed or not, as on ext4.
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        p("gone"),
+        rustix::fs::FileType::RegularFile,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
 
     // What each handle must open: (path when taken, expected content or None for a dir).
     let objects: Vec<(&str, Option<&str>)> = vec![
