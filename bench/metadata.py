@@ -75,6 +75,7 @@ class Overlay:
         self.fs = os.path.join(root, "fs")
         self.img = "/dev/shm/mosaicfs-metadata-bench.img"
         self.proc = None
+        self.pid = None
 
     def __enter__(self):
         os.makedirs(self.mnt, exist_ok=True)
@@ -117,6 +118,28 @@ class Overlay:
 
     def path(self, *p):
         return os.path.join(self.mnt, *p)
+
+    def daemon_cpu(self):
+        """CPU seconds the daemon serving this mount has used so far, every thread counted
+        (utime + stime of /proc/PID/stat: threads that ended included), or None for the kernel's
+        overlay. The daemon is the process whose command line names the mount point."""
+        if self.kind == "overlay":
+            return None
+        if self.pid is None:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        args = f.read().split(b"\0")
+                except OSError:
+                    continue
+                if self.mnt.encode() in args and int(pid) != os.getpid():
+                    self.pid = int(pid)
+                    break
+            else:
+                return None
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def requests(self):
         """mosaicfs' requests so far by opcode: (count, daemon µs)."""
@@ -165,23 +188,36 @@ def delta(after, before):
             for k, (c, us) in after.items() if c - before.get(k, (0, 0))[0]}
 
 
-def run_round(o, iobench, tar, n, seen):
-    """Each workload once on overlay `o`; `seen[workload]` collects mosaicfs' requests."""
+def run_round(o, iobench, tar, n, seen, cpu):
+    """Each workload once on overlay `o`; `seen[workload]` collects mosaicfs' requests and
+    `cpu[row]` the workload's time and the daemon's CPU time, per operation (µs)."""
     r = {}
+
+    def timed(row, run, units):
+        before_cpu, start = o.daemon_cpu(), time.perf_counter()
+        value, ops = run()
+        took, after_cpu = time.perf_counter() - start, o.daemon_cpu()
+        r[row] = value
+        if before_cpu is not None and after_cpu is not None:
+            per = units or ops
+            cpu.setdefault(row, []).append((took / per * 1e6, (after_cpu - before_cpu) / per * 1e6))
+        return ops
+
     for procs in (1, 2):
         before = o.requests()
-        ops_s, ops = fsstress(o, procs, STRESS_OPS)
-        r[f"fsstress-style mix, {procs} process{'es' if procs > 1 else ''} (ops/s)"] = ops_s
+        row = f"fsstress-style mix, {procs} process{'es' if procs > 1 else ''} (ops/s)"
+        ops = timed(row, lambda: fsstress(o, procs, STRESS_OPS), None)
         if o.kind.startswith("mosaicfs"):
             seen.setdefault(f"stress{procs}", []).append((delta(o.requests(), before), ops))
     for procs in (1, 2):
         before = o.requests()
-        ops_s, ops = metamix(o, iobench, procs, n)
-        r[f"namespace mix (iobench metamix), {procs} process{'es' if procs > 1 else ''} (ops/s)"] = ops_s
+        row = f"namespace mix (iobench metamix), {procs} process{'es' if procs > 1 else ''} (ops/s)"
+        ops = timed(row, lambda: metamix(o, iobench, procs, n), None)
         if o.kind.startswith("mosaicfs"):
             seen.setdefault(f"mix{procs}", []).append((delta(o.requests(), before), ops))
     before = o.requests()
-    r[f"untar of {FILES:,} files (s)"] = untar(o, tar)
+    row = f"untar of {FILES:,} files (s)"
+    timed(row, lambda: (untar(o, tar), FILES), FILES)
     if o.kind.startswith("mosaicfs"):
         seen.setdefault("untar", []).append((delta(o.requests(), before), FILES))
     return r
@@ -229,6 +265,7 @@ def main():
     make_tar(tar)
     uring_before = open(URING).read().strip() if os.path.exists(URING) else None
     results = {k: [] for k in kinds}
+    cpu = {k: {} for k in kinds}
     seen = {k: {} for k in kinds}
     try:
         if uring_before is not None:
@@ -238,7 +275,7 @@ def main():
             order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
             for kind in order:
                 with Overlay(root, kind) as o:
-                    results[kind].append(run_round(o, iobench, tar, n, seen[kind]))
+                    results[kind].append(run_round(o, iobench, tar, n, seen[kind], cpu[kind]))
             print(f"# round {i + 1} of {rounds} done", file=sys.stderr)
         # What the workloads ask of the kernel, for the requests-per-operation table.
         with Overlay(root, "overlay") as o:
@@ -276,6 +313,31 @@ def main():
                     line += f" {m.replace('mosaicfs', '').lstrip('-') or '/dev/fuse'}: {(y / x if '(s)' in row else x / y):.2f}x"
             line += " |"
         print(line)
+
+    # Where a one-process workload's time goes: while the daemon works its caller waits, so a
+    # daemon that took no CPU at all would still leave the rest (the workload, its system calls,
+    # the kernel's FUSE client and the wake-ups between the two): the best ratio to fuse-overlayfs
+    # 2.0 any daemon could reach without the kernel sending fewer requests.
+    daemons = [k for k in kinds if cpu[k]]
+    if daemons:
+        print("\nTime per operation and the daemon's CPU time in it (µs, medians; untar: per file)"
+              + (", and the ratio to fuse-overlayfs 2.0 a daemon taking no CPU would reach" if "fuse-overlayfs-2.0" in daemons else "") + ":\n")
+        print("| workload | " + " | ".join(f"{k}: time, daemon CPU" for k in daemons) + " |")
+        print("|---|" + "---|" * len(daemons))
+        for row in rows:
+            if row not in cpu[daemons[0]]:
+                continue
+            cells = []
+            for k in daemons:
+                t = statistics.median(x[0] for x in cpu[k][row])
+                c = statistics.median(x[1] for x in cpu[k][row])
+                cell = f"{t:.0f}, {c:.0f}"
+                one_process = ", 1 process " in row or row.startswith("untar")
+                if one_process and k.startswith("mosaicfs") and "fuse-overlayfs-2.0" in daemons:
+                    fo2 = statistics.median(x[0] for x in cpu["fuse-overlayfs-2.0"][row])
+                    cell += f" (no-CPU bound {fo2 / max(t - c, 1e-9):.2f}x)"
+                cells.append(cell)
+            print(f"| {row.rsplit(' (', 1)[0]} | " + " | ".join(cells) + " |")
 
     per = {"stress1": "op of the 1-process fsstress-style mix", "stress2": "op of the 2-process fsstress-style mix",
            "mix1": "op of the 1-process namespace mix", "mix2": "op of the 2-process namespace mix",
