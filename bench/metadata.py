@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from suite import make_tree_tar  # noqa: E402
+from suite import KernelUring, make_tree_tar  # noqa: E402
 BIN = os.path.realpath(os.environ.get("MOSAICFS", os.path.join(HERE, "..", "target", "release", "mosaicfs")))
 # Another mosaicfs build to run beside this one (a column "mosaicfs-base", over /dev/fuse):
 # how per-opcode before/after figures for docs/PERFORMANCE.md are taken in one run.
@@ -263,32 +263,26 @@ def main():
     os.makedirs(os.path.join(root, "lower", "etc"))
     tar = os.path.join(root, "tree.tar")
     make_tar(tar)
-    uring_before = open(URING).read().strip() if os.path.exists(URING) else None
     results = {k: [] for k in kinds}
     cpu = {k: {} for k in kinds}
     seen = {k: {} for k in kinds}
     try:
-        if uring_before is not None:
-            with open(URING, "w") as f:
-                f.write("Y")
-        for i in range(rounds):
-            order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
-            for kind in order:
-                with Overlay(root, kind) as o:
-                    results[kind].append(run_round(o, iobench, tar, n, seen[kind], cpu[kind]))
-            print(f"# round {i + 1} of {rounds} done", file=sys.stderr)
-        # What the workloads ask of the kernel, for the requests-per-operation table.
-        with Overlay(root, "overlay") as o:
-            os.makedirs(o.path("stress"))
-            stress_calls = syscalls(f"{FSSTRESS} -d {o.path('stress')} -p 1 -n {STRESS_OPS} -r 0")
-            os.makedirs(o.path("mix"))
-            mix_calls = syscalls(f"{iobench} metamix {o.path('mix')} {n}")
-            os.makedirs(o.path("untar"))
-            tar_calls = syscalls(f"tar xf {tar} -C {o.path('untar')}")
+        with KernelUring(os.path.exists(URING)):
+            for i in range(rounds):
+                order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
+                for kind in order:
+                    with Overlay(root, kind) as o:
+                        results[kind].append(run_round(o, iobench, tar, n, seen[kind], cpu[kind]))
+                print(f"# round {i + 1} of {rounds} done", file=sys.stderr)
+            # What the workloads ask of the kernel, for the requests-per-operation table.
+            with Overlay(root, "overlay") as o:
+                os.makedirs(o.path("stress"))
+                stress_calls = syscalls(f"{FSSTRESS} -d {o.path('stress')} -p 1 -n {STRESS_OPS} -r 0")
+                os.makedirs(o.path("mix"))
+                mix_calls = syscalls(f"{iobench} metamix {o.path('mix')} {n}")
+                os.makedirs(o.path("untar"))
+                tar_calls = syscalls(f"tar xf {tar} -C {o.path('untar')}")
     finally:
-        if uring_before is not None:
-            with open(URING, "w") as f:
-                f.write(uring_before)
         sh(f"rm -rf {root}")
 
     rows = list(results[kinds[0]][0].keys())

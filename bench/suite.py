@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -241,19 +242,23 @@ def arguments(root):
 
 class KernelUring:
     """With `on`, FUSE over io_uring switched on in the kernel for the block's duration, then put
-    back as it was (fuse-overlayfs' libfuse does not use it; kernel overlayfs is not FUSE)."""
+    back as it was (fuse-overlayfs' libfuse does not use it; kernel overlayfs is not FUSE). A
+    SIGTERM (`kill`, `timeout`) ends the block as an exception does, so the switch is put back
+    then too: left on, it turned every later mount of the machine, tests included, to io_uring."""
 
     PARAM = "/sys/module/fuse/parameters/enable_uring"
 
     def __init__(self, on):
         self.on = on
         self.before = None
+        self.sigterm = None
 
     def __enter__(self):
         if self.on:
             if not os.path.exists(self.PARAM):
-                sys.exit("--uring: this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING)")
+                sys.exit("this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING)")
             self.before = open(self.PARAM).read().strip()
+            self.sigterm = signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
             with open(self.PARAM, "w") as f:
                 f.write("Y")
         return self
@@ -262,6 +267,7 @@ class KernelUring:
         if self.before is not None:
             with open(self.PARAM, "w") as f:
                 f.write(self.before)
+            signal.signal(signal.SIGTERM, self.sigterm)
 
 
 def main():

@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from suite import KernelUring  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.join(HERE, "..", "target", "release", "mosaicfs")
 PARAM = "/sys/module/fuse/parameters/enable_uring"
@@ -159,7 +162,6 @@ def main():
     runs = a.runs or (3 if a.quick else 5)
     if not os.path.exists(PARAM):
         sys.exit("this kernel has no FUSE over io_uring (CONFIG_FUSE_IO_URING)")
-    before = open(PARAM).read().strip()
     root = tempfile.mkdtemp(prefix="mosaicfs-uring-bench-", dir="/var/tmp")
     iobench = os.path.join(root, "iobench")
     sh(f"cc -O2 -o {iobench} {HERE}/iobench.c")
@@ -171,16 +173,13 @@ def main():
     results = {"/dev/fuse": [], "io_uring": []}
     switches = {"/dev/fuse": {}, "io_uring": {}}
     try:
-        with open(PARAM, "w") as f:
-            f.write("Y")
-        for i in range(runs):
-            for transport in (["/dev/fuse", "io_uring"] if i % 2 == 0 else ["io_uring", "/dev/fuse"]):
-                key = "io_uring" if transport == "io_uring" else "dev"
-                with Mount(root, key, "") as m:
-                    results[transport].append(run_once(m, iobench, a.quick, switches[transport]))
+        with KernelUring(True):
+            for i in range(runs):
+                for transport in (["/dev/fuse", "io_uring"] if i % 2 == 0 else ["io_uring", "/dev/fuse"]):
+                    key = "io_uring" if transport == "io_uring" else "dev"
+                    with Mount(root, key, "") as m:
+                        results[transport].append(run_once(m, iobench, a.quick, switches[transport]))
     finally:
-        with open(PARAM, "w") as f:
-            f.write(before)
         sh(f"rm -rf {root}")
     rows = list(results["/dev/fuse"][0].keys())
     print(f"FUSE transport, median of {runs} runs, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "

@@ -150,13 +150,23 @@ fn remount(opts: &Options) -> i32 {
     }
 }
 
+/// Whether an error from a FUSE mount says its connection is gone: ENOTCONN for a request
+/// made after the connection ended, ECONNABORTED for one that was waiting when it ended (the
+/// daemon's last descriptor of /dev/fuse closed while the request was queued or being read).
+fn connection_gone(errno: Option<i32>) -> bool {
+    matches!(
+        errno,
+        Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
+    )
+}
+
 fn check_mountpoint(opts: &Options) -> Result<()> {
     // statfs reaches the daemon of a FUSE mount there (stat may be answered from the
-    // kernel's cache): ENOTCONN when that daemon is gone.
-    let dead = matches!(
-        rustix::fs::statfs(&opts.mountpoint),
-        Err(rustix::io::Errno::NOTCONN)
-    );
+    // kernel's cache): ENOTCONN when that daemon is gone, ECONNABORTED while it is going.
+    let dead = match rustix::fs::statfs(&opts.mountpoint) {
+        Err(e) => connection_gone(Some(e.raw_os_error())),
+        Ok(_) => false,
+    };
     let seen = if dead {
         Err(std::io::Error::from_raw_os_error(libc::ENOTCONN))
     } else {
@@ -168,7 +178,7 @@ fn check_mountpoint(opts: &Options) -> Result<()> {
             "mount point '{}' is not a directory",
             opts.mountpoint.display()
         )),
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Err(crate::message!(
+        Err(e) if connection_gone(e.raw_os_error()) => Err(crate::message!(
             "mount point '{0}' holds a dead FUSE mount (its daemon exited or was killed): \
              unmount it first ('umount {0}', or 'umount -l {0}' while it is busy)",
             opts.mountpoint.display()

@@ -80,6 +80,45 @@ fn version_and_help() {
 /// What kernel overlayfs refuses at mount, or what would fail every write after it, is refused
 /// before mounting with one line saying what to do.
 #[test]
+fn a_mount_whose_connection_ends_during_the_check_is_named_dead() {
+    // The command's statfs of the mount point waits on a daemon that answers nothing (stopped)
+    // and dies: statfs gets ECONNABORTED, not ENOTCONN, and a stat answered from the kernel's
+    // cache still sees a directory. It must be named a dead mount, not mounted over (seen once
+    // in make test: "cannot be used: Software caused connection abort").
+    let mut m = Mount::new(1);
+    m.mount();
+    let daemon = m.pid() as i32;
+    let _ = unsafe { libc::kill(daemon, libc::SIGSTOP) };
+    let cmd = Command::new(BIN)
+        .args(["-o", &m.options(), m.mnt.to_str().unwrap()])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Until its statfs waits for the stopped daemon.
+    let wchan = format!("/proc/{}/wchan", cmd.id());
+    let start = Instant::now();
+    while !fs::read_to_string(&wchan).is_ok_and(|w| w.contains("request_wait_answer")) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "statfs never waited: {:?}",
+            fs::read_to_string(&wchan)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The daemon dies with the request queued: its last /dev/fuse descriptor ends the
+    // connection.
+    let _ = unsafe { libc::kill(daemon, libc::SIGKILL) };
+    let out = cmd.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        let _ = rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::DETACH);
+    }
+    m.kill9();
+    assert!(!out.status.success(), "mounted over a dead mount");
+    assert!(err.contains("holds a dead FUSE mount"), "{err}");
+}
+
+#[test]
 fn bad_layouts_are_refused_before_mounting() {
     let (d, p) = layers();
     fs::create_dir_all(format!("{p}/l/up")).unwrap();
