@@ -151,22 +151,18 @@ fn remount(opts: &Options) -> i32 {
 }
 
 /// Whether an error from a FUSE mount says its connection is gone: ENOTCONN for a request
-/// made after the connection ended, ECONNABORTED for one that was waiting when it ended (the
-/// daemon's last descriptor of /dev/fuse closed while the request was queued or being read).
-fn connection_gone(errno: Option<i32>) -> bool {
-    matches!(
-        errno,
-        Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
-    )
+/// made after the connection ended; ECONNABORTED or, over io_uring, ECANCELED for one that
+/// was waiting when it ended (the daemon's last hold on /dev/fuse went while the request was
+/// queued: over io_uring the ring is torn down a moment after the daemon is reaped).
+fn connection_gone(errno: i32) -> bool {
+    matches!(errno, libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
 }
 
 fn check_mountpoint(opts: &Options) -> Result<()> {
     // statfs reaches the daemon of a FUSE mount there (stat may be answered from the
-    // kernel's cache): ENOTCONN when that daemon is gone, ECONNABORTED while it is going.
-    let dead = match rustix::fs::statfs(&opts.mountpoint) {
-        Err(e) => connection_gone(Some(e.raw_os_error())),
-        Ok(_) => false,
-    };
+    // kernel's cache): it fails when that daemon is gone or going (`connection_gone`).
+    let dead =
+        rustix::fs::statfs(&opts.mountpoint).is_err_and(|e| connection_gone(e.raw_os_error()));
     let seen = if dead {
         Err(std::io::Error::from_raw_os_error(libc::ENOTCONN))
     } else {
@@ -178,7 +174,7 @@ fn check_mountpoint(opts: &Options) -> Result<()> {
             "mount point '{}' is not a directory",
             opts.mountpoint.display()
         )),
-        Err(e) if connection_gone(e.raw_os_error()) => Err(crate::message!(
+        Err(e) if e.raw_os_error().is_some_and(connection_gone) => Err(crate::message!(
             "mount point '{0}' holds a dead FUSE mount (its daemon exited or was killed): \
              unmount it first ('umount {0}', or 'umount -l {0}' while it is busy)",
             opts.mountpoint.display()
