@@ -294,10 +294,11 @@ class FreshFs:
     (`recently_deleted`), which made create-heavy workloads depend on what the previous file
     system measured had deleted."""
 
-    def __init__(self, root, kind):
+    def __init__(self, root, kind, size=16 << 30):
         self.image = root.rstrip("/") + ".img"
         self.mnt = os.path.join(root, kind)
         self.mkfs = MKFS[kind]
+        self.size = size
 
     def __enter__(self):
         os.makedirs(self.mnt, exist_ok=True)
@@ -305,7 +306,7 @@ class FreshFs:
         if os.path.exists(self.image):
             os.unlink(self.image)
         with open(self.image, "wb") as f:
-            f.truncate(16 << 30)
+            f.truncate(self.size)
         sh(f"{self.mkfs} {self.image}")
         sh(f"mount -o loop {self.image} {self.mnt}")
         return self.mnt

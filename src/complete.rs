@@ -1,26 +1,36 @@
 //! Completion: turning partial files into ordinary upper files in the background.
 //!
-//! A partial file is completed when it has been idle (no write) for `complete_after`, or as
-//! soon as `complete_ratio` of its blocks are present. Completion fills every hole below
-//! `valid` from the lower file — whole blocks only, a chunk at a time under the file's lock, so
-//! readers and writers interleave and the partial-file invariant holds at every step — then
-//! makes the data durable (fdatasync) and only then removes the mark. A crash at any point
-//! leaves either a valid partial file or a complete one. Afterwards the file is a plain upper
-//! file: kernel overlayfs reads it correctly and mosaicfs serves it with passthrough.
+//! A partial file costs the blocks written, in time and in space, and by default it stays
+//! that way: completion copies the rest of the file, so it is done only where that pays
+//! (docs/PERFORMANCE.md, "When completion pays"):
 //!
-//! Completion follows use: a partial file that has been written, or opened for writing
-//! before, and is opened for writing again is in sustained use (a database, a log, an image
-//! being edited) and is due at once,
-//! since each later open of a complete file is served by passthrough; up to
-//! `complete_on_reopen=` bytes to copy it is even completed before that open returns
-//! (io.rs). The share-of-blocks trigger waits until the file has had no write for `SETTLE`,
-//! so that completion does not copy from the lower file the blocks a writer (a sequential one,
-//! above all) is about to overwrite. Small files are made complete when opened for writing (`copy_whole=`, io.rs).
+//! - **Sustained use** (`complete_busy=`, on where passthrough serves complete files): every
+//!   read and write of a partial file goes through the daemon, a FUSE round trip that a
+//!   complete file opened later is spared. Once the requests of one run of use (no gap of
+//!   `BUSY_GAP`) have cost more than the copy would (`busy_threshold`), the file is completed:
+//!   the rent-or-buy rule, which never pays more than twice the better of the two.
+//! - **Small files opened for writing** (`copy_whole=`, io.rs), where passthrough serves them.
+//! - **Clones** cost no space: where the upper file system can clone the lower file's extents
+//!   (XFS, btrfs), copy-up is a clone and there is no partial file at all (copy_up.rs).
 //!
-//! Every open file that is or becomes partial is registered once (not per write) in a queue
-//! that keeps it open until it is completed; a worker thread looks at the queue every half idle
-//! time (at most once a second). This file holds the policy and the queue, below the overlay
-//! that owns one; the worker and the completion itself are completion.rs.
+//! Where nothing passes through (a rootless mount, a kernel without FUSE passthrough,
+//! `passthrough=off`, `upper=memory`) a complete file is served exactly as a partial one, so
+//! completion would only cost: there, by default, it never happens. `complete_after=` (idle
+//! time), `complete_ratio=` (share of blocks present) and `complete_on_reopen=` (a second
+//! writable open) are explicit choices, off by default.
+//!
+//! Completion fills every hole below `valid` from the lower file — whole blocks only, a chunk
+//! at a time under the file's lock, so readers and writers interleave and the partial-file
+//! invariant holds at every step — then makes the data durable (fdatasync) and only then
+//! removes the mark. A crash at any point leaves either a valid partial file or a complete
+//! one. Afterwards the file is a plain upper file: kernel overlayfs reads it correctly and
+//! mosaicfs serves it with passthrough.
+//!
+//! Every open file that is or becomes partial is registered once (not per write) in a queue;
+//! it stays there while it is open, or while a rule can still make it due after its last
+//! close (`release`). A worker thread looks at the queue every half idle time (at most once a
+//! second). This file holds the policy and the queue, below the overlay that owns one; the
+//! worker and the completion itself are completion.rs.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -36,10 +46,37 @@ const MAX_QUEUED: usize = 512;
 pub(crate) const CHUNK_BLOCKS: u64 = 256;
 /// How long a file must go without writes before the share-of-blocks trigger completes it.
 const SETTLE: Duration = Duration::from_millis(250);
+/// What a data request through the daemon costs beyond the same request passed through: a
+/// FUSE round trip and the daemon's work (docs/PERFORMANCE.md, "When completion pays").
+const REQUEST_COST: Duration = Duration::from_micros(30);
+/// How fast a completion copies, to price it against requests (docs/PERFORMANCE.md).
+const COPY_RATE: u64 = 1 << 30;
+/// The fewest requests of a run that make a file busy, whatever its size: a few hundred
+/// requests are a file being read or written once, not a file in sustained use.
+const BUSY_MIN_REQUESTS: u64 = 1000;
+/// A run of use ends after this long without a request through the daemon.
+pub(crate) const BUSY_GAP: Duration = Duration::from_secs(10);
+
+/// The requests through the daemon at which a file with `missing` bytes to copy is busy:
+/// where they have cost as much time as the copy would (rent or buy).
+pub fn busy_threshold(missing: u64) -> u64 {
+    // Tests (the fsx model) make the rule fire within a few operations.
+    static FOR_TESTS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    if let Some(n) = FOR_TESTS.get_or_init(|| {
+        std::env::var("MOSAICFS_TEST_BUSY_REQUESTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    }) {
+        return *n;
+    }
+    let copy = missing as f64 / COPY_RATE as f64;
+    ((copy / REQUEST_COST.as_secs_f64()).ceil() as u64).max(BUSY_MIN_REQUESTS)
+}
 
 impl CompletionPolicy {
-    /// Why a partial file with progress `p` is to be completed now, if it is.
-    pub fn due(&self, p: &Progress, now: Instant) -> Option<String> {
+    /// Why a partial file with progress `p` is to be completed now, if it is. `native`: this
+    /// mount's complete files are served by passthrough.
+    pub fn due(&self, p: &Progress, now: Instant, native: bool) -> Option<String> {
         let idle = now.duration_since(p.last_write);
         if p.unlinked {
             return Some("deleted, nothing to complete".into());
@@ -48,7 +85,7 @@ impl CompletionPolicy {
             return Some(format!("no write for {:.1} s", idle.as_secs_f64()));
         }
         // A file whose writers pass through needs no completion to be fast: a second open
-        // is no reason to copy it.
+        // is no reason to copy it, nor are requests that never reach the daemon.
         if self.on_reopen_below > 0 && p.reopened && !p.events {
             return Some(format!(
                 "opened for writing again after a write or an earlier writable open ({} opens)",
@@ -64,11 +101,40 @@ impl CompletionPolicy {
                 100.0 * p.present as f64 / p.total.max(1) as f64
             ));
         }
+        let threshold = busy_threshold(p.missing_bytes);
+        if self.when_busy(native) && !p.events && p.requests_in_run >= threshold {
+            return Some(format!(
+                "in sustained use: {} requests through the daemon in this run cost more than \
+                 copying its {} missing bytes; later opens pass through",
+                p.requests_in_run, p.missing_bytes
+            ));
+        }
         None
     }
 
-    /// What completes a file that is not due yet.
-    fn waits_for(&self) -> String {
+    /// Whether a file that nobody has open can still become due: by a rule that does not wait
+    /// for requests, or because its run of use goes on (it is opened again within `BUSY_GAP`:
+    /// a log appended to by one command after another). A file that cannot leaves the queue
+    /// at its last close, or once its run of use has ended.
+    pub fn may_come_due_closed(&self, p: &Progress, native: bool) -> bool {
+        p.unlinked
+            || self.when_busy(native) && p.requests_in_run > 0
+            || self.after_idle.is_some()
+            || self.ratio > 0.0 && p.present as f64 >= self.ratio * p.total.max(1) as f64
+            || self.on_reopen_below > 0 && p.reopened && !p.events
+    }
+
+    /// Whether any rule can complete a file on such a mount.
+    pub fn completes_anything(&self, native: bool) -> bool {
+        self.after_idle.is_some()
+            || self.ratio > 0.0
+            || self.on_reopen_below > 0
+            || self.when_busy(native)
+    }
+
+    /// What completes a file that is not due yet, on a mount where passthrough does or does
+    /// not (`Err(why)`) serve complete files.
+    fn waits_for(&self, p: &Progress, native: Result<(), &str>) -> String {
         let mut w = Vec::new();
         if let Some(d) = self.after_idle {
             w.push(format!("no write for {:.0} s", d.as_secs_f64()));
@@ -83,8 +149,25 @@ impl CompletionPolicy {
                 SETTLE.as_millis()
             ));
         }
+        if self.when_busy(native.is_ok()) {
+            w.push(format!(
+                "sustained use: {} requests through the daemon with no {} s gap (now {})",
+                busy_threshold(p.missing_bytes),
+                BUSY_GAP.as_secs(),
+                p.requests_in_run
+            ));
+        }
         if w.is_empty() {
-            return "nothing: completion is off (complete_after=0, complete_ratio=0, complete_on_reopen=0)".into();
+            return match native {
+                Err(why) => format!(
+                    "stays partial: complete files would not pass through here ({why}), so \
+                     completing would only cost space; `mosaicfs complete`, or \
+                     complete_after=, complete_ratio= or complete_busy=on at mount, make it whole"
+                ),
+                Ok(()) => "stays partial: completion is off (complete_busy=off and no \
+                           complete_after=, complete_ratio=, complete_on_reopen=)"
+                    .into(),
+            };
         }
         w.join(", or ")
     }
@@ -98,12 +181,78 @@ pub struct Completer {
 }
 
 impl Completer {
-    /// Registers a file that is partial; it stays open until completed.
-    pub fn register(&self, file: &Arc<OpenFile>) {
+    /// Registers a file that is partial; it stays queued while it is open or can come due.
+    /// Files whose last close found them still held elsewhere (a copy-after-write fill in
+    /// flight) are let go here.
+    pub fn register(&self, file: &Arc<OpenFile>, policy: &CompletionPolicy, native: bool) {
+        let queued = self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.let_go_unused(&queued, 2, policy, native);
+        drop(queued);
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         if q.len() < MAX_QUEUED && !q.iter().any(|f| Arc::ptr_eq(f, file)) {
             q.push(file.clone());
         }
+    }
+
+    /// After a handle of `file` closed: takes the file out of the queue if nobody has it open
+    /// any more (the queue's and the caller's references are the only ones) and no rule can
+    /// make it due while it is closed. Its descriptors and pending blocks go with it (the
+    /// partial file's drop fills them); a later open registers it again.
+    pub fn release(&self, file: Arc<OpenFile>, policy: &CompletionPolicy, native: bool) {
+        self.let_go_unused(&[file], 2, policy, native);
+    }
+
+    /// `let_go_unused` for the worker's copy of the queue.
+    pub(crate) fn let_go_closed(
+        &self,
+        files: &[Arc<OpenFile>],
+        policy: &CompletionPolicy,
+        native: bool,
+    ) {
+        self.let_go_unused(files, 2, policy, native);
+    }
+
+    /// Takes out of the queue those of `files` that nobody else holds (`held` references: the
+    /// queue's and the caller's), that are not due and that no rule can make due while closed.
+    fn let_go_unused(
+        &self,
+        files: &[Arc<OpenFile>],
+        held: usize,
+        policy: &CompletionPolicy,
+        native: bool,
+    ) {
+        let now = Instant::now();
+        let mut due = false;
+        // Progress is read without the queue's lock: a file's data lock may be held while the
+        // queue's is taken (io.rs `open`), never the other way round.
+        let idle: Vec<&Arc<OpenFile>> = files
+            .iter()
+            .filter(|f| {
+                Arc::strong_count(f) == held
+                    && f.partial_progress().is_some_and(|p| {
+                        if policy.due(&p, now, native).is_some() {
+                            due = true;
+                            return false;
+                        }
+                        !policy.may_come_due_closed(&p, native)
+                    })
+            })
+            .collect();
+        if due {
+            // Completed now rather than at the worker's next look: a mount may be short.
+            self.nudge();
+        }
+        if idle.is_empty() {
+            return;
+        }
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        // Counted again under the queue's lock: `find`, the only other way to a queued file
+        // that nobody holds, clones it under the same lock.
+        q.retain(|f| {
+            !idle
+                .iter()
+                .any(|g| Arc::ptr_eq(f, g) && Arc::strong_count(g) == held)
+        });
     }
 
     /// Takes `file` out of the queue (its descriptors go with its last handle); a later open
@@ -145,16 +294,16 @@ impl Completer {
     }
 
     /// One line per queued file: how far it is and why it is or is not being completed.
-    pub fn describe(&self, policy: &CompletionPolicy) -> Vec<String> {
+    pub fn describe(&self, policy: &CompletionPolicy, native: Result<(), &str>) -> Vec<String> {
         let files = self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let now = Instant::now();
         files
             .iter()
             .filter_map(|f| {
                 let p = f.partial_progress()?;
-                let why = match policy.due(&p, now) {
+                let why = match policy.due(&p, now, native.is_ok()) {
                     Some(reason) => format!("due: {reason}"),
-                    None => format!("waiting: {}", policy.waits_for()),
+                    None => format!("waiting: {}", policy.waits_for(&p, native)),
                 };
                 Some(format!(
                     "inode {}: {} of {} blocks present, last write {:.1} s ago, writable opens {}, \

@@ -175,12 +175,20 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
     }
     let (inodes, handles) = overlay.open_counts();
     r += &format!(
-        "inodes known: {}\nopen handles: {}\npartial files waiting for completion: {}\n",
+        "inodes known: {}\nopen handles: {}\ncomplete files served by passthrough: {}\n\
+         partial files open or waiting for completion: {}\n",
         inodes,
         handles,
+        match overlay.passthrough_serves() {
+            Ok(()) => "yes".to_string(),
+            Err(why) => format!("no ({why})"),
+        },
         overlay.completer().queued()
     );
-    for line in overlay.completer().describe(&overlay.config().completion) {
+    for line in overlay
+        .completer()
+        .describe(&overlay.config().completion, overlay.passthrough_serves())
+    {
         r += &format!("  {line}\n");
     }
     if let Some(pending) = overlay.caw_pending_bytes() {
@@ -363,7 +371,7 @@ pub fn report_prometheus(overlay: &Overlay) -> String {
     };
     gauge(
         "partial_files",
-        "Partial files open or waiting for completion.",
+        "Partial files the daemon holds: open, or due for completion.",
         f.partial_files,
     );
     if let Some(m) = MemoryFigures::of(overlay) {

@@ -117,6 +117,22 @@ pub struct OpenFile {
     /// Opened for writing when it already held blocks of its own, or after an earlier open
     /// for writing: in sustained use.
     pub(crate) reopened: std::sync::atomic::AtomicBool,
+    /// Reads and writes of its data the daemon served: what passthrough would spare a complete
+    /// file (completion's sustained-use rule). One relaxed add per request, on this file only.
+    pub(crate) served: std::sync::atomic::AtomicU64,
+    /// The current run of use, as the completion worker and `status` last saw it.
+    run: Mutex<UseRun>,
+}
+
+/// A run of use: requests through the daemon with no gap of `complete::BUSY_GAP` between
+/// the looks that saw them.
+#[derive(Debug, Clone, Copy)]
+struct UseRun {
+    /// `served` when the run began.
+    start: u64,
+    /// `served` at the last look that found it changed, and when.
+    seen: u64,
+    changed: Instant,
 }
 
 /// How a handle does its I/O.
@@ -366,6 +382,10 @@ impl NodeIo {
 pub struct Progress {
     pub present: u64,
     pub total: u64,
+    /// Bytes completion would copy from the lower file.
+    pub missing_bytes: u64,
+    /// Reads and writes served by the daemon in the current run of use.
+    pub requests_in_run: u64,
     pub last_write: Instant,
     pub unlinked: bool,
     /// Opens for writing so far.
@@ -448,7 +468,36 @@ impl OpenFile {
             data: RwLock::new(data),
             writer_opens: Default::default(),
             reopened: Default::default(),
+            served: Default::default(),
+            run: Mutex::new(UseRun {
+                start: 0,
+                seen: 0,
+                changed: Instant::now(),
+            }),
         }
+    }
+
+    /// Counts a read or write of the data served by the daemon.
+    pub(crate) fn served_one(&self) {
+        self.served
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The requests of the current run of use: a look that finds none since `BUSY_GAP`
+    /// ago ends the run, and the next request starts a new one.
+    fn requests_in_run(&self, now: Instant) -> u64 {
+        let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
+        let mut run = self.run.lock().unwrap_or_else(|e| e.into_inner());
+        if served != run.seen {
+            if now.duration_since(run.changed) >= crate::complete::BUSY_GAP {
+                run.start = run.seen; // a gap: the requests since begin a new run
+            }
+            run.seen = served;
+            run.changed = now;
+        } else if now.duration_since(run.changed) >= crate::complete::BUSY_GAP {
+            run.start = served;
+        }
+        served - run.start
     }
 
     pub(crate) fn read_data(&self) -> RwLockReadGuard<'_, FileData> {
@@ -544,6 +593,10 @@ impl OpenFile {
             FileData::Partial(p) => Some(Progress {
                 present: p.blocks.block_count(),
                 total: p.fill_limit().div_ceil(p.block),
+                missing_bytes: (p.fill_limit().div_ceil(p.block))
+                    .saturating_sub(p.blocks.block_count())
+                    * p.block,
+                requests_in_run: self.requests_in_run(Instant::now()),
                 last_write: p.last_write,
                 unlinked: p.upper.stat().is_ok_and(|a| a.nlink == 0),
                 writer_opens: self.writer_opens.load(std::sync::atomic::Ordering::Relaxed),

@@ -264,15 +264,22 @@ impl Filesystem for MosaicFs {
             // Masked by the kernel, a default ACL's group bits were cut by the umask.
             wanted |= InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK;
         }
-        if self.core.config().passthrough != crate::options::PassthroughPolicy::Off {
-            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {
+        let offered = config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH);
+        self.core
+            .set_passthrough(offered, crate::sys::admin_of_initial_namespace());
+        match self.core.passthrough_serves() {
+            Ok(()) => {
                 wanted |= InitFlags::FUSE_PASSTHROUGH;
                 let _ = config.set_max_stack_depth(self.core.layers().stack_depth());
-            } else {
-                log::warn!(
-                    "the kernel offers no FUSE passthrough: every read and write goes through the daemon"
-                );
             }
+            Err(why)
+                if self.core.config().passthrough != crate::options::PassthroughPolicy::Off =>
+            {
+                log::info!(
+                    "no FUSE passthrough, every read and write goes through the daemon: {why}"
+                )
+            }
+            Err(_) => {}
         }
         let _ = config.add_capabilities(wanted & config.capabilities());
         self.no_opendir = config

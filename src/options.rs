@@ -308,6 +308,20 @@ pub enum Switch {
     Off,
 }
 
+impl Switch {
+    /// The value of option `name`: auto, on (also 1, or no value) or off (also 0).
+    fn parse(name: &str, value: Option<&str>) -> Result<Switch> {
+        match value.map(|v| v.to_ascii_lowercase()).as_deref() {
+            Some("auto") => Ok(Switch::Auto),
+            None | Some("on") | Some("1") => Ok(Switch::On),
+            Some("off") | Some("0") => Ok(Switch::Off),
+            Some(v) => Err(crate::message!(
+                "option '{name}' takes auto, on or off, not '{v}'"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PassthroughPolicy {
     Off,
@@ -317,38 +331,64 @@ pub enum PassthroughPolicy {
     All,
 }
 
-/// Default `copy_whole=`: below this a whole copy at open costs about what the first write to
-/// a partial file costs, and every later read and write of the file skips the daemon
-/// (docs/PERFORMANCE.md, "Whole copies of small files").
+/// Default `copy_whole=` where passthrough serves complete files: below this a whole copy at
+/// open costs about what the first write to a partial file costs, and every later read and
+/// write of the file skips the daemon (docs/PERFORMANCE.md, "Whole copies of small files").
+/// Where nothing passes through, the copy would buy nothing and is not made by default.
 pub const DEFAULT_COPY_WHOLE: u64 = 1 << 20;
 
-/// Default `complete_on_reopen=`: a file opened read-write again after it was written or
-/// opened for writing is in sustained use and due for completion in the background (any
-/// size but 0 turns it on; docs/PERFORMANCE.md, "Completion follows use").
-pub const DEFAULT_COMPLETE_ON_REOPEN: u64 = 256 << 20;
-
+/// When partial files are made complete. By default only where it pays (docs/PERFORMANCE.md,
+/// "When completion pays"): a file in sustained use through the daemon, on a mount whose
+/// complete files passthrough serves (`busy`), and small files opened for writing there
+/// (`at_open_below`). Elsewhere a partial file stays partial, its upper holding the blocks
+/// written and the mark. The other rules are explicit choices, off by default.
 #[derive(Debug, Clone, Copy)]
 pub struct CompletionPolicy {
-    /// Complete a partial file idle this long; `None`: never for idleness.
+    /// Complete a partial file idle this long; `None`: never for idleness (`complete_after=`).
     pub after_idle: Option<Duration>,
-    /// Complete a partial file once this share (0..=1) of its blocks is present; 0: never.
+    /// Complete a partial file once this share (0..=1) of its blocks is present; 0: never
+    /// (`complete_ratio=`).
     pub ratio: f64,
     /// A file with at most this many bytes to copy is made complete when it is opened for
-    /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`).
-    pub at_open_below: u64,
+    /// writing, so that the open is served by passthrough; 0: never (`copy_whole=`). `None`:
+    /// `DEFAULT_COPY_WHOLE` where passthrough serves complete files, else 0.
+    pub at_open_below: Option<u64>,
     /// A partial file that has been written (it holds blocks of its own) or opened for writing
     /// before, and is opened read-write again, is due for completion in the background at
     /// once unless this is 0 (`complete_on_reopen=`). No open waits for a copy.
     pub on_reopen_below: u64,
+    /// Complete a file whose requests through the daemon in one run of use have cost more than
+    /// copying it would (`complete_busy=`; complete.rs `busy_threshold`). `Auto`: where
+    /// passthrough serves complete files.
+    pub busy: Switch,
 }
 
 impl Default for CompletionPolicy {
     fn default() -> Self {
         CompletionPolicy {
-            after_idle: Some(Duration::from_secs(10)),
-            ratio: 0.5,
-            at_open_below: DEFAULT_COPY_WHOLE,
-            on_reopen_below: DEFAULT_COMPLETE_ON_REOPEN,
+            after_idle: None,
+            ratio: 0.0,
+            at_open_below: None,
+            on_reopen_below: 0,
+            busy: Switch::Auto,
+        }
+    }
+}
+
+impl CompletionPolicy {
+    /// `copy_whole=` as it applies on a mount where passthrough does (`native`) or does not
+    /// serve complete files.
+    pub fn copy_whole(&self, native: bool) -> u64 {
+        self.at_open_below
+            .unwrap_or(if native { DEFAULT_COPY_WHOLE } else { 0 })
+    }
+
+    /// Whether the sustained-use rule is on, on such a mount.
+    pub fn when_busy(&self, native: bool) -> bool {
+        match self.busy {
+            Switch::On => true,
+            Switch::Auto => native,
+            Switch::Off => false,
         }
     }
 }
@@ -824,18 +864,7 @@ impl Options {
             }
             "fsync" => self.skip_fsync = !parse_bool(name, value)?,
             "reflink" => self.reflink = parse_bool(name, value)?,
-            "partial_passthrough" => {
-                self.partial_passthrough = match value.map(|v| v.to_ascii_lowercase()).as_deref() {
-                    Some("auto") => Switch::Auto,
-                    None | Some("on") | Some("1") => Switch::On,
-                    Some("off") | Some("0") => Switch::Off,
-                    Some(v) => {
-                        return Err(crate::message!(
-                            "option 'partial_passthrough' takes auto, on or off, not '{v}'"
-                        ));
-                    }
-                }
-            }
+            "partial_passthrough" => self.partial_passthrough = Switch::parse(name, value)?,
             "volatile" => self.skip_fsync = true,
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
@@ -906,7 +935,8 @@ impl Options {
                 }
                 self.completion.after_idle = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
             }
-            "copy_whole" => self.completion.at_open_below = parse_size(name, value)?,
+            "copy_whole" => self.completion.at_open_below = Some(parse_size(name, value)?),
+            "complete_busy" => self.completion.busy = Switch::parse(name, value)?,
             "complete_on_reopen" => self.completion.on_reopen_below = parse_size(name, value)?,
             "complete_ratio" => {
                 let pct: f64 = parse_num(name, value)?;
@@ -1148,6 +1178,13 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command> 
     if opts.remount {
         return Ok(Command::Remount(Box::new(opts)));
     }
+    if option_strings.is_empty()
+        && let Some(word) = positional.first().and_then(|w| w.to_str())
+        && !word.contains('/')
+    {
+        // A mount always has -o; a bare first word was meant as a command.
+        return Err(not_a_command(word).into());
+    }
     if opts.lowerdirs.is_empty() {
         return Err("no lowerdir given: pass -o lowerdir=DIR[:DIR...]".into());
     }
@@ -1163,6 +1200,41 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command> 
     check_memory_upper(&opts)?;
     opts.check_metacopy()?;
     Ok(Command::Mount(Box::new(opts)))
+}
+
+/// What `mosaicfs WORD ...` says when WORD is no command: the commands, and the nearest one.
+fn not_a_command(word: &str) -> String {
+    let commands: Vec<&str> = crate::help::COMMANDS.iter().map(|(c, _)| *c).collect();
+    let near = commands
+        .iter()
+        .map(|c| (edit_distance(word, c), *c))
+        .min()
+        .filter(|(d, _)| *d <= 2)
+        .map_or(String::new(), |(_, c)| format!(" (did you mean '{c}'?)"));
+    format!(
+        "'{word}' is not a mosaicfs command{near}. Commands: {}, help.\n\
+         To mount: mosaicfs -o lowerdir=DIR[:DIR...],upperdir=DIR,workdir=DIR MOUNTPOINT \
+         (mosaicfs --help)",
+        commands.join(", ")
+    )
+}
+
+/// Levenshtein distance between two short words.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let here = (prev + usize::from(ca != *cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            prev = row[j + 1];
+            row[j + 1] = here;
+        }
+    }
+    row[b.len()]
 }
 
 /// The options of a memory upper (`upper=memory`) that must go with it, or not with it.
@@ -1287,6 +1359,43 @@ mod tests {
         assert_eq!(
             o.lowerdirs,
             vec![PathBuf::from("/a:b"), PathBuf::from("/c")]
+        );
+    }
+
+    #[test]
+    fn a_misspelled_command_is_named_with_the_commands() {
+        let e = parse(&["statsu", "/mnt/x"]).unwrap_err();
+        assert!(
+            e.contains("'statsu' is not a mosaicfs command (did you mean 'status'?)")
+                && e.contains("fsck"),
+            "{e}"
+        );
+        let e = parse(&["frobnicate"]).unwrap_err();
+        assert!(e.contains("not a mosaicfs command. Commands:"), "{e}");
+        // mount.fuse's form, source then mount point then -o, is still a mount.
+        assert!(parse(&["overlay", "/mnt", "-o", "lowerdir=/a"]).is_ok());
+    }
+
+    #[test]
+    fn completion_pays_by_default_and_the_old_rules_are_choices() {
+        let d = parse(&["-o", "lowerdir=/a", "/m"]).unwrap().completion;
+        assert_eq!((d.after_idle, d.ratio, d.on_reopen_below), (None, 0.0, 0));
+        assert_eq!((d.copy_whole(true), d.copy_whole(false)), (1 << 20, 0));
+        assert!(d.when_busy(true) && !d.when_busy(false));
+        let o = parse(&[
+            "-o",
+            "lowerdir=/a,complete_after=10,complete_busy=on,copy_whole=4M",
+            "/m",
+        ])
+        .unwrap()
+        .completion;
+        assert_eq!(o.after_idle, Some(Duration::from_secs(10)));
+        assert!(o.when_busy(false));
+        assert_eq!(o.copy_whole(false), 4 << 20);
+        let e = parse(&["-o", "lowerdir=/a,complete_busy=sometimes", "/m"]).unwrap_err();
+        assert!(
+            e.contains("complete_busy") && e.contains("auto, on or off"),
+            "{e}"
         );
     }
 

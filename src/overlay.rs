@@ -142,6 +142,22 @@ impl Config {
 /// when that store is slow or has stopped answering (issue #16).
 pub const LOWER_CACHE: Duration = Duration::from_secs(60);
 
+/// `Overlay::passthrough_serves`: "" where it does, else why not.
+const PASSTHROUGH_STATES: [&str; 6] = [
+    "",
+    "no FUSE session: a tool, not a mount",
+    "passthrough=off",
+    "upper=memory: its files live in the daemon",
+    "the kernel offers no FUSE passthrough (Linux 6.9 or later has it)",
+    "registering a backing file needs CAP_SYS_ADMIN in the initial user namespace: a rootless mount",
+];
+const SERVES: usize = 0;
+const NO_SESSION: usize = 1;
+const PASSTHROUGH_OFF: usize = 2;
+const MEMORY_UPPER: usize = 3;
+const NO_KERNEL: usize = 4;
+const NOT_ADMIN: usize = 5;
+
 pub struct Overlay {
     layers: LayerStack,
     inodes: InodeTable,
@@ -179,6 +195,9 @@ pub struct Overlay {
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
     transport: std::sync::OnceLock<&'static str>,
+    /// Whether passthrough serves this mount's complete files: an index into
+    /// `PASSTHROUGH_STATES`, set at INIT and when the kernel refuses a backing file.
+    passthrough_state: std::sync::atomic::AtomicUsize,
     /// The background workers (copy-after-write, completion) start at the first job, not at
     /// mount: an idle mount holds no thread for them (`arm_workers`, `need_*`).
     me: std::sync::OnceLock<std::sync::Weak<Overlay>>,
@@ -292,6 +311,7 @@ impl Overlay {
             shut_down: Default::default(),
             precontent,
             transport: Default::default(),
+            passthrough_state: std::sync::atomic::AtomicUsize::new(NO_SESSION),
             me: Default::default(),
             caw_started: std::sync::Once::new(),
             completion_started: std::sync::Once::new(),
@@ -348,6 +368,43 @@ impl Overlay {
     /// The kernel forgot `n` lookups of `ino`.
     pub fn forget(&self, ino: Ino, n: u64) {
         self.inodes.forget(ino, n);
+    }
+
+    /// Whether FUSE passthrough serves this mount's complete files, or why not. What makes
+    /// completing a partial file pay (complete.rs): where nothing passes through, a complete
+    /// file is served by the daemon exactly as a partial one.
+    pub fn passthrough_serves(&self) -> std::result::Result<(), &'static str> {
+        match PASSTHROUGH_STATES[self
+            .passthrough_state
+            .load(std::sync::atomic::Ordering::Relaxed)]
+        {
+            "" => Ok(()),
+            why => Err(why),
+        }
+    }
+
+    /// What INIT found: `kernel_offers` FUSE passthrough, and this daemon may register backing
+    /// files (`sys::admin_of_initial_namespace`).
+    pub fn set_passthrough(&self, kernel_offers: bool, may_register: bool) {
+        let state = if self.config.passthrough == crate::options::PassthroughPolicy::Off {
+            PASSTHROUGH_OFF
+        } else if self.layers.memory.is_some() {
+            MEMORY_UPPER
+        } else if !kernel_offers {
+            NO_KERNEL
+        } else if !may_register {
+            NOT_ADMIN
+        } else {
+            SERVES
+        };
+        self.passthrough_state
+            .store(state, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The kernel refused a backing file for want of privilege: nothing passes through.
+    pub(crate) fn passthrough_not_permitted(&self) {
+        self.passthrough_state
+            .store(NOT_ADMIN, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`).
@@ -427,8 +484,12 @@ impl Overlay {
 
     /// Queues a partial file for completion; the worker starts with the first one.
     fn register_partial(&self, file: &Arc<crate::file::OpenFile>) {
-        self.completer.register(file);
-        if self.completion_started.is_completed() {
+        let native = self.passthrough_serves().is_ok();
+        self.completer
+            .register(file, &self.config.completion, native);
+        if self.completion_started.is_completed()
+            || !self.config.completion.completes_anything(native)
+        {
             return;
         }
         if let Some(me) = self.me.get().and_then(std::sync::Weak::upgrade) {

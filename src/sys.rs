@@ -1524,6 +1524,23 @@ pub fn close_other_fds(keep: &[i32]) {
     }
 }
 
+/// Whether this process has CAP_SYS_ADMIN in the initial user namespace: what the kernel asks
+/// of a FUSE daemon that registers a passthrough backing file (fs/fuse/passthrough.c,
+/// `fuse_backing_open`). Root of a user namespace (a rootless mount) does not.
+pub fn admin_of_initial_namespace() -> bool {
+    const CAP_SYS_ADMIN: u32 = 21;
+    let initial = std::fs::read_to_string("/proc/self/uid_map")
+        .is_ok_and(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]);
+    let effective = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        });
+    initial && effective.is_some_and(|caps| caps & (1 << CAP_SYS_ADMIN) != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

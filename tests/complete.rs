@@ -24,6 +24,137 @@ fn wait_complete(p: &std::path::Path, limit: Duration) {
     }
 }
 
+/// Allocated bytes of `p` (what du counts).
+fn allocated(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(p).unwrap().blocks() * 512
+}
+
+#[test]
+fn by_default_a_written_file_stays_partial_longer_than_any_delay() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    // Blocks, not files, also a while later: a file written, closed, opened read-write again
+    // and written once more, then left alone past every delay the old defaults had
+    // (complete_after=10, complete_on_reopen), keeps only the blocks written. Nothing in its
+    // use makes a copy pay.
+    let base = pattern(8 << 20, 11);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("image"), &base);
+    m.mount();
+    reopen_and_write(&m, "image", 4096, b"1");
+    reopen_and_write(&m, "image", 6 << 20, b"2");
+    std::thread::sleep(Duration::from_secs(12));
+    let upper = m.upper.join("image");
+    assert!(is_partial(&upper), "completed without a reason that pays");
+    assert!(
+        allocated(&upper) <= 4 * 4096,
+        "the upper holds {} bytes for two bytes written",
+        allocated(&upper)
+    );
+    let status = run(std::process::Command::new(env!("CARGO_BIN_EXE_mosaicfs"))
+        .arg("status")
+        .arg(&m.mnt));
+    assert!(status.contains("completions=0"), "{status}");
+    let mut want = base.clone();
+    want[4096] = b'1';
+    want[6 << 20] = b'2';
+    assert!(fs::read(m.path("image")).unwrap() == want);
+    let log = m.unmount();
+    assert_eq!(served(&log, "completions"), 0, "{log}");
+}
+
+#[test]
+fn a_file_in_sustained_use_through_the_daemon_is_completed_where_passthrough_serves_it() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    // Rent or buy: 4 KiB writes into one block of a 64 MiB file, each a request through the
+    // daemon, soon cost more than copying the file once; completed, the file is served by
+    // passthrough at its next open. A file with a few writes stays partial.
+    let base = pattern(64 << 20, 12);
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("hot"), &base);
+    write(m.lower(0).join("cold"), &base);
+    m.mount();
+    let cold = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("cold"))
+        .unwrap();
+    for i in 0..100u64 {
+        cold.write_all_at(&[7u8; 4096], i * 4096).unwrap();
+    }
+    let hot = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("hot"))
+        .unwrap();
+    let block = vec![5u8; 4096];
+    let start = Instant::now();
+    let mut writes = 0u64;
+    while is_partial(&m.upper.join("hot")) {
+        hot.write_all_at(&block, 8192).unwrap();
+        writes += 1;
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "not completed after {writes} writes"
+        );
+    }
+    assert!(writes >= 2000, "completed after only {writes} requests");
+    drop(hot);
+    let mut want = base.clone();
+    want[8192..12288].fill(5);
+    assert!(
+        fs::read(m.upper.join("hot")).unwrap() == want,
+        "the upper file alone"
+    );
+    assert!(
+        is_partial(&m.upper.join("cold")),
+        "100 writes do not pay for a copy"
+    );
+    drop(cold);
+    let log = m.unmount();
+    assert_eq!(served(&log, "completions"), 1, "{log}");
+}
+
+#[test]
+fn a_rootless_mount_never_completes_by_default() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    // In a user namespace nothing passes through, so a complete file would be served exactly
+    // as a partial one: however busy the file, completing it would only cost.
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().display().to_string();
+    for dir in ["l", "u", "w", "m"] {
+        fs::create_dir(d.path().join(dir)).unwrap();
+    }
+    write(d.path().join("l/big"), pattern(16 << 20, 13));
+    let bin = env!("CARGO_BIN_EXE_mosaicfs");
+    let script = format!(
+        "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w {p}/m; \
+         dd if=/dev/zero of={p}/m/big bs=4096 count=4000 seek=1 conv=notrunc 2>/dev/null; \
+         sleep 2; {bin} status {p}/m > {p}/status; umount {p}/m"
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["-Urm", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = fs::read_to_string(d.path().join("status")).unwrap();
+    assert!(
+        status.contains("served by passthrough: no") && status.contains("completions=0"),
+        "{status}"
+    );
+    assert!(get_xattr(&d.path().join("u/big"), "user.mosaicfs.partial").is_some());
+}
+
 #[test]
 fn an_idle_partial_file_is_completed_and_kernel_overlayfs_reads_it() {
     if !runs_on_disk_upper_only() {
@@ -135,14 +266,20 @@ fn reopen_and_write(m: &Mount, name: &str, off: u64, data: &[u8]) -> bool {
 }
 
 /// A mount whose lower layer holds `names`, each a 4 MiB file of `pattern(.., seed)`, where
-/// only a reopen completes a file (neither idleness nor the share of blocks would).
+/// only a reopen completes a file (`complete_on_reopen=`, an explicit choice; neither
+/// idleness nor the share of blocks would).
 fn mounted_for_reopens(names: &[&str], seed: u64) -> (Mount, Vec<u8>) {
     let base = pattern(4 << 20, seed);
     let mut m = Mount::new(1);
     for name in names {
         write(m.lower(0).join(name), &base);
     }
-    m.extra = opts(&["complete_after=600", "complete_ratio=0"]);
+    m.extra = opts(&[
+        "complete_after=600",
+        "complete_ratio=0",
+        "complete_on_reopen=256M",
+        "complete_busy=off",
+    ]);
     m.mount();
     (m, base)
 }

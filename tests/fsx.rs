@@ -387,7 +387,16 @@ fn run_seed_with(
 ) -> Run {
     let model = initial_lower(seed);
     let mut m = Mount::new_in(base, 1);
-    m.extra = options.iter().map(|o| o.to_string()).collect();
+    // `MOSAICFS_TEST_*=V` entries are for the daemon's environment, the rest mount options.
+    let (env, opts): (Vec<&str>, Vec<&str>) = options
+        .iter()
+        .partition(|o| o.starts_with("MOSAICFS_TEST_"));
+    m.extra = opts.iter().map(|o| o.to_string()).collect();
+    m.env = env
+        .iter()
+        .filter_map(|e| e.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let data = m.dir.path().join("data");
     for (name, bytes) in &model {
         let path = m.lower(0).join(name);
@@ -513,6 +522,26 @@ fn fsx_with_eager_completion_matches_the_model() {
     eprintln!("fsx (eager completion): seed {seed}, {ops} operations");
     let (completed, _) = run_seed(seed, ops, &["complete_after=0.001", "complete_ratio=10"]);
     assert!(completed > 0, "completion never ran");
+}
+
+/// The same with the sustained-use rule firing after 3 requests through the daemon (the
+/// default rule, its threshold lowered): files complete while they are being read and
+/// written, and after their last close.
+#[test]
+fn fsx_with_completion_of_busy_files_matches_the_model() {
+    if !runs_on_disk_upper_only() {
+        return;
+    }
+    let ops = fsx_ops();
+    let seed = fsx_seed().unwrap_or(41);
+    eprintln!("fsx (busy files complete): seed {seed}, {ops} operations");
+    let busy = [
+        "MOSAICFS_TEST_BUSY_REQUESTS=3",
+        "copy_whole=0",
+        "partial_passthrough=off",
+    ];
+    let run = run_seed_in(std::path::Path::new("/tmp"), seed, ops, &busy);
+    assert!(run.completions > 0, "no busy file was completed");
 }
 
 /// The same with every file copied whole when opened for writing (`copy_whole=` above the

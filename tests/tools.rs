@@ -760,7 +760,12 @@ fn status_reports_metrics_as_json_and_prometheus_text() {
         write(l.join("big"), pattern(4 << 20, 5));
         write(l.join("d/f"), b"f");
     });
-    write_at(m.path("big"), 8192, b"x");
+    // Held open: the partial files counted are those the daemon holds.
+    let open = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("big"))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&open, b"x", 8192).unwrap();
     let _ = fs::metadata(m.path("d/f"));
     assert_eq!(errno_of(fs::remove_dir(m.path("d"))), libc::ENOTEMPTY);
     let mnt = m.mnt.display().to_string();
@@ -1083,17 +1088,14 @@ fn metrics_option_serves_prometheus_text_over_http() {
     m.extra.push(format!("metrics={addr}"));
     m.mount();
     // Read-write: served by the daemon, so that a WRITE request is counted (a write-only
-    // writer would pass through).
-    std::os::unix::fs::FileExt::write_all_at(
-        &fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(m.path("f"))
-            .unwrap(),
-        b"L",
-        8192,
-    )
-    .unwrap();
+    // writer would pass through). Held open: the partial files counted are those the daemon
+    // holds.
+    let open = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&open, b"L", 8192).unwrap();
     let page = http_get(&addr, "/metrics");
     assert!(page.starts_with("HTTP/1.1 200 OK\r\n"), "{page}");
     assert!(
@@ -1189,6 +1191,7 @@ fn metrics_option_serves_prometheus_text_over_http() {
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("takes an address and port"));
     other.extra.clear();
+    drop(open);
     m.unmount();
 }
 

@@ -1,7 +1,7 @@
 //! The completion worker and the completion of one file (the `impl Overlay` half of
 //! complete.rs, which holds the policy and the queue).
 //!
-//! May call (dev/callgraph.py --check keeps it so): none of the other request files.
+//! May call (dev/callgraph.py --check keeps it so): overlay.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -18,8 +18,11 @@ const BACKGROUND_RATE: u64 = 256 << 20;
 impl Overlay {
     /// Starts the completion worker; it ends when `shutdown` stops it.
     pub(super) fn start_completion(self: &Arc<Self>) {
-        let policy = &self.config.completion;
-        if policy.after_idle.is_none() && policy.ratio <= 0.0 && policy.on_reopen_below == 0 {
+        if !self
+            .config
+            .completion
+            .completes_anything(self.passthrough_serves().is_ok())
+        {
             return;
         }
         // Look often enough to honour short idle times, at most once a second otherwise.
@@ -53,7 +56,8 @@ impl Overlay {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         let now = Instant::now();
-        for f in files {
+        let native = self.passthrough_serves().is_ok();
+        for f in &files {
             if self.completer.stop.load(Ordering::Relaxed) {
                 return;
             }
@@ -62,8 +66,8 @@ impl Overlay {
                 Some(p) => {
                     if p.unlinked {
                         true // nobody can read it again: nothing to complete
-                    } else if self.config.completion.due(&p, now).is_some() {
-                        match self.complete_file_paced(&f) {
+                    } else if self.config.completion.due(&p, now, native).is_some() {
+                        match self.complete_file_paced(f) {
                             Ok(()) => true,
                             Err(e) => {
                                 log::warn!("completing inode {} failed, will retry: {e}", f.ino);
@@ -81,9 +85,12 @@ impl Overlay {
                     .queue
                     .lock()
                     .unwrap_or_else(|e| e.into_inner());
-                q.retain(|g| !Arc::ptr_eq(g, &f));
+                q.retain(|g| !Arc::ptr_eq(g, f));
             }
         }
+        // Files closed while a fill held them too (`Completer::release` let them be).
+        self.completer
+            .let_go_closed(&files, &self.config.completion, native);
     }
 
     /// Fills every hole of a partial file and removes its mark.

@@ -221,6 +221,9 @@ impl Overlay {
         } else if append_only {
             // Each write must be seen to append (`write`).
             PassthroughPolicy::Off
+        } else if self.passthrough_serves().is_err() {
+            // Rootless, or no passthrough in the kernel: no backing-file ioctl to be refused.
+            PassthroughPolicy::Off
         } else if !writable && self.lower_on_store(&node) {
             PassthroughPolicy::Upper
         } else {
@@ -306,7 +309,10 @@ impl Overlay {
     /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
     /// so a crash at any point leaves a valid file.
     fn complete_at_open(&self, file: &OpenFile) -> Result<()> {
-        let limit = self.config.completion.at_open_below;
+        let limit = self
+            .config
+            .completion
+            .copy_whole(self.passthrough_serves().is_ok());
         let small = limit > 0 && file.bytes_to_copy().is_some_and(|n| n <= limit);
         if small && file.is_partial() {
             self.complete_file(file)?;
@@ -359,7 +365,11 @@ impl Overlay {
             .backing(
                 &h.file,
                 |fd| {
-                    let b = register(fd)?;
+                    let b = register(fd).inspect_err(|e| {
+                        if e.raw_os_error() == Some(libc::EPERM) {
+                            self.passthrough_not_permitted();
+                        }
+                    })?;
                     self.stats.backings.add(1);
                     Ok(b)
                 },
@@ -405,7 +415,13 @@ impl Overlay {
     }
 
     pub fn release(&self, fh: u64) {
-        self.handles.remove(fh);
+        if let Some(h) = self.handles.remove(fh) {
+            let file = h.file.clone();
+            drop(h);
+            let native = self.passthrough_serves().is_ok();
+            self.completer
+                .release(file, &self.config.completion, native);
+        }
     }
 
     fn handle(&self, fh: u64) -> Result<Arc<Handle>> {
@@ -481,12 +497,17 @@ impl Overlay {
                     Err(e) => reply(Err(e)),
                 }
             }),
-            FileData::Partial(p) => match crate::lower_wait::enter(crate::lower_wait::DATA)
-                .and_then(|_w| p.read(off, size as usize))
-            {
-                Ok(bytes) => reply(Ok(ReadData::Bytes(&bytes))),
-                Err(e) => reply(Err(e)),
-            },
+            FileData::Partial(p) => {
+                if mapped {
+                    file.served_one(); // a kernel request: completion's sustained-use rule
+                }
+                match crate::lower_wait::enter(crate::lower_wait::DATA)
+                    .and_then(|_w| p.read(off, size as usize))
+                {
+                    Ok(bytes) => reply(Ok(ReadData::Bytes(&bytes))),
+                    Err(e) => reply(Err(e)),
+                }
+            }
             FileData::Unopened(..) => unreachable!("opened_data opens it"),
         }
     }
@@ -533,6 +554,7 @@ impl Overlay {
                 }
             }
             FileData::Partial(p) => {
+                h.file.served_one();
                 p.refresh()?; // writers passing through may have grown it
                 let off = if h.append { p.size } else { off };
                 let pending = p.write(off, data, !h.sync)?;
