@@ -4,7 +4,7 @@ SBINDIR ?= /usr/sbin
 MANDIR ?= $(PREFIX)/share/man
 CARGO ?= cargo
 
-.PHONY: build daemon install uninstall deb static demo deps test unit-test integration-test pjdfstest bench clean
+.PHONY: build daemon install uninstall deb static demo deps check test bench clean
 
 # The snapshotter's gRPC code is generated at build time by protoc (Debian: protobuf-compiler).
 build:
@@ -53,6 +53,14 @@ static: daemon
 
 demo: build
 	./demo.sh
+
+# The everyday check (root and /dev/fuse; about 3 minutes on 2 CPUs, the build included):
+# unit tests, the overlay core without a mount (tests/core.rs), the fsx model (on a disk upper;
+# not the XFS reflink run, which needs a loop device in /var/tmp) and the main mount tests.
+# Installs nothing, and writes only in target/ and /tmp.
+CHECK_TESTS := --lib --test core --test fsx --test overlay --test partial --test complete --test caw
+check:
+	$(CARGO) test --profile checked -p mosaicfs $(CHECK_TESTS) -- --test-threads=2 --skip reflink
 
 # The full test suite (needs root and /dev/fuse): unit and integration tests on real mounts,
 # pjdfstest against a mount, and Podman running containers on mosaicfs.

@@ -513,6 +513,27 @@ struct Started {
     control: Option<crate::control::Listener>,
 }
 
+/// Why this process cannot use /dev/fuse, when that is why a mount failed: the mount's own
+/// error names the mount point, while the call that failed was the device's open.
+fn fuse_device_problem() -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let e = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .err()?;
+    Some(match e.kind() {
+        std::io::ErrorKind::NotFound => "/dev/fuse does not exist: load the fuse module \
+             (modprobe fuse) or, in a container, pass the device in (--device /dev/fuse)"
+            .to_string(),
+        _ => format!(
+            "cannot open /dev/fuse ({e}; its mode is {:o}): a FUSE mount needs read and write \
+             access to it; distributions ship it as 0666 (as root: chmod 0666 /dev/fuse)",
+            std::fs::metadata("/dev/fuse").map_or(0, |m| m.permissions().mode() & 0o7777)
+        ),
+    })
+}
+
 /// Mounts and does all that can fail the mount without a thread: what fails here fails the
 /// command with its reason.
 fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool) -> Result<Started> {
@@ -529,8 +550,15 @@ fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool) -> Result<Started> 
         no_opendir: false,
     };
     let under = crate::sys::device_of(&opts.mountpoint);
-    let session = fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, uring))
-        .map_err(|e| crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()))?;
+    let session =
+        fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, uring)).map_err(|e| {
+            match fuse_device_problem() {
+                Some(problem) => {
+                    crate::message!("cannot mount on '{}': {problem}", opts.mountpoint.display())
+                }
+                None => crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()),
+            }
+        })?;
     let notifier = session.notifier();
     overlay.on_attrs_changed(move |ino, data| {
         // Offset -1: attributes only, the cached pages stay; 0: from the start, every page

@@ -683,16 +683,14 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
     // kernel's asynchronous RELEASE of the first had arrived (the count lives with the open
     // state, which a release of the last handle of a complete file drops).
     // Read-write: served by the daemon (a write-only writer would pass through, write=0).
-    std::os::unix::fs::FileExt::write_at(
-        &fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(m.path("f"))
-            .unwrap(),
-        b"x",
-        10,
-    )
-    .unwrap();
+    // Held open: the daemon lists the partial files it holds, and by default lets go of one
+    // at its last close (nothing would complete it while closed).
+    let open = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_at(&open, b"x", 10).unwrap();
     let out = Command::new(BIN)
         .arg("status")
         .arg(&m.mnt)
@@ -716,10 +714,12 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
     assert!(
         text.contains("1 of 25 blocks present")
             && text.contains(
-                "writable opens 1, writers served by the daemon; waiting: no write for 10 s"
+                "writable opens 1, writers served by the daemon; waiting: sustained use: 1000 \
+                 requests through the daemon with no 10 s gap (now 1)"
             ),
         "{text}"
     );
+    drop(open);
     m.unmount();
     let out = Command::new(BIN)
         .arg("status")
@@ -770,21 +770,61 @@ fn mounts_in_a_user_namespace_with_user_xattrs() {
     );
 }
 
+/// /dev/fuse's mode set for one test and put back as it was, however the test ends: later
+/// runs see the machine as it was. One test at a time changes it.
+struct DevFuseMode {
+    before: u32,
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
+}
+
+impl DevFuseMode {
+    fn set(mode: u32) -> DevFuseMode {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        static CHANGING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let guard = CHANGING.lock().unwrap_or_else(|e| e.into_inner());
+        let before = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
+        fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(mode)).unwrap();
+        DevFuseMode {
+            before,
+            _one_at_a_time: guard,
+        }
+    }
+}
+
+impl Drop for DevFuseMode {
+    fn drop(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.before));
+    }
+}
+
+#[test]
+fn a_user_who_cannot_open_dev_fuse_is_told_so_and_how_to_fix_it() {
+    // The mount's failure names the mount point; the call that failed was /dev/fuse's open.
+    let _mode = DevFuseMode::set(0o600);
+    let (d, p) = layers();
+    sh(&format!("chown -R nobody:nogroup {p}"));
+    let out = Command::new("setpriv")
+        .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups"])
+        .args([BIN, "-o", "lowerdir=l,upperdir=u,workdir=w", "m"])
+        .current_dir(d.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot open /dev/fuse") && err.contains("chmod 0666 /dev/fuse"),
+        "{err}"
+    );
+}
+
 #[test]
 fn an_unprivileged_user_mounts_through_fusermount3() {
     // As with fuse-overlayfs: mount(2) is refused to a plain user, so the setuid fusermount3
     // mounts, and mosaicfs' own xattrs are user.* ones. Distributions ship /dev/fuse as 0666;
     // this machine's is 0600, which keeps every unprivileged FUSE mount out.
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    // Put back as it was, however the test ends: later runs see the machine as it was.
-    struct DevFuseMode(u32);
-    impl Drop for DevFuseMode {
-        fn drop(&mut self) {
-            let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
-        }
-    }
-    let _restore = DevFuseMode(fs::metadata("/dev/fuse").unwrap().mode() & 0o7777);
-    fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o666)).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let _mode = DevFuseMode::set(0o666);
     let (d, p) = layers();
     fs::write(d.path().join("l/a"), "lower\n").unwrap();
     fs::write(d.path().join("l/gone"), "x").unwrap();
@@ -829,7 +869,7 @@ fn an_unprivileged_user_mounts_through_fusermount3() {
     );
 }
 
-/// The man page covers every option of the README's table and every command of the usage
+/// The man page covers every option of docs/USAGE.md's table and every command of the usage
 /// text, and (where groff is installed) formats without a warning.
 #[test]
 fn the_man_page_covers_every_option_and_command() {
@@ -841,12 +881,12 @@ fn the_man_page_covers_every_option_and_command() {
         .replace("\\fR", "")
         .replace("\\fB", "")
         .replace("\\c\n", "");
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let table = readme
+    let usage = std::fs::read_to_string(root.join("docs/USAGE.md")).unwrap();
+    let table = usage
         .split("### Options")
         .nth(1)
         .and_then(|s| s.split("\n\n").nth(2))
-        .expect("the README's option table");
+        .expect("docs/USAGE.md's option table");
     let mut missing = Vec::new();
     for row in table.lines().filter(|l| l.starts_with("| `")) {
         let first_column = row.split(" | ").next().unwrap();
