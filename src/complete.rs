@@ -48,7 +48,7 @@ pub(crate) const CHUNK_BLOCKS: u64 = 256;
 const SETTLE: Duration = Duration::from_millis(250);
 /// What a data request through the daemon costs beyond the same request passed through: a
 /// FUSE round trip and the daemon's work (docs/PERFORMANCE.md, "When completion pays").
-const REQUEST_COST: Duration = Duration::from_micros(30);
+const REQUEST_COST: Duration = Duration::from_micros(20);
 /// How fast a completion copies, to price it against requests (docs/PERFORMANCE.md).
 const COPY_RATE: u64 = 1 << 30;
 /// The fewest requests of a run that make a file busy, whatever its size: a few hundred

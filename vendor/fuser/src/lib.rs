@@ -5,7 +5,7 @@
 //! and unmount calls which are needed to establish a fd to talk to the kernel driver.
 
 // mosaicfs: a vendored dependency builds quietly (its own CI lints it upstream).
-#![allow(dead_code, unused_imports, unexpected_cfgs)]
+#![allow(unexpected_cfgs)]
 #![warn(
     missing_docs,
     missing_debug_implementations,

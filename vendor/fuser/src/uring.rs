@@ -187,7 +187,8 @@ struct Ring {
     sqes: Map,
     sq_off: SqringOffsets,
     cq_off: CqringOffsets,
-    fd: OwnedFd,
+    /// Held, never read: the ring lives while its descriptor is open.
+    _fd: OwnedFd,
     /// How `io_uring_enter` names the ring: its index among the thread's registered rings
     /// (`IORING_REGISTER_RING_FDS`), so that no enter looks the descriptor up, or else `fd`.
     enter_fd: i32,
@@ -266,7 +267,7 @@ impl Ring {
             sqes,
             sq_off: p.sq_off,
             cq_off: p.cq_off,
-            fd,
+            _fd: fd,
             enter_fd,
             enter_flags,
         })

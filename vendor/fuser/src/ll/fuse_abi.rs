@@ -605,6 +605,8 @@ pub(crate) struct fuse_init_out {
     pub(crate) reserved: [u32; 6],
 }
 
+// Part of the kernel's ABI, kept whole; no request fuser serves uses it.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, FromBytes, KnownLayout, Immutable)]
 pub(crate) struct cuse_init_in {
@@ -614,6 +616,8 @@ pub(crate) struct cuse_init_in {
     pub(crate) flags: u32,
 }
 
+// Part of the kernel's ABI, kept whole; no request fuser serves uses it.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, KnownLayout, Immutable)]
 pub(crate) struct cuse_init_out {
@@ -659,6 +663,8 @@ pub(crate) struct fuse_ioctl_in {
     pub(crate) out_size: u32,
 }
 
+// Part of the kernel's ABI, kept whole; no request fuser serves uses it.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, KnownLayout, Immutable)]
 pub(crate) struct fuse_ioctl_iovec {
@@ -780,6 +786,8 @@ pub(crate) struct fuse_notify_store_out {
     pub(crate) padding: u32,
 }
 
+// Part of the kernel's ABI, kept whole; no request fuser serves uses it.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, KnownLayout, Immutable)]
 pub(crate) struct fuse_notify_retrieve_out {
@@ -790,6 +798,8 @@ pub(crate) struct fuse_notify_retrieve_out {
     pub(crate) padding: u32,
 }
 
+// Part of the kernel's ABI, kept whole; no request fuser serves uses it.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, FromBytes, KnownLayout, Immutable)]
 pub(crate) struct fuse_notify_retrieve_in {

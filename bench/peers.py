@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""Every peer, the everyday workloads, root or rootless (issue #55): kernel overlayfs,
+fuse-overlayfs 1.10 and 2.0 and mosaicfs in one run, each daemon in the background as its
+users start it.
+
+With --rootless every overlay is mounted by user nobody inside `unshare -Urm`, as rootless
+Podman mounts them: kernel overlayfs with `userxattr`, the FUSE daemons without FUSE
+passthrough (it needs CAP_SYS_ADMIN in the initial user namespace) and without fanotify.
+/dev/fuse's mode is opened for the run and put back. Caches are emptied with
+posix_fadvise(DONTNEED) on the files read (drop_caches needs root of the initial namespace).
+
+Rows (one mount per peer, kept until the end):
+  first write     1 byte into a 1 GiB lower file: open, pwrite, close (ms)
+  seq read cold   a 512 MiB lower file in 1 MiB reads, its pages dropped first (MiB/s)
+  seq read warm   the same again (MiB/s)
+  random read     20,000 4 KiB reads at random offsets of that file, warm (us each)
+  new file        256 MiB written in 1 MiB writes and fsynced (MiB/s)
+  overwrites      5,000 4 KiB writes at random offsets of a 64 MiB lower image file, one
+                  open, its copy-up included (us each)
+  untar           3,000 files (bench/suite.py's tree) into the mount (s)
+  stat walk       lstat of every entry of that tree (s)
+  rm -rf          of that tree (s)
+  metadata mix    2,000 rounds of create, write 100 B, chmod, rename, stat, unlink (s)
+  sqlite          300 transactions on a 48 MB lower database (s)
+  upper size      du of the upper dir a minute after the last workload (KiB)
+
+Usage: bench/peers.py [--rootless] [--rounds N] [--root DIR]   (as root)
+"""
+
+import argparse
+import os
+import random
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+
+from suite import FO2, FreshFs, make_tree_tar, sh, write_random
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ["overlay", "fuse-overlayfs", "fuse-overlayfs-2.0", "mosaicfs"]
+ROWS = [
+    ("first write (ms)", "low"), ("seq read cold (MiB/s)", "high"), ("seq read warm (MiB/s)", "high"),
+    ("random read 4 KiB (us)", "low"), ("new file write (MiB/s)", "high"),
+    ("overwrites 4 KiB (us)", "low"), ("untar 3,000 files (s)", "low"), ("stat walk (s)", "low"),
+    ("rm -rf (s)", "low"), ("metadata mix (s)", "low"), ("sqlite 300 transactions (s)", "low"),
+    ("upper a minute later (KiB)", "low"),
+]
+
+
+def prepare(root):
+    lower = os.path.join(root, "lower")
+    stamp = os.path.join(lower, ".ready")
+    if os.path.exists(stamp):
+        return lower
+    os.makedirs(lower, exist_ok=True)
+    write_random(os.path.join(lower, "gig"), 1 << 30)
+    write_random(os.path.join(lower, "seq"), 512 << 20)
+    write_random(os.path.join(lower, "image"), 64 << 20)
+    db = os.path.join(lower, "db.sqlite")
+    con = sqlite3.connect(db, isolation_level=None)
+    con.execute("PRAGMA page_size=4096")
+    con.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, k INTEGER, v BLOB)")
+    con.execute("BEGIN")
+    con.executemany("INSERT INTO t VALUES(?,?,randomblob(2000))", ((i, i) for i in range(20000)))
+    con.execute("COMMIT")
+    con.close()
+    make_tree_tar(os.path.join(root, "tree.tar"), 3000)
+    open(stamp, "w").close()
+    return lower
+
+
+def drop(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_all(path):
+    fd = os.open(path, os.O_RDONLY)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        b = os.read(fd, 1 << 20)
+        if not b:
+            break
+        n += len(b)
+    took = time.perf_counter() - t0
+    os.close(fd)
+    return n / took / (1 << 20)
+
+
+def workloads(mnt, lower, root):
+    out = {}
+    p = lambda *n: os.path.join(mnt, *n)
+    t0 = time.perf_counter()
+    fd = os.open(p("gig"), os.O_WRONLY)
+    os.pwrite(fd, b"X", 500_000_000)
+    os.close(fd)
+    out["first write (ms)"] = (time.perf_counter() - t0) * 1e3
+    drop(os.path.join(lower, "seq"))
+    drop(p("seq"))
+    out["seq read cold (MiB/s)"] = read_all(p("seq"))
+    out["seq read warm (MiB/s)"] = read_all(p("seq"))
+    rng = random.Random(1)
+    fd = os.open(p("seq"), os.O_RDONLY)
+    t0 = time.perf_counter()
+    for _ in range(20000):
+        os.pread(fd, 4096, rng.randrange(0, (512 << 20) // 4096) * 4096)
+    out["random read 4 KiB (us)"] = (time.perf_counter() - t0) / 20000 * 1e6
+    os.close(fd)
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    fd = os.open(p("new"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for _ in range(256):
+        os.write(fd, block)
+    os.fsync(fd)
+    os.close(fd)
+    out["new file write (MiB/s)"] = 256 / (time.perf_counter() - t0)
+    page = os.urandom(4096)
+    t0 = time.perf_counter()
+    fd = os.open(p("image"), os.O_RDWR)
+    for _ in range(5000):
+        os.pwrite(fd, page, rng.randrange(0, (64 << 20) // 4096) * 4096)
+    os.close(fd)
+    out["overwrites 4 KiB (us)"] = (time.perf_counter() - t0) / 5000 * 1e6
+    t0 = time.perf_counter()
+    sh(f"tar -xf {root}/tree.tar -C {mnt}")
+    out["untar 3,000 files (s)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for d, dirs, files in os.walk(p("src")):
+        for n in dirs + files:
+            os.lstat(os.path.join(d, n))
+    out["stat walk (s)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shutil.rmtree(p("src"))
+    out["rm -rf (s)"] = time.perf_counter() - t0
+    os.makedirs(p("mix"))
+    t0 = time.perf_counter()
+    for i in range(2000):
+        a, b = p("mix", f"a{i}"), p("mix", f"b{i}")
+        fd = os.open(a, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x" * 100)
+        os.close(fd)
+        os.chmod(a, 0o600)
+        os.rename(a, b)
+        os.stat(b)
+        os.unlink(b)
+    out["metadata mix (s)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    con = sqlite3.connect(p("db.sqlite"), isolation_level=None)
+    for i in range(300):
+        con.execute("BEGIN")
+        con.execute("UPDATE t SET k=k+1, v=randomblob(2000) WHERE id=?", ((i * 7919) % 20000,))
+        con.execute("COMMIT")
+    con.close()
+    out["sqlite 300 transactions (s)"] = time.perf_counter() - t0
+    return out
+
+
+def mount(kind, binary, lower, d, rootless):
+    for sub in ["upper", "work", "mnt"]:
+        os.makedirs(os.path.join(d, sub), exist_ok=True)
+    o = f"lowerdir={lower},upperdir={d}/upper,workdir={d}/work"
+    cmd = {
+        "mosaicfs": f"{binary} -o {o} {d}/mnt",
+        "overlay": f"mount -t overlay overlay -o {o}{',userxattr' if rootless else ''} {d}/mnt",
+        "fuse-overlayfs-2.0": f"{FO2} -o {o} {d}/mnt",
+        "fuse-overlayfs": f"fuse-overlayfs -o {o} {d}/mnt",
+    }[kind]
+    sh(cmd)
+
+
+def umount(path):
+    for _ in range(100):
+        if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+
+
+def run(a, root, kinds):
+    lower = prepare(root)
+    results = {k: {r: [] for r, _ in ROWS} for k in kinds}
+    for rnd in range(a.rounds):
+        dirs = {}
+        for kind in kinds:  # interleaved: every peer once per round
+            d = os.path.join(root, f"run-{rnd}-{kind}")
+            shutil.rmtree(d, ignore_errors=True)
+            mount(kind, a.mosaicfs, lower, d, a.rootless)
+            dirs[kind] = d
+            for row, v in workloads(os.path.join(d, "mnt"), lower, root).items():
+                results[kind][row].append(v)
+            print(f"# round {rnd + 1}: {kind} done", file=sys.stderr)
+        time.sleep(60)
+        for kind, d in dirs.items():
+            used = int(sh(f"du -s --block-size=1 {d}/upper").split()[0])
+            results[kind]["upper a minute later (KiB)"].append(used >> 10)
+            umount(os.path.join(d, "mnt"))
+            shutil.rmtree(d, ignore_errors=True)
+    who = "rootless (user nobody, unshare -Urm)" if a.rootless else "root"
+    print(f"\nPeers, {time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, "
+          f"{os.uname().release}, {who}, layers on a fresh ext4 (loop), daemons in the background, "
+          f"median of {a.rounds} interleaved round(s)\n")
+    head = "| workload | " + " | ".join(kinds) + " | mosaicfs / fuse-overlayfs 1.10 | mosaicfs / 2.0 |"
+    print(head)
+    print("|" + "---|" * (len(kinds) + 3))
+    for row, better in ROWS:
+        med = {k: statistics.median(results[k][row]) for k in kinds}
+
+        def ratio(peer):
+            if peer not in med or not med[peer] or not med["mosaicfs"]:
+                return "—"
+            r = med[peer] / med["mosaicfs"] if better == "low" else med["mosaicfs"] / med[peer]
+            return f"{r:.2f}x"
+
+        cells = " | ".join(f"{med[k]:,.3g}" if med[k] < 100 else f"{med[k]:,.0f}" for k in kinds)
+        print(f"| {row} | {cells} | {ratio('fuse-overlayfs')} | {ratio('fuse-overlayfs-2.0')} |")
+    print("\nRatios: how many times better mosaicfs is (above 1: ahead).")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rootless", action="store_true")
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--root", default="/var/tmp/mosaicfs-bench-peers")
+    ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
+    a = ap.parse_args()
+    a.mosaicfs = os.path.abspath(a.mosaicfs)
+    kinds = [k for k in KINDS if k != "fuse-overlayfs-2.0" or os.access(FO2, os.X_OK)]
+    if a.inside:
+        a.rootless = True
+        run(a, a.root, kinds)
+        return
+    with FreshFs(a.root, "ext4", 24 << 30) as root:
+        prepare(root)
+        if not a.rootless:
+            run(a, root, kinds)
+            return
+        before = os.stat("/dev/fuse").st_mode & 0o7777
+        os.chmod("/dev/fuse", 0o666)
+        try:
+            sh(f"chown -R nobody:nogroup {root}")
+            subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                            "unshare", "-Urm", "/usr/bin/python3", os.path.abspath(__file__),
+                            "--inside", "--root", root, "--rounds", str(a.rounds),
+                            "--mosaicfs", a.mosaicfs], check=True)
+        finally:
+            os.chmod("/dev/fuse", before)
+
+
+if __name__ == "__main__":
+    main()
