@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::file::{OpenFile, Progress};
+use crate::file::{BUSY_GAP, OpenFile, Progress};
 use crate::options::CompletionPolicy;
 
 /// At most this many partial files wait for completion at once (each holds two descriptors);
@@ -54,8 +54,6 @@ const COPY_RATE: u64 = 1 << 30;
 /// The fewest requests of a run that make a file busy, whatever its size: a few hundred
 /// requests are a file being read or written once, not a file in sustained use.
 const BUSY_MIN_REQUESTS: u64 = 1000;
-/// A run of use ends after this long without a request through the daemon.
-pub(crate) const BUSY_GAP: Duration = Duration::from_secs(10);
 
 /// The requests through the daemon at which a file with `missing` bytes to copy is busy:
 /// where they have cost as much time as the copy would (rent or buy).

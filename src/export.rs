@@ -849,7 +849,7 @@ fn export_live<W: Write>(
     bar: &indicatif::ProgressBar,
 ) -> Exported<W> {
     use std::io::Read;
-    let conn = crate::control::connect(mnt, "export")?;
+    let conn = crate::control_socket::connect(mnt, "export")?;
     let mut conn = std::io::BufReader::with_capacity(CHUNK as usize, conn);
     let lost = |e: std::io::Error| {
         crate::message!(

@@ -124,7 +124,11 @@ pub struct OpenFile {
     run: Mutex<UseRun>,
 }
 
-/// A run of use: requests through the daemon with no gap of `complete::BUSY_GAP` between
+/// A run of use ends after this long without a request through the daemon (completion's
+/// sustained-use rule, complete.rs).
+pub(crate) const BUSY_GAP: Duration = Duration::from_secs(10);
+
+/// A run of use: requests through the daemon with no gap of `BUSY_GAP` between
 /// the looks that saw them.
 #[derive(Debug, Clone, Copy)]
 struct UseRun {
@@ -489,12 +493,12 @@ impl OpenFile {
         let served = self.served.load(std::sync::atomic::Ordering::Relaxed);
         let mut run = self.run.lock().unwrap_or_else(|e| e.into_inner());
         if served != run.seen {
-            if now.duration_since(run.changed) >= crate::complete::BUSY_GAP {
+            if now.duration_since(run.changed) >= BUSY_GAP {
                 run.start = run.seen; // a gap: the requests since begin a new run
             }
             run.seen = served;
             run.changed = now;
-        } else if now.duration_since(run.changed) >= crate::complete::BUSY_GAP {
+        } else if now.duration_since(run.changed) >= BUSY_GAP {
             run.start = served;
         }
         served - run.start

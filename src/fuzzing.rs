@@ -10,7 +10,7 @@
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
-use crate::memory_upper::{MemoryUpper, fit_checksums};
+use crate::memory_upper::{MemoryUpper, fit_image_checksums, fit_journal_checksums};
 use crate::partial::PartialMark;
 use crate::stat_override::OverrideStat;
 
@@ -46,7 +46,7 @@ pub fn partial_mark(data: &[u8]) -> bool {
 /// 256 blocks, its checksum made to fit; a layer that loads is walked from its root.
 pub fn memory_image(data: &[u8]) -> bool {
     let mut image = data.to_vec();
-    fit_checksums(&mut image, &mut []);
+    fit_image_checksums(&mut image);
     let Ok(up) = MemoryUpper::from_bytes(&image, None, filestore()) else {
         return false;
     };
@@ -65,7 +65,8 @@ pub fn memory_journal(data: &[u8]) -> bool {
         return false;
     };
     let (mut image, mut journal) = (image.to_vec(), data[4 + len..].to_vec());
-    fit_checksums(&mut image, &mut journal);
+    fit_image_checksums(&mut image);
+    fit_journal_checksums(&mut journal);
     let Ok(up) = MemoryUpper::from_bytes(&image, Some(&journal), filestore()) else {
         return false;
     };

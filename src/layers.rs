@@ -11,7 +11,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -953,7 +953,7 @@ impl IdmapTable {
             .lines()
             .filter_map(|line| {
                 let f: Vec<&str> = line.split(' ').collect();
-                let point = PathBuf::from(unescape_mountinfo(f.get(4)?));
+                let point = PathBuf::from(crate::sys::unescape_mountinfo(f.get(4)?));
                 Some((point, f.get(5)?.split(',').any(|o| o == "idmapped")))
             })
             .collect();
@@ -1182,7 +1182,7 @@ fn lock_holders(locked: BorrowedFd<'_>) -> Vec<Holder> {
         .filter_map(|l| {
             l.split(' ')
                 .nth(4)
-                .map(|p| PathBuf::from(unescape_mountinfo(p)))
+                .map(|p| PathBuf::from(crate::sys::unescape_mountinfo(p)))
         })
         .collect();
     let own_pid = std::process::id();
@@ -1284,26 +1284,6 @@ fn lexically_normal(path: &Path) -> PathBuf {
         }
     }
     out
-}
-
-/// A mountinfo path field, with its octal escapes (`\040` for a space) undone.
-pub(crate) fn unescape_mountinfo(field: &str) -> std::ffi::OsString {
-    let b = field.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && let Ok(v) = u8::from_str_radix(&field[i + 1..i + 4], 8)
-        {
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    std::ffi::OsString::from_vec(out)
 }
 
 fn described(holders: &[Holder]) -> String {

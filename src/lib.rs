@@ -5,6 +5,7 @@ pub mod acl;
 pub mod caw;
 pub mod complete;
 pub mod control;
+pub(crate) mod control_socket;
 pub mod creds;
 pub mod daemon;
 pub mod dircache;

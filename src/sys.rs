@@ -276,7 +276,7 @@ pub fn mount_point_of(path: &Path) -> Result<(PathBuf, PathBuf)> {
             let f: Vec<&str> = l.split(' ').collect();
             let point = f.get(4)?;
             (f.first()?.parse::<u64>().ok()? == sx.stx_mnt_id)
-                .then(|| PathBuf::from(crate::layers::unescape_mountinfo(point)))
+                .then(|| PathBuf::from(unescape_mountinfo(point)))
         })
         .ok_or_else(|| errno(libc::ENOENT))?;
     let rel = path.strip_prefix(&point).map_err(|_| errno(libc::EXDEV))?;
@@ -1539,6 +1539,26 @@ pub fn admin_of_initial_namespace() -> bool {
                 .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
         });
     initial && effective.is_some_and(|caps| caps & (1 << CAP_SYS_ADMIN) != 0)
+}
+
+/// A mountinfo path field, with its octal escapes (`\040` for a space) undone.
+pub fn unescape_mountinfo(field: &str) -> std::ffi::OsString {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && let Ok(v) = u8::from_str_radix(&field[i + 1..i + 4], 8)
+        {
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    std::ffi::OsString::from_vec(out)
 }
 
 #[cfg(test)]

@@ -40,7 +40,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use filestore::{BLOCK, Filestore};
-pub use image::{IMAGE_NAME, ImageError, MAGIC as IMAGE_MAGIC, fit_checksums};
+pub use image::{
+    IMAGE_NAME, ImageError, MAGIC as IMAGE_MAGIC, fit_checksums as fit_image_checksums,
+};
+pub use journal::fit_checksums as fit_journal_checksums;
 
 use crate::error::{Result, errno};
 use crate::sys::Attr;
