@@ -33,7 +33,7 @@ echo "== 15 s later, longer than any delay in the defaults: still one block, not
 echo "   (a partial file is completed only where that pays: docs/PERFORMANCE.md)"
 sleep 15
 du -h "$demo/upper/database.img" | sed 's/^/   on disk:  /'
-"$bin" status "$demo/merged" | grep -E 'passthrough:|inode [0-9]+:' | sed 's/^ */   /'
+"$bin" status "$demo/merged" | grep -E 'served by passthrough|inode [0-9]+:' | sed 's/^ */   /'
 
 echo "== merged view reads lower blocks plus the one new block"
 cmp <(head -c 100000000 "$demo/lower/database.img") <(head -c 100000000 "$demo/merged/database.img") && echo "   bytes before the write: from the lower layer"
