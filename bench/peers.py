@@ -27,20 +27,17 @@ Rows (one mount per peer, kept until the end):
 Usage: bench/peers.py [--rootless] [--rounds N] [--root DIR]   (as root)
 """
 
-import argparse
 import os
 import random
 import shutil
 import sqlite3
 import statistics
-import subprocess
 import sys
 import time
 
-from suite import FO2, FreshFs, make_tree_tar, sh, write_random
+from suite import (FreshFs, make_tree_tar, mount_overlay, peer_arguments, peers, run_rootless, sh,
+                   umount, write_random)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ["overlay", "fuse-overlayfs", "fuse-overlayfs-2.0", "mosaicfs"]
 ROWS = [
     ("first write (ms)", "low"), ("seq read cold (MiB/s)", "high"), ("seq read warm (MiB/s)", "high"),
     ("random read 4 KiB (us)", "low"), ("new file write (MiB/s)", "high"),
@@ -161,26 +158,6 @@ def workloads(mnt, lower, root):
     return out
 
 
-def mount(kind, binary, lower, d, rootless):
-    for sub in ["upper", "work", "mnt"]:
-        os.makedirs(os.path.join(d, sub), exist_ok=True)
-    o = f"lowerdir={lower},upperdir={d}/upper,workdir={d}/work"
-    cmd = {
-        "mosaicfs": f"{binary} -o {o} {d}/mnt",
-        "overlay": f"mount -t overlay overlay -o {o}{',userxattr' if rootless else ''} {d}/mnt",
-        "fuse-overlayfs-2.0": f"{FO2} -o {o} {d}/mnt",
-        "fuse-overlayfs": f"fuse-overlayfs -o {o} {d}/mnt",
-    }[kind]
-    sh(cmd)
-
-
-def umount(path):
-    for _ in range(100):
-        if subprocess.run(["umount", path], capture_output=True).returncode == 0:
-            return
-        time.sleep(0.1)
-
-
 def run(a, root, kinds):
     lower = prepare(root)
     results = {k: {r: [] for r, _ in ROWS} for k in kinds}
@@ -189,7 +166,7 @@ def run(a, root, kinds):
         for kind in kinds:  # interleaved: every peer once per round
             d = os.path.join(root, f"run-{rnd}-{kind}")
             shutil.rmtree(d, ignore_errors=True)
-            mount(kind, a.mosaicfs, lower, d, a.rootless)
+            mount_overlay(kind, a.mosaicfs, lower, d, a.rootless)
             dirs[kind] = d
             for row, v in workloads(os.path.join(d, "mnt"), lower, root).items():
                 results[kind][row].append(v)
@@ -222,15 +199,11 @@ def run(a, root, kinds):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rootless", action="store_true")
-    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap = peer_arguments("/var/tmp/mosaicfs-bench-peers")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--root", default="/var/tmp/mosaicfs-bench-peers")
-    ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
     a = ap.parse_args()
     a.mosaicfs = os.path.abspath(a.mosaicfs)
-    kinds = [k for k in KINDS if k != "fuse-overlayfs-2.0" or os.access(FO2, os.X_OK)]
+    kinds = peers()
     if a.inside:
         a.rootless = True
         run(a, a.root, kinds)
@@ -240,17 +213,8 @@ def main():
         if not a.rootless:
             run(a, root, kinds)
             return
-        before = os.stat("/dev/fuse").st_mode & 0o7777
-        os.chmod("/dev/fuse", 0o666)
-        try:
-            sh(f"chown -R nobody:nogroup {root}")
-            subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                            "unshare", "-Urm", "/usr/bin/python3", os.path.abspath(__file__),
-                            "--inside", "--root", root, "--rounds", str(a.rounds),
-                            "--mosaicfs", a.mosaicfs], check=True)
-        finally:
-            os.chmod("/dev/fuse", before)
-
+        run_rootless(root, __file__, ["--inside", "--root", root, "--rounds", str(a.rounds),
+                                      "--mosaicfs", a.mosaicfs])
 
 if __name__ == "__main__":
     main()

@@ -19,37 +19,14 @@ for the run and put back.
 Usage: bench/space.py [--mounts N] [--idle S] [--rootless] [--hot] [--root DIR]   (as root)
 """
 
-import argparse
 import os
 import shutil
-import subprocess
 import sys
 import time
 
-from suite import FO2, FreshFs, sh, write_random
+from suite import FreshFs, mount_overlay, peer_arguments, peers, run_rootless, sh, umount, write_random
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ["mosaicfs", "overlay", "fuse-overlayfs", "fuse-overlayfs-2.0"]
 IMAGE = 256 << 20
-
-
-def mount_cmd(kind, binary, lower, d, rootless):
-    o = f"lowerdir={lower},upperdir={d}/upper,workdir={d}/work"
-    if kind == "mosaicfs":
-        return f"{binary} -o {o} {d}/mnt"
-    if kind == "overlay":
-        return f"mount -t overlay overlay -o {o}{',userxattr' if rootless else ''} {d}/mnt"
-    if kind == "fuse-overlayfs-2.0":
-        return f"{FO2} -o {o} {d}/mnt"
-    return f"fuse-overlayfs -o {o} {d}/mnt"
-
-
-def umount(path):
-    for _ in range(100):
-        if subprocess.run(["umount", path], capture_output=True).returncode == 0:
-            return
-        time.sleep(0.1)
-    print(f"# could not unmount {path}", file=sys.stderr)
 
 
 def du(paths):
@@ -75,9 +52,7 @@ class Mounts:
     def __enter__(self):
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
-            for sub in ["upper", "work", "mnt"]:
-                os.makedirs(os.path.join(d, sub))
-            sh(mount_cmd(self.kind, self.binary, self.lower, d, self.rootless))
+            mount_overlay(self.kind, self.binary, self.lower, d, self.rootless)
         return self
 
     def write(self):
@@ -137,9 +112,7 @@ def hot_file(a, root):
     for kind in ["mosaicfs", "overlay"]:
         d = os.path.join(root, f"hot-{kind}")
         shutil.rmtree(d, ignore_errors=True)
-        for sub in ["upper", "work", "mnt"]:
-            os.makedirs(os.path.join(d, sub))
-        sh(mount_cmd(kind, a.mosaicfs, lower, d, False))
+        mount_overlay(kind, a.mosaicfs, lower, d)
         path = os.path.join(d, "mnt", "hot")
         fd = os.open(path, os.O_RDWR)
         block, n, t0 = os.urandom(4096), 0, time.time()
@@ -171,33 +144,14 @@ def partial(path):
     return any(n.endswith("mosaicfs.partial") for n in os.listxattr(path))
 
 
-def inside_user_namespace(a):
-    """Runs this script again as nobody in a new user and mount namespace."""
-    before = os.stat("/dev/fuse").st_mode & 0o7777
-    os.chmod("/dev/fuse", 0o666)
-    try:
-        sh(f"chown -R nobody:nogroup {a.root}")
-        args = ["--inside", "--root", a.root, "--mounts", str(a.mounts), "--idle", str(a.idle),
-                "--mosaicfs", a.mosaicfs]
-        subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                        "unshare", "-Urm", "/usr/bin/python3", os.path.abspath(__file__)] + args,
-                       check=True)
-    finally:
-        os.chmod("/dev/fuse", before)
-
-
 def main():
-    ap = argparse.ArgumentParser()
+    ap = peer_arguments("/var/tmp/mosaicfs-bench-space")
     ap.add_argument("--mounts", type=int, default=100)
     ap.add_argument("--idle", type=int, default=60)
-    ap.add_argument("--rootless", action="store_true")
-    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hot", action="store_true")
-    ap.add_argument("--root", default="/var/tmp/mosaicfs-bench-space")
-    ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
     a = ap.parse_args()
     a.mosaicfs = os.path.abspath(a.mosaicfs)
-    kinds = [k for k in KINDS if k != "fuse-overlayfs-2.0" or os.access(FO2, os.X_OK)]
+    kinds = ["mosaicfs"] + [k for k in peers() if k != "mosaicfs"]
     if a.inside:
         a.rootless = True
         many_mounts(a, a.root, kinds)
@@ -206,8 +160,8 @@ def main():
     fs_size = max(16 << 30, 2 * a.mounts * IMAGE)
     with FreshFs(a.root, "ext4", fs_size) as root:
         if a.rootless:
-            a.root = root
-            inside_user_namespace(a)
+            run_rootless(root, __file__, ["--inside", "--root", root, "--mounts", str(a.mounts),
+                                          "--idle", str(a.idle), "--mosaicfs", a.mosaicfs])
         else:
             many_mounts(a, root, kinds)
         if a.hot:

@@ -95,6 +95,64 @@ FILESYSTEMS = ["mosaicfs", "overlay", "fuse-overlayfs"]
 FO2 = os.environ.get("FUSE_OVERLAYFS2", "/var/tmp/fo2/bin/fuse-overlayfs")
 
 
+def mount_overlay(kind, binary, lower, d, rootless=False):
+    """Mounts overlay `kind` (mosaicfs, overlay, fuse-overlayfs, fuse-overlayfs-2.0) of `lower`
+    with upper, work and mount point under `d`, as its users mount it; `rootless`: in a user
+    namespace, where kernel overlayfs needs `userxattr`."""
+    for sub in ["upper", "work", "mnt"]:
+        os.makedirs(os.path.join(d, sub), exist_ok=True)
+    o = f"lowerdir={lower},upperdir={d}/upper,workdir={d}/work"
+    sh({
+        "mosaicfs": f"{binary} -o {o} {d}/mnt",
+        "overlay": f"mount -t overlay overlay -o {o}{',userxattr' if rootless else ''} {d}/mnt",
+        "fuse-overlayfs-2.0": f"{FO2} -o {o} {d}/mnt",
+        "fuse-overlayfs": f"fuse-overlayfs -o {o} {d}/mnt",
+    }[kind])
+
+
+PEERS = ["overlay", "fuse-overlayfs", "fuse-overlayfs-2.0", "mosaicfs"]
+
+
+def peers():
+    """The overlays a peer script compares: fuse-overlayfs 2.0 when it was built."""
+    return [k for k in PEERS if k != "fuse-overlayfs-2.0" or os.access(FO2, os.X_OK)]
+
+
+def peer_arguments(root):
+    """The options of the scripts that run every peer as root or rootless (space.py,
+    peers.py); `--inside` is the script run again in the user namespace."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rootless", action="store_true")
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=root)
+    ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
+    return ap
+
+
+def umount(path):
+    """Unmounts `path`, retrying while it is busy (a daemon's last requests), 10 s at most."""
+    for _ in range(100):
+        if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    print(f"# could not unmount {path}", file=sys.stderr)
+
+
+def run_rootless(root, script, args):
+    """Runs bench script `script` with `args` as user nobody in a new user and mount namespace
+    (`unshare -Urm`, as rootless Podman runs its mount program), on `root`, which it gives to
+    nobody; /dev/fuse is opened to users for the run and its mode put back."""
+    before = os.stat("/dev/fuse").st_mode & 0o7777
+    os.chmod("/dev/fuse", 0o666)
+    try:
+        sh(f"chown -R nobody:nogroup {root}")
+        subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                        "unshare", "-Urm", "/usr/bin/python3", os.path.abspath(script)] + args,
+                       check=True)
+    finally:
+        os.chmod("/dev/fuse", before)
+
+
 class Mount:
     def __init__(self, setup, kind, binary, extra=""):
         self.kind, self.setup, self.binary, self.extra = kind, setup, binary, extra

@@ -159,8 +159,8 @@ impl CompletionPolicy {
             return match native {
                 Err(why) => format!(
                     "stays partial: complete files would not pass through here ({why}), so \
-                     completing would only cost space; `mosaicfs complete`, or \
-                     complete_after=, complete_ratio= or complete_busy=on at mount, make it whole"
+                     completing would only cost space; complete_after=, complete_ratio= or \
+                     complete_busy=on at mount make it whole"
                 ),
                 Ok(()) => "stays partial: completion is off (complete_busy=off and no \
                            complete_after=, complete_ratio=, complete_on_reopen=)"
