@@ -115,8 +115,7 @@ impl CompletionPolicy {
     /// a log appended to by one command after another). A file that cannot leaves the queue
     /// at its last close, or once its run of use has ended.
     pub fn may_come_due_closed(&self, p: &Progress, native: bool) -> bool {
-        p.unlinked
-            || self.when_busy(native) && p.requests_in_run > 0
+        self.when_busy(native) && p.requests_in_run > 0
             || self.after_idle.is_some()
             || self.ratio > 0.0 && p.present as f64 >= self.ratio * p.total.max(1) as f64
             || self.on_reopen_below > 0 && p.reopened && !p.events
@@ -184,7 +183,7 @@ impl Completer {
     /// flight) are let go here.
     pub fn register(&self, file: &Arc<OpenFile>, policy: &CompletionPolicy, native: bool) {
         let queued = self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        self.let_go_unused(&queued, 2, policy, native);
+        self.let_go_unused(&queued, policy, native);
         drop(queued);
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         if q.len() < MAX_QUEUED && !q.iter().any(|f| Arc::ptr_eq(f, file)) {
@@ -193,32 +192,23 @@ impl Completer {
     }
 
     /// After a handle of `file` closed: takes the file out of the queue if nobody has it open
-    /// any more (the queue's and the caller's references are the only ones) and no rule can
-    /// make it due while it is closed. Its descriptors and pending blocks go with it (the
-    /// partial file's drop fills them); a later open registers it again.
+    /// any more and nothing is left for completion to do (`let_go_unused`). Its descriptors
+    /// and pending blocks go with it (the partial file's drop fills them); a later open
+    /// registers it again.
     pub fn release(&self, file: Arc<OpenFile>, policy: &CompletionPolicy, native: bool) {
-        self.let_go_unused(&[file], 2, policy, native);
+        self.let_go_unused(&[file], policy, native);
     }
 
-    /// `let_go_unused` for the worker's copy of the queue.
-    pub(crate) fn let_go_closed(
+    /// Takes out of the queue those of `files` that nobody holds but the queue and the caller
+    /// (two references), and that are deleted, or neither due nor able to become due while
+    /// closed. A deleted file goes whatever the rules: holding it would hold its blocks.
+    pub(crate) fn let_go_unused(
         &self,
         files: &[Arc<OpenFile>],
         policy: &CompletionPolicy,
         native: bool,
     ) {
-        self.let_go_unused(files, 2, policy, native);
-    }
-
-    /// Takes out of the queue those of `files` that nobody else holds (`held` references: the
-    /// queue's and the caller's), that are not due and that no rule can make due while closed.
-    fn let_go_unused(
-        &self,
-        files: &[Arc<OpenFile>],
-        held: usize,
-        policy: &CompletionPolicy,
-        native: bool,
-    ) {
+        const HELD: usize = 2;
         let now = Instant::now();
         let mut due = false;
         // Progress is read without the queue's lock: a file's data lock may be held while the
@@ -226,8 +216,11 @@ impl Completer {
         let idle: Vec<&Arc<OpenFile>> = files
             .iter()
             .filter(|f| {
-                Arc::strong_count(f) == held
+                Arc::strong_count(f) == HELD
                     && f.partial_progress().is_some_and(|p| {
+                        if p.unlinked {
+                            return true;
+                        }
                         if policy.due(&p, now, native).is_some() {
                             due = true;
                             return false;
@@ -249,7 +242,7 @@ impl Completer {
         q.retain(|f| {
             !idle
                 .iter()
-                .any(|g| Arc::ptr_eq(f, g) && Arc::strong_count(g) == held)
+                .any(|g| Arc::ptr_eq(f, g) && Arc::strong_count(g) == HELD)
         });
     }
 

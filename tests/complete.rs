@@ -120,6 +120,40 @@ fn a_file_in_sustained_use_through_the_daemon_is_completed_where_passthrough_ser
 }
 
 #[test]
+fn a_deleted_partial_file_is_let_go_at_its_last_close() {
+    // Nothing completes files here (as on a rootless mount): the daemon must still let go of a
+    // partial file deleted while open once it is closed, or its blocks stay allocated until
+    // the unmount.
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("big"), pattern(8 << 20, 14));
+    m.extra = opts(&["complete_busy=off", "copy_whole=0"]);
+    m.mount();
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("big"))
+        .unwrap();
+    f.write_all_at(b"x", 4096).unwrap();
+    fs::remove_file(m.path("big")).unwrap();
+    drop(f);
+    let status = || {
+        run(std::process::Command::new(env!("CARGO_BIN_EXE_mosaicfs"))
+            .arg("status")
+            .arg(&m.mnt))
+    };
+    // The kernel's RELEASE of the last handle is asynchronous.
+    let start = Instant::now();
+    while !status().contains("partial files open or waiting for completion: 0") {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "still held: {}",
+            status()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
 fn a_rootless_mount_never_completes_by_default() {
     if !runs_on_disk_upper_only() {
         return;

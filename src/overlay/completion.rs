@@ -90,7 +90,7 @@ impl Overlay {
         }
         // Files closed while a fill held them too (`Completer::release` let them be).
         self.completer
-            .let_go_closed(&files, &self.config.completion, native);
+            .let_go_unused(&files, &self.config.completion, native);
     }
 
     /// Fills every hole of a partial file and removes its mark.
