@@ -267,7 +267,7 @@ impl Filesystem for MosaicFs {
         let offered = config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH);
         self.core
             .set_passthrough(offered, crate::sys::admin_of_initial_namespace());
-        match self.core.passthrough_serves() {
+        match self.core.may_pass_through() {
             Ok(()) => {
                 wanted |= InitFlags::FUSE_PASSTHROUGH;
                 let _ = config.set_max_stack_depth(self.core.layers().stack_depth());

@@ -142,21 +142,44 @@ impl Config {
 /// when that store is slow or has stopped answering (issue #16).
 pub const LOWER_CACHE: Duration = Duration::from_secs(60);
 
-/// `Overlay::passthrough_serves`: "" where it does, else why not.
-const PASSTHROUGH_STATES: [&str; 6] = [
-    "",
-    "no FUSE session: a tool, not a mount",
-    "passthrough=off",
-    "upper=memory: its files live in the daemon",
-    "the kernel offers no FUSE passthrough (Linux 6.9 or later has it)",
-    "registering a backing file needs CAP_SYS_ADMIN in the initial user namespace: a rootless mount",
-];
-const SERVES: usize = 0;
-const NO_SESSION: usize = 1;
-const PASSTHROUGH_OFF: usize = 2;
-const MEMORY_UPPER: usize = 3;
-const NO_KERNEL: usize = 4;
-const NOT_ADMIN: usize = 5;
+/// Whether this mount may pass files through (FUSE passthrough), or why not: found at INIT
+/// (`Overlay::set_passthrough`), and again when the kernel refuses a backing file. Stored as
+/// its discriminant in an atomic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+enum PassthroughState {
+    Allowed,
+    /// A tool's overlay: no FUSE session.
+    NoSession,
+    Off,
+    NoKernel,
+    NotAdmin,
+}
+
+impl PassthroughState {
+    const ALL: [PassthroughState; 5] = [
+        PassthroughState::Allowed,
+        PassthroughState::NoSession,
+        PassthroughState::Off,
+        PassthroughState::NoKernel,
+        PassthroughState::NotAdmin,
+    ];
+
+    fn why_not(self) -> Option<&'static str> {
+        match self {
+            PassthroughState::Allowed => None,
+            PassthroughState::NoSession => Some("no FUSE session: a tool, not a mount"),
+            PassthroughState::Off => Some("passthrough=off"),
+            PassthroughState::NoKernel => {
+                Some("the kernel offers no FUSE passthrough (Linux 6.9 or later has it)")
+            }
+            PassthroughState::NotAdmin => Some(
+                "registering a backing file needs CAP_SYS_ADMIN in the initial user namespace: \
+                 a rootless mount",
+            ),
+        }
+    }
+}
 
 pub struct Overlay {
     layers: LayerStack,
@@ -195,8 +218,8 @@ pub struct Overlay {
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
     transport: std::sync::OnceLock<&'static str>,
-    /// Whether passthrough serves this mount's complete files: an index into
-    /// `PASSTHROUGH_STATES`, set at INIT and when the kernel refuses a backing file.
+    /// Whether this mount may pass files through: a `PassthroughState`, set at INIT and when
+    /// the kernel refuses a backing file.
     passthrough_state: std::sync::atomic::AtomicUsize,
     /// The background workers (copy-after-write, completion) start at the first job, not at
     /// mount: an idle mount holds no thread for them (`arm_workers`, `need_*`).
@@ -311,7 +334,9 @@ impl Overlay {
             shut_down: Default::default(),
             precontent,
             transport: Default::default(),
-            passthrough_state: std::sync::atomic::AtomicUsize::new(NO_SESSION),
+            passthrough_state: std::sync::atomic::AtomicUsize::new(
+                PassthroughState::NoSession as usize,
+            ),
             me: Default::default(),
             caw_started: std::sync::Once::new(),
             completion_started: std::sync::Once::new(),
@@ -370,16 +395,26 @@ impl Overlay {
         self.inodes.forget(ino, n);
     }
 
-    /// Whether FUSE passthrough serves this mount's complete files, or why not. What makes
-    /// completing a partial file pay (complete.rs): where nothing passes through, a complete
-    /// file is served by the daemon exactly as a partial one.
-    pub fn passthrough_serves(&self) -> std::result::Result<(), &'static str> {
-        match PASSTHROUGH_STATES[self
+    fn passthrough_state(&self) -> PassthroughState {
+        PassthroughState::ALL[self
             .passthrough_state
             .load(std::sync::atomic::Ordering::Relaxed)]
-        {
-            "" => Ok(()),
-            why => Err(why),
+    }
+
+    /// Whether this mount may pass files through at all, or why not (its lower files'
+    /// read-only opens included).
+    pub fn may_pass_through(&self) -> std::result::Result<(), &'static str> {
+        self.passthrough_state().why_not().map_or(Ok(()), Err)
+    }
+
+    /// Whether FUSE passthrough serves this mount's complete upper files, or why not. What
+    /// makes completing a partial file pay (complete.rs): where they do not pass through, a
+    /// complete file is served by the daemon exactly as a partial one.
+    pub fn passthrough_serves(&self) -> std::result::Result<(), &'static str> {
+        self.may_pass_through()?;
+        match self.layers.memory {
+            Some(_) => Err("upper=memory: its files live in the daemon"),
+            None => Ok(()),
         }
     }
 
@@ -387,24 +422,24 @@ impl Overlay {
     /// files (`sys::admin_of_initial_namespace`).
     pub fn set_passthrough(&self, kernel_offers: bool, may_register: bool) {
         let state = if self.config.passthrough == crate::options::PassthroughPolicy::Off {
-            PASSTHROUGH_OFF
-        } else if self.layers.memory.is_some() {
-            MEMORY_UPPER
+            PassthroughState::Off
         } else if !kernel_offers {
-            NO_KERNEL
+            PassthroughState::NoKernel
         } else if !may_register {
-            NOT_ADMIN
+            PassthroughState::NotAdmin
         } else {
-            SERVES
+            PassthroughState::Allowed
         };
         self.passthrough_state
-            .store(state, std::sync::atomic::Ordering::Relaxed);
+            .store(state as usize, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The kernel refused a backing file for want of privilege: nothing passes through.
     pub(crate) fn passthrough_not_permitted(&self) {
-        self.passthrough_state
-            .store(NOT_ADMIN, std::sync::atomic::Ordering::Relaxed);
+        self.passthrough_state.store(
+            PassthroughState::NotAdmin as usize,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`).

@@ -746,16 +746,8 @@ fn mounts_in_a_user_namespace_with_user_xattrs() {
          printf Y | dd of={p}/m/big bs=1 seek=50000 conv=notrunc 2>/dev/null; \
          rm {p}/m/gone; chmod 600 {p}/m/big; cat {p}/m/big | wc -c; umount {p}/m"
     );
-    let out = Command::new("unshare")
-        .args(["-Urm", "sh", "-c", &script])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "in a user namespace: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "100000");
+    let out = common::run(Command::new("unshare").args(["-Urm", "sh", "-c", &script]));
+    assert_eq!(out.trim(), "100000");
     let big = d.path().join("u/big");
     assert!(
         get_xattr(&big, "user.mosaicfs.partial").is_some(),

@@ -172,15 +172,7 @@ fn a_rootless_mount_never_completes_by_default() {
          dd if=/dev/zero of={p}/m/big bs=4096 count=4000 seek=1 conv=notrunc 2>/dev/null; \
          sleep 2; {bin} status {p}/m > {p}/status; umount {p}/m"
     );
-    let out = std::process::Command::new("unshare")
-        .args(["-Urm", "sh", "-c", &script])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run(std::process::Command::new("unshare").args(["-Urm", "sh", "-c", &script]));
     let status = fs::read_to_string(d.path().join("status")).unwrap();
     assert!(
         status.contains("served by passthrough: no") && status.contains("completions=0"),

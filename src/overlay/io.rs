@@ -221,7 +221,7 @@ impl Overlay {
         } else if append_only {
             // Each write must be seen to append (`write`).
             PassthroughPolicy::Off
-        } else if self.passthrough_serves().is_err() {
+        } else if self.may_pass_through().is_err() {
             // Rootless, or no passthrough in the kernel: no backing-file ioctl to be refused.
             PassthroughPolicy::Off
         } else if !writable && self.lower_on_store(&node) {
