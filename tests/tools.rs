@@ -1215,12 +1215,16 @@ fn upper_objects_stay_cached_past_a_second_by_default() {
     m.mount();
     fs::create_dir(m.path("d")).unwrap();
     fs::write(m.path("d/u"), b"upper").unwrap();
+    // Held open, so that the kernel keeps the names and the inode whatever the memory
+    // pressure: what is measured is the timeout, not the reclaim.
+    let held = fs::File::open(m.path("d/u")).unwrap();
     let _ = fs::metadata(m.path("d/u")).unwrap();
     let asked = |m: &Mount| served_requests(m, "LOOKUP") + served_requests(m, "GETATTR");
     let before = asked(&m);
     std::thread::sleep(Duration::from_millis(1300));
     let _ = fs::metadata(m.path("d/u")).unwrap();
     assert_eq!(asked(&m), before, "the stat went to the daemon");
+    drop(held); // an open file would keep the daemon after the unmount
     m.unmount();
 }
 
@@ -1236,6 +1240,9 @@ fn lower_only_objects_stay_cached_for_lower_cache() {
         write(m.lower(0).join("f"), b"lower");
         m.extra.push(extra.into());
         m.mount();
+        // Held open: the kernel keeps the name whatever the memory pressure, and only its
+        // timeout sends it back to the daemon.
+        let held = fs::File::open(m.path("f")).unwrap();
         let _ = fs::metadata(m.path("f")).unwrap();
         // (The root, an upper directory, has its attributes fetched again after 1 s: LOOKUPs
         // alone tell whether the kernel went back to the daemon for the name.)
@@ -1248,6 +1255,7 @@ fn lower_only_objects_stay_cached_for_lower_cache() {
             cached,
             "{extra:?}: {before} then {after} requests"
         );
+        drop(held);
         m.unmount();
     }
 }
