@@ -7,8 +7,9 @@
 //! - **Sustained use** (`complete_busy=`, on where passthrough serves complete files): every
 //!   read and write of a partial file goes through the daemon, a FUSE round trip that a
 //!   complete file opened later is spared. Once the requests of one run of use (no gap of
-//!   `BUSY_GAP`) have cost more than the copy would (`busy_threshold`), the file is completed:
-//!   the rent-or-buy rule, which never pays more than twice the better of the two.
+//!   `BUSY_GAP`) have cost more than the copy would (`busy_threshold`), the file is completed
+//!   once no handle has it open (a handle keeps the path it was opened with): the rent-or-buy
+//!   rule, which never pays more than twice the better of the two.
 //! - **Small files opened for writing** (`copy_whole=`, io.rs), where passthrough serves them.
 //! - **Clones** cost no space: where the upper file system can clone the lower file's extents
 //!   (XFS, btrfs), copy-up is a clone and there is no partial file at all (copy_up.rs).
@@ -99,8 +100,10 @@ impl CompletionPolicy {
                 100.0 * p.present as f64 / p.total.max(1) as f64
             ));
         }
+        // Only once closed: a handle open now stays on the daemon path whatever becomes of the
+        // file, so a copy made under it would slow it and serve only later opens.
         let threshold = busy_threshold(p.missing_bytes);
-        if self.when_busy(native) && !p.events && p.requests_in_run >= threshold {
+        if self.when_busy(native) && !p.events && p.closed && p.requests_in_run >= threshold {
             return Some(format!(
                 "in sustained use: {} requests through the daemon in this run cost more than \
                  copying its {} missing bytes; later opens pass through",
@@ -148,7 +151,8 @@ impl CompletionPolicy {
         }
         if self.when_busy(native.is_ok()) {
             w.push(format!(
-                "sustained use: {} requests through the daemon with no {} s gap (now {})",
+                "sustained use: {} requests through the daemon with no {} s gap (now {}), then \
+                 its last close",
                 busy_threshold(p.missing_bytes),
                 BUSY_GAP.as_secs(),
                 p.requests_in_run
@@ -175,6 +179,17 @@ pub struct Completer {
     pub(crate) queue: Mutex<Vec<Arc<OpenFile>>>,
     wake: Condvar,
     pub(crate) stop: AtomicBool,
+}
+
+/// References to a queued file when nobody has it open: the queue's and the caller's copy.
+const HELD: usize = 2;
+
+/// The progress of queued file `f`, looked at through a copy of the queue: closed when only
+/// the queue and that copy hold it.
+pub(crate) fn progress(f: &Arc<OpenFile>) -> Option<Progress> {
+    let mut p = f.partial_progress()?;
+    p.closed = Arc::strong_count(f) <= HELD;
+    Some(p)
 }
 
 impl Completer {
@@ -208,7 +223,6 @@ impl Completer {
         policy: &CompletionPolicy,
         native: bool,
     ) {
-        const HELD: usize = 2;
         let now = Instant::now();
         let mut due = false;
         // Progress is read without the queue's lock: a file's data lock may be held while the
@@ -217,7 +231,7 @@ impl Completer {
             .iter()
             .filter(|f| {
                 Arc::strong_count(f) == HELD
-                    && f.partial_progress().is_some_and(|p| {
+                    && progress(f).is_some_and(|p| {
                         if p.unlinked {
                             return true;
                         }
@@ -291,7 +305,7 @@ impl Completer {
         files
             .iter()
             .filter_map(|f| {
-                let p = f.partial_progress()?;
+                let p = progress(f)?;
                 let why = match policy.due(&p, now, native.is_ok()) {
                     Some(reason) => format!("due: {reason}"),
                     None => format!("waiting: {}", policy.waits_for(&p, native)),

@@ -390,6 +390,8 @@ pub struct Progress {
     pub missing_bytes: u64,
     /// Reads and writes served by the daemon in the current run of use.
     pub requests_in_run: u64,
+    /// No handle has it open (`Completer::progress` sets it; `partial_progress` cannot know).
+    pub closed: bool,
     pub last_write: Instant,
     pub unlinked: bool,
     /// Opens for writing so far.
@@ -601,6 +603,7 @@ impl OpenFile {
                     .saturating_sub(p.blocks.block_count())
                     * p.block,
                 requests_in_run: self.requests_in_run(Instant::now()),
+                closed: false,
                 last_write: p.last_write,
                 unlinked: p.upper.stat().is_ok_and(|a| a.nlink == 0),
                 writer_opens: self.writer_opens.load(std::sync::atomic::Ordering::Relaxed),

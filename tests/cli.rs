@@ -716,7 +716,8 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
     // Each partial file, and why it is not complete yet: a disk upper's complete files pass
     // through, so sustained use would complete it; a memory upper's never do.
     let waiting = if disk_upper() {
-        "waiting: sustained use: 1000 requests through the daemon with no 10 s gap (now 1)"
+        "waiting: sustained use: 1000 requests through the daemon with no 10 s gap (now 1), \
+         then its last close"
     } else {
         "waiting: stays partial: complete files would not pass through here (upper=memory"
     };

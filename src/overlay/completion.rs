@@ -61,7 +61,7 @@ impl Overlay {
             if self.completer.stop.load(Ordering::Relaxed) {
                 return;
             }
-            let done = match f.partial_progress() {
+            let done = match crate::complete::progress(f) {
                 None => true,
                 Some(p) => {
                     if p.unlinked {
