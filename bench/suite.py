@@ -370,7 +370,9 @@ class FreshFs:
         return self.mnt
 
     def __exit__(self, *exc):
-        subprocess.run(["umount", self.mnt], capture_output=True)
+        # Retried: a FUSE daemon still exiting keeps the file system busy for a moment, and a
+        # single try left the loop mount behind (its image unlinked under it).
+        umount(self.mnt)
         os.unlink(self.image)
 
 
