@@ -8,6 +8,8 @@ Podman mounts them: kernel overlayfs with `userxattr`, the FUSE daemons without 
 passthrough (it needs CAP_SYS_ADMIN in the initial user namespace) and without fanotify.
 /dev/fuse's mode is opened for the run and put back. Caches are emptied with
 posix_fadvise(DONTNEED) on the files read (drop_caches needs root of the initial namespace).
+Every timed row starts after a sync, so that none pays for the dirty pages of an earlier row or
+peer.
 
 Rows (one mount per peer, kept until the end):
   first write     1 byte into a 1 GiB lower file: open, pwrite, close (ms)
@@ -90,14 +92,22 @@ def read_all(path):
     return n / took / (1 << 20)
 
 
+def settle():
+    """Writes back what earlier rows and peers left dirty, so that no row pays for another's
+    page cache (the other overlays copy 1 GiB up at the first write)."""
+    os.sync()
+
+
 def workloads(mnt, lower, root):
     out = {}
     p = lambda *n: os.path.join(mnt, *n)
+    settle()
     t0 = time.perf_counter()
     fd = os.open(p("gig"), os.O_WRONLY)
     os.pwrite(fd, b"X", 500_000_000)
     os.close(fd)
     out["first write (ms)"] = (time.perf_counter() - t0) * 1e3
+    settle()
     drop(os.path.join(lower, "seq"))
     drop(p("seq"))
     out["seq read cold (MiB/s)"] = read_all(p("seq"))
@@ -109,6 +119,7 @@ def workloads(mnt, lower, root):
         os.pread(fd, 4096, rng.randrange(0, (512 << 20) // 4096) * 4096)
     out["random read 4 KiB (us)"] = (time.perf_counter() - t0) / 20000 * 1e6
     os.close(fd)
+    settle()
     block = os.urandom(1 << 20)
     t0 = time.perf_counter()
     fd = os.open(p("new"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -117,6 +128,7 @@ def workloads(mnt, lower, root):
     os.fsync(fd)
     os.close(fd)
     out["new file write (MiB/s)"] = 256 / (time.perf_counter() - t0)
+    settle()
     page = os.urandom(4096)
     t0 = time.perf_counter()
     fd = os.open(p("image"), os.O_RDWR)
@@ -124,6 +136,7 @@ def workloads(mnt, lower, root):
         os.pwrite(fd, page, rng.randrange(0, (64 << 20) // 4096) * 4096)
     os.close(fd)
     out["overwrites 4 KiB (us)"] = (time.perf_counter() - t0) / 5000 * 1e6
+    settle()
     t0 = time.perf_counter()
     sh(f"tar -xf {root}/tree.tar -C {mnt}")
     out["untar 3,000 files (s)"] = time.perf_counter() - t0
@@ -135,6 +148,7 @@ def workloads(mnt, lower, root):
     t0 = time.perf_counter()
     shutil.rmtree(p("src"))
     out["rm -rf (s)"] = time.perf_counter() - t0
+    settle()
     os.makedirs(p("mix"))
     t0 = time.perf_counter()
     for i in range(2000):
@@ -147,6 +161,7 @@ def workloads(mnt, lower, root):
         os.stat(b)
         os.unlink(b)
     out["metadata mix (s)"] = time.perf_counter() - t0
+    settle()
     t0 = time.perf_counter()
     con = sqlite3.connect(p("db.sqlite"), isolation_level=None)
     for i in range(300):

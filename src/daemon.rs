@@ -37,9 +37,9 @@ pub fn main() -> i32 {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     if args
         .first()
-        .is_some_and(|a| a == crate::precontent::GUARDIAN_COMMAND)
+        .is_some_and(|a| a == crate::file::partial::precontent::GUARDIAN_COMMAND)
     {
-        return crate::precontent::guardian_main(&args[1..]);
+        return crate::file::partial::precontent::guardian_main(&args[1..]);
     }
     let args = strip_mount_helper_flags(args);
     let opts = match options::parse_args(args) {
@@ -191,7 +191,7 @@ fn check_mountpoint(opts: &Options) -> Result<()> {
 }
 
 /// Raises the soft RLIMIT_NOFILE to the hard one: open files through the mount each hold a
-/// descriptor or two of the daemon's (file.rs, `FdReserve`).
+/// descriptor or two of the daemon's (file/mod.rs, `FdReserve`).
 fn raise_nofile_limit() {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let mut lim = getrlimit(Resource::Nofile);
@@ -608,7 +608,7 @@ fn serve(
     if !opts.foreground && session.transport() == "io_uring" {
         prefer_own_autogroup();
     }
-    // Mounted: the guardian learns the mount it guards (precontent.rs). No partial file is
+    // Mounted: the guardian learns the mount it guards (file/partial/precontent.rs). No partial file is
     // opened before the session runs.
     overlay.start_precontent(&opts.mountpoint)?;
     crate::sys::detach_on_signals(&opts.mountpoint);

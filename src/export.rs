@@ -459,7 +459,7 @@ fn write_file<W: Write>(
     progress: &mut dyn FnMut(u64),
 ) -> Result<(), Failure> {
     // The file's open state, without a handle: a handle would count as a kernel open in the
-    // passthrough binding of the inode (file.rs, `IoMode`).
+    // passthrough binding of the inode (file/mod.rs, `IoMode`).
     let file = ov.open_file(node)?;
     let r = (|| {
         let regions = data_regions(ov, &file, size)?;

@@ -10,8 +10,8 @@
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
+use crate::file::partial::mark::PartialMark;
 use crate::memory_upper::{MemoryUpper, fit_image_checksums, fit_journal_checksums};
-use crate::partial::PartialMark;
 use crate::stat_override::OverrideStat;
 
 /// A fuzz target: its name (the directory of its corpus) and its function, which says whether

@@ -126,8 +126,4 @@ impl<T> HandleMap<T> {
             .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
             .sum()
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }

@@ -12,7 +12,7 @@
 //!
 //! An object can have two node ids at once: the kernel binds a FUSE inode to the backing file of
 //! its passthrough handles, so an open that needs another gets the object under a second node
-//! id (`retire`, and file.rs `IoMode`). Both share the object's state and show its inode number;
+//! id (`retire`, and file/mod.rs `IoMode`). Both share the object's state and show its inode number;
 //! the first leads lookups to the second while the second lives.
 //!
 //! A lookup reads the layers without a lock and records what it found afterwards; a change to
@@ -160,7 +160,7 @@ pub struct Pin {
     held: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// Pins held at once, at most: far inside the descriptor reserve (file.rs `FdReserve`).
+/// Pins held at once, at most: far inside the descriptor reserve (file/mod.rs `FdReserve`).
 pub const PINS_MAX: usize = 1024;
 
 impl Pin {
@@ -670,7 +670,7 @@ impl InodeTable {
     /// Makes lookups of `node`'s object name a new node id from now on, while the kernel inode
     /// behind `node` lives on for the handles open on it. The kernel binds an inode to the one
     /// backing file its passthrough handles use; a handle that needs another (or none) gets a
-    /// new kernel inode this way (see file.rs, `IoMode`). Returns false for a second identity.
+    /// new kernel inode this way (see file/mod.rs, `IoMode`). Returns false for a second identity.
     pub fn retire(&self, node: &Node) -> bool {
         if node.is_alias() {
             return false;

@@ -1,37 +1,32 @@
 //! mosaicfs: a userspace overlay filesystem for container storage with block-level
 //! copy-on-write. The overlay core (everything but `fuse` and `daemon`) knows nothing of FUSE.
 
-pub mod acl;
-pub mod caw;
-pub mod complete;
+pub(crate) mod acl;
 pub mod control;
 pub(crate) mod control_socket;
-pub mod creds;
+pub(crate) mod creds;
 pub mod daemon;
-pub mod dircache;
+pub(crate) mod dircache;
 pub mod error;
-pub mod export;
+pub(crate) mod export;
 pub mod fault;
-pub mod file;
-pub mod fuse;
+pub(crate) mod file;
+pub(crate) mod fuse;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod handles;
-pub mod help;
+pub(crate) mod handles;
+pub(crate) mod help;
 pub mod inode;
 pub mod layers;
-pub mod logging;
-pub mod lower_wait;
-pub mod memory_upper;
+pub(crate) mod logging;
+pub(crate) mod lower_wait;
+pub(crate) mod memory_upper;
 pub mod options;
 pub mod overlay;
-pub mod partial;
-pub mod partial_file;
-pub mod precontent;
-pub mod seq;
-pub mod stat_override;
-pub mod stats;
-pub mod sys;
-pub mod tar;
-pub mod tools;
+pub(crate) mod seq;
+pub(crate) mod stat_override;
+pub(crate) mod stats;
+pub(crate) mod sys;
+pub(crate) mod tar;
+pub(crate) mod tools;
 pub mod upper;

@@ -35,12 +35,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result, errno};
-use crate::file::FileData;
+use crate::file::partial::mark::{self, SparseSupport};
 use crate::handles::{DirHandleTable, HandleTable};
 use crate::inode::{Ino, InoMap, InodeTable, LowerRef, Node, ROOT_INO};
 use crate::layers::{LayerId, LayerStack, UPPER};
 use crate::options::{IdMap, Options};
-use crate::partial::{self, SparseSupport};
 use crate::seq::ChangeSeq;
 use crate::stats::Stats;
 use crate::sys::{self, Attr};
@@ -91,7 +90,7 @@ pub struct Config {
     pub caw_workers: usize,
     /// Defer blocks whose lower data is in the page cache too (`copy_after_write=always`).
     pub caw_always: bool,
-    /// Which files FUSE passthrough serves (see file.rs, IoMode).
+    /// Which files FUSE passthrough serves (see file/mod.rs, IoMode).
     pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
     pub partial_passthrough: crate::options::Switch,
@@ -194,9 +193,9 @@ pub struct Overlay {
     /// Boxed: 19 KiB of striped counters, which would otherwise be copied on the stack each
     /// time the overlay moves while it is built (and stay in the daemon's stack pages).
     stats: Box<Stats>,
-    completer: crate::complete::Completer,
+    completer: crate::file::complete::Completer,
     /// Copy-after-write's shared state; `None` when it is off.
-    caw: Option<Arc<crate::caw::CawShared>>,
+    caw: Option<Arc<crate::file::partial::caw::CawShared>>,
     /// The control socket (control.rs): shut down and removed at shutdown.
     control_socket: std::sync::Mutex<Option<ControlSocket>>,
     /// Moves of upper directories (renames, removals), which change the upper paths of
@@ -206,15 +205,15 @@ pub struct Overlay {
     moves: ChangeSeq,
     /// Pins of removed upper objects held now (inode.rs `Pin`).
     pins: Arc<std::sync::atomic::AtomicUsize>,
-    /// The descriptors open files may not take (file.rs).
+    /// The descriptors open files may not take (file/mod.rs).
     fd_reserve: crate::file::FdReserve,
     /// Per layer id: copy-up may clone this lower layer's files into the upper layer
     /// (copy_up.rs). Turned off for a layer at the first clone the kernel refuses (EXDEV).
     reflink: Vec<std::sync::atomic::AtomicBool>,
     shut_down: std::sync::atomic::AtomicBool,
-    /// Pre-content events for partial files whose writers pass through (precontent.rs), or
+    /// Pre-content events for partial files whose writers pass through (file/partial/precontent.rs), or
     /// why there are none.
-    precontent: std::result::Result<Arc<crate::precontent::PreContent>, String>,
+    precontent: std::result::Result<Arc<crate::file::partial::precontent::PreContent>, String>,
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
     transport: std::sync::OnceLock<&'static str>,
@@ -263,7 +262,7 @@ impl Overlay {
                 block: crate::memory_upper::BLOCK,
                 sparse: true,
             },
-            Some(w) => partial::probe_sparse(w.as_fd()).map_err(|e| {
+            Some(w) => mark::probe_sparse(w.as_fd()).map_err(|e| {
                 crate::message!(
                     "cannot probe the upper file system for sparse files (a file \
                          probe-sparse in the work dir): {e}; check that the work dir is on the \
@@ -297,7 +296,7 @@ impl Overlay {
             && layers
                 .work
                 .as_ref()
-                .is_some_and(|w| partial::probe_reflink(w.as_fd()));
+                .is_some_and(|w| mark::probe_reflink(w.as_fd()));
         let reflink = (0..=layers.last_layer())
             .map(|i| std::sync::atomic::AtomicBool::new(clones && i as LayerId != UPPER))
             .collect();
@@ -305,7 +304,12 @@ impl Overlay {
         let caw = config
             .caw_memory
             .filter(|_| layers.work.is_some())
-            .map(|limit| Arc::new(crate::caw::CawShared::new(limit, config.caw_always)));
+            .map(|limit| {
+                Arc::new(crate::file::partial::caw::CawShared::new(
+                    limit,
+                    config.caw_always,
+                ))
+            });
         Ok(Overlay {
             inodes: InodeTable::new(
                 layers.has_upper,
@@ -368,7 +372,7 @@ impl Overlay {
     }
 
     /// The queue of partial files waiting for completion.
-    pub fn completer(&self) -> &crate::complete::Completer {
+    pub fn completer(&self) -> &crate::file::complete::Completer {
         &self.completer
     }
 
@@ -378,7 +382,9 @@ impl Overlay {
     }
 
     /// This mount's pre-content group, or why partial files' writers go through the daemon.
-    pub fn precontent(&self) -> std::result::Result<&crate::precontent::PreContent, &str> {
+    pub fn precontent(
+        &self,
+    ) -> std::result::Result<&crate::file::partial::precontent::PreContent, &str> {
         match &self.precontent {
             Ok(pc) => Ok(pc),
             Err(why) => Err(why),
@@ -408,7 +414,7 @@ impl Overlay {
     }
 
     /// Whether FUSE passthrough serves this mount's complete upper files, or why not. What
-    /// makes completing a partial file pay (complete.rs): where they do not pass through, a
+    /// makes completing a partial file pay (file/complete.rs): where they do not pass through, a
     /// complete file is served by the daemon exactly as a partial one.
     pub fn passthrough_serves(&self) -> std::result::Result<(), &'static str> {
         self.may_pass_through()?;
@@ -493,8 +499,8 @@ impl Overlay {
             return Ok(());
         }
         let root = self.layers.upper_root()?;
-        if !crate::partial::layer_guarded(&root) {
-            crate::partial::guard_layer(&root)?;
+        if !crate::file::partial::mark::layer_guarded(&root) {
+            crate::file::partial::mark::guard_layer(&root)?;
         }
         self.layer_guarded.store(true, Ordering::Release);
         Ok(())
@@ -537,7 +543,8 @@ impl Overlay {
     fn open_precontent(
         layers: &LayerStack,
         config: &Config,
-    ) -> Result<std::result::Result<Arc<crate::precontent::PreContent>, String>> {
+    ) -> Result<std::result::Result<Arc<crate::file::partial::precontent::PreContent>, String>>
+    {
         use crate::options::{PassthroughPolicy, Switch};
         let available = match (&layers.work, config.partial_passthrough) {
             (_, Switch::Off) => Err("partial_passthrough=off".to_string()),
@@ -547,7 +554,7 @@ impl Overlay {
             }
             _ if config.passthrough == PassthroughPolicy::Off => Err("passthrough=off".to_string()),
             (None, _) => Err("no upper layer".to_string()),
-            (Some(work), _) => crate::precontent::PreContent::open(work.as_fd()),
+            (Some(work), _) => crate::file::partial::precontent::PreContent::open(work.as_fd()),
         };
         match available {
             Err(why) if config.partial_passthrough == Switch::On => Err(crate::message!(
@@ -1038,11 +1045,7 @@ impl Overlay {
                 None => return self.pinned(&st),
             }
         };
-        match &*file.read_data() {
-            FileData::Upper(f) => f.try_clone().ok(),
-            FileData::Partial(p) => p.upper.try_clone().ok(),
-            FileData::Lower(_) | FileData::Unopened(..) => None,
-        }
+        file.read_data().upper().and_then(|f| f.try_clone().ok())
     }
 }
 

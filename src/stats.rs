@@ -48,10 +48,10 @@ pub struct Stats {
     pub opens_passthrough: Counter,
     pub opens_daemon: Counter,
     /// Backing files registered for passthrough (`FUSE_DEV_IOC_BACKING_OPEN`); a complete
-    /// file's registration serves every open of its inode (file.rs, `NodeIo`).
+    /// file's registration serves every open of its inode (file/mod.rs, `NodeIo`).
     pub backings: Counter,
     /// Opens that found their kernel inode bound to a lower file and moved the object to a new
-    /// node id (file.rs, `IoMode`).
+    /// node id (file/mod.rs, `IoMode`).
     pub rebinds: Counter,
     pub copy_ups: Counter,
     /// Copy-ups that cloned the lower file's extents (a complete upper file at once).

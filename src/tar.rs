@@ -101,6 +101,7 @@ impl<W: Write> TarWriter<W> {
     }
 
     /// Bytes written so far.
+    #[cfg(test)]
     pub fn written(&self) -> u64 {
         self.written
     }
@@ -259,11 +260,6 @@ impl<W: Write> TarWriter<W> {
             self.end()?;
         }
         Ok(())
-    }
-
-    /// Bytes of data the current entry still needs.
-    pub fn owed(&self) -> u64 {
-        self.owed
     }
 
     fn end(&mut self) -> io::Result<()> {

@@ -5,7 +5,7 @@
 //! mount's own code (copy-up, completion), with the same crash safety: every step leaves a
 //! layer that mounts, and running the command again finishes the job. `fsck` reads the upper
 //! directory itself, since its job is to find what a mount would trip over. Both take the work
-//! dir's lock (layers.rs, `WorkLock`), so neither runs under a live mount.
+//! dir's lock (layers/work_dir.rs, `WorkLock`), so neither runs under a live mount.
 
 use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -16,12 +16,12 @@ use std::sync::Arc;
 use rustix::fs::OFlags;
 
 use crate::error::Result;
+use crate::file::partial::mark::PartialMark;
 use crate::inode::{Ino, ROOT_INO};
 use crate::layers::{LayerStack, WORK_SUBDIR, WorkLock, XattrNames};
 use crate::options::{Redirects, ToolArgs};
 use crate::overlay::Redirect;
 use crate::overlay::{Config, Overlay};
-use crate::partial::PartialMark;
 use crate::sys;
 use crate::upper::UpperDir;
 
@@ -76,7 +76,7 @@ pub fn complete(t: &ToolArgs) -> i32 {
     drop(progress);
     let unguarded = || -> Result<()> {
         if run.partial_left == 0 && run.overlay.layers().memory.is_none() {
-            crate::partial::unguard_layer(&run.overlay.layers().upper_root()?)?;
+            crate::file::partial::mark::unguard_layer(&run.overlay.layers().upper_root()?)?;
         }
         Ok(())
     };
@@ -315,7 +315,7 @@ impl Completion {
         let at = |e: crate::error::Error| crate::message!("{}: {e}", shown(path));
         let (dir, name) = ov.upper_entry(node).map_err(at)?;
         let names = &ov.layers().xattr;
-        let guard = crate::partial::guard(names);
+        let guard = crate::file::partial::mark::guard(names);
         let (witness, value) = guard[guard.len() - 1];
         // Only our own guard: a kernel overlayfs metacopy file holds the same names.
         let left = dir.view().get_xattr(Some(&name), witness).ok().flatten();
@@ -448,7 +448,7 @@ fn run_fsck(t: &ToolArgs) -> Result<i32> {
     if let Some((w, _)) = &work {
         c.orphans(w.as_fd())?;
     }
-    let (guard_key, guard_value) = crate::partial::LAYER_GUARD;
+    let (guard_key, guard_value) = crate::file::partial::mark::LAYER_GUARD;
     let guarded = sys::get_xattr(c.upper.as_fd(), None, guard_key)
         .map_err(|e| crate::message!("upperdir '{}': {e}", upper_path.display()))?
         .is_some_and(|v| v == guard_value);
@@ -661,7 +661,7 @@ impl Check {
             }
         };
         self.partial_files += 1;
-        let (guard_key, _) = crate::partial::guard(&self.names)[0];
+        let (guard_key, _) = crate::file::partial::mark::guard(&self.names)[0];
         if let Ok(None) = sys::get_xattr(dir, Some(name), guard_key) {
             self.problem(
                 rel,
@@ -825,13 +825,13 @@ impl Check {
                 let parent = rel.parent().unwrap_or(Path::new(""));
                 let name = rel.file_name().unwrap_or_default();
                 let dir = sys::open_dir(self.upper.as_fd(), parent)?;
-                for (key, value) in crate::partial::guard(&self.names) {
+                for (key, value) in crate::file::partial::mark::guard(&self.names) {
                     sys::set_xattr(dir.as_fd(), Some(name), key, value, 0)?;
                 }
                 Ok(())
             }
             Repair::LayerGuard => {
-                let (key, value) = crate::partial::LAYER_GUARD;
+                let (key, value) = crate::file::partial::mark::LAYER_GUARD;
                 sys::set_xattr(self.upper.as_fd(), None, key, value, 0)
             }
             Repair::RemoveWhFile(rel) => {

@@ -1,5 +1,5 @@
 //! The upper layer's one interface (issue #13; docs/ARCHITECTURE.md): a directory of the upper
-//! layer and an open file of it, each on disk (descriptors, the syscalls of sys.rs) or in the
+//! layer and an open file of it, each on disk (descriptors, the syscalls of sys/) or in the
 //! daemon (memory_upper), and `LayerDir`, the read-only view every layer shares. The overlay
 //! core reaches the upper layer through nothing else; the only descriptor it ever asks for is
 //! the one FUSE passthrough needs (`UpperFile::disk_fd`), which a memory file does not have.

@@ -80,7 +80,7 @@ fn evict(p: &std::path::Path) {
 }
 
 /// By default only a block whose lower data must be read from the disk is deferred; one in the
-/// page cache is filled at once, which costs less than the hand-off (caw.rs).
+/// page cache is filled at once, which costs less than the hand-off (file/partial/caw.rs).
 #[test]
 fn a_block_whose_lower_data_is_cached_is_filled_at_once_and_a_cold_one_is_deferred() {
     let base = pattern(4 << 20, 12);

@@ -1,5 +1,5 @@
 //! The completion worker and the completion of one file (the `impl Overlay` half of
-//! complete.rs, which holds the policy and the queue).
+//! file/complete.rs, which holds the policy and the queue).
 //!
 //! May call (dev/callgraph.py --check keeps it so): overlay.
 
@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::complete::CHUNK_BLOCKS;
 use crate::file::OpenFile;
+use crate::file::complete::CHUNK_BLOCKS;
 use crate::overlay::Overlay;
 
 /// How fast background completion copies from lower files: about what one disk of these
@@ -61,7 +61,7 @@ impl Overlay {
             if self.completer.stop.load(Ordering::Relaxed) {
                 return;
             }
-            let done = match crate::complete::progress(f) {
+            let done = match crate::file::complete::progress(f) {
                 None => true,
                 Some(p) => {
                     if p.unlinked {

@@ -2,7 +2,7 @@
 //!
 //! No operation ever copies a whole file. A regular file is copied up as a *partial file*: a
 //! sparse upper file of the same size holding no blocks, marked with the lower file it patches
-//! (partial.rs) — or, where the upper file system can clone the lower file's extents (XFS with
+//! (file/partial/mark.rs) — or, where the upper file system can clone the lower file's extents (XFS with
 //! reflink, btrfs; `reflink=` option), as a complete clone, which costs no more and needs the
 //! daemon for none of its I/O afterwards. Directories, symlinks and special files are recreated. Owner, mode, times and
 //! xattrs (ACLs included) come along; the origin's inode number is kept in `mosaicfs.origin`.
@@ -33,11 +33,11 @@ use rustix::fs::RenameFlags;
 use rustix::io::Errno;
 
 use crate::error::{Error, Result, errno};
+use crate::file::partial::Source;
+use crate::file::partial::mark::PartialMark;
 use crate::inode::{Ino, Node, ROOT_INO};
 use crate::layers::{LayerId, merged_xattr_name};
 use crate::overlay::Overlay;
-use crate::partial::PartialMark;
-use crate::partial_file::Source;
 use crate::stat_override::OverrideStat;
 use crate::sys::{self, Attr, Time};
 use crate::upper::{Creation, LayerDir, UpperDir, UpperFile};

@@ -1,6 +1,6 @@
 //! Data requests: open, create's open, read, write, truncate, fallocate, lseek, fsync, flush,
-//! release — what the kernel asks of a file's contents, on the open-file state of file.rs.
-//! (The types an open file is made of live in file.rs, below the inode table; these
+//! release — what the kernel asks of a file's contents, on the open-file state of file/mod.rs.
+//! (The types an open file is made of live in file/mod.rs, below the inode table; these
 //! requests, like dir.rs' and attr.rs', are `impl Overlay` blocks above it.)
 //!
 //! May call (dev/callgraph.py --check keeps it so): completion, copy_up, fileattr, overlay, sources, upper_meta.
@@ -11,6 +11,7 @@ use std::time::Duration;
 use rustix::fs::FallocateFlags;
 
 use crate::error::{Error, Result, errno};
+use crate::file::data::WriteMode;
 use crate::file::{Backing, DataRef, FileData, IoMode, OpenFile, Opened};
 use crate::handles::Handle;
 use crate::inode::{Ino, Node};
@@ -26,10 +27,8 @@ impl OpenFile {
     /// capabilities of this complete upper file. `privs` reads its mode and capability name.
     fn has_privs_to_kill(&self, privs: &PrivsOf) -> bool {
         let data = self.read_data();
-        let f = match &*data {
-            FileData::Upper(f) => f,
-            FileData::Partial(p) if p.by_events.is_some() => &p.upper,
-            _ => return false,
+        let Some(f) = data.written_past_daemon() else {
+            return false;
         };
         // Set-group-id without group execute goes too when the writer is outside the group,
         // which only the daemon's write path can tell (`kill_privs`).
@@ -60,17 +59,17 @@ impl Overlay {
     fn opened_data<'a>(&self, file: &'a OpenFile) -> Result<DataRef<'a>> {
         loop {
             let data = file.read_data();
-            let FileData::Unopened(layer, path) = &*data else {
+            let Some((layer, path)) = data.unopened() else {
                 return Ok(DataRef::Held(data));
             };
-            let (layer, path) = (*layer, path.clone());
+            let path = path.to_path_buf();
             drop(data);
             let src = FileData::Lower(self.open_lower_source(layer, &path)?);
             if self.fd_reserve.check(&src, false).is_err() {
                 return Ok(DataRef::Transient(src));
             }
             let mut data = file.write_data();
-            if matches!(&*data, FileData::Unopened(..)) {
+            if data.unopened().is_some() {
                 *data = src;
             }
         }
@@ -106,7 +105,7 @@ impl Overlay {
         }
         let data = self.open_data(node)?;
         self.fd_reserve.check(&data, writer)?;
-        let partial = matches!(data, FileData::Partial(_));
+        let partial = data.is_partial();
         let mut st = node.state();
         if let Some(f) = st.open.upgrade() {
             return Ok(f);
@@ -180,7 +179,7 @@ impl Overlay {
             // open for writing finds the file there (a partial file with no blocks: no data).
             self.ensure_upper(&node, &file)?;
             // A writer that cannot map the file passes through to its sparse upper file, told
-            // of every first touch by pre-content events (precontent.rs): no copy, and no
+            // of every first touch by pre-content events (file/partial/precontent.rs): no copy, and no
             // request per read or write.
             // Not with O_APPEND (`readable`): the kernel reports an appending write's range
             // at the file position before it moves to the end, so the block the write lands
@@ -189,7 +188,7 @@ impl Overlay {
             // passthrough binding): its readers could not be given a third.
             by_events = !readable && !node.is_alias() && self.serve_by_events(&file);
             // Written before, or opened for writing before: in sustained use (completion
-            // follows use, complete.rs). Only opens that returned a handle count: one the
+            // follows use, file/complete.rs). Only opens that returned a handle count: one the
             // kernel retries after ESTALE (`rebind`) is the same open.
             let reopened = file.writer_opens.load(std::sync::atomic::Ordering::Relaxed) > 0
                 || file.has_blocks_of_its_own();
@@ -304,9 +303,9 @@ impl Overlay {
     /// the open can use passthrough and no later read or write of it needs the daemon
     /// (`copy_whole=`: the copy costs about what a partial file's first write costs). No
     /// larger file is ever copied within an open: one in sustained use is completed in the
-    /// background (complete.rs).
+    /// background (file/complete.rs).
     ///
-    /// The copy is a partial file filled and made durable before its mark goes (complete.rs),
+    /// The copy is a partial file filled and made durable before its mark goes (file/complete.rs),
     /// so a crash at any point leaves a valid file.
     fn complete_at_open(&self, file: &OpenFile) -> Result<()> {
         let limit = self
@@ -469,46 +468,14 @@ impl Overlay {
         mapped: bool,
         reply: impl FnOnce(Result<ReadData<'_>>) -> R,
     ) -> R {
-        thread_local! {
-            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-        }
         self.stats.reads.add(1);
         self.stats.read_bytes.add(size as u64);
-        let data = match self.opened_data(file) {
-            Ok(data) => data,
-            Err(e) => return reply(Err(e)),
-        };
-        match &*data {
-            FileData::Upper(f) => BUF.with(|buf| {
-                let mut buf = buf.borrow_mut();
-                if mapped {
-                    return f.read_for_reply(&mut buf, size as usize, off, reply);
-                }
-                match f.read_into(&mut buf, size as usize, off) {
-                    Ok(()) => reply(Ok(ReadData::Bytes(&buf))),
-                    Err(e) => reply(Err(e)),
-                }
-            }),
-            FileData::Lower(src) => BUF.with(|buf| {
-                let mut buf = buf.borrow_mut();
-                let waiting = crate::lower_wait::enter(crate::lower_wait::DATA);
-                match waiting.and_then(|_w| src.pread_into(&mut buf, size as usize, off)) {
-                    Ok(()) => reply(Ok(ReadData::Bytes(&buf))),
-                    Err(e) => reply(Err(e)),
-                }
-            }),
-            FileData::Partial(p) => {
-                if mapped {
-                    file.served_one(); // a kernel request: completion's sustained-use rule
-                }
-                match crate::lower_wait::enter(crate::lower_wait::DATA)
-                    .and_then(|_w| p.read(off, size as usize))
-                {
-                    Ok(bytes) => reply(Ok(ReadData::Bytes(&bytes))),
-                    Err(e) => reply(Err(e)),
-                }
-            }
-            FileData::Unopened(..) => unreachable!("opened_data opens it"),
+        if mapped {
+            file.served_one(); // a kernel request: completion's sustained-use rule
+        }
+        match self.opened_data(file) {
+            Ok(data) => data.read(off, size, mapped, reply),
+            Err(e) => reply(Err(e)),
         }
     }
 
@@ -544,39 +511,18 @@ impl Overlay {
         self.stats.write_bytes.add(data.len() as u64);
         self.check_writable()?;
         self.ensure_upper(&h.node, &h.file)?;
-        let mut fd_data = h.file.write_data();
-        match &mut *fd_data {
-            FileData::Upper(f) => {
-                let off = if h.append { f.stat()?.size } else { off };
-                f.write_at(data, off)?;
-                if h.sync && !self.config.skip_fsync {
-                    f.datasync()?;
-                }
+        h.file.served_one();
+        let mode = WriteMode {
+            append: h.append,
+            sync: h.sync && !self.config.skip_fsync,
+        };
+        let pending = h.file.write_data().write(off, data, mode)?;
+        if let Some(caw) = &self.caw {
+            self.stats.blocks_deferred.add(pending.len() as u64);
+            if !pending.is_empty() {
+                self.need_caw_workers();
             }
-            FileData::Partial(p) => {
-                h.file.served_one();
-                p.refresh()?; // writers passing through may have grown it
-                let off = if h.append { p.size } else { off };
-                let pending = p.write(off, data, !h.sync)?;
-                if h.sync && !self.config.skip_fsync {
-                    p.upper.datasync()?;
-                }
-                drop(fd_data);
-                if let Some(caw) = &self.caw {
-                    self.stats.blocks_deferred.add(pending.len() as u64);
-                    if !pending.is_empty() {
-                        self.need_caw_workers();
-                    }
-                    caw.schedule(&h.file, &pending);
-                }
-                return Ok(data.len() as u32);
-            }
-            FileData::Lower(_) | FileData::Unopened(..) => {
-                return Err(Error::with_context(
-                    libc::EIO,
-                    "write to a file not copied up",
-                ));
-            }
+            caw.schedule(&h.file, &pending);
         }
         Ok(data.len() as u32)
     }
@@ -625,19 +571,18 @@ impl Overlay {
     /// attributes are dropped when the mode changed (`attrs_changed_behind`).
     pub(super) fn kill_privs(&self, node: &Node, file: &OpenFile, caller: &Caller) -> Result<()> {
         // A lower file is copied up (metadata only) only if it has set-id bits to clear.
-        let lower_has_setid = match &*self.opened_data(file)? {
-            FileData::Lower(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
-            _ => None,
+        let lower_has_setid = match self.opened_data(file)?.lower() {
+            Some(src) => Some(src.stat()?.mode & (libc::S_ISUID | libc::S_ISGID) != 0),
+            None => None,
         };
         match lower_has_setid {
             Some(false) => return Ok(()),
             Some(true) => self.ensure_upper(node, file)?,
             None => {}
         }
-        let f = match &*file.read_data() {
-            FileData::Upper(f) => f.try_clone()?,
-            FileData::Partial(p) => p.upper.try_clone()?,
-            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
+        let f = match file.read_data().upper() {
+            Some(f) => f.try_clone()?,
+            None => return Err(errno(libc::EIO)),
         };
         let privs = self.privs_of();
         let before = privs.mode(&f)?;
@@ -684,19 +629,7 @@ impl Overlay {
         }
         let file = self.open_file(node)?;
         self.ensure_upper(node, &file)?;
-        let mut data = file.write_data();
-        match &mut *data {
-            FileData::Upper(f) => f.truncate(size)?,
-            FileData::Partial(p) => {
-                if p.set_size(size, &self.layers.xattr)? {
-                    // Nothing of the lower file is valid any more: the file is complete.
-                    let upper = p.upper.try_clone()?;
-                    *data = FileData::Upper(upper);
-                }
-            }
-            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
-        }
-        drop(data);
+        file.write_data().set_size(size, &self.layers.xattr)?;
         Ok(file)
     }
 
@@ -723,13 +656,9 @@ impl Overlay {
             self.kill_privs(&h.node, &h.file, caller)?;
         }
         self.ensure_upper(&h.node, &h.file)?;
-        let mut data = h.file.write_data();
-        match &mut *data {
-            FileData::Upper(f) => f.fallocate(mode, off, len)?,
-            FileData::Partial(p) => p.fallocate(off, len, mode, &self.layers.xattr)?,
-            FileData::Lower(_) | FileData::Unopened(..) => return Err(errno(libc::EIO)),
-        }
-        Ok(())
+        h.file
+            .write_data()
+            .fallocate(mode, off, len, &self.layers.xattr)
     }
 
     /// close(2) of a descriptor: pending copy-after-write blocks of the file go to disk. An
@@ -760,28 +689,7 @@ impl Overlay {
         }
         // No data or hole lies before the start: ENXIO, as on ext4 and kernel overlayfs.
         let off = u64::try_from(offset).map_err(|_| errno(libc::ENXIO))?;
-        let data = self.opened_data(file)?;
-        let pos = match (&*data, whence) {
-            (FileData::Upper(f), libc::SEEK_DATA) => {
-                f.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
-            }
-            (FileData::Upper(f), libc::SEEK_HOLE) => f.seek_hole(off)?,
-            (FileData::Lower(src), libc::SEEK_DATA) => {
-                src.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
-            }
-            (FileData::Lower(src), libc::SEEK_HOLE) => src.seek_hole(off)?,
-            (FileData::Partial(p), libc::SEEK_DATA) => {
-                p.seek_data(off)?.ok_or_else(|| errno(libc::ENXIO))?
-            }
-            (FileData::Partial(p), libc::SEEK_HOLE) => {
-                if off >= p.current_size()? {
-                    return Err(errno(libc::ENXIO));
-                }
-                p.seek_hole(off)?
-            }
-            _ => return Err(errno(libc::EINVAL)),
-        };
-        Ok(pos as i64)
+        Ok(self.opened_data(file)?.seek(off, whence)? as i64)
     }
 
     pub fn fsync(&self, fh: u64, datasync: bool) -> Result<()> {
@@ -792,21 +700,9 @@ impl Overlay {
             return self.handle(fh)?.file.flush_pending();
         }
         let h = self.handle(fh)?;
-        let mut data = h.file.write_data();
-        let f = match &mut *data {
-            FileData::Upper(f) => f,
-            FileData::Partial(p) => {
-                p.flush_pending()?;
-                &p.upper
-            }
-            FileData::Lower(_) | FileData::Unopened(..) => return Ok(()),
-        };
-        if datasync {
-            f.datasync()?;
-        } else {
-            f.sync()?;
+        if h.file.write_data().sync(datasync)? {
+            self.stats.fsyncs_to_disk.add(1);
         }
-        self.stats.fsyncs_to_disk.add(1);
         Ok(())
     }
 

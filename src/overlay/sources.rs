@@ -15,11 +15,11 @@ use rustix::fs::OFlags;
 
 use crate::error::{Error, Result, errno};
 use crate::file::FileData;
+use crate::file::partial::mark::{BlockMap, PartialMark};
+use crate::file::partial::{PartialFile, Source};
 use crate::inode::{LowerRef, Node};
 use crate::layers::{LayerId, UPPER};
 use crate::overlay::Overlay;
-use crate::partial::{BlockMap, PartialMark};
-use crate::partial_file::{PartialFile, Source};
 use crate::sys;
 use crate::upper::UpperFile;
 
@@ -118,9 +118,9 @@ impl Overlay {
             return Ok(());
         };
         let mut data = f.write_data();
-        if matches!(&*data, FileData::Lower(_) | FileData::Unopened(..)) {
+        if data.upper().is_none() {
             *data = self.open_data(node)?;
-            if matches!(&*data, FileData::Partial(_)) {
+            if data.is_partial() {
                 drop(data);
                 self.register_partial(&f);
             }
@@ -183,7 +183,7 @@ impl Overlay {
         file: UpperFile,
         lower: Source,
         mark: PartialMark,
-        caw: Option<Arc<crate::caw::CawShared>>,
+        caw: Option<Arc<crate::file::partial::caw::CawShared>>,
     ) -> Result<PartialFile> {
         let attr = file.stat()?;
         // The file's holes mean something at the grain it was written in (v1: this mount's).

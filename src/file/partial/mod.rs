@@ -1,6 +1,10 @@
 //! The data path of an open partial file: block-by-block reads, writes that keep the
-//! partial-file invariant (partial.rs), truncation, preallocation, SEEK_DATA/SEEK_HOLE, and the
+//! partial-file invariant (file/partial/mark.rs), truncation, preallocation, SEEK_DATA/SEEK_HOLE, and the
 //! filling of blocks from the lower file.
+
+pub mod caw;
+pub mod mark;
+pub mod precontent;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -10,11 +14,11 @@ use std::time::Instant;
 
 use rustix::fs::FallocateFlags;
 
-use crate::caw::{CawShared, PendingBlock};
 use crate::error::{Result, errno};
-use crate::partial::{BlockMap, PartialMark};
 use crate::sys;
 use crate::upper::UpperFile;
+use caw::{CawShared, PendingBlock};
+use mark::{BlockMap, PartialMark};
 
 /// Where a layer file's bytes come from: a plain file, or a partial file left in a layer that
 /// is now a lower layer (an upper dir stacked as a lower one), read through its own lower file.
@@ -122,14 +126,14 @@ pub struct PartialFile {
     pub block: u64,
     /// When the content last changed, for completion of idle files.
     pub last_write: Instant,
-    /// Blocks written in part and not yet filled from the lower file (caw.rs). Never present
+    /// Blocks written in part and not yet filled from the lower file (file/partial/caw.rs). Never present
     /// in `blocks`, always below `valid`.
     pub pending: BTreeMap<u64, PendingBlock>,
     /// Copy-after-write's shared state, or `None` when writes fill synchronously.
     pub caw: Option<Arc<CawShared>>,
     /// The upper file's size on disk, which trails `size` while the last block is pending.
     pub disk_size: u64,
-    /// The pre-content mark while writers pass through to the upper file (precontent.rs).
+    /// The pre-content mark while writers pass through to the upper file (file/partial/precontent.rs).
     /// They write into it directly, growing it beyond `size` and `disk_size` and allocating
     /// blocks at or past `valid` that `blocks` does not know of: while marked, the upper file
     /// itself says the size (`current_size`), and bytes at or past `valid` are read from it.
@@ -139,14 +143,14 @@ pub struct PartialFile {
 /// A partial file whose writers pass through (`PartialFile::by_events`).
 pub struct ByEvents {
     /// Its upper file's pre-content mark, removed when this goes.
-    pub mark: crate::precontent::AccessMark,
+    pub mark: crate::file::partial::precontent::AccessMark,
     /// Where a sequential run of pre-content fills would go on, and its fill-ahead window in
     /// blocks (`fill_range`).
     fill_ahead: (u64, u64),
 }
 
 impl ByEvents {
-    pub fn new(mark: crate::precontent::AccessMark) -> ByEvents {
+    pub fn new(mark: crate::file::partial::precontent::AccessMark) -> ByEvents {
         ByEvents {
             mark,
             fill_ahead: (0, 0),
@@ -311,7 +315,7 @@ impl PartialFile {
         Ok(filled)
     }
 
-    /// The partial-file invariant (partial.rs), checked in the test build before `len` bytes
+    /// The partial-file invariant (file/partial/mark.rs), checked in the test build before `len` bytes
     /// are written at `at` of a file `size` bytes long: a block below `valid` that the write
     /// covers only in part already holds its data.
     fn check_whole_blocks(&self, at: u64, len: u64, size: u64) {
@@ -468,7 +472,7 @@ impl PartialFile {
                 pb.put((pos - bstart) as usize, seg);
             } else if defer
                 && self.caw.as_ref().is_some_and(|c| {
-                    // A block in the page cache is filled at once below (caw.rs).
+                    // A block in the page cache is filled at once below (file/partial/caw.rs).
                     (c.always
                         || !self
                             .lower

@@ -2,7 +2,7 @@
 //! the daemon of each read or write of a marked upper file before it happens, so a partial
 //! file's sparse upper file can be the passthrough backing of a writer from its first open.
 //!
-//! How it holds the partial-file invariant (partial.rs: a hole below `valid` means "read the
+//! How it holds the partial-file invariant (file/partial/mark.rs: a hole below `valid` means "read the
 //! lower file"): while a partial file is served so, its upper file carries a `FAN_PRE_ACCESS`
 //! mark of this mount's group. Every access of a range that still holds a hole waits until
 //! the daemon has filled that range's blocks from the lower file (whole blocks, under the
@@ -82,7 +82,7 @@ pub struct PreContent {
 
 /// A mark on one upper file, removed by `remove` with a descriptor of that file (the file
 /// complete, or closed for good). It holds no descriptor of its own: open partial files are
-/// counted against the daemon's limit (file.rs `FdReserve`), and a mark is not one more.
+/// counted against the daemon's limit (file/mod.rs `FdReserve`), and a mark is not one more.
 pub struct AccessMark {
     owner: Arc<PreContent>,
     key: Key,

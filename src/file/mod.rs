@@ -4,10 +4,16 @@
 //!
 //! Daemon-path handles open on one inode share one `OpenFile`, so they see one another's
 //! writes across a copy-up. An `OpenFile` is in one of three states: `Lower` (untouched lower
-//! file), `Partial` (some blocks in the upper layer, see partial.rs), `Upper` (a complete upper
+//! file), `Partial` (some blocks in the upper layer, see file/partial/mark.rs), `Upper` (a complete upper
 //! file). Its `RwLock` is the per-file lock: reads share it, writes and size changes take it
 //! exclusively. A read-only passthrough handle opened on a lower file before its copy-up keeps
 //! reading the lower file (the kernel cannot move it; README, "Known differences").
+
+pub mod complete;
+pub mod data;
+pub mod partial;
+
+pub use data::FileData;
 
 use std::any::Any;
 use std::os::fd::BorrowedFd;
@@ -15,36 +21,11 @@ use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{Result, errno};
-use crate::layers::LayerId;
+use crate::file::partial::mark::PartialMark;
 use crate::options::PassthroughPolicy;
-use crate::partial::PartialMark;
-use crate::partial_file::{PartialFile, Source};
-use crate::precontent::{FillOnAccess, PreContent};
+
+use crate::file::partial::precontent::{FillOnAccess, PreContent};
 use crate::sys::Attr;
-use crate::upper::UpperFile;
-
-pub enum FileData {
-    Lower(Source),
-    /// A lower file on a shared store's client (`Layer::on_store`) not opened yet: opened at
-    /// the first request that needs its data (`Overlay::opened_data`). Its reads go through the
-    /// daemon with the page cache kept, so a file read before is opened and read again from
-    /// the cache with no call to the store: an open and a close there cost a network round
-    /// trip each (bench/stores.sh), more than the read they would serve.
-    Unopened(LayerId, std::path::PathBuf),
-    Partial(PartialFile),
-    Upper(UpperFile),
-}
-
-impl FileData {
-    pub(crate) fn highest_fd(&self) -> i32 {
-        match self {
-            FileData::Lower(s) => s.highest_fd(),
-            FileData::Unopened(..) => -1,
-            FileData::Partial(p) => p.upper.raw_fd().max(p.lower.highest_fd()),
-            FileData::Upper(f) => f.raw_fd(),
-        }
-    }
-}
 
 /// Descriptors for open files stop short of the daemon's limit by a reserve, so that any
 /// number of files held open cannot take from lookups, listings, creates and the directory
@@ -112,7 +93,7 @@ pub struct OpenFile {
     /// The object's inode number (its node's `st_ino`).
     pub ino: u64,
     data: RwLock<FileData>,
-    /// Opens for writing since this state was made (completion follows use, complete.rs).
+    /// Opens for writing since this state was made (completion follows use, file/complete.rs).
     pub(crate) writer_opens: std::sync::atomic::AtomicU32,
     /// Opened for writing when it already held blocks of its own, or after an earlier open
     /// for writing: in sustained use.
@@ -125,7 +106,7 @@ pub struct OpenFile {
 }
 
 /// A run of use ends after this long without a request through the daemon (completion's
-/// sustained-use rule, complete.rs).
+/// sustained-use rule, file/complete.rs).
 pub(crate) const BUSY_GAP: Duration = Duration::from_secs(10);
 
 /// A run of use: requests through the daemon with no gap of `BUSY_GAP` between
@@ -227,7 +208,7 @@ pub(crate) enum DataKind {
     Upper,
     /// An untouched lower file, not itself partial.
     PlainLower,
-    /// A partial file whose writers pass through to its upper file (precontent.rs): a
+    /// A partial file whose writers pass through to its upper file (file/partial/precontent.rs): a
     /// passthrough handle only for an open that cannot read (mmap would bypass the events).
     MarkedPartial,
     /// Anything the daemon must merge.
@@ -456,7 +437,7 @@ impl FillOnAccess for OpenFile {
     }
 }
 
-impl crate::caw::FillPending for OpenFile {
+impl crate::file::partial::caw::FillPending for OpenFile {
     fn fill_pending(&self, blk: u64) -> Result<bool> {
         OpenFile::fill_pending(self, blk)
     }
@@ -545,7 +526,7 @@ impl OpenFile {
         matches!(&*self.read_data(), FileData::Partial(_))
     }
 
-    /// Whether this is a partial file whose writers pass through (precontent.rs).
+    /// Whether this is a partial file whose writers pass through (file/partial/precontent.rs).
     pub fn is_marked(&self) -> bool {
         matches!(&*self.read_data(), FileData::Partial(p) if p.by_events.is_some())
     }
@@ -569,7 +550,7 @@ impl OpenFile {
         let fd = p.upper.disk_fd()?;
         let me: std::sync::Weak<dyn FillOnAccess> = Arc::downgrade(self) as _;
         let mark = events.mark(fd, me)?;
-        p.by_events = Some(Box::new(crate::partial_file::ByEvents::new(mark)));
+        p.by_events = Some(Box::new(crate::file::partial::ByEvents::new(mark)));
         Ok(true)
     }
 

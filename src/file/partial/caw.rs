@@ -11,7 +11,7 @@
 //! log to replay: a daemon crash loses only writes not yet fsynced, the page cache's contract.
 //! Pending memory is bounded (`caw_memory=`); past the bound a writer fills synchronously.
 //!
-//! Only a block whose lower data is not in the page cache is deferred (partial_file.rs
+//! Only a block whose lower data is not in the page cache is deferred (file/partial/mod.rs
 //! `write`; `copy_after_write=always` defers every one): filling a cached block costs a 4 KiB
 //! copy, less than the hand-off (a worker's wake-up, two context switches, the file's lock
 //! taken twice) — on 1 B written per 4 KiB of a 256 MiB file, 6.8 s deferred against 3.6 s
@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-/// What a worker fills: an open file with pending blocks (file.rs' `OpenFile`), seen only
+/// What a worker fills: an open file with pending blocks (file/mod.rs' `OpenFile`), seen only
 /// through this, so that the queue sits below the open-file state that holds pending blocks.
 pub trait FillPending: Send + Sync {
     /// Fills block `blk` if it is still pending; whether it was.
