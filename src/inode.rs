@@ -135,6 +135,10 @@ pub struct NodeState {
     /// mount removed while it stayed in the lower layer. The lower file's `st_nlink` still
     /// counts them; the merged view must not.
     pub lower_names_gone: u64,
+    /// For a copied-up lower hard link: how many of the lower file's other names no lookup has
+    /// joined to the copy yet (`copied_up_link_of`). They are names of this inode in the merged
+    /// view, so `st_nlink` counts them beside the upper file's own.
+    pub lower_names_unjoined: u64,
     /// For an object only a lower layer on a store's client holds (`Layer::on_store`): its
     /// layer `stat` and when it was taken (`Overlay::stat_layer`).
     pub store_attr: Option<(crate::sys::Attr, std::time::Instant)>,
@@ -232,6 +236,9 @@ pub struct Node {
     current: AtomicU64,
     /// The parent whose reference this node keeps (`InodeTable::hold_parent`), or 0.
     held_parent: AtomicU64,
+    /// Kept in the table after the kernel forgets it (`keep`): the node knows what the layers
+    /// do not say and a lookup by another name could not find again.
+    kept: std::sync::atomic::AtomicBool,
 }
 
 /// `Node::current`: lookups name this node id.
@@ -254,6 +261,7 @@ impl Node {
             io: NodeIo::default(),
             current: AtomicU64::new(SELF),
             held_parent: AtomicU64::new(0),
+            kept: Default::default(),
         }
     }
 
@@ -270,7 +278,19 @@ impl Node {
             io: NodeIo::default(),
             current: AtomicU64::new(SELF),
             held_parent: AtomicU64::new(0),
+            kept: Default::default(),
         }
+    }
+
+    /// Keeps the node in the table after the kernel forgets it, for as long as the object has
+    /// a name: a lower hard link whose names this mount removed (`lower_names_gone`) or copied
+    /// up (the others join the copy at their lookup, `copied_up_link_of`). Nothing on disk
+    /// says either before a remount, so a node made anew by a lookup would count the lower
+    /// file's names, or show another name as the lower file with its old content. Costs the
+    /// node's memory for each such file until the unmount: even once every name the node
+    /// knows is gone, the lower file may have others no lookup has named yet.
+    pub fn keep(&self) {
+        self.kept.store(true, Ordering::Relaxed);
     }
 
     pub fn state(&self) -> MutexGuard<'_, NodeState> {
@@ -330,6 +350,7 @@ impl NodeState {
             subdirs: None,
             subdirs_gen: 0,
             lower_names_gone: 0,
+            lower_names_unjoined: 0,
             store_attr: None,
             pin: None,
             protection: None,
@@ -759,8 +780,12 @@ impl InodeTable {
             let node = shard.nodes.get(&ino)?;
             let left = node.lookups.load(Ordering::Relaxed).saturating_sub(n);
             let current = node.current.load(Ordering::Relaxed);
-            // A retired node whose second identity lives stays, to lead lookups there.
-            if left > 0 || (current != SELF && current != RETIRED) {
+            // A retired node whose second identity lives stays, to lead lookups there; a kept
+            // one stays for its state (`keep`).
+            if left > 0
+                || (current != SELF && current != RETIRED)
+                || node.kept.load(Ordering::Relaxed)
+            {
                 node.lookups.store(left, Ordering::Relaxed);
                 return None;
             }

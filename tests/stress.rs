@@ -93,6 +93,63 @@ fn a_lower_hard_link_counts_only_the_names_left_in_the_merged_view() {
     assert_eq!(std::fs::read(m.path("d")).unwrap(), b"data");
 }
 
+/// What the mount knows of a lower hard link and the layers do not say — names of it this mount
+/// removed, a name written (copied up) that the others must join — outlives the kernel
+/// forgetting the inode, as it does under memory pressure (the stress run above, beside a loop
+/// of drop_caches, saw a lower file's old content and names counted twice).
+#[test]
+fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
+    let m = Mount::with(|l| {
+        write(l.join("a"), b"old");
+        std::fs::hard_link(l.join("a"), l.join("b")).unwrap();
+        write(l.join("x"), b"x");
+        std::fs::hard_link(l.join("x"), l.join("y")).unwrap();
+        std::fs::hard_link(l.join("x"), l.join("z")).unwrap();
+        write(l.join("p"), b"p");
+        std::fs::hard_link(l.join("p"), l.join("q")).unwrap();
+    });
+    let nlink = |n: &str| std::fs::symlink_metadata(m.path(n)).unwrap().nlink();
+    // Written through one name while the other was never looked up: still two names.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("p"))
+        .unwrap()
+        .write_all_at(b"P", 0)
+        .unwrap();
+    assert_eq!(nlink("p"), 2, "a lower name not looked up yet is not counted");
+    assert_eq!(std::fs::read(m.path("q")).unwrap(), b"P");
+    assert_eq!(nlink("p"), 2, "the name joined at its lookup is counted twice");
+    std::fs::remove_file(m.path("x")).unwrap();
+    assert_eq!(nlink("y"), 2);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("a"))
+        .unwrap()
+        .write_all_at(b"new", 0)
+        .unwrap();
+    for _ in 0..2 {
+        // The kernel forgets every inode nothing holds; its FORGETs reach the daemon first.
+        std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert_eq!(
+        nlink("y"),
+        2,
+        "a removed name of a lower hard link counts again"
+    );
+    assert_eq!(nlink("z"), 2);
+    assert_eq!(
+        std::fs::read(m.path("b")).unwrap(),
+        b"new",
+        "a name not joined to its copy"
+    );
+    assert_eq!(nlink("b"), 2);
+    assert_eq!(
+        std::fs::symlink_metadata(m.path("a")).unwrap().ino(),
+        std::fs::symlink_metadata(m.path("b")).unwrap().ino()
+    );
+}
+
 #[test]
 fn files_held_open_past_the_daemon_limit_fail_only_further_opens() {
     if !runs_on_disk_upper_only() {

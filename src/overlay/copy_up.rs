@@ -159,7 +159,13 @@ impl Overlay {
             st.has_origin = true;
         }
         if !lattr.is_dir() && lattr.nlink > 1 {
+            node.keep();
             self.join_other_links(node);
+            // The names left are the lower file's, less those this mount removed; those it
+            // knows are joined now, the others join at their lookup.
+            let mut st = node.state();
+            let known = st.links.len() as u64;
+            st.lower_names_unjoined = lattr.nlink.saturating_sub(st.lower_names_gone + known);
         }
         self.stats.copy_ups.add(1);
         self.refresh_open(node)

@@ -626,6 +626,7 @@ impl Overlay {
             let mut st = node.state();
             if !st.upper && st.kind != libc::S_IFDIR {
                 st.lower_names_gone += 1;
+                node.keep();
             }
             st.links.retain(|(p, n)| !(*p == parent && n == name));
             if st.links.is_empty() {

@@ -67,7 +67,11 @@ impl Overlay {
                 joins += 1;
                 match self.join_copied_up_link(&node, parent, name) {
                     // Joined, or joined by a lookup beside this one: look again.
-                    Ok(()) => continue,
+                    Ok(()) => {
+                        let mut st = node.state();
+                        st.lower_names_unjoined = st.lower_names_unjoined.saturating_sub(1);
+                        continue;
+                    }
                     Err(e) if e.is(libc::EEXIST) => continue,
                     // The copied-up name was removed meanwhile: this one stays the lower file.
                     Err(e) if e.is(libc::ENOENT) => {}

@@ -22,16 +22,18 @@ impl Overlay {
     /// id mapping and squashing options.
     pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
         a.ino = node.st_ino;
-        let (unlinked, merged_dir, lower_names_gone, data) = {
+        let (unlinked, merged_dir, lower_names_gone, unjoined, data) = {
             let st = node.state();
             let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
             let gone = if st.upper { 0 } else { st.lower_names_gone };
+            let unjoined = if st.upper { st.lower_names_unjoined } else { 0 };
             let data = st.lower.as_ref().and_then(|l| l.data.clone());
             let data = data.filter(|_| !st.upper);
             (
                 st.unlinked,
                 st.kind == libc::S_IFDIR && layers > 1,
                 gone,
+                unjoined,
                 data,
             )
         };
@@ -46,6 +48,8 @@ impl Overlay {
             a.nlink = 0;
         } else if lower_names_gone > 0 && !a.is_dir() {
             a.nlink = a.nlink.saturating_sub(lower_names_gone).max(1);
+        } else if unjoined > 0 && !a.is_dir() {
+            a.nlink += unjoined;
         } else if a.is_dir() && self.config.static_nlink {
             a.nlink = 1;
         } else if a.is_dir() && merged_dir {
