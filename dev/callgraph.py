@@ -11,7 +11,7 @@ import re
 import sys
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
-FILES = ["dir", "namei", "by_number", "metacopy", "copy_up", "attr", "fileattr", "io",
+FILES = ["dir", "namei", "by_number", "metacopy", "copy_up", "attr", "fileattr", "io", "passthrough",
          "readdir", "completion", "overlay", "upper_meta", "sources"]
 
 

@@ -608,8 +608,8 @@ fn serve(
     if !opts.foreground && session.transport() == "io_uring" {
         prefer_own_autogroup();
     }
-    // Mounted: the guardian learns the mount it guards (file/partial/precontent.rs). No partial file is
-    // opened before the session runs.
+    // Mounted: the guardian learns the mount it guards (file/partial/precontent.rs). No partial
+    // file is opened before the session runs.
     overlay.start_precontent(&opts.mountpoint)?;
     crate::sys::detach_on_signals(&opts.mountpoint);
     // A layer on a store's client is watched even without a timeout: one that stops answering

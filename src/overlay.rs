@@ -6,7 +6,7 @@
 //! They are its submodules so that the overlay's state stays private to them: the rest of the
 //! crate sees the methods below marked `pub` and the requests (docs/ARCHITECTURE.md).
 //!
-//! May call (dev/callgraph.py --check keeps it so): nothing.
+//! May call (dev/callgraph.py --check keeps it so): passthrough.
 
 // The request files: each holds one concern's `impl Overlay` block and sees the overlay's
 // private state; everything outside `overlay` goes through the methods they make public.
@@ -19,6 +19,7 @@ mod fileattr;
 mod io;
 mod metacopy;
 mod namei;
+mod passthrough;
 mod readdir;
 mod sources;
 mod upper_meta;
@@ -44,6 +45,7 @@ use crate::seq::ChangeSeq;
 use crate::stats::Stats;
 use crate::sys::{self, Attr};
 use crate::upper::{LayerDir, UpperDir, UpperFile};
+use passthrough::PassthroughState;
 
 /// Who asks: the caller's credentials and umask, from the FUSE request.
 #[derive(Debug, Clone, Copy)]
@@ -141,45 +143,6 @@ impl Config {
 /// when that store is slow or has stopped answering (issue #16).
 pub const LOWER_CACHE: Duration = Duration::from_secs(60);
 
-/// Whether this mount may pass files through (FUSE passthrough), or why not: found at INIT
-/// (`Overlay::set_passthrough`), and again when the kernel refuses a backing file. Stored as
-/// its discriminant in an atomic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(usize)]
-enum PassthroughState {
-    Allowed,
-    /// A tool's overlay: no FUSE session.
-    NoSession,
-    Off,
-    NoKernel,
-    NotAdmin,
-}
-
-impl PassthroughState {
-    const ALL: [PassthroughState; 5] = [
-        PassthroughState::Allowed,
-        PassthroughState::NoSession,
-        PassthroughState::Off,
-        PassthroughState::NoKernel,
-        PassthroughState::NotAdmin,
-    ];
-
-    fn why_not(self) -> Option<&'static str> {
-        match self {
-            PassthroughState::Allowed => None,
-            PassthroughState::NoSession => Some("no FUSE session: a tool, not a mount"),
-            PassthroughState::Off => Some("passthrough=off"),
-            PassthroughState::NoKernel => {
-                Some("the kernel offers no FUSE passthrough (Linux 6.9 or later has it)")
-            }
-            PassthroughState::NotAdmin => Some(
-                "registering a backing file needs CAP_SYS_ADMIN in the initial user namespace: \
-                 a rootless mount",
-            ),
-        }
-    }
-}
-
 pub struct Overlay {
     layers: LayerStack,
     inodes: InodeTable,
@@ -203,7 +166,7 @@ pub struct Overlay {
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
     /// request never acts on a path that a concurrent rename of an ancestor made wrong.
     moves: ChangeSeq,
-    /// Pins of removed upper objects held now (inode.rs `Pin`).
+    /// Pins of removed upper objects held now (inode/mod.rs `Pin`).
     pins: Arc<std::sync::atomic::AtomicUsize>,
     /// The descriptors open files may not take (file/mod.rs).
     fd_reserve: crate::file::FdReserve,
@@ -211,8 +174,8 @@ pub struct Overlay {
     /// (copy_up.rs). Turned off for a layer at the first clone the kernel refuses (EXDEV).
     reflink: Vec<std::sync::atomic::AtomicBool>,
     shut_down: std::sync::atomic::AtomicBool,
-    /// Pre-content events for partial files whose writers pass through (file/partial/precontent.rs), or
-    /// why there are none.
+    /// Pre-content events for partial files whose writers pass through
+    /// (file/partial/precontent.rs), or why there are none.
     precontent: std::result::Result<Arc<crate::file::partial::precontent::PreContent>, String>,
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`), set once the session
     /// is up (`uring=`).
@@ -399,53 +362,6 @@ impl Overlay {
     /// The kernel forgot `n` lookups of `ino`.
     pub fn forget(&self, ino: Ino, n: u64) {
         self.inodes.forget(ino, n);
-    }
-
-    fn passthrough_state(&self) -> PassthroughState {
-        PassthroughState::ALL[self
-            .passthrough_state
-            .load(std::sync::atomic::Ordering::Relaxed)]
-    }
-
-    /// Whether this mount may pass files through at all, or why not (its lower files'
-    /// read-only opens included).
-    pub fn may_pass_through(&self) -> std::result::Result<(), &'static str> {
-        self.passthrough_state().why_not().map_or(Ok(()), Err)
-    }
-
-    /// Whether FUSE passthrough serves this mount's complete upper files, or why not. What
-    /// makes completing a partial file pay (file/complete.rs): where they do not pass through, a
-    /// complete file is served by the daemon exactly as a partial one.
-    pub fn passthrough_serves(&self) -> std::result::Result<(), &'static str> {
-        self.may_pass_through()?;
-        match self.layers.memory {
-            Some(_) => Err("upper=memory: its files live in the daemon"),
-            None => Ok(()),
-        }
-    }
-
-    /// What INIT found: `kernel_offers` FUSE passthrough, and this daemon may register backing
-    /// files (`sys::admin_of_initial_namespace`).
-    pub fn set_passthrough(&self, kernel_offers: bool, may_register: bool) {
-        let state = if self.config.passthrough == crate::options::PassthroughPolicy::Off {
-            PassthroughState::Off
-        } else if !kernel_offers {
-            PassthroughState::NoKernel
-        } else if !may_register {
-            PassthroughState::NotAdmin
-        } else {
-            PassthroughState::Allowed
-        };
-        self.passthrough_state
-            .store(state as usize, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The kernel refused a backing file for want of privilege: nothing passes through.
-    pub(crate) fn passthrough_not_permitted(&self) {
-        self.passthrough_state.store(
-            PassthroughState::NotAdmin as usize,
-            std::sync::atomic::Ordering::Relaxed,
-        );
     }
 
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`).
@@ -1027,13 +943,13 @@ impl Overlay {
         self.listings.clear();
     }
 
-    /// The pinned upper object of a node (inode.rs `Pin`), if any.
+    /// The pinned upper object of a node (inode/mod.rs `Pin`), if any.
     fn pinned(&self, st: &crate::inode::NodeState) -> Option<UpperFile> {
         st.pin.as_ref()?.object.try_clone().ok()
     }
 
     /// `node`'s upper object when it has no name any more (or never had one: O_TMPFILE) and
-    /// is still open or pinned (inode.rs `Pin`): the only way left to reach it.
+    /// is still open or pinned (inode/mod.rs `Pin`): the only way left to reach it.
     fn unnamed_upper_file(&self, node: &Node) -> Option<UpperFile> {
         let file = {
             let st = node.state();

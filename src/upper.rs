@@ -510,7 +510,7 @@ impl UpperDir {
     }
 
     /// The object `name` here, of any kind, held without being opened for I/O: an `O_PATH`
-    /// descriptor on disk, the node in memory (a pin, inode.rs `Pin`).
+    /// descriptor on disk, the node in memory (a pin, inode/mod.rs `Pin`).
     pub fn object(&self, name: &OsStr) -> Result<UpperFile> {
         match self {
             UpperDir::Disk(fd) => {

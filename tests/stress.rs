@@ -116,9 +116,17 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
         .unwrap()
         .write_all_at(b"P", 0)
         .unwrap();
-    assert_eq!(nlink("p"), 2, "a lower name not looked up yet is not counted");
+    assert_eq!(
+        nlink("p"),
+        2,
+        "a lower name not looked up yet is not counted"
+    );
     assert_eq!(std::fs::read(m.path("q")).unwrap(), b"P");
-    assert_eq!(nlink("p"), 2, "the name joined at its lookup is counted twice");
+    assert_eq!(
+        nlink("p"),
+        2,
+        "the name joined at its lookup is counted twice"
+    );
     std::fs::remove_file(m.path("x")).unwrap();
     assert_eq!(nlink("y"), 2);
     std::fs::OpenOptions::new()

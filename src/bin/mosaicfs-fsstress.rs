@@ -536,6 +536,8 @@ impl Worker {
         }
     }
 
+    /// Does operation `op` on the tree and on the model. One piece: one arm per operation, each
+    /// a system call and the model's change beside it, read best side by side.
     fn op(&mut self, op: &str, root: BorrowedFd<'_>) -> Result<(), (String, std::io::Error)> {
         let e = |p: &str| {
             let p = p.to_string();
@@ -933,6 +935,7 @@ fn run_renamer(args: &Args, id: usize) -> usize {
 // ---------------------------------------------------------------------------------------------
 // --check: the tree against the saved models, and against itself.
 
+/// One piece: one walk of the tree, each check beside the walk's step it looks at.
 fn check(args: &Args) -> usize {
     let mut errors = 0;
     let mut report = |msg: String| {

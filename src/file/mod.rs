@@ -2,9 +2,9 @@
 //! `NodeIo` (how the kernel inode behind a node id does I/O: its passthrough binding),
 //! `FdReserve` (descriptors kept back from the limit). The requests themselves are in io.rs.
 //!
-//! Daemon-path handles open on one inode share one `OpenFile`, so they see one another's
-//! writes across a copy-up. An `OpenFile` is in one of three states: `Lower` (untouched lower
-//! file), `Partial` (some blocks in the upper layer, see file/partial/mark.rs), `Upper` (a complete upper
+//! Daemon-path handles open on one inode share one `OpenFile`, so they see one another's writes
+//! across a copy-up. An `OpenFile` is in one of three states: `Lower` (untouched lower file),
+//! `Partial` (some blocks in the upper layer, see file/partial/mark.rs), `Upper` (a complete upper
 //! file). Its `RwLock` is the per-file lock: reads share it, writes and size changes take it
 //! exclusively. A read-only passthrough handle opened on a lower file before its copy-up keeps
 //! reading the lower file (the kernel cannot move it; README, "Known differences").

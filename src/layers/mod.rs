@@ -205,6 +205,8 @@ pub struct LayerStack {
 
 impl LayerStack {
     /// Opens and checks every layer. Errors are one line naming the problem and what to do.
+    /// One piece: the order of the steps is the point (the work dir's lock before anything is
+    /// changed, the upper's checks before the lowers are opened), and it reads top to bottom.
     pub fn open(
         lowers: &[PathBuf],
         upper: Option<&Path>,

@@ -368,8 +368,8 @@ fn read_node(r: &mut Reader<'_>, budget: &mut u64) -> std::result::Result<ImageN
     })
 }
 
-/// The nodes form two trees, from `ROOT` and from `WORK`, with link counts that match their names, and no
-/// filestore block is used twice or lies past the filestore's end. Returns the used blocks.
+/// The nodes form two trees, from `ROOT` and from `WORK`, with link counts that match their names,
+/// and no filestore block is used twice or lies past the filestore's end. Returns the used blocks.
 pub(super) fn check_tree(
     nodes: &[ImageNode],
     next_ino: Ino,

@@ -258,7 +258,8 @@ impl MemoryUpper {
         }
     }
 
-    /// `renameat2` within the layer.
+    /// `renameat2` within the layer. One piece: every check is made before anything changes,
+    /// under the one lock of the tree, so that a refused rename changes nothing.
     pub fn rename(
         &self,
         sdir: Ino,

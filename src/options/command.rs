@@ -232,7 +232,7 @@ fn parse_listen(addr: &std::ffi::OsStr) -> Result<Command> {
     })
 }
 
-/// Parses the whole command line (without argv[0]).
+/// Parses the whole command line (without argv[0]). One piece: one arm per command.
 pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command> {
     let args: Vec<OsString> = args.into_iter().collect();
     let first = args.first().and_then(|a| a.to_str());

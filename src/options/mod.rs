@@ -197,10 +197,10 @@ pub struct Options {
     /// can take them from the lower one: a complete upper file in O(1), opened for writing
     /// with passthrough. `reflink=0` keeps partial files everywhere.
     pub reflink: bool,
-    /// Whether writers of partial files pass through, told of each access by fanotify
-    /// pre-content events (`partial_passthrough=auto|on|off`, file/partial/precontent.rs). Off by default:
-    /// a splice into such a file raises no event (docs/KERNEL-NOTES.md), and on a VM slow at
-    /// wake-ups an event costs more than a FUSE request (docs/PERFORMANCE.md).
+    /// Whether writers of partial files pass through, told of each access by fanotify pre-content
+    /// events (`partial_passthrough=auto|on|off`, file/partial/precontent.rs). Off by default: a
+    /// splice into such a file raises no event (docs/KERNEL-NOTES.md), and on a VM slow at wake-ups
+    /// an event costs more than a FUSE request (docs/PERFORMANCE.md).
     pub partial_passthrough: Switch,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,

@@ -91,6 +91,8 @@ fn parse_size(name: &str, value: Option<&str>) -> Result<u64> {
 }
 
 impl Options {
+    /// Applies one `-o` option. One piece: one arm per option name, so that every option
+    /// fuse-overlayfs accepts can be found in one place.
     pub(super) fn apply(&mut self, opt: &str) -> Result<()> {
         let (name, value) = match opt.split_once('=') {
             Some((n, v)) => (n, Some(v)),
@@ -295,7 +297,7 @@ impl Options {
                 self.debug = true;
                 self.foreground = true;
             }
-            // Inode numbers are always stable and unique (see inode.rs), whatever is asked.
+            // Inode numbers are always stable and unique (see inode/mod.rs), whatever is asked.
             "redirect_dir" => {
                 self.redirect_dir = match value {
                     Some("on") => RedirectDir::On,

@@ -4,7 +4,7 @@
 //! A FUSE file handle is the node id and generation the kernel had; decoding one whose inode
 //! the kernel no longer holds sends LOOKUP of "." in that node id, and reconnecting a
 //! directory sends LOOKUP of ".." (fs/fuse/inode.c `fuse_get_dentry`, `fuse_get_parent`).
-//! Node ids are the objects' merged inode numbers, stable across remounts (inode.rs), so the
+//! Node ids are the objects' merged inode numbers, stable across remounts (inode/mod.rs), so the
 //! daemon answers by finding the object with that number:
 //!
 //! 1. in the node table, where the kernel or a handle found earlier keeps it;
@@ -55,7 +55,7 @@ impl Overlay {
     pub fn lookup_by_number(&self, ino: Ino) -> Result<(Arc<Node>, Attr)> {
         let node = match self.revive(ino)? {
             Some(node) => node,
-            // Second identities (inode.rs `retire`) live only while the kernel holds them.
+            // Second identities (inode/mod.rs `retire`) live only while the kernel holds them.
             None if ino >= ALIAS_BASE || self.inodes.surely_gone(ino) => {
                 return Err(errno(libc::ESTALE));
             }

@@ -1,7 +1,7 @@
 //! The completion worker and the completion of one file (the `impl Overlay` half of
 //! file/complete.rs, which holds the policy and the queue).
 //!
-//! May call (dev/callgraph.py --check keeps it so): overlay.
+//! May call (dev/callgraph.py --check keeps it so): overlay, passthrough.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -1,11 +1,12 @@
 //! Copy-up: giving a lower object a place in the upper layer.
 //!
-//! No operation ever copies a whole file. A regular file is copied up as a *partial file*: a
-//! sparse upper file of the same size holding no blocks, marked with the lower file it patches
-//! (file/partial/mark.rs) — or, where the upper file system can clone the lower file's extents (XFS with
-//! reflink, btrfs; `reflink=` option), as a complete clone, which costs no more and needs the
-//! daemon for none of its I/O afterwards. Directories, symlinks and special files are recreated. Owner, mode, times and
-//! xattrs (ACLs included) come along; the origin's inode number is kept in `mosaicfs.origin`.
+//! No operation ever copies a whole file. A regular file is copied up as a *partial file*: a sparse
+//! upper file of the same size holding no blocks, marked with the lower file it patches
+//! (file/partial/mark.rs) — or, where the upper file system can clone the lower file's extents (XFS
+//! with reflink, btrfs; `reflink=` option), as a complete clone, which costs no more and needs the
+//! daemon for none of its I/O afterwards. Directories, symlinks and special files are recreated.
+//! Owner, mode, times and xattrs (ACLs included) come along; the origin's inode number is kept in
+//! `mosaicfs.origin`.
 //!
 //! Every object is built in the work directory and renamed into place, so the upper layer never
 //! holds a half-made object: after a crash the object is either absent (the lower one shows) or

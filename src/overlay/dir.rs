@@ -608,7 +608,7 @@ impl Overlay {
     }
 
     /// Before the upper object `name` in `udir`, whose node is `ino`, loses that name: pins it
-    /// while the kernel knows the node (inode.rs `Pin`).
+    /// while the kernel knows the node (inode/mod.rs `Pin`).
     fn pin_removed(&self, udir: &UpperDir, name: &OsStr, ino: Ino) {
         let Some(node) = self.inodes.get(ino) else {
             return;
@@ -722,6 +722,10 @@ impl Overlay {
         }
     }
 
+    /// rename(2) with renameat2(2)'s flags. One piece: the checks and copy-ups, then the
+    /// upper layer's rename with both directories' change sequences held (and the moves lock
+    /// for a directory), then the node table's update — one sequence whose guards each later
+    /// step relies on; split, each part would need them passed in.
     pub fn rename(
         &self,
         parent: Ino,
@@ -954,7 +958,7 @@ impl Overlay {
 
 /// Forgets the subdirectory counts of two directories (the same one twice is fine) when
 /// dropped: after, not before, the change, so a count taken meanwhile is dropped by the
-/// generation (inode.rs, `NodeState::subdirs`).
+/// generation (inode/mod.rs, `NodeState::subdirs`).
 struct SubdirsChange<'a>(&'a Overlay, [Ino; 2]);
 
 impl Drop for SubdirsChange<'_> {

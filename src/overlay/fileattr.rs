@@ -211,7 +211,8 @@ impl Overlay {
         Ok(real & !PROTECTION | self.protection(&node)?)
     }
 
-    /// FS_IOC_SETFLAGS. The kernel has checked ownership and CAP_LINUX_IMMUTABLE (`vfs_fileattr_set`).
+    /// FS_IOC_SETFLAGS. The kernel has checked ownership and CAP_LINUX_IMMUTABLE
+    /// (`vfs_fileattr_set`).
     pub fn set_inode_flags(&self, ino: Ino, flags: u32) -> Result<()> {
         let node = self.flagged_node(ino)?;
         // What changes of the flags shown is applied to the upper inode's own: a copy-up may

@@ -3,7 +3,7 @@
 //! (The types an open file is made of live in file/mod.rs, below the inode table; these
 //! requests, like dir.rs' and attr.rs', are `impl Overlay` blocks above it.)
 //!
-//! May call (dev/callgraph.py --check keeps it so): completion, copy_up, fileattr, overlay, sources, upper_meta.
+//! May call (dev/callgraph.py --check keeps it so): completion, copy_up, fileattr, overlay, passthrough, sources, upper_meta.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -130,7 +130,8 @@ impl Overlay {
     /// file's data is looked at: a lower or partial file becomes an empty complete upper file
     /// without copying anything, and the open is served by passthrough. `kill_privs`: the
     /// caller lacks CAP_FSETID, so the truncation clears set-id bits and capabilities, as the
-    /// VFS does for local files.
+    /// VFS does for local files. One piece: how the handle does I/O (passthrough or the
+    /// daemon) is decided from everything checked before it, in order.
     pub fn open(&self, ino: Ino, flags: i32, kill_privs: Option<&Caller>) -> Result<Opened> {
         let node = self.node(ino)?;
         let acc = flags & libc::O_ACCMODE;
@@ -178,14 +179,13 @@ impl Overlay {
             // Copied up at open, as overlayfs does: whoever looks at the upper layer after an
             // open for writing finds the file there (a partial file with no blocks: no data).
             self.ensure_upper(&node, &file)?;
-            // A writer that cannot map the file passes through to its sparse upper file, told
-            // of every first touch by pre-content events (file/partial/precontent.rs): no copy, and no
-            // request per read or write.
-            // Not with O_APPEND (`readable`): the kernel reports an appending write's range
-            // at the file position before it moves to the end, so the block the write lands
-            // in (the last, which may still read the lower file) would not be filled first.
-            // Nor on a second identity (made for a handle that could not share the first's
-            // passthrough binding): its readers could not be given a third.
+            // A writer that cannot map the file passes through to its sparse upper file, told of
+            // every first touch by pre-content events (file/partial/precontent.rs): no copy, and no
+            // request per read or write. Not with O_APPEND (`readable`): the kernel reports an
+            // appending write's range at the file position before it moves to the end, so the block
+            // the write lands in (the last, which may still read the lower file) would not be
+            // filled first. Nor on a second identity (made for a handle that could not share the
+            // first's passthrough binding): its readers could not be given a third.
             by_events = !readable && !node.is_alias() && self.serve_by_events(&file);
             // Written before, or opened for writing before: in sustained use (completion
             // follows use, file/complete.rs). Only opens that returned a handle count: one the

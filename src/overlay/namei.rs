@@ -415,7 +415,7 @@ impl Overlay {
 /// The inode number an origin xattr's value names; `None` for a damaged value.
 pub(crate) fn origin_number(raw: &[u8]) -> Option<Ino> {
     let ino = std::str::from_utf8(raw).ok()?.parse::<u64>().ok()?;
-    // Numbers from 2^63 up are second identities' (inode.rs); clearing the top bit also reads
+    // Numbers from 2^63 up are second identities' (inode/mod.rs); clearing the top bit also reads
     // marks written before that rule as the number InoMap gives now.
     let ino = ino & (crate::inode::ALIAS_BASE - 1);
     (ino > 1).then_some(ino)

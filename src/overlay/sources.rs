@@ -49,7 +49,7 @@ impl Overlay {
         let file = match opened {
             Ok(file) => file,
             // Removed, or another object renamed over it, since the kernel looked it up: a
-            // pinned object is still there to open (inode.rs `Pin`), as on a local file system.
+            // pinned object is still there to open (inode/mod.rs `Pin`), as on a local file system.
             // Without a pin (the rename found the name still lower-only, and this open's
             // copy-up put the file there just before the rename took the name) ESTALE, as
             // copy-up answers that race: the kernel looks the name up again and opens what

@@ -1,5 +1,5 @@
-//! The data path of an open partial file: block-by-block reads, writes that keep the
-//! partial-file invariant (file/partial/mark.rs), truncation, preallocation, SEEK_DATA/SEEK_HOLE, and the
+//! The data path of an open partial file: block-by-block reads, writes that keep the partial-file
+//! invariant (file/partial/mark.rs), truncation, preallocation, SEEK_DATA/SEEK_HOLE, and the
 //! filling of blocks from the lower file.
 
 pub mod caw;
@@ -126,17 +126,18 @@ pub struct PartialFile {
     pub block: u64,
     /// When the content last changed, for completion of idle files.
     pub last_write: Instant,
-    /// Blocks written in part and not yet filled from the lower file (file/partial/caw.rs). Never present
-    /// in `blocks`, always below `valid`.
+    /// Blocks written in part and not yet filled from the lower file (file/partial/caw.rs). Never
+    /// present in `blocks`, always below `valid`.
     pub pending: BTreeMap<u64, PendingBlock>,
     /// Copy-after-write's shared state, or `None` when writes fill synchronously.
     pub caw: Option<Arc<CawShared>>,
     /// The upper file's size on disk, which trails `size` while the last block is pending.
     pub disk_size: u64,
-    /// The pre-content mark while writers pass through to the upper file (file/partial/precontent.rs).
-    /// They write into it directly, growing it beyond `size` and `disk_size` and allocating
-    /// blocks at or past `valid` that `blocks` does not know of: while marked, the upper file
-    /// itself says the size (`current_size`), and bytes at or past `valid` are read from it.
+    /// The pre-content mark while writers pass through to the upper file
+    /// (file/partial/precontent.rs). They write into it directly, growing it beyond `size` and
+    /// `disk_size` and allocating blocks at or past `valid` that `blocks` does not know of: while
+    /// marked, the upper file itself says the size (`current_size`), and bytes at or past `valid`
+    /// are read from it.
     pub by_events: Option<Box<ByEvents>>,
 }
 
@@ -315,8 +316,8 @@ impl PartialFile {
         Ok(filled)
     }
 
-    /// The partial-file invariant (file/partial/mark.rs), checked in the test build before `len` bytes
-    /// are written at `at` of a file `size` bytes long: a block below `valid` that the write
+    /// The partial-file invariant (file/partial/mark.rs), checked in the test build before `len`
+    /// bytes are written at `at` of a file `size` bytes long: a block below `valid` that the write
     /// covers only in part already holds its data.
     fn check_whole_blocks(&self, at: u64, len: u64, size: u64) {
         if !cfg!(debug_assertions) || len == 0 {

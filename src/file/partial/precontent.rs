@@ -2,14 +2,13 @@
 //! the daemon of each read or write of a marked upper file before it happens, so a partial
 //! file's sparse upper file can be the passthrough backing of a writer from its first open.
 //!
-//! How it holds the partial-file invariant (file/partial/mark.rs: a hole below `valid` means "read the
-//! lower file"): while a partial file is served so, its upper file carries a `FAN_PRE_ACCESS`
-//! mark of this mount's group. Every access of a range that still holds a hole waits until
-//! the daemon has filled that range's blocks from the lower file (whole blocks, under the
-//! file's lock, `FillOnAccess`), and only then goes on; an access of a range with no hole is
-//! let through at once. So no access ever lands in, or reads, a hole that means "lower". When
-//! the file is complete the mark goes, and every open of it, those already open included,
-//! runs natively from then on.
+//! How it holds the partial-file invariant (file/partial/mark.rs: a hole below `valid` means "read
+//! the lower file"): while a partial file is served so, its upper file carries a `FAN_PRE_ACCESS`
+//! mark of this mount's group. Every access of a range that still holds a hole waits until the
+//! daemon has filled that range's blocks from the lower file (whole blocks, under the file's lock,
+//! `FillOnAccess`), and only then goes on; an access of a range with no hole is let through at
+//! once. So no access ever lands in, or reads, a hole that means "lower". When the file is complete
+//! the mark goes, and every open of it, those already open included, runs natively from then on.
 //!
 //! Which opens are served so: writable opens that cannot map the file (`O_WRONLY`). A read or
 //! write raises an event through passthrough, but mmap does not: the kernel raises the mmap

@@ -1,0 +1,185 @@
+//! Tests of the inode table: numbers, generations, forgetting and finding nodes again.
+
+use super::*;
+
+fn file(ino: Ino) -> Found {
+    Found {
+        ino,
+        kind: libc::S_IFREG,
+        upper: false,
+        lower: Some(LowerRef::new(PathBuf::from("f"), 1)),
+        origin: false,
+        origins: false,
+        upper_ino: None,
+    }
+}
+
+fn table() -> InodeTable {
+    InodeTable::new(true, None, false)
+}
+
+#[test]
+fn a_retired_node_leads_lookups_to_a_second_identity_of_the_same_object() {
+    let t = table();
+    let first = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+    assert_eq!((first.ino, first.st_ino), (42, 42));
+    assert!(t.retire(&first));
+    let second = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+    assert!(second.ino >= ALIAS_BASE && second.is_alias());
+    assert_eq!(second.st_ino, 42);
+    // One object: a change through one identity shows through the other.
+    second.state().upper = true;
+    assert!(first.state().upper);
+    // Later lookups keep naming the second identity, and it is never retired itself.
+    let again = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+    assert_eq!(again.ino, second.ino);
+    assert!(!t.retire(&second));
+    assert_eq!(
+        t.get(42).unwrap().ino,
+        42,
+        "lookups by inode number still find the object"
+    );
+}
+
+#[test]
+fn identities_are_forgotten_in_either_order() {
+    // The first forgotten first: it stays as long as the second identity lives.
+    let t = table();
+    let first = t.remember(ROOT_INO, OsStr::new("f"), &file(7));
+    t.retire(&first);
+    let second = t.remember(ROOT_INO, OsStr::new("f"), &file(7));
+    t.forget(7, 1);
+    assert!(t.get(7).is_some());
+    assert_eq!(
+        t.remember(ROOT_INO, OsStr::new("f"), &file(7)).ino,
+        second.ino
+    );
+    t.forget(second.ino, 2);
+    assert!(t.get(second.ino).is_none() && t.get(7).is_none());
+    assert_eq!(t.len(), 1, "only the root is left");
+
+    // The second forgotten first: the first, still known, makes a new one on next lookup.
+    let first = t.remember(ROOT_INO, OsStr::new("f"), &file(8));
+    t.retire(&first);
+    let second = t.remember(ROOT_INO, OsStr::new("f"), &file(8));
+    t.forget(second.ino, 1);
+    assert!(t.get(second.ino).is_none());
+    let third = t.remember(ROOT_INO, OsStr::new("f"), &file(8));
+    assert!(third.is_alias() && third.ino != second.ino);
+    t.forget(8, 1);
+    t.forget(third.ino, 1);
+    assert_eq!(t.len(), 1);
+}
+
+#[test]
+fn a_number_is_always_held_or_recorded_while_its_node_leaves() {
+    // A node leaving the table and the record of where it was are one step: a look in
+    // between found neither, and a scan that had seen the whole tree then took the number
+    // for gone (a directory's file handle answered ESTALE after drop_caches).
+    let t = table();
+    let f = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+    t.forget(f.ino, 1);
+    drop(f);
+    // A whole scan that did not meet 42 (it was recorded then).
+    t.scanned_whole(t.begin_scan());
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for _ in 0..200_000 {
+                t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+                t.forget(42, 1);
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+        let mut looks = 0u64;
+        while !done.load(Ordering::Relaxed) {
+            assert!(
+                !t.surely_gone(42),
+                "number 42 taken for gone after {looks} looks"
+            );
+            looks += 1;
+        }
+    });
+}
+
+#[test]
+fn a_forgotten_node_leaves_where_it_was_and_its_generation() {
+    let t = table();
+    let f = t.remember(ROOT_INO, OsStr::new("f"), &file(42));
+    t.forget(f.ino, 1);
+    assert!(t.get(42).is_none());
+    assert_eq!(t.seen(42), Seen::At(ROOT_INO, "f".into()));
+    // A new object made under the number: the next generation.
+    let new = t.remember_new(ROOT_INO, OsStr::new("g"), &file(42));
+    assert_eq!(new.generation(), 1);
+    // Removed, forgotten: gone; found again by a lookup, it keeps its generation.
+    new.state().unlinked = true;
+    t.forget(42, 1);
+    assert_eq!(t.seen(42), Seen::Gone);
+    assert_eq!(
+        t.remember(ROOT_INO, OsStr::new("h"), &file(42))
+            .generation(),
+        1
+    );
+}
+
+#[test]
+fn a_node_found_by_number_keeps_its_parent_until_forgotten() {
+    let t = table();
+    let dir = Found {
+        kind: libc::S_IFDIR,
+        ..file(10)
+    };
+    let d = t.remember(ROOT_INO, OsStr::new("d"), &dir);
+    let f = t.remember(d.ino, OsStr::new("f"), &file(11));
+    // The reference finding `f` counted on its parent passes to `f`.
+    t.get_counted(d.ino);
+    t.hold_parent(&f, d.ino);
+    // The kernel forgets the directory; the file's hold keeps it.
+    t.forget(d.ino, 1);
+    assert!(t.get(10).is_some());
+    t.forget(f.ino, 1);
+    assert!(t.get(10).is_none() && t.get(11).is_none());
+    assert_eq!(t.seen(11), Seen::At(10, "f".into()));
+    assert_eq!(t.seen(10), Seen::At(ROOT_INO, "d".into()));
+}
+
+#[test]
+fn a_whole_scan_makes_unknown_numbers_surely_gone_until_a_record_is_dropped() {
+    let t = table();
+    assert!(!t.surely_gone(5), "no scan yet");
+    let f = t.remember(ROOT_INO, OsStr::new("f"), &file(5));
+    f.state().unlinked = true;
+    t.forget(5, 1);
+    let scan = t.begin_scan();
+    t.note_seen(6, ROOT_INO, OsStr::new("g"));
+    t.scanned_whole(scan);
+    assert!(t.surely_gone(5) && t.surely_gone(7));
+    assert!(!t.surely_gone(6), "seen by the scan");
+    // Gone after the scan began: it may live on under a name the scan passed.
+    let f = t.remember(ROOT_INO, OsStr::new("h"), &file(8));
+    f.state().unlinked = true;
+    t.forget(8, 1);
+    assert!(!t.surely_gone(8));
+    // Filling a shard drops its records: nothing is sure any more.
+    for i in 0..(DEPARTED_PER_SHARD * SHARDS * 2) as u64 {
+        t.note_seen(1000 + i, ROOT_INO, OsStr::new("x"));
+    }
+    assert!(!t.surely_gone(7));
+}
+
+#[test]
+fn layer_inode_numbers_never_reach_the_second_identity_range() {
+    for devices in [1, 3, 200] {
+        let map = InoMap { devices };
+        for dev in [0, 1, 125, 126, 199] {
+            for st_ino in [0, 1, 2, 12345, 1 << 56, u64::MAX] {
+                let ino = map.map(dev, st_ino);
+                assert!(
+                    ino < ALIAS_BASE && ino > ROOT_INO,
+                    "{devices} {dev} {st_ino}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Whether this mount's files may pass through to the kernel (FUSE passthrough), and why not:
+//! the kernel's offer at INIT, the daemon's privilege, `passthrough=off`, a memory upper.
+//!
+//! May call (dev/callgraph.py --check keeps it so): nothing.
+
+use super::Overlay;
+
+/// Whether this mount may pass files through (FUSE passthrough), or why not: found at INIT
+/// (`Overlay::set_passthrough`), and again when the kernel refuses a backing file. Stored as
+/// its discriminant in an atomic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub(super) enum PassthroughState {
+    Allowed,
+    /// A tool's overlay: no FUSE session.
+    NoSession,
+    Off,
+    NoKernel,
+    NotAdmin,
+}
+
+impl PassthroughState {
+    const ALL: [PassthroughState; 5] = [
+        PassthroughState::Allowed,
+        PassthroughState::NoSession,
+        PassthroughState::Off,
+        PassthroughState::NoKernel,
+        PassthroughState::NotAdmin,
+    ];
+
+    fn why_not(self) -> Option<&'static str> {
+        match self {
+            PassthroughState::Allowed => None,
+            PassthroughState::NoSession => Some("no FUSE session: a tool, not a mount"),
+            PassthroughState::Off => Some("passthrough=off"),
+            PassthroughState::NoKernel => {
+                Some("the kernel offers no FUSE passthrough (Linux 6.9 or later has it)")
+            }
+            PassthroughState::NotAdmin => Some(
+                "registering a backing file needs CAP_SYS_ADMIN in the initial user namespace: \
+                 a rootless mount",
+            ),
+        }
+    }
+}
+
+impl Overlay {
+    pub(super) fn passthrough_state(&self) -> PassthroughState {
+        PassthroughState::ALL[self
+            .passthrough_state
+            .load(std::sync::atomic::Ordering::Relaxed)]
+    }
+
+    /// Whether this mount may pass files through at all, or why not (its lower files'
+    /// read-only opens included).
+    pub fn may_pass_through(&self) -> std::result::Result<(), &'static str> {
+        self.passthrough_state().why_not().map_or(Ok(()), Err)
+    }
+
+    /// Whether FUSE passthrough serves this mount's complete upper files, or why not. What
+    /// makes completing a partial file pay (file/complete.rs): where they do not pass through, a
+    /// complete file is served by the daemon exactly as a partial one.
+    pub fn passthrough_serves(&self) -> std::result::Result<(), &'static str> {
+        self.may_pass_through()?;
+        match self.layers.memory {
+            Some(_) => Err("upper=memory: its files live in the daemon"),
+            None => Ok(()),
+        }
+    }
+
+    /// What INIT found: `kernel_offers` FUSE passthrough, and this daemon may register backing
+    /// files (`sys::admin_of_initial_namespace`).
+    pub fn set_passthrough(&self, kernel_offers: bool, may_register: bool) {
+        let state = if self.config.passthrough == crate::options::PassthroughPolicy::Off {
+            PassthroughState::Off
+        } else if !kernel_offers {
+            PassthroughState::NoKernel
+        } else if !may_register {
+            PassthroughState::NotAdmin
+        } else {
+            PassthroughState::Allowed
+        };
+        self.passthrough_state
+            .store(state as usize, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The kernel refused a backing file for want of privilege: nothing passes through.
+    pub(crate) fn passthrough_not_permitted(&self) {
+        self.passthrough_state.store(
+            PassthroughState::NotAdmin as usize,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
