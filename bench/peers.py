@@ -26,7 +26,11 @@ Rows (one mount per peer, kept until the end):
   sqlite          300 transactions on a 48 MB lower database (s)
   upper size      du of the upper dir a minute after the last workload (KiB)
 
-Usage: bench/peers.py [--rootless] [--rounds N] [--root DIR]   (as root)
+With --uring the administrator's switch for FUSE over io_uring is turned on for the run (and
+put back), and mosaicfs runs twice per round: over /dev/fuse (`uring=off`) and over io_uring
+(`uring=on`, column mosaicfs-uring). The other peers do not use it.
+
+Usage: bench/peers.py [--rootless] [--uring] [--rounds N] [--root DIR]   (as root)
 """
 
 import os
@@ -37,8 +41,8 @@ import statistics
 import sys
 import time
 
-from suite import (FreshFs, make_tree_tar, mount_overlay, peer_arguments, peers, run_rootless, sh,
-                   umount, write_random)
+from suite import (FreshFs, KernelUring, make_tree_tar, metadata_mix, mount_overlay,
+                   peer_arguments, peers, run_rootless, sh, stat_walk, umount, write_random)
 
 ROWS = [
     ("first write (ms)", "low"), ("seq read cold (MiB/s)", "high"), ("seq read warm (MiB/s)", "high"),
@@ -141,25 +145,14 @@ def workloads(mnt, lower, root):
     sh(f"tar -xf {root}/tree.tar -C {mnt}")
     out["untar 3,000 files (s)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for d, dirs, files in os.walk(p("src")):
-        for n in dirs + files:
-            os.lstat(os.path.join(d, n))
+    stat_walk(p("src"))
     out["stat walk (s)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     shutil.rmtree(p("src"))
     out["rm -rf (s)"] = time.perf_counter() - t0
     settle()
-    os.makedirs(p("mix"))
     t0 = time.perf_counter()
-    for i in range(2000):
-        a, b = p("mix", f"a{i}"), p("mix", f"b{i}")
-        fd = os.open(a, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.write(fd, b"x" * 100)
-        os.close(fd)
-        os.chmod(a, 0o600)
-        os.rename(a, b)
-        os.stat(b)
-        os.unlink(b)
+    metadata_mix(p("mix"))
     out["metadata mix (s)"] = time.perf_counter() - t0
     settle()
     t0 = time.perf_counter()
@@ -181,7 +174,8 @@ def run(a, root, kinds):
         for kind in kinds:  # interleaved: every peer once per round
             d = os.path.join(root, f"run-{rnd}-{kind}")
             shutil.rmtree(d, ignore_errors=True)
-            mount_overlay(kind, a.mosaicfs, lower, d, a.rootless)
+            mount_overlay(kind, a.mosaicfs, lower, d, a.rootless, uring=kind == "mosaicfs-uring"
+                          if a.uring else None)
             dirs[kind] = d
             for row, v in workloads(os.path.join(d, "mnt"), lower, root).items():
                 results[kind][row].append(v)
@@ -196,40 +190,44 @@ def run(a, root, kinds):
     print(f"\nPeers, {time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, "
           f"{os.uname().release}, {who}, layers on a fresh ext4 (loop), daemons in the background, "
           f"median of {a.rounds} interleaved round(s)\n")
-    head = "| workload | " + " | ".join(kinds) + " | mosaicfs / fuse-overlayfs 1.10 | mosaicfs / 2.0 |"
+    uring = " | mosaicfs-uring / 2.0" if "mosaicfs-uring" in kinds else ""
+    head = ("| workload | " + " | ".join(kinds) + " | mosaicfs / fuse-overlayfs 1.10 | mosaicfs / 2.0"
+            + uring + " |")
     print(head)
-    print("|" + "---|" * (len(kinds) + 3))
+    print("|" + "---|" * (len(kinds) + 3 + bool(uring)))
     for row, better in ROWS:
         med = {k: statistics.median(results[k][row]) for k in kinds}
 
-        def ratio(peer):
-            if peer not in med or not med[peer] or not med["mosaicfs"]:
+        def ratio(peer, ours="mosaicfs"):
+            if peer not in med or not med[peer] or not med.get(ours):
                 return "—"
-            r = med[peer] / med["mosaicfs"] if better == "low" else med["mosaicfs"] / med[peer]
+            r = med[peer] / med[ours] if better == "low" else med[ours] / med[peer]
             return f"{r:.2f}x"
 
         cells = " | ".join(f"{med[k]:,.3g}" if med[k] < 100 else f"{med[k]:,.0f}" for k in kinds)
-        print(f"| {row} | {cells} | {ratio('fuse-overlayfs')} | {ratio('fuse-overlayfs-2.0')} |")
+        extra = f" | {ratio('fuse-overlayfs-2.0', 'mosaicfs-uring')}" if uring else ""
+        print(f"| {row} | {cells} | {ratio('fuse-overlayfs')} | {ratio('fuse-overlayfs-2.0')}{extra} |")
     print("\nRatios: how many times better mosaicfs is (above 1: ahead).")
 
 
 def main():
     ap = peer_arguments("/var/tmp/mosaicfs-bench-peers")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--uring", action="store_true")
     a = ap.parse_args()
     a.mosaicfs = os.path.abspath(a.mosaicfs)
-    kinds = peers()
+    kinds = peers() + (["mosaicfs-uring"] if a.uring else [])
     if a.inside:
         a.rootless = True
         run(a, a.root, kinds)
         return
-    with FreshFs(a.root, "ext4", 24 << 30) as root:
+    with FreshFs(a.root, "ext4", 24 << 30) as root, KernelUring(a.uring):
         prepare(root)
         if not a.rootless:
             run(a, root, kinds)
             return
         run_rootless(root, __file__, ["--inside", "--root", root, "--rounds", str(a.rounds),
-                                      "--mosaicfs", a.mosaicfs])
+                                      "--mosaicfs", a.mosaicfs] + (["--uring"] if a.uring else []))
 
 if __name__ == "__main__":
     main()

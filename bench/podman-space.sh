@@ -36,18 +36,9 @@ rm -rf "$root/rootfs"
 setups=(overlay fuse-overlayfs)
 [ -x "$fo2" ] && setups+=(fuse-overlayfs-2.0)
 setups+=(mosaicfs)
-podman_for() { # setup, then podman args
-  local setup=$1; shift
-  local opts=()
-  case $setup in
-    mosaicfs) opts=(--storage-opt overlay.mount_program="$bin") ;;
-    fuse-overlayfs) opts=(--storage-opt overlay.mount_program=/usr/bin/fuse-overlayfs) ;;
-    fuse-overlayfs-2.0) opts=(--storage-opt overlay.mount_program="$fo2") ;;
-    overlay) opts=() ;;
-  esac
-  podman --root "$root/$setup/root" --runroot "$root/$setup/runroot" --storage-driver overlay \
-    "${opts[@]}" --runtime runc --cgroup-manager cgroupfs --events-backend file "$@"
-}
+source "$here/podman-setups.sh"
+# Daemons of the last containers may still be exiting and podman still cleaning up: retried.
+remove() { for _ in 1 2 3 4 5 6 7 8 9 10; do rm -rf "$1" 2>/dev/null && return; sleep 2; done; rm -rf "$1"; }
 kib() { du -sx --block-size=1024 -c "$@" | tail -1 | cut -f1; }
 
 declare -A uppers whole
@@ -72,7 +63,7 @@ for setup in "${setups[@]}"; do
   echo "# $setup: containers' uppers ${uppers[$setup]} KiB, overlay dir ${whole[$setup]} KiB" >&2
   podman_for "$setup" rm -af -t 0 >/dev/null
   podman_for "$setup" rmi -af >/dev/null 2>&1 || true
-  rm -rf "${root:?}/$setup"
+  remove "${root:?}/$setup"
 done
 
 echo
@@ -84,4 +75,4 @@ echo "|---|$(printf -- '---|%.0s' "${setups[@]}")"
 row() { local name=$1; shift; local -n v=$1; local cells=""; for s in "${setups[@]}"; do cells+=" $(printf "%s" "${v[$s]}") |"; done; echo "| $name |$cells"; }
 row "the containers' upper layers together" uppers
 row "the storage's overlay directory (image layer included)" whole
-rm -rf "$root"
+remove "$root"

@@ -26,17 +26,7 @@ with open(sys.argv[1], 'wb') as f:
 find "$root/rootfs" -exec touch -h -d "2024-01-01" {} +
 tar -C "$root/rootfs" -cf "$root/rootfs.tar" .
 
-podman_for() { # setup, then podman args
-  local setup=$1; shift
-  local opts=()
-  case $setup in
-    mosaicfs) opts=(--storage-opt overlay.mount_program="$bin") ;;
-    fuse-overlayfs) opts=(--storage-opt overlay.mount_program=/usr/bin/fuse-overlayfs) ;;
-    overlay) opts=() ;;
-  esac
-  podman --root "$root/$setup/root" --runroot "$root/$setup/runroot" --storage-driver overlay "${opts[@]}" \
-    --runtime runc --cgroup-manager cgroupfs --events-backend file "$@"
-}
+source "$here/podman-setups.sh"
 RUN=(--rm --network none --ulimit nofile=20000:20000 --ulimit nproc=32768:32768)
 now() { date +%s%N; }
 median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }

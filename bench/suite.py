@@ -95,15 +95,40 @@ FILESYSTEMS = ["mosaicfs", "overlay", "fuse-overlayfs"]
 FO2 = os.environ.get("FUSE_OVERLAYFS2", "/var/tmp/fo2/bin/fuse-overlayfs")
 
 
-def mount_overlay(kind, binary, lower, d, rootless=False):
-    """Mounts overlay `kind` (mosaicfs, overlay, fuse-overlayfs, fuse-overlayfs-2.0) of `lower`
-    with upper, work and mount point under `d`, as its users mount it; `rootless`: in a user
-    namespace, where kernel overlayfs needs `userxattr`."""
+def stat_walk(top):
+    """lstat of every entry below `top`."""
+    for d, dirs, files in os.walk(top):
+        for n in dirs + files:
+            os.lstat(os.path.join(d, n))
+
+
+def metadata_mix(mix, rounds=2000):
+    """`rounds` rounds of create, write 100 B, chmod, rename, stat, unlink in the new
+    directory `mix`."""
+    os.makedirs(mix)
+    for i in range(rounds):
+        a, b = os.path.join(mix, f"a{i}"), os.path.join(mix, f"b{i}")
+        fd = os.open(a, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x" * 100)
+        os.close(fd)
+        os.chmod(a, 0o600)
+        os.rename(a, b)
+        os.stat(b)
+        os.unlink(b)
+
+
+def mount_overlay(kind, binary, lower, d, rootless=False, uring=None):
+    """Mounts overlay `kind` (mosaicfs, overlay, fuse-overlayfs, fuse-overlayfs-2.0,
+    mosaicfs-uring) of `lower` with upper, work and mount point under `d`, as its users mount
+    it; `rootless`: in a user namespace, where kernel overlayfs needs `userxattr`. `uring`: for
+    mosaicfs, over io_uring (True) or /dev/fuse (False) rather than its default."""
     for sub in ["upper", "work", "mnt"]:
         os.makedirs(os.path.join(d, sub), exist_ok=True)
     o = f"lowerdir={lower},upperdir={d}/upper,workdir={d}/work"
+    transport = "" if uring is None else (",uring=on" if uring else ",uring=off")
     sh({
-        "mosaicfs": f"{binary} -o {o} {d}/mnt",
+        "mosaicfs": f"{binary} -o {o}{transport} {d}/mnt",
+        "mosaicfs-uring": f"{binary} -o {o}{transport} {d}/mnt",
         "overlay": f"mount -t overlay overlay -o {o}{',userxattr' if rootless else ''} {d}/mnt",
         "fuse-overlayfs-2.0": f"{FO2} -o {o} {d}/mnt",
         "fuse-overlayfs": f"fuse-overlayfs -o {o} {d}/mnt",

@@ -284,9 +284,19 @@ class Overlay:
     def mount(self):
         opts = f"lowerdir={self.lower},upperdir={self.upper},workdir={self.work}"
         if self.mosaicfs is None:
-            subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                            opts + ",redirect_dir=on,index=on,metacopy=off", self.mnt], check=True)
-            return
+            # With index=on the kernel refuses an upper dir another overlay still uses. A mount
+            # namespace made on the host while the overlay was mounted (unshare -m, a container
+            # starting) holds a copy of it after our umount, until that namespace ends: wait.
+            deadline = time.monotonic() + 30
+            while True:
+                done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                                       opts + ",redirect_dir=on,index=on,metacopy=off", self.mnt],
+                                      capture_output=True, text=True)
+                if done.returncode == 0:
+                    return
+                if "busy" not in done.stderr or time.monotonic() > deadline:
+                    sys.exit(f"mount of kernel overlayfs at {self.mnt}: {done.stderr.strip()}")
+                time.sleep(0.2)
         self.proc = subprocess.Popen([self.mosaicfs, "-f", "-o", opts + self.extra, self.mnt])
         deadline = time.monotonic() + 10
         while not os.path.ismount(self.mnt):

@@ -1,5 +1,5 @@
 //! Partial files whose write-only writers pass through to the sparse upper file, told of
-//! each first touch by fanotify pre-content events (src/precontent.rs). These need a disk
+//! each first touch by fanotify pre-content events (src/file/partial/precontent.rs). These need a disk
 //! upper (a memory upper's files have no descriptor to pass through to).
 
 mod common;
