@@ -486,6 +486,17 @@ pub fn served(log: &str, what: &str) -> u64 {
 
 /// The value of metric line `key` (its name and labels) in `mosaicfs status --prometheus` of
 /// `m`, if the report has it.
+/// What `mosaicfs status` says of the mount of `m`.
+pub fn status(m: &Mount) -> String {
+    let _forking = forking();
+    let out = Command::new(BIN)
+        .arg("status")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn metric(m: &Mount, key: &str) -> Option<u64> {
     let _forking = forking();
     let out = Command::new(BIN)
