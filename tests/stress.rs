@@ -107,7 +107,34 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
         std::fs::hard_link(l.join("x"), l.join("z")).unwrap();
         write(l.join("p"), b"p");
         std::fs::hard_link(l.join("p"), l.join("q")).unwrap();
+        write(l.join("s"), b"s");
+        std::fs::hard_link(l.join("s"), l.join("t")).unwrap();
     });
+    let forget = || {
+        for _ in 0..2 {
+            // The kernel forgets every inode nothing holds; its FORGETs reach the daemon first.
+            std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    // Both names looked up, the inode forgotten, then written through one name and that name
+    // removed: the other keeps the written content.
+    let _ = std::fs::symlink_metadata(m.path("s")).unwrap();
+    let _ = std::fs::symlink_metadata(m.path("t")).unwrap();
+    forget();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("s"))
+        .unwrap()
+        .write_all_at(b"S", 0)
+        .unwrap();
+    std::fs::remove_file(m.path("s")).unwrap();
+    forget();
+    assert_eq!(
+        std::fs::read(m.path("t")).unwrap(),
+        b"S",
+        "a name lost its join"
+    );
     let nlink = |n: &str| std::fs::symlink_metadata(m.path(n)).unwrap().nlink();
     // Written through one name while the other was never looked up: still two names.
     std::fs::OpenOptions::new()
@@ -135,11 +162,7 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
         .unwrap()
         .write_all_at(b"new", 0)
         .unwrap();
-    for _ in 0..2 {
-        // The kernel forgets every inode nothing holds; its FORGETs reach the daemon first.
-        std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    forget();
     assert_eq!(
         nlink("y"),
         2,

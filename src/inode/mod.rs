@@ -283,8 +283,9 @@ impl Node {
     }
 
     /// Keeps the node in the table after the kernel forgets it, for as long as the object has
-    /// a name: a lower hard link whose names this mount removed (`lower_names_gone`) or copied
-    /// up (the others join the copy at their lookup, `copied_up_link_of`). Nothing on disk
+    /// a name: a lower hard link whose names this mount removed (`lower_names_gone`), looked
+    /// up by two names or more (a copy-up joins the names it knows), or copied up (the others
+    /// join the copy at their lookup, `copied_up_link_of`). Nothing on disk
     /// says either before a remount, so a node made anew by a lookup would count the lower
     /// file's names, or show another name as the lower file with its old content. Costs the
     /// node's memory for each such file until the unmount: even once every name the node
@@ -629,6 +630,11 @@ impl InodeTable {
                 st.links.swap(0, pos);
             } else {
                 st.links.insert(0, link);
+                // A lower hard link known by two names: a copy-up joins the names it knows
+                // (`Node::keep`), so they must outlive the kernel forgetting the inode.
+                if !st.upper && st.kind != libc::S_IFDIR && st.links.len() > 1 {
+                    node.keep();
+                }
             }
         }
         Some(node)
