@@ -110,6 +110,11 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
         write(l.join("s"), b"s");
         std::fs::hard_link(l.join("s"), l.join("t")).unwrap();
     });
+    // A write into the file, not over it (no truncation): a copy-up of the lower file.
+    let write_at = |name: &str, data: &[u8]| {
+        let f = std::fs::OpenOptions::new().write(true).open(m.path(name));
+        f.unwrap().write_all_at(data, 0).unwrap();
+    };
     let forget = || {
         for _ in 0..2 {
             // The kernel forgets every inode nothing holds; its FORGETs reach the daemon first.
@@ -122,12 +127,7 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
     let _ = std::fs::symlink_metadata(m.path("s")).unwrap();
     let _ = std::fs::symlink_metadata(m.path("t")).unwrap();
     forget();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(m.path("s"))
-        .unwrap()
-        .write_all_at(b"S", 0)
-        .unwrap();
+    write_at("s", b"S");
     std::fs::remove_file(m.path("s")).unwrap();
     forget();
     assert_eq!(
@@ -137,12 +137,7 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
     );
     let nlink = |n: &str| std::fs::symlink_metadata(m.path(n)).unwrap().nlink();
     // Written through one name while the other was never looked up: still two names.
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(m.path("p"))
-        .unwrap()
-        .write_all_at(b"P", 0)
-        .unwrap();
+    write_at("p", b"P");
     assert_eq!(
         nlink("p"),
         2,
@@ -156,12 +151,7 @@ fn a_lower_hard_link_keeps_what_the_mount_knows_after_the_kernel_forgets_it() {
     );
     std::fs::remove_file(m.path("x")).unwrap();
     assert_eq!(nlink("y"), 2);
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(m.path("a"))
-        .unwrap()
-        .write_all_at(b"new", 0)
-        .unwrap();
+    write_at("a", b"new");
     forget();
     assert_eq!(
         nlink("y"),
