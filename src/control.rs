@@ -63,14 +63,22 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         Err(why) => format!("partial files' writers: through the daemon ({why})\n"),
     };
     r += &format!(
-        "block size: {} (sparse files: {})\npassthrough: {:?}\n",
+        "block size: {} (sparse files: {})\npassthrough: {}\nwriteback cache: {}\n",
         overlay.sparse().block,
         if overlay.sparse().sparse {
             "yes"
         } else {
             "no, whole-file copy-up"
         },
-        overlay.config().passthrough
+        match overlay.may_pass_through() {
+            Ok(()) => format!("{:?}", overlay.config().passthrough),
+            Err(why) => format!("none ({why})"),
+        },
+        if overlay.writeback_cache() {
+            "on (the kernel gathers writes and owns files' sizes and times)"
+        } else {
+            "off"
+        }
     );
     if overlay.layers().has_upper {
         let clones: Vec<String> = (1..=overlay.layers().lower_count())
@@ -248,7 +256,7 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
     let (inodes, handles) = overlay.open_counts();
     format!(
         "{{\"mount\": {}, \"upper\": {upper}, \"upper_store\": {upper_store}, \"lower\": [{}], \"transport\": {}, \"block_size\": {}, \
-         \"passthrough\": {}, \"inodes\": {}, \"open_handles\": {}, \
+         \"passthrough\": {}, \"writeback_cache\": {}, \"inodes\": {}, \"open_handles\": {}, \
          \"partial_files\": {{\"queued\": {}, \"blocks_present\": {}, \"blocks_total\": {}, \
          \"bytes_not_copied\": {}}}, \"copy_after_write_pending_bytes\": {}, \
          \"descriptors\": {{\"open\": {}, \"limit\": {}}}, \"counters\": {{{}}}, \
@@ -258,6 +266,7 @@ pub fn report_json(overlay: &Overlay, mountpoint: &Path) -> String {
         json_str(overlay.transport()),
         overlay.sparse().block,
         json_str(&format!("{:?}", overlay.config().passthrough)),
+        overlay.writeback_cache(),
         inodes,
         handles,
         f.partial_files,

@@ -15,7 +15,7 @@ use fuser::{
 };
 
 use crate::error::Error;
-use crate::file::IoMode;
+use crate::file::{IoMode, Opened};
 use crate::overlay::SetAttr;
 use crate::overlay::{Caller, Overlay};
 use crate::sys::{Attr, Time};
@@ -140,21 +140,24 @@ fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
     }
 }
 
-fn fopen_flags(io: IoMode, flushes: bool, keep_cache: bool) -> FopenFlags {
+fn fopen_flags(io: IoMode, opened: &Opened) -> FopenFlags {
     // FLUSH (sent on every close) fills copy-after-write blocks, which only a handle that
     // writes through the daemon can leave, and after a writer passing through drops the
     // attributes the kernel cached (`Opened::flushes`); POSIX locks are the kernel's own here.
-    let noflush = if flushes {
+    // (Under the writeback cache the kernel sends FLUSH at every close whatever this says.)
+    let mut flags = if opened.flushes {
         FopenFlags::empty()
     } else {
         FopenFlags::FOPEN_NOFLUSH
     };
+    if opened.direct {
+        flags |= FopenFlags::FOPEN_DIRECT_IO;
+    }
     match io {
         // All changes to the data go through this mount: cached pages never go stale, unless
         // the object has a second kernel inode (`Opened::keep_cache`).
-        IoMode::Cached if keep_cache => FopenFlags::FOPEN_KEEP_CACHE | noflush,
-        IoMode::Cached => noflush,
-        IoMode::Passthrough => noflush,
+        IoMode::Cached if opened.keep_cache => flags | FopenFlags::FOPEN_KEEP_CACHE,
+        IoMode::Cached | IoMode::Passthrough => flags,
     }
 }
 
@@ -176,7 +179,7 @@ impl MosaicFs {
     fn created(
         &self,
         reply: ReplyCreate,
-        r: crate::error::Result<(Arc<crate::inode::Node>, Attr, crate::file::Opened)>,
+        r: crate::error::Result<(Arc<crate::inode::Node>, Attr, Opened)>,
     ) {
         let (node, attr, opened) = match r {
             Ok(v) => v,
@@ -195,23 +198,17 @@ impl MosaicFs {
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
-                    let flags = fopen_flags(IoMode::Passthrough, opened.flushes, false);
+                    let flags = fopen_flags(IoMode::Passthrough, &opened);
                     return reply.created_passthrough(&ttl, &attr, generation, fh, flags, id);
                 }
                 Err(io) => {
-                    let flags = fopen_flags(io, opened.flushes, opened.keep_cache);
+                    let flags = fopen_flags(io, &opened);
                     return reply.created(&ttl, &attr, generation, fh, flags);
                 }
             }
         }
         self.core.stats().opens_daemon.add(1);
-        reply.created(
-            &ttl,
-            &attr,
-            generation,
-            fh,
-            fopen_flags(opened.io, opened.flushes, opened.keep_cache),
-        )
+        reply.created(&ttl, &attr, generation, fh, fopen_flags(opened.io, &opened))
     }
 
     fn ttl(&self) -> Duration {
@@ -280,6 +277,15 @@ impl Filesystem for MosaicFs {
                 )
             }
             Err(_) => {}
+        }
+        // Where nothing passes through, the kernel may keep written data in its page cache and
+        // send it later in large writes, as for a local file system (io.rs `open` and `write`
+        // follow what that changes: reads through write-only handles, O_APPEND).
+        let writeback_offered = config
+            .capabilities()
+            .contains(InitFlags::FUSE_WRITEBACK_CACHE);
+        if self.core.set_writeback(writeback_offered) {
+            wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
         let _ = config.add_capabilities(wanted & config.capabilities());
         self.no_opendir = config
@@ -382,14 +388,17 @@ impl Filesystem for MosaicFs {
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
+        ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
         _bkuptime: Option<SystemTime>,
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let written = fh.is_some()
+            && (atime.is_some() || mtime.is_some())
+            && (mode, uid, gid, size) == (None, None, None, None);
         let set = SetAttr {
             mode,
             uid,
@@ -397,6 +406,8 @@ impl Filesystem for MosaicFs {
             size,
             atime: set_time(atime),
             mtime: set_time(mtime),
+            ctime: set_time(ctime.map(TimeOrNow::SpecificTime)),
+            written,
         };
         match self.core.setattr(ino.0, set, &caller(req, 0)) {
             Ok(a) => reply.attr(&self.ttl(), &fuse_attr(&a)),
@@ -513,19 +524,16 @@ impl Filesystem for MosaicFs {
                     let id = b
                         .downcast_ref::<BackingId>()
                         .expect("only BackingIds are stored");
-                    let flags = fopen_flags(IoMode::Passthrough, opened.flushes, false);
+                    let flags = fopen_flags(IoMode::Passthrough, &opened);
                     return reply.opened_passthrough(fh, flags, id);
                 }
                 Err(io) => {
-                    return reply.opened(fh, fopen_flags(io, opened.flushes, opened.keep_cache));
+                    return reply.opened(fh, fopen_flags(io, &opened));
                 }
             }
         }
         self.core.stats().opens_daemon.add(1);
-        reply.opened(
-            fh,
-            fopen_flags(opened.io, opened.flushes, opened.keep_cache),
-        )
+        reply.opened(fh, fopen_flags(opened.io, &opened))
     }
 
     fn read(
@@ -901,6 +909,12 @@ impl Filesystem for MosaicFs {
         whence: i32,
         reply: ReplyLseek,
     ) {
+        if self.core.writeback_cache() {
+            // The kernel asks SEEK_DATA and SEEK_HOLE without writing back the pages it holds
+            // dirty: the layer file's holes may be where it holds data. ENOSYS has it answer
+            // from its own size (all data, a hole at the end), for every later seek too.
+            return reply.error(Errno::ENOSYS);
+        }
         match self.core.lseek(fh.0, offset, whence) {
             Ok(pos) => reply.offset(pos),
             Err(e) => reply.error(errno(e)),

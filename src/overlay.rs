@@ -96,6 +96,8 @@ pub struct Config {
     pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
     pub partial_passthrough: crate::options::Switch,
+    /// `writeback=`: the kernel's writeback cache where nothing passes through (fuse.rs `init`).
+    pub writeback: crate::options::Switch,
     /// `xattr_permissions=`: how xattr names of the merged view are stored (stat_override.rs).
     pub xattr_permissions: crate::stat_override::XattrPermissions,
     /// A directory with lower parts may be renamed (a redirect records where they are);
@@ -130,6 +132,7 @@ impl Config {
             caw_always: o.caw_always,
             reflink: o.reflink,
             partial_passthrough: o.partial_passthrough,
+            writeback: o.writeback,
             metacopy: o.follows_metacopy(),
             verity: o.verity,
         }
@@ -183,6 +186,8 @@ pub struct Overlay {
     /// Whether this mount may pass files through: a `PassthroughState`, set at INIT and when
     /// the kernel refuses a backing file.
     passthrough_state: std::sync::atomic::AtomicUsize,
+    /// The kernel's writeback cache is on (passthrough.rs `set_writeback`).
+    writeback: std::sync::atomic::AtomicBool,
     /// The background workers (copy-after-write, completion) start at the first job, not at
     /// mount: an idle mount holds no thread for them (`arm_workers`, `need_*`).
     me: std::sync::OnceLock<std::sync::Weak<Overlay>>,
@@ -304,6 +309,7 @@ impl Overlay {
             passthrough_state: std::sync::atomic::AtomicUsize::new(
                 PassthroughState::NoSession as usize,
             ),
+            writeback: Default::default(),
             me: Default::default(),
             caw_started: std::sync::Once::new(),
             completion_started: std::sync::Once::new(),

@@ -130,7 +130,20 @@ fn immutable_files_and_directories_refuse_every_change_until_the_flag_goes() {
 
 #[test]
 fn append_only_files_take_appends_only_and_directories_keep_their_entries() {
+    append_only_files_take_appends_only(&[]);
+}
+
+/// The same under the kernel's writeback cache (a mount where nothing passes through): a
+/// write to an append-only file must reach the daemon before it returns, or the daemon could
+/// refuse it only when the kernel writes the page back, after the writer was told it succeeded.
+#[test]
+fn append_only_files_take_appends_only_under_the_writeback_cache() {
+    append_only_files_take_appends_only(&["passthrough=off"]);
+}
+
+fn append_only_files_take_appends_only(options: &[&str]) {
     let mut m = Mount::new(1);
+    m.extra = options.iter().map(|o| o.to_string()).collect();
     write(m.lower(0).join("log"), "one\n");
     fs::create_dir(m.lower(0).join("d")).unwrap();
     write(m.lower(0).join("d/kept"), "kept");
@@ -168,6 +181,22 @@ fn append_only_files_take_appends_only_and_directories_keep_their_entries() {
     eperm("write without O_APPEND", a.write_all(b"three\n"));
     drop(a);
     assert_eq!(fs::read_to_string(&log).unwrap(), "one\ntwo\n");
+
+    // Written, then made append-only while still open: under the writeback cache the kernel
+    // sends the data and the times of those writes afterwards, which the flag must not refuse.
+    let mut fresh = fs::File::create(m.path("fresh")).unwrap();
+    fresh.write_all(b"written before the flag").unwrap();
+    chattr("+a", &m.path("fresh"));
+    fresh
+        .sync_all()
+        .expect("the writes made before the flag reach the layer");
+    drop(fresh);
+    set_times(&m.path("fresh"), true).expect("a touch is allowed");
+    assert_eq!(
+        fs::read_to_string(m.path("fresh")).unwrap(),
+        "written before the flag"
+    );
+    chattr("-a", &m.path("fresh"));
 
     // The directory: new entries yes, none removed or moved out.
     write(d.join("new"), "new");

@@ -519,6 +519,33 @@ fn fsx_with_writers_passing_through_matches_the_model() {
     }
 }
 
+/// The same under the kernel's writeback cache, as every mount where nothing passes through
+/// has it (rootless, `passthrough=off`): writes reach the daemon later, gathered into pages,
+/// O_APPEND is the kernel's, partly written pages are read through write-only handles, and
+/// the kernel owns sizes until its pages are written back.
+#[test]
+fn fsx_under_the_writeback_cache_matches_the_model() {
+    let ops = fsx_ops();
+    let seeds: Vec<u64> = match fsx_seed() {
+        Some(s) => vec![s],
+        None => vec![5, 6],
+    };
+    for seed in seeds {
+        eprintln!("fsx (writeback cache): seed {seed}, {ops} operations");
+        let run = run_seed_in(
+            std::path::Path::new("/tmp"),
+            seed,
+            ops,
+            &["passthrough=off"],
+        );
+        assert!(
+            status(&run.m).contains("writeback cache: on"),
+            "the writeback cache is off: {}",
+            status(&run.m)
+        );
+    }
+}
+
 /// The same, with background completion racing every operation (files complete 1 ms after
 /// their last write) and passthrough for completed files.
 #[test]

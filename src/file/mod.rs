@@ -395,6 +395,10 @@ pub struct Opened {
     /// move to a second one): writes through either leave the other's pages stale, and
     /// dropping them at each open gives at least close-to-open consistency.
     pub keep_cache: bool,
+    /// Whether the kernel must send every read and write of this handle as it comes, past
+    /// its page cache (FOPEN_DIRECT_IO): an append-only file under the writeback cache, whose
+    /// writes the daemon must see in time to refuse one that does not append.
+    pub direct: bool,
 }
 
 /// A file's data for reading (`Overlay::opened_data`).

@@ -202,6 +202,10 @@ pub struct Options {
     /// splice into such a file raises no event (docs/KERNEL-NOTES.md), and on a VM slow at wake-ups
     /// an event costs more than a FUSE request (docs/PERFORMANCE.md).
     pub partial_passthrough: Switch,
+    /// The kernel's writeback cache for file data (`writeback=auto|on|off`; fuse.rs `init`):
+    /// `auto` where nothing passes through (rootless, no passthrough in the kernel,
+    /// `passthrough=off`), `on` also instead of passthrough, which it excludes.
+    pub writeback: Switch,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
     /// Where the writable layer lives (`upper=disk|memory`).
@@ -287,6 +291,7 @@ impl Default for Options {
             completion: Default::default(),
             reflink: true,
             partial_passthrough: Switch::Off,
+            writeback: Switch::Auto,
             read_ahead_kb: 4096,
             metrics: None,
             log_file: None,

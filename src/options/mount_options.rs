@@ -167,6 +167,7 @@ impl Options {
             "fsync" => self.skip_fsync = !parse_bool(name, value)?,
             "reflink" => self.reflink = parse_bool(name, value)?,
             "partial_passthrough" => self.partial_passthrough = Switch::parse(name, value)?,
+            "writeback" => self.writeback = Switch::parse(name, value)?,
             "volatile" => self.skip_fsync = true,
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
@@ -328,9 +329,6 @@ impl Options {
                 ));
             }
             "ino32_t" => self.warn("option 'ino32_t' is ignored: inode numbers are 64-bit".into()),
-            "writeback" => self.warn(
-                "option 'writeback' is ignored: mosaicfs does not use the FUSE writeback cache".into(),
-            ),
             "plugins" => {
                 self.warn("option 'plugins' is ignored: mosaicfs has no layer plugins".into())
             }

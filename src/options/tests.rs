@@ -155,6 +155,11 @@ fn every_fuse_overlayfs_option_is_accepted() {
     );
     assert!(o.skip_fsync && o.read_only && !o.acl);
     assert_eq!(
+        o.writeback,
+        Switch::On,
+        "fuse-overlayfs' writeback=1 asks for the cache"
+    );
+    assert_eq!(
         o.xattr_permissions,
         crate::stat_override::XattrPermissions::Privileged
     );
@@ -189,4 +194,17 @@ fn bad_numbers_are_named() {
     assert!(e.contains("timeout") && e.contains("soon"), "{e}");
     let e = parse(&["-o", "lowerdir=/a,uidmapping=0:1", "/m"]).unwrap_err();
     assert!(e.contains("uidmapping"), "{e}");
+}
+
+#[test]
+fn writeback_takes_auto_on_or_off() {
+    let o = parse(&["-o", "lowerdir=/a", "/m"]).unwrap();
+    assert_eq!(o.writeback, Switch::Auto);
+    let o = parse(&["-o", "lowerdir=/a,writeback=0", "/m"]).unwrap();
+    assert_eq!(o.writeback, Switch::Off);
+    let e = parse(&["-o", "lowerdir=/a,writeback=later", "/m"]).unwrap_err();
+    assert!(
+        e.to_string().contains("'writeback' takes auto, on or off"),
+        "{e}"
+    );
 }

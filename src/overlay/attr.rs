@@ -28,6 +28,14 @@ pub struct SetAttr {
     pub size: Option<u64>,
     pub atime: Option<Time>,
     pub mtime: Option<Time>,
+    /// The change time the kernel gives with new times under the writeback cache, where it
+    /// keeps the times itself and sends them as values: a time equal to it is "now" (a touch,
+    /// or the time of the writes it sends back), not a time the caller chose.
+    pub ctime: Option<Time>,
+    /// Times only, with a file handle: the kernel writing back the times of writes it let
+    /// through under the writeback cache (at close or fsync), not a caller's utimes. Those
+    /// writes were allowed when they were made, so the times pass an append-only file's check.
+    pub written: bool,
 }
 
 impl Overlay {
@@ -63,12 +71,14 @@ impl Overlay {
         self.check_writable()?;
         let node: Arc<Node> = self.node(ino)?;
         // Immutable and append-only objects (fileattr.rs): times set to now are a touch.
-        let now_only = |t: &Option<Time>| matches!(t, None | Some(Time::Now));
+        let now_only = |t: &Option<Time>| {
+            matches!(t, None | Some(Time::Now)) || set.ctime.is_some() && *t == set.ctime
+        };
         let touch = now_only(&set.atime) && now_only(&set.mtime);
         let any_time = set.atime.is_some() || set.mtime.is_some();
         if set.size.is_some() || set.mode.is_some() || set.uid.is_some() || set.gid.is_some() {
             self.check_change(&node, Change::Modify)?;
-        } else if any_time {
+        } else if any_time && !set.written {
             let change = if touch { Change::Touch } else { Change::Modify };
             self.check_change(&node, change)?;
         }

@@ -262,10 +262,13 @@ impl Overlay {
             file.writer_opens
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        // Under the writeback cache the kernel appends: it sends each write at the end of the
+        // file as it knows it, which may lie past the layer file's end while pages are dirty.
+        let writeback = self.writeback_cache();
         let fh = self.handles.insert(Handle {
             file,
             node,
-            append: flags & libc::O_APPEND != 0,
+            append: flags & libc::O_APPEND != 0 && !writeback,
             append_only,
             writable,
             sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
@@ -284,6 +287,7 @@ impl Overlay {
             io,
             flushes,
             keep_cache,
+            direct: writeback && append_only,
         })
     }
 

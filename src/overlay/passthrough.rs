@@ -1,5 +1,6 @@
 //! Whether this mount's files may pass through to the kernel (FUSE passthrough), and why not:
-//! the kernel's offer at INIT, the daemon's privilege, `passthrough=off`, a memory upper.
+//! the kernel's offer at INIT, the daemon's privilege, `passthrough=off`, a memory upper; and
+//! where nothing passes through, whether the kernel caches written data (the writeback cache).
 //!
 //! May call (dev/callgraph.py --check keeps it so): nothing.
 
@@ -17,15 +18,18 @@ pub(super) enum PassthroughState {
     Off,
     NoKernel,
     NotAdmin,
+    /// `writeback=on`: the kernel's writeback cache, which excludes passthrough.
+    Writeback,
 }
 
 impl PassthroughState {
-    const ALL: [PassthroughState; 5] = [
+    const ALL: [PassthroughState; 6] = [
         PassthroughState::Allowed,
         PassthroughState::NoSession,
         PassthroughState::Off,
         PassthroughState::NoKernel,
         PassthroughState::NotAdmin,
+        PassthroughState::Writeback,
     ];
 
     fn why_not(self) -> Option<&'static str> {
@@ -40,6 +44,9 @@ impl PassthroughState {
                 "registering a backing file needs CAP_SYS_ADMIN in the initial user namespace: \
                  a rootless mount",
             ),
+            PassthroughState::Writeback => {
+                Some("writeback=on: the kernel's writeback cache, which excludes passthrough")
+            }
         }
     }
 }
@@ -73,6 +80,8 @@ impl Overlay {
     pub fn set_passthrough(&self, kernel_offers: bool, may_register: bool) {
         let state = if self.config.passthrough == crate::options::PassthroughPolicy::Off {
             PassthroughState::Off
+        } else if self.config.writeback == crate::options::Switch::On {
+            PassthroughState::Writeback
         } else if !kernel_offers {
             PassthroughState::NoKernel
         } else if !may_register {
@@ -90,5 +99,24 @@ impl Overlay {
             PassthroughState::NotAdmin as usize,
             std::sync::atomic::Ordering::Relaxed,
         );
+    }
+
+    /// Whether the kernel caches this mount's written data and sends it later (FUSE's
+    /// writeback cache), decided at INIT: where nothing passes through, unless `writeback=off`
+    /// (`kernel_offers` it: Linux 3.15 and later). docs/PERFORMANCE.md, "The writeback cache".
+    pub fn set_writeback(&self, kernel_offers: bool) -> bool {
+        let on = kernel_offers
+            && self.config.writeback != crate::options::Switch::Off
+            && self.may_pass_through().is_err();
+        self.writeback
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        on
+    }
+
+    /// Whether the kernel's writeback cache is on (`set_writeback`). Then the kernel owns the
+    /// size and times of regular files, reads through write-only handles to fill the pages a
+    /// write covers in part, and sends each write at the offset it chose, O_APPEND included.
+    pub fn writeback_cache(&self) -> bool {
+        self.writeback.load(std::sync::atomic::Ordering::Relaxed)
     }
 }

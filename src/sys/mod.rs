@@ -526,7 +526,7 @@ fn fchmodat2_nofollow(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> rustix::i
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Time {
     Now,
     Omit,
