@@ -80,12 +80,12 @@ test: deps install
 	$(CARGO) test --release -p mosaicfs-snapshotter
 	tests/pjdfstest/run.sh $(DAEMON)
 	MOSAICFS_OPTS=xattr_permissions=2 tests/pjdfstest/run.sh $(DAEMON)
-	# Under the kernel's writeback cache, which every mount where nothing passes through has.
-	MOSAICFS_OPTS=passthrough=off tests/pjdfstest/run.sh $(DAEMON)
+	# Under the kernel's writeback cache (writeback=auto: where nothing passes through).
+	MOSAICFS_OPTS=passthrough=off,writeback=auto tests/pjdfstest/run.sh $(DAEMON)
 	# The same random operations on kernel overlayfs and on mosaicfs, results and trees compared.
 	tests/differential.py $(DAEMON) 1,2,3,4,5,6 2000
 	tests/differential.py $(DAEMON) 1,2,3,4,5,6 2000 ,upper=memory
-	tests/differential.py $(DAEMON) 1,2,3 2000 ,passthrough=off
+	tests/differential.py $(DAEMON) 1,2,3 2000 ,passthrough=off,writeback=auto
 	tests/podman/run.sh $(DAEMON)
 	tests/podman/rootless.sh $(DAEMON)
 	# containers/storage's own tests with mosaicfs as its overlay driver's mount program.
@@ -100,7 +100,7 @@ test: deps install
 	tests/package/run.sh
 	# xfstests' generic tests that take under 10 s here (issue #40; tests/xfstests/expected).
 	tests/xfstests/run.sh --quick
-	MOSAICFS_OPTS=passthrough=off tests/xfstests/run.sh --quick
+	MOSAICFS_OPTS=passthrough=off,writeback=auto tests/xfstests/run.sh --quick
 	# unionmount-testsuite, as kernel overlayfs and fuse-overlayfs run it (tests/unionmount).
 	tests/unionmount/run.sh
 	# Once more with the upper layer held by the daemon (upper=memory, issue #13): the same

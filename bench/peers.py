@@ -30,10 +30,11 @@ With --uring the administrator's switch for FUSE over io_uring is turned on for 
 put back), and mosaicfs runs twice per round: over /dev/fuse (`uring=off`) and over io_uring
 (`uring=on`, column mosaicfs-uring). The other peers do not use it.
 
-With --no-writeback mosaicfs also runs with `writeback=off` (column mosaicfs-no-writeback):
-what the kernel's writeback cache, which a mount has wherever nothing passes through, gives.
+With --writeback mosaicfs also runs with `writeback=auto` (column mosaicfs-writeback): what
+the kernel's writeback cache gives where nothing passes through (bench/writeback.py measures
+it on its own).
 
-Usage: bench/peers.py [--rootless] [--uring] [--no-writeback] [--rounds N] [--root DIR]
+Usage: bench/peers.py [--rootless] [--uring] [--writeback] [--rounds N] [--root DIR]
        (as root)
 """
 
@@ -218,11 +219,11 @@ def main():
     ap = peer_arguments("/var/tmp/mosaicfs-bench-peers")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--uring", action="store_true")
-    ap.add_argument("--no-writeback", action="store_true")
+    ap.add_argument("--writeback", action="store_true")
     a = ap.parse_args()
     a.mosaicfs = os.path.abspath(a.mosaicfs)
     kinds = (peers() + (["mosaicfs-uring"] if a.uring else [])
-             + (["mosaicfs-no-writeback"] if a.no_writeback else []))
+             + (["mosaicfs-writeback"] if a.writeback else []))
     if a.inside:
         a.rootless = True
         run(a, a.root, kinds)
@@ -234,7 +235,7 @@ def main():
             return
         run_rootless(root, __file__, ["--inside", "--root", root, "--rounds", str(a.rounds),
                                       "--mosaicfs", a.mosaicfs] + (["--uring"] if a.uring else [])
-                      + (["--no-writeback"] if a.no_writeback else []))
+                      + (["--writeback"] if a.writeback else []))
 
 if __name__ == "__main__":
     main()

@@ -119,7 +119,7 @@ def metadata_mix(mix, rounds=2000):
 
 def mount_overlay(kind, binary, lower, d, rootless=False, uring=None):
     """Mounts overlay `kind` (mosaicfs, overlay, fuse-overlayfs, fuse-overlayfs-2.0,
-    mosaicfs-uring, mosaicfs-no-writeback) of `lower` with upper, work and mount point under `d`, as its users mount
+    mosaicfs-uring, mosaicfs-writeback) of `lower` with upper, work and mount point under `d`, as its users mount
     it; `rootless`: in a user namespace, where kernel overlayfs needs `userxattr`. `uring`: for
     mosaicfs, over io_uring (True) or /dev/fuse (False) rather than its default."""
     for sub in ["upper", "work", "mnt"]:
@@ -129,7 +129,7 @@ def mount_overlay(kind, binary, lower, d, rootless=False, uring=None):
     sh({
         "mosaicfs": f"{binary} -o {o}{transport} {d}/mnt",
         "mosaicfs-uring": f"{binary} -o {o}{transport} {d}/mnt",
-        "mosaicfs-no-writeback": f"{binary} -o {o}{transport},writeback=off {d}/mnt",
+        "mosaicfs-writeback": f"{binary} -o {o}{transport},writeback=auto {d}/mnt",
         "overlay": f"mount -t overlay overlay -o {o}{',userxattr' if rootless else ''} {d}/mnt",
         "fuse-overlayfs-2.0": f"{FO2} -o {o} {d}/mnt",
         "fuse-overlayfs": f"fuse-overlayfs -o {o} {d}/mnt",

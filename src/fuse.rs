@@ -278,9 +278,10 @@ impl Filesystem for MosaicFs {
             }
             Err(_) => {}
         }
-        // Where nothing passes through, the kernel may keep written data in its page cache and
-        // send it later in large writes, as for a local file system (io.rs `open` and `write`
-        // follow what that changes: reads through write-only handles, O_APPEND).
+        // Where nothing passes through and `writeback=` asks, the kernel keeps written data in
+        // its page cache and sends it later in large writes, as for a local file system
+        // (io.rs `open` and `write` follow what that changes: reads through write-only
+        // handles, O_APPEND).
         let writeback_offered = config
             .capabilities()
             .contains(InitFlags::FUSE_WRITEBACK_CACHE);

@@ -133,12 +133,12 @@ fn append_only_files_take_appends_only_and_directories_keep_their_entries() {
     append_only_files_take_appends_only(&[]);
 }
 
-/// The same under the kernel's writeback cache (a mount where nothing passes through): a
+/// The same under the kernel's writeback cache (`writeback=auto`, nothing passing through): a
 /// write to an append-only file must reach the daemon before it returns, or the daemon could
 /// refuse it only when the kernel writes the page back, after the writer was told it succeeded.
 #[test]
 fn append_only_files_take_appends_only_under_the_writeback_cache() {
-    append_only_files_take_appends_only(&["passthrough=off"]);
+    append_only_files_take_appends_only(&["passthrough=off", "writeback=auto"]);
 }
 
 fn append_only_files_take_appends_only(options: &[&str]) {

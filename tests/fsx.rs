@@ -519,8 +519,8 @@ fn fsx_with_writers_passing_through_matches_the_model() {
     }
 }
 
-/// The same under the kernel's writeback cache, as every mount where nothing passes through
-/// has it (rootless, `passthrough=off`): writes reach the daemon later, gathered into pages,
+/// The same under the kernel's writeback cache (`writeback=auto` where nothing passes through:
+/// rootless, `passthrough=off`): writes reach the daemon later, gathered into pages,
 /// O_APPEND is the kernel's, partly written pages are read through write-only handles, and
 /// the kernel owns sizes until its pages are written back.
 #[test]
@@ -536,7 +536,7 @@ fn fsx_under_the_writeback_cache_matches_the_model() {
             std::path::Path::new("/tmp"),
             seed,
             ops,
-            &["passthrough=off"],
+            &["passthrough=off", "writeback=auto"],
         );
         assert!(
             status(&run.m).contains("writeback cache: on"),

@@ -1,4 +1,4 @@
-//! The kernel's writeback cache, which a mount has wherever nothing passes through (rootless,
+//! The kernel's writeback cache (`writeback=auto`: on wherever nothing passes through — rootless,
 //! a kernel without passthrough, `passthrough=off`): written data waits in the kernel's page
 //! cache and reaches the daemon later, gathered, at offsets the kernel chose.
 
@@ -22,7 +22,7 @@ fn mount_with(options: &[&str], files: &[(&str, &[u8])]) -> Mount {
 
 #[test]
 fn small_writes_reach_the_daemon_gathered() {
-    let m = mount_with(&["passthrough=off"], &[]);
+    let m = mount_with(&["passthrough=off", "writeback=auto"], &[]);
     assert!(status(&m).contains("writeback cache: on"), "{}", status(&m));
     let mut want = Vec::new();
     let mut f = fs::File::create(m.path("log")).unwrap();
@@ -42,9 +42,11 @@ fn small_writes_reach_the_daemon_gathered() {
     assert_eq!(fs::read(m.upper.join("log")).unwrap_or(want.clone()), want);
 }
 
+/// Off by default: it costs a file's every close after a write, and every unlink and rename,
+/// a round trip more (docs/PERFORMANCE.md).
 #[test]
 fn without_it_every_write_is_a_request() {
-    let m = mount_with(&["passthrough=off", "writeback=off"], &[]);
+    let m = mount_with(&["passthrough=off"], &[]);
     assert!(
         status(&m).contains("writeback cache: off"),
         "{}",
@@ -66,7 +68,10 @@ fn without_it_every_write_is_a_request() {
 #[test]
 fn appends_land_where_the_kernel_put_them() {
     let base = pattern(10_000, 3);
-    let mut m = mount_with(&["passthrough=off", "copy_whole=0"], &[("log", &base)]);
+    let mut m = mount_with(
+        &["passthrough=off", "writeback=auto", "copy_whole=0"],
+        &[("log", &base)],
+    );
     let mut want = base.clone();
     let mut a = fs::OpenOptions::new()
         .append(true)
@@ -97,7 +102,10 @@ fn appends_land_where_the_kernel_put_them() {
 #[test]
 fn a_write_only_handle_fills_the_pages_it_writes_in_part() {
     let base = pattern(3 << 20, 5);
-    let mut m = mount_with(&["passthrough=off", "copy_whole=0"], &[("img", &base)]);
+    let mut m = mount_with(
+        &["passthrough=off", "writeback=auto", "copy_whole=0"],
+        &[("img", &base)],
+    );
     let f = fs::OpenOptions::new()
         .write(true)
         .open(m.path("img"))
@@ -122,7 +130,10 @@ fn a_write_only_handle_fills_the_pages_it_writes_in_part() {
 /// what a stat showed before is what the layer holds after a remount.
 #[test]
 fn sizes_and_times_the_kernel_kept_reach_the_layer() {
-    let mut m = mount_with(&["passthrough=off", "copy_whole=0"], &[("f", b"lower")]);
+    let mut m = mount_with(
+        &["passthrough=off", "writeback=auto", "copy_whole=0"],
+        &[("f", b"lower")],
+    );
     let f = fs::OpenOptions::new()
         .write(true)
         .open(m.path("f"))
@@ -142,9 +153,9 @@ fn sizes_and_times_the_kernel_kept_reach_the_layer() {
     );
 }
 
-/// Unprivileged mounts (a user namespace: no FUSE passthrough) have it by default.
+/// Unprivileged mounts (a user namespace: no FUSE passthrough) have it when asked for.
 #[test]
-fn a_rootless_mount_has_it_by_default() {
+fn a_rootless_mount_has_it_when_asked() {
     if !runs_on_disk_upper_only() {
         return;
     }
@@ -155,7 +166,7 @@ fn a_rootless_mount_has_it_by_default() {
     }
     let bin = env!("CARGO_BIN_EXE_mosaicfs");
     let script = format!(
-        "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w {p}/m; \
+        "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w,writeback=auto {p}/m; \
          printf one > {p}/m/f; printf two >> {p}/m/f; \
          {bin} status {p}/m > {p}/status; cat {p}/m/f > {p}/content; umount {p}/m"
     );
@@ -174,7 +185,7 @@ fn a_rootless_mount_has_it_by_default() {
 /// answer from its own size.
 #[test]
 fn seeking_data_finds_what_the_kernel_holds() {
-    let m = mount_with(&["passthrough=off"], &[]);
+    let m = mount_with(&["passthrough=off", "writeback=auto"], &[]);
     let f = fs::File::create(m.path("sparse")).unwrap();
     f.write_all_at(b"data past a hole", 1 << 20).unwrap();
     let data = rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(0))

@@ -204,7 +204,9 @@ pub struct Options {
     pub partial_passthrough: Switch,
     /// The kernel's writeback cache for file data (`writeback=auto|on|off`; fuse.rs `init`):
     /// `auto` where nothing passes through (rootless, no passthrough in the kernel,
-    /// `passthrough=off`), `on` also instead of passthrough, which it excludes.
+    /// `passthrough=off`), `on` also instead of passthrough, which it excludes; `off` (default:
+    /// it costs every close of a written file and every unlink and rename a round trip more,
+    /// docs/PERFORMANCE.md "The writeback cache").
     pub writeback: Switch,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
@@ -291,7 +293,7 @@ impl Default for Options {
             completion: Default::default(),
             reflink: true,
             partial_passthrough: Switch::Off,
-            writeback: Switch::Auto,
+            writeback: Switch::Off,
             read_ahead_kb: 4096,
             metrics: None,
             log_file: None,

@@ -199,9 +199,9 @@ fn bad_numbers_are_named() {
 #[test]
 fn writeback_takes_auto_on_or_off() {
     let o = parse(&["-o", "lowerdir=/a", "/m"]).unwrap();
-    assert_eq!(o.writeback, Switch::Auto);
-    let o = parse(&["-o", "lowerdir=/a,writeback=0", "/m"]).unwrap();
     assert_eq!(o.writeback, Switch::Off);
+    let o = parse(&["-o", "lowerdir=/a,writeback=auto", "/m"]).unwrap();
+    assert_eq!(o.writeback, Switch::Auto);
     let e = parse(&["-o", "lowerdir=/a,writeback=later", "/m"]).unwrap_err();
     assert!(
         e.to_string().contains("'writeback' takes auto, on or off"),

@@ -102,8 +102,9 @@ impl Overlay {
     }
 
     /// Whether the kernel caches this mount's written data and sends it later (FUSE's
-    /// writeback cache), decided at INIT: where nothing passes through, unless `writeback=off`
-    /// (`kernel_offers` it: Linux 3.15 and later). docs/PERFORMANCE.md, "The writeback cache".
+    /// writeback cache), decided at INIT: where nothing passes through, when `writeback=auto`
+    /// or `on` asks for it (`kernel_offers` it: Linux 3.15 and later). docs/PERFORMANCE.md,
+    /// "The writeback cache".
     pub fn set_writeback(&self, kernel_offers: bool) -> bool {
         let on = kernel_offers
             && self.config.writeback != crate::options::Switch::Off

@@ -16,8 +16,8 @@
 #   names    just those tests; prints each outcome
 # The mosaicfs mounted is the one /usr/sbin/mount.fuse.mosaicfs runs (make install's).
 # Env: XFSTESTS_WORK (build and layers, default /var/tmp/mosaicfs-xfstests), XFSTESTS_KEEP=1
-# keeps the mounts at the end, MOSAICFS_OPTS=a,b adds mount options (passthrough=off: the
-# writeback cache, as rootless mounts have it).
+# keeps the mounts at the end, MOSAICFS_OPTS=a,b adds mount options (passthrough=off,writeback=auto:
+# the kernel's writeback cache).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/../.." && pwd)
@@ -101,7 +101,7 @@ esac
 # Under the writeback cache some outcomes differ (expected.writeback says which and why).
 overrides=/dev/null
 case ",${MOSAICFS_OPTS:-}," in
-  *,passthrough=off,*|*,writeback=on,*|*,writeback=1,*) overrides=$here/expected.writeback ;;
+  *,writeback=auto,*|*,writeback=on,*|*,writeback=1,*) overrides=$here/expected.writeback ;;
 esac
 expect_of() {
   awk -v t="$1" '$1 == t {print $2; exit}' "$overrides" "$expected"
