@@ -184,13 +184,27 @@ fn a_handle_of_a_removed_file_stays_stale_when_its_number_is_given_to_a_new_file
         let new = m.path(&format!("new{i}"));
         write(&new, "new");
         if fs::metadata(&new).unwrap().ino() == ino {
-            reused = Some(h);
+            reused = Some((h, new));
             break;
         }
     }
-    let h = reused.expect("ext4 gave no freed number to a new file in 64 tries");
+    let (h, new) = reused.expect("ext4 gave no freed number to a new file in 64 tries");
     drop_caches();
     let e = open_handle(&m.path(""), &h, libc::O_RDONLY).map(|_| ());
     assert_eq!(errno_of(e), libc::ESTALE);
+    // The new file's handle carries the generation that tells it from the old file; after a
+    // remount the daemon must give it that generation again (xfstests generic/477 on ext4):
+    // it is taken from the object itself, not counted by one mount.
+    let new_handle = handle_of(&new);
+    m.remount();
+    let fd = open_handle(&m.path(""), &new_handle, libc::O_RDONLY)
+        .expect("the new file's handle after a remount");
+    assert_eq!(read_fd(fd), "new");
+    let e = open_handle(&m.path(""), &h, libc::O_RDONLY).map(|_| ());
+    assert_eq!(
+        errno_of(e),
+        libc::ESTALE,
+        "the old file's handle after a remount"
+    );
     m.unmount();
 }

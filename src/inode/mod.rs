@@ -373,6 +373,23 @@ pub struct Found {
     /// The upper object's own inode number in the upper layer, where known (`ino` is its
     /// origin's for a copy-up): tells a pinned object from another copy of the same origin.
     pub upper_ino: Option<u64>,
+    /// For an object numbered by its upper inode: the generation its number carries, the same
+    /// in every mount (`Attr::stable_generation`), so that a file handle taken before a
+    /// remount finds it, and one of an object the upper file system gave the same number
+    /// before does not. `None`: numbered by a lower object (lower layers never give a number
+    /// twice), or no birth time to take it from; such numbers count generations in the table.
+    pub generation: Option<u64>,
+}
+
+/// The generation of a new object under a number that had generation `old` (if the table
+/// remembers one): its stable generation where it has one and that differs, else the next.
+fn next_generation(old: Option<u64>, stable: Option<u64>) -> u64 {
+    match (old, stable) {
+        (Some(old), Some(g)) if g == old => old + 1,
+        (_, Some(g)) => g,
+        (Some(old), None) => old + 1,
+        (None, None) => 0,
+    }
 }
 
 const SHARDS: usize = 64;
@@ -446,6 +463,7 @@ impl InodeTable {
             origin: false,
             origins: root_origins,
             upper_ino: None,
+            generation: None,
         });
         state.links.push((ROOT_INO, OsString::new()));
         let root = Node::new(ROOT_INO, 0, state);
@@ -607,7 +625,11 @@ impl InodeTable {
             let reused = st.kind != found.kind || st.unlinked && !same;
             if !node.is_alias() && reused {
                 // A new object under a number the old one left behind.
-                node.generation.fetch_add(1, Ordering::Relaxed);
+                let old = node.generation();
+                node.generation.store(
+                    next_generation(Some(old), found.generation),
+                    Ordering::Relaxed,
+                );
                 st.open = Weak::new();
                 st.links.clear();
                 st.protection = None;
@@ -649,7 +671,8 @@ impl InodeTable {
                 let ShardMap { nodes, departed } = &mut *shard;
                 let node = nodes.entry(found.ino).or_insert_with(|| {
                     // Found again: the object keeps the generation its handles carry.
-                    let generation = departed.remove(&found.ino).map_or(0, |d| d.generation);
+                    let kept = departed.remove(&found.ino).map(|d| d.generation);
+                    let generation = found.generation.or(kept).unwrap_or(0);
                     Arc::new(Node::new(found.ino, generation, NodeState::new(found)))
                 });
                 let current = node.current.load(Ordering::Relaxed);
@@ -720,7 +743,7 @@ impl InodeTable {
         state.unlinked = true;
         state.has_origin = false;
         state.origins = false;
-        self.insert_new(found.ino, state)
+        self.insert_new(found.ino, state, found.generation)
     }
 
     /// Records an object this mount has just made as `name` in `parent` (mkdir, mknod,
@@ -733,21 +756,20 @@ impl InodeTable {
     pub fn remember_new(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
         let mut state = NodeState::new(found);
         state.links.push((parent, name.to_os_string()));
-        self.insert_new(found.ino, state)
+        self.insert_new(found.ino, state, found.generation)
     }
 
-    fn insert_new(&self, ino: Ino, state: NodeState) -> Arc<Node> {
+    /// `stable`: the generation the object's number carries in every mount (`Found::generation`).
+    fn insert_new(&self, ino: Ino, state: NodeState, stable: Option<u64>) -> Arc<Node> {
         let mut shard = self.write(ino);
         // The kernel may still hold the number's old object, or a file handle of it: a new
         // generation tells them apart, and its references stay counted here until it forgets
         // them.
-        let (generation, held) = match shard.nodes.get(&ino) {
-            Some(old) => (old.generation() + 1, old.lookups.load(Ordering::Relaxed)),
-            None => (
-                shard.departed.remove(&ino).map_or(0, |d| d.generation + 1),
-                0,
-            ),
+        let (old, held) = match shard.nodes.get(&ino) {
+            Some(old) => (Some(old.generation()), old.lookups.load(Ordering::Relaxed)),
+            None => (shard.departed.remove(&ino).map(|d| d.generation), 0),
         };
+        let generation = next_generation(old, stable);
         let node = Arc::new(Node::new(ino, generation, state));
         node.lookups.store(held + 1, Ordering::Relaxed);
         shard.nodes.insert(ino, node.clone());

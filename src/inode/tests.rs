@@ -11,6 +11,7 @@ fn file(ino: Ino) -> Found {
         origin: false,
         origins: false,
         upper_ino: None,
+        generation: None,
     }
 }
 

@@ -684,6 +684,8 @@ impl Node {
             atime: m.atime,
             mtime: m.mtime,
             ctime: m.ctime,
+            // Numbers are never given twice here (`next_ino`): no generation needed.
+            btime: None,
         }
     }
 }

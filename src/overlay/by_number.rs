@@ -21,8 +21,9 @@
 //!
 //! ESTALE answers a number that names nothing now. After a whole scan found a number nowhere
 //! (and no record was dropped since) later handles of it are answered at once. Generations
-//! tell a removed object from a new one made under its number later in the same mount; they
-//! are not kept across a remount (docs/KERNEL-NOTES.md "File handles").
+//! tell a removed object from a new one made under its number; an object numbered by its
+//! upper inode takes its generation from its birth time, the same in every mount
+//! (docs/KERNEL-NOTES.md "File handles").
 //!
 //! Touches: the node table (counted references), lookups (namei.rs), listings (readdir.rs).
 //!

@@ -126,6 +126,7 @@ impl Overlay {
             origin: false,
             origins: false,
             upper_ino: Some(attr.ino),
+            generation: attr.stable_generation(),
         };
         let node = self.inodes.remember_new(parent, name, &found);
         node.state().protection = Some(0);
@@ -364,6 +365,7 @@ impl Overlay {
             origin: false,
             origins: false,
             upper_ino: Some(attr.ino),
+            generation: attr.stable_generation(),
         };
         let node = self.inodes.remember_unnamed(&found);
         node.state().protection = Some(0);
@@ -419,6 +421,7 @@ impl Overlay {
                 origin: st.has_origin,
                 origins: st.origins,
                 upper_ino: None,
+                generation: None,
             }
         };
         let node = self.inodes.remember(newparent, newname, &found);

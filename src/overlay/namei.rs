@@ -211,6 +211,7 @@ impl Overlay {
                     origin: origin.is_some(),
                     origins: flags.origins,
                     upper_ino: Some(attr.ino),
+                    generation: origin.is_none().then(|| attr.stable_generation()).flatten(),
                 };
                 return Ok(Some(Entry { found, attr }));
             }
@@ -230,6 +231,7 @@ impl Overlay {
                 origin: false,
                 origins: false,
                 upper_ino: None,
+                generation: None,
             },
             attr,
         }))
@@ -268,6 +270,7 @@ impl Overlay {
             origin: false,
             origins: st.origins,
             upper_ino: Some(attr.ino),
+            generation: None,
         })
     }
 

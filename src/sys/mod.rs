@@ -43,6 +43,9 @@ pub struct Attr {
     pub atime: (i64, u32),
     pub mtime: (i64, u32),
     pub ctime: (i64, u32),
+    /// When the object was made, where its file system records it (`statx` STATX_BTIME): what
+    /// tells an object from another its file system later gives the same inode number.
+    pub btime: Option<(i64, u32)>,
 }
 
 impl Attr {
@@ -76,7 +79,42 @@ impl From<rustix::fs::Stat> for Attr {
             atime: (s.st_atime, s.st_atime_nsec as u32),
             mtime: (s.st_mtime, s.st_mtime_nsec as u32),
             ctime: (s.st_ctime, s.st_ctime_nsec as u32),
+            btime: None,
         }
+    }
+}
+
+impl From<rustix::fs::Statx> for Attr {
+    fn from(s: rustix::fs::Statx) -> Self {
+        let time = |t: rustix::fs::StatxTimestamp| (t.tv_sec, t.tv_nsec);
+        let has_btime = s.stx_mask & rustix::fs::StatxFlags::BTIME.bits() != 0;
+        Attr {
+            dev: libc::makedev(s.stx_dev_major, s.stx_dev_minor),
+            ino: s.stx_ino,
+            mode: s.stx_mode as u32,
+            nlink: s.stx_nlink as u64,
+            uid: s.stx_uid,
+            gid: s.stx_gid,
+            rdev: libc::makedev(s.stx_rdev_major, s.stx_rdev_minor),
+            size: s.stx_size,
+            blocks: s.stx_blocks,
+            blksize: s.stx_blksize,
+            atime: time(s.stx_atime),
+            mtime: time(s.stx_mtime),
+            ctime: time(s.stx_ctime),
+            btime: has_btime.then(|| time(s.stx_btime)),
+        }
+    }
+}
+
+impl Attr {
+    /// A file handle generation for the object, the same in every mount: from its birth time,
+    /// where its file system records one (inode/mod.rs `Found::generation`). Below 2^32: the
+    /// kernel keeps an inode's generation in 32 bits.
+    pub fn stable_generation(&self) -> Option<u64> {
+        let (sec, nsec) = self.btime?;
+        let x = (sec as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ nsec as u64;
+        Some((x ^ (x >> 32)) & 0xffff_ffff)
     }
 }
 
@@ -145,8 +183,12 @@ pub fn open_dir(root: BorrowedFd<'_>, rel: &Path) -> Result<OwnedFd> {
     open_beneath(root, rel, OFlags::PATH | OFlags::DIRECTORY, 0)
 }
 
+/// What `stat_at` and `fstat` ask of `statx`: what stat(2) gives, and the birth time.
+const STAT_MASK: rustix::fs::StatxFlags =
+    rustix::fs::StatxFlags::BASIC_STATS.union(rustix::fs::StatxFlags::BTIME);
+
 pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<Attr> {
-    Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?.into())
+    Ok(rustix::fs::statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, STAT_MASK)?.into())
 }
 
 /// `stat_at` where a missing name is an answer, not an error.
@@ -159,7 +201,8 @@ pub fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> Result<Option<Attr>> {
 }
 
 pub fn fstat(fd: BorrowedFd<'_>) -> Result<Attr> {
-    Ok(rustix::fs::fstat(fd)?.into())
+    let sx = rustix::fs::statx(fd, "", AtFlags::EMPTY_PATH, STAT_MASK)?;
+    Ok(sx.into())
 }
 
 /// The birth time of `name` in `dir` (of `dir` itself with `None`), not following a symlink;

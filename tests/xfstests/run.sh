@@ -15,7 +15,8 @@
 #   --all    every test in `expected`                               (default)
 #   names    just those tests; prints each outcome
 # The mosaicfs mounted is the one /usr/sbin/mount.fuse.mosaicfs runs (make install's).
-# Env: XFSTESTS_WORK (build and layers, default /var/tmp/mosaicfs-xfstests), XFSTESTS_KEEP=1
+# Env: XFSTESTS_FS=ext4 puts the layers on ext4 instead of XFS (file handles: generic/477),
+# XFSTESTS_WORK (build and layers, default /var/tmp/mosaicfs-xfstests), XFSTESTS_KEEP=1
 # keeps the mounts at the end, MOSAICFS_OPTS=a,b adds mount options (passthrough=off,writeback=auto:
 # the kernel's writeback cache).
 set -uo pipefail
@@ -75,7 +76,11 @@ for dev in test scratch; do
   truncate -s 8G "$img"
   # XFS: FSTYP=fuse makes xfstests expect 1,000 xattrs on a file (generic/020), more than one
   # ext4 block holds.
-  mkfs.xfs -q -f "$img"
+  case "${XFSTESTS_FS:-xfs}" in
+    xfs) mkfs.xfs -q -f "$img" ;;
+    ext4) mkfs.ext4 -q -F "$img" ;;
+    *) echo "xfstests: XFSTESTS_FS takes xfs or ext4"; exit 1 ;;
+  esac
   mkdir -p "$(mnt_of $dev)" "$work/$dev"
   mount -o loop "$img" "$(mnt_of $dev)" || exit 1
   mkdir -p "$(mnt_of $dev)"/{lower,upper,work}
