@@ -770,8 +770,8 @@ impl Overlay {
     /// was read sends a GETATTR, which would otherwise cost a call to the store per file
     /// (bench/stores.sh: 80 µs each on GlusterFS).
     fn store_attr(&self, st: &crate::inode::NodeState) -> Option<Attr> {
-        match st.store_attr {
-            Some((attr, at)) if !st.upper && at.elapsed() < self.config.lower_cache => Some(attr),
+        match st.store_attr.as_deref() {
+            Some(&(attr, at)) if !st.upper && at.elapsed() < self.config.lower_cache => Some(attr),
             _ => None,
         }
     }
@@ -784,7 +784,7 @@ impl Overlay {
             _ => false,
         };
         if on_store {
-            st.store_attr = Some((attr, std::time::Instant::now()));
+            st.store_attr = Some(Box::new((attr, std::time::Instant::now())));
         }
     }
 

@@ -140,8 +140,10 @@ pub struct NodeState {
     /// view, so `st_nlink` counts them beside the upper file's own.
     pub lower_names_unjoined: u64,
     /// For an object only a lower layer on a store's client holds (`Layer::on_store`): its
-    /// layer `stat` and when it was taken (`Overlay::stat_layer`).
-    pub store_attr: Option<(crate::sys::Attr, std::time::Instant)>,
+    /// layer `stat` and when it was taken (`Overlay::stat_layer`). Boxed: most nodes have
+    /// none, and inline it would be a third of every node's state (docs/PERFORMANCE.md,
+    /// "Memory per inode").
+    pub store_attr: Option<Box<(crate::sys::Attr, std::time::Instant)>>,
     /// The upper object itself, held once a removal took its last known name while the kernel
     /// still knew the node (`Overlay::pin_removed`).
     pub pin: Option<Pin>,
@@ -651,6 +653,9 @@ impl InodeTable {
                 // Most recent name first: it is the one known to be valid right now.
                 st.links.swap(0, pos);
             } else {
+                // Most objects have one name: room for exactly one (a first push would make
+                // room for four).
+                st.links.reserve_exact(1);
                 st.links.insert(0, link);
                 // A lower hard link known by two names: a copy-up joins the names it knows
                 // (`Node::keep`), so they must outlive the kernel forgetting the inode.
@@ -755,6 +760,7 @@ impl InodeTable {
     /// nlink drop to the new file).
     pub fn remember_new(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
         let mut state = NodeState::new(found);
+        state.links.reserve_exact(1);
         state.links.push((parent, name.to_os_string()));
         self.insert_new(found.ino, state, found.generation)
     }
