@@ -36,7 +36,7 @@ impl Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        self.node.io.end(self.io());
+        self.node.io().end(self.io());
         if self.exec {
             let mut st = self.node.state();
             st.executing = st.executing.saturating_sub(1);

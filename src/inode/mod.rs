@@ -146,7 +146,7 @@ pub struct NodeState {
     pub store_attr: Option<Box<(crate::sys::Attr, std::time::Instant)>>,
     /// The upper object itself, held once a removal took its last known name while the kernel
     /// still knew the node (`Overlay::pin_removed`).
-    pub pin: Option<Pin>,
+    pub pin: Option<Box<Pin>>,
     /// Its immutable and append-only flags (fileattr.rs `protection`), once read.
     pub protection: Option<u32>,
 }
@@ -229,10 +229,12 @@ pub struct Node {
     lookups: AtomicU64,
     /// Serialises copy-up of this object (held across the copy, unlike `state`).
     pub copy_up: Arc<Mutex<()>>,
-    /// For a directory: changes to its entries (see the top of this file).
-    pub entries: Arc<ChangeSeq>,
-    /// How the kernel inode behind this node id does I/O (its passthrough binding).
-    pub io: NodeIo,
+    /// For a directory: changes to its entries (see the top of this file). A second identity
+    /// (`retire`, regular files only) has its own, unused.
+    pub entries: ChangeSeq,
+    /// How the kernel inode behind this node id does I/O (its passthrough binding), made at
+    /// its first open (`io`): most nodes are never opened (directories, files only looked at).
+    io: std::sync::OnceLock<Box<NodeIo>>,
     /// `SELF`, `RETIRED` or the node id of this object's second identity. Changed only under
     /// the write lock of this node's shard.
     current: AtomicU64,
@@ -259,8 +261,8 @@ impl Node {
             state: Arc::new(Mutex::new(state)),
             lookups: AtomicU64::new(0),
             copy_up: Arc::default(),
-            entries: Arc::default(),
-            io: NodeIo::default(),
+            entries: ChangeSeq::default(),
+            io: Default::default(),
             current: AtomicU64::new(SELF),
             held_parent: AtomicU64::new(0),
             kept: Default::default(),
@@ -276,8 +278,8 @@ impl Node {
             state: self.state.clone(),
             lookups: AtomicU64::new(1),
             copy_up: self.copy_up.clone(),
-            entries: self.entries.clone(),
-            io: NodeIo::default(),
+            entries: ChangeSeq::default(),
+            io: Default::default(),
             current: AtomicU64::new(SELF),
             held_parent: AtomicU64::new(0),
             kept: Default::default(),
@@ -294,6 +296,11 @@ impl Node {
     /// knows is gone, the lower file may have others no lookup has named yet.
     pub fn keep(&self) {
         self.kept.store(true, Ordering::Relaxed);
+    }
+
+    /// How the kernel inode behind this node id does I/O.
+    pub fn io(&self) -> &NodeIo {
+        self.io.get_or_init(Box::default)
     }
 
     pub fn state(&self) -> MutexGuard<'_, NodeState> {

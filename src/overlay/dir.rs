@@ -620,7 +620,7 @@ impl Overlay {
             return;
         }
         if let Some(pin) = Pin::take(&self.pins, || udir.object(name).ok()) {
-            node.state().pin.get_or_insert(pin);
+            node.state().pin.get_or_insert(Box::new(pin));
         }
     }
 

@@ -235,7 +235,7 @@ impl Overlay {
         } else {
             Duration::ZERO
         };
-        let Some(io) = node.io.begin(
+        let Some(io) = node.io().begin(
             file.kind(),
             writable,
             readable,
@@ -364,7 +364,7 @@ impl Overlay {
             return Err(refused("handle gone".into()));
         };
         h.node
-            .io
+            .io()
             .backing(
                 &h.file,
                 |fd| {
@@ -385,10 +385,10 @@ impl Overlay {
     fn passthrough_refused(&self, fh: u64) -> Result<IoMode> {
         let h = self.handle(fh)?;
         let mut io = h.io.lock().unwrap_or_else(|e| e.into_inner());
-        h.node.io.end(*io);
+        h.node.io().end(*io);
         let kind = h.file.kind();
         let alias = h.node.is_alias();
-        *io = match h.node.io.begin(
+        *io = match h.node.io().begin(
             kind,
             h.writable,
             true,
