@@ -161,11 +161,7 @@ fn a_rootless_mount_never_completes_by_default() {
     }
     // In a user namespace nothing passes through, so a complete file would be served exactly
     // as a partial one: however busy the file, completing it would only cost.
-    let d = tempfile::tempdir().unwrap();
-    let p = d.path().display().to_string();
-    for dir in ["l", "u", "w", "m"] {
-        fs::create_dir(d.path().join(dir)).unwrap();
-    }
+    let (d, p) = layer_dirs();
     write(d.path().join("l/big"), pattern(16 << 20, 13));
     let bin = env!("CARGO_BIN_EXE_mosaicfs");
     let script = format!(

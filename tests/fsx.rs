@@ -486,13 +486,15 @@ fn fsx_seed() -> Option<u64> {
     std::env::var("FSX_SEED").ok().and_then(|s| s.parse().ok())
 }
 
+/// The seeds to run: `FSX_SEED` alone if set, else `default`.
+fn fsx_seeds(default: &[u64]) -> Vec<u64> {
+    fsx_seed().map_or_else(|| default.to_vec(), |s| vec![s])
+}
+
 #[test]
 fn fsx_random_operations_match_the_model() {
     let ops = fsx_ops();
-    let seeds: Vec<u64> = match fsx_seed() {
-        Some(s) => vec![s],
-        None => vec![1, 2, 3],
-    };
+    let seeds = fsx_seeds(&[1, 2, 3]);
     for seed in seeds {
         eprintln!("fsx: seed {seed}, {ops} operations");
         run_seed(seed, ops, &[]);
@@ -507,10 +509,7 @@ fn fsx_with_writers_passing_through_matches_the_model() {
         return;
     }
     let ops = fsx_ops();
-    let seeds: Vec<u64> = match fsx_seed() {
-        Some(s) => vec![s],
-        None => vec![4, 8],
-    };
+    let seeds = fsx_seeds(&[4, 8]);
     for seed in seeds {
         eprintln!("fsx (partial_passthrough=on): seed {seed}, {ops} operations");
         let on = ["partial_passthrough=on"];
@@ -526,10 +525,7 @@ fn fsx_with_writers_passing_through_matches_the_model() {
 #[test]
 fn fsx_under_the_writeback_cache_matches_the_model() {
     let ops = fsx_ops();
-    let seeds: Vec<u64> = match fsx_seed() {
-        Some(s) => vec![s],
-        None => vec![5, 6],
-    };
+    let seeds = fsx_seeds(&[5, 6]);
     for seed in seeds {
         eprintln!("fsx (writeback cache): seed {seed}, {ops} operations");
         let run = run_seed_in(

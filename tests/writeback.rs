@@ -159,11 +159,7 @@ fn a_rootless_mount_has_it_when_asked() {
     if !runs_on_disk_upper_only() {
         return;
     }
-    let d = tempfile::tempdir().unwrap();
-    let p = d.path().display().to_string();
-    for dir in ["l", "u", "w", "m"] {
-        fs::create_dir(d.path().join(dir)).unwrap();
-    }
+    let (d, p) = layer_dirs();
     let bin = env!("CARGO_BIN_EXE_mosaicfs");
     let script = format!(
         "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w,writeback=auto {p}/m; \

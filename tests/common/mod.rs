@@ -671,3 +671,14 @@ impl SmallUpper {
         ));
     }
 }
+
+/// A directory holding empty `l`, `u`, `w` and `m` (lower, upper and work dirs, mount point)
+/// for a mount a test makes itself (in a user namespace, say), and its path as a string.
+pub fn layer_dirs() -> (tempfile::TempDir, String) {
+    let d = tempfile::tempdir().unwrap();
+    for dir in ["l", "u", "w", "m"] {
+        fs::create_dir(d.path().join(dir)).unwrap();
+    }
+    let p = d.path().display().to_string();
+    (d, p)
+}
