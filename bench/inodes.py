@@ -2,21 +2,21 @@
 """Memory per inode the kernel holds (issue #58): a lower layer with one directory of N empty
 files, each FUSE overlay mounted fresh (as root, daemon in the background), caches dropped;
 then lstat of every entry, and the daemon's RSS before, after, and after the kernel forgot the
-inodes again (drop_caches). Per inode: (RSS after the walk - RSS idle) / N.
+inodes again (drop_caches). Per inode: (RSS after the walk - RSS idle) / N. With --rootless
+every overlay is mounted by user nobody in `unshare -Urm` (no drop_caches there: that column
+stays empty).
 
-Usage: bench/inodes.py [--files N] [--rounds R]   (as root)
+Usage: bench/inodes.py [--rootless] [--files N] [--rounds R]   (as root)
 """
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
 import time
 
-from suite import FreshFs, mount_overlay, peers, umount
+from suite import FreshFs, mount_overlay, peer_arguments, peers, run_rootless, umount
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = [k for k in peers() if k != "overlay"]
 
 
@@ -42,57 +42,78 @@ def rss_kib(pid):
 
 
 def drop_caches(what="3"):
+    """Empties the kernel's caches; False where this process may not (a user namespace)."""
     os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write(what)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write(what)
+        return True
+    except OSError:
+        return False
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--files", type=int, default=100_000)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--mosaicfs", default=os.path.join(HERE, "..", "target", "release", "mosaicfs"))
-    a = ap.parse_args()
-    binary = os.path.abspath(a.mosaicfs)
+def make_lower(root, files):
+    big = os.path.join(root, "lower", "big")
+    os.makedirs(big)
+    for i in range(files):
+        open(os.path.join(big, f"f{i:07d}"), "w").close()
+
+
+def run(a, root, binary, who):
+    lower = os.path.join(root, "lower")
     rows = {k: {"idle": [], "walk": [], "forgot": [], "walk_s": []} for k in KINDS}
-    with FreshFs("/var/tmp/mosaicfs-bench-inodes", "ext4", 4 << 30) as root:
-        lower = os.path.join(root, "lower")
-        big = os.path.join(lower, "big")
-        os.makedirs(big)
-        for i in range(a.files):
-            open(os.path.join(big, f"f{i:07d}"), "w").close()
-        for _ in range(a.rounds):
-            for kind in KINDS:
-                d = os.path.join(root, kind)
-                shutil.rmtree(d, ignore_errors=True)
-                mount_overlay(kind, binary, lower, d)
-                mnt = os.path.join(d, "mnt")
-                pid = daemon_pid(mnt)
-                drop_caches()
-                time.sleep(0.5)
-                rows[kind]["idle"].append(rss_kib(pid))
-                t0 = time.perf_counter()
-                with os.scandir(os.path.join(mnt, "big")) as it:
-                    for e in it:
-                        os.lstat(e.path)
-                rows[kind]["walk_s"].append(time.perf_counter() - t0)
-                rows[kind]["walk"].append(rss_kib(pid))
-                drop_caches("2")
+    for _ in range(a.rounds):
+        for kind in KINDS:
+            d = os.path.join(root, kind)
+            shutil.rmtree(d, ignore_errors=True)
+            mount_overlay(kind, binary, lower, d, a.rootless)
+            mnt = os.path.join(d, "mnt")
+            pid = daemon_pid(mnt)
+            drop_caches()
+            time.sleep(0.5)
+            rows[kind]["idle"].append(rss_kib(pid))
+            t0 = time.perf_counter()
+            with os.scandir(os.path.join(mnt, "big")) as it:
+                for e in it:
+                    os.lstat(e.path)
+            rows[kind]["walk_s"].append(time.perf_counter() - t0)
+            rows[kind]["walk"].append(rss_kib(pid))
+            if drop_caches("2"):
                 time.sleep(2)
                 rows[kind]["forgot"].append(rss_kib(pid))
-                umount(mnt)
-                shutil.rmtree(d, ignore_errors=True)
+            umount(mnt)
+            shutil.rmtree(d, ignore_errors=True)
     print(f"\nMemory per inode, {time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, "
-          f"{os.uname().release}, root, {a.files:,} empty files in one lower directory on a "
-          f"fresh ext4, median of {a.rounds} rounds\n")
+          f"{os.uname().release}, {who}, {a.files:,} empty files in one lower directory on a "
+          f"fresh ext4, each overlay mounted fresh, median of {a.rounds} rounds\n")
     print("| overlay | RSS idle (MiB) | after lstat of every entry (MiB) | bytes per inode | "
           "after drop_caches (MiB) | lstat walk (s) |")
     print("|---|---|---|---|---|---|")
     for kind in KINDS:
-        med = {r: statistics.median(v) for r, v in rows[kind].items()}
+        med = {r: statistics.median(v) if v else None for r, v in rows[kind].items()}
         per = (med["walk"] - med["idle"]) * 1024 / a.files
+        forgot = "—" if med["forgot"] is None else f"{med['forgot'] / 1024:.1f}"
         print(f"| {kind} | {med['idle'] / 1024:.1f} | {med['walk'] / 1024:.1f} | {per:,.0f} | "
-              f"{med['forgot'] / 1024:.1f} | {med['walk_s']:.2f} |")
+              f"{forgot} | {med['walk_s']:.2f} |")
+
+
+def main():
+    ap = peer_arguments("/var/tmp/mosaicfs-bench-inodes")
+    ap.add_argument("--files", type=int, default=100_000)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    binary = os.path.abspath(a.mosaicfs)
+    if a.inside:
+        a.rootless = True
+        run(a, a.root, binary, "rootless (user nobody, unshare -Urm)")
+        return
+    with FreshFs(a.root, "ext4", 4 << 30) as root:
+        make_lower(root, a.files)
+        if a.rootless:
+            run_rootless(root, __file__, ["--inside", "--root", root, "--files", str(a.files),
+                                          "--rounds", str(a.rounds), "--mosaicfs", binary])
+        else:
+            run(a, root, binary, "root")
 
 
 if __name__ == "__main__":
