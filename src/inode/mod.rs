@@ -392,11 +392,14 @@ pub struct Found {
 
 /// The generation of a new object under a number that had generation `old` (if the table
 /// remembers one): its stable generation where it has one and that differs, else the next.
+/// Kept below 2^32: the kernel stores 32 bits and compares them with the whole reply, so a
+/// larger one would make every lookup of the inode look like a new object.
 fn next_generation(old: Option<u64>, stable: Option<u64>) -> u64 {
+    let next = |g: u64| (g + 1) & 0xffff_ffff;
     match (old, stable) {
-        (Some(old), Some(g)) if g == old => old + 1,
+        (Some(old), Some(g)) if g == old => next(old),
         (_, Some(g)) => g,
-        (Some(old), None) => old + 1,
+        (Some(old), None) => next(old),
         (None, None) => 0,
     }
 }

@@ -184,3 +184,22 @@ fn layer_inode_numbers_never_reach_the_second_identity_range() {
         }
     }
 }
+
+#[test]
+fn a_new_object_takes_its_stable_generation_or_the_next_one_below_2_to_the_32() {
+    assert_eq!(next_generation(None, None), 0);
+    assert_eq!(next_generation(Some(5), None), 6);
+    assert_eq!(next_generation(None, Some(9)), 9);
+    assert_eq!(
+        next_generation(Some(5), Some(9)),
+        9,
+        "its own, the same in every mount"
+    );
+    assert_eq!(
+        next_generation(Some(7), Some(7)),
+        8,
+        "never the old object's"
+    );
+    assert_eq!(next_generation(Some(0xffff_ffff), Some(0xffff_ffff)), 0);
+    assert_eq!(next_generation(Some(0xffff_ffff), None), 0);
+}
