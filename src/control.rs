@@ -26,6 +26,9 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         .map(|i| overlay.layers().layer(i as u16).path.display().to_string())
         .collect();
     let mut r = format!("mount: {}\n", mountpoint.display());
+    if let Some(lineage) = overlay.lineage() {
+        r += &lineage.describe();
+    }
     if overlay.layers().has_upper {
         r += &format!("upper: {}\n", overlay.layers().layer(0).path.display());
         r += &match MemoryFigures::of(overlay) {
@@ -457,8 +460,17 @@ impl Listener {
 fn answer(mut conn: UnixStream, overlay: &Arc<Overlay>, mountpoint: &Path) {
     let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(500)));
     let mut asked = Vec::new();
-    let _ = (&mut conn).take(64).read_to_end(&mut asked);
+    let _ = (&mut conn).take(8192).read_to_end(&mut asked);
     let out = match asked.trim_ascii() {
+        b"upgrade" => match overlay.lineage().map(|l| l.binary.clone()) {
+            Some(binary) => handed_over(overlay.hand_over(&binary)),
+            None => "error: this daemon does not know its binary\n".into(),
+        },
+        upgrade if upgrade.starts_with(b"upgrade ") => {
+            use std::os::unix::ffi::OsStrExt;
+            let binary = std::ffi::OsStr::from_bytes(&upgrade[b"upgrade ".len()..]);
+            handed_over(overlay.hand_over(Path::new(binary)))
+        }
         b"export" => {
             // Long: its own thread, so status requests are still answered.
             let _ = conn.set_read_timeout(None);
@@ -477,6 +489,14 @@ fn answer(mut conn: UnixStream, overlay: &Arc<Overlay>, mountpoint: &Path) {
         _ => report(overlay, mountpoint),
     };
     let _ = conn.write_all(out.as_bytes());
+}
+
+/// The answer to an upgrade request.
+fn handed_over(r: Result<()>) -> String {
+    match r {
+        Ok(()) => "ok\n".into(),
+        Err(e) => format!("error: {e}\n"),
+    }
 }
 
 /// Serves the Prometheus text of the mount over HTTP (`metrics=ADDR`) until the daemon exits:
@@ -628,6 +648,75 @@ pub fn sync(mountpoint: &Path) -> Result<()> {
             mountpoint.display(),
             e.trim_start_matches("error: ")
         )),
+    }
+}
+
+/// `mosaicfs upgrade MNT [--binary PATH]`: has a new daemon, from `binary` or the path the
+/// serving one was started from, take the live mount over (takeover.rs). Checks that the binary
+/// runs first, then waits until the new daemon answers; what it says of it.
+pub fn upgrade(mountpoint: &Path, binary: Option<&Path>) -> Result<String> {
+    let before = status(mountpoint, Format::Text)?;
+    let field = |report: &str, line: &str, key: &str| -> Option<String> {
+        let l = report.lines().find(|l| l.starts_with(line))?;
+        let at = l.find(key)? + key.len();
+        Some(l[at..].split([',', ';']).next()?.trim().to_string())
+    };
+    let old_pid = field(&before, "daemon:", "pid ");
+    let Some(daemons) = field(&before, "restart:", "daemons before this one: ") else {
+        return Err(crate::message!(
+            "the daemon of '{}' is too old to be upgraded in place: unmount the mount and mount \
+             it again",
+            mountpoint.display()
+        ));
+    };
+    let binary = match binary {
+        Some(b) => b.to_path_buf(),
+        None => PathBuf::from(field(&before, "daemon:", "binary ").unwrap_or_default()),
+    };
+    let version = std::process::Command::new(&binary)
+        .arg("--version")
+        .output()
+        .map_err(|e| crate::message!("cannot run '{}': {e}", binary.display()))?;
+    let said = String::from_utf8_lossy(&version.stdout).into_owned();
+    if !version.status.success() || !said.starts_with("mosaicfs") {
+        return Err(crate::message!(
+            "'{} --version' did not answer as mosaicfs does ({}): not upgrading to it",
+            binary.display(),
+            said.lines().next().unwrap_or("no output")
+        ));
+    }
+    let asked = format!("upgrade {}", binary.display());
+    let mut conn = connect(mountpoint, &asked)?;
+    let started = std::time::Instant::now();
+    let mut out = String::new();
+    conn.read_to_string(&mut out).map_err(|e| e.to_string())?;
+    if let Some(e) = out.trim_end().strip_prefix("error: ") {
+        return Err(e.into());
+    }
+    // The new daemon answers once it serves; until then the socket is gone or the old one's.
+    let deadline = std::time::Duration::from_secs(60);
+    loop {
+        if let Ok(now) = status(mountpoint, Format::Text)
+            && field(&now, "restart:", "daemons before this one: ").as_ref() != Some(&daemons)
+        {
+            return Ok(format!(
+                "{}: daemon pid {} (version {}) took over from pid {} in {:.1} ms\n",
+                mountpoint.display(),
+                field(&now, "daemon:", "pid ").unwrap_or_default(),
+                field(&now, "daemon:", "version ").unwrap_or_default(),
+                old_pid.unwrap_or_default(),
+                started.elapsed().as_secs_f64() * 1000.0
+            ));
+        }
+        if started.elapsed() > deadline {
+            return Err(crate::message!(
+                "no new daemon answers for '{}' after {} s: see the system log (the holder \
+                 says why)",
+                mountpoint.display(),
+                deadline.as_secs()
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
     }
 }
 

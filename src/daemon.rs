@@ -41,6 +41,17 @@ pub fn main() -> i32 {
     {
         return crate::file::partial::precontent::guardian_main(&args[1..]);
     }
+    if args
+        .first()
+        .is_some_and(|a| a == crate::takeover::HOLDER_COMMAND)
+    {
+        return crate::takeover::holder_main();
+    }
+    // How this daemon was started, for the daemons that may take its mount over.
+    let started_as = (
+        std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into()),
+        args.clone(),
+    );
     let args = strip_mount_helper_flags(args);
     let opts = match options::parse_args(args) {
         Ok(Command::Help(None)) => {
@@ -70,6 +81,18 @@ pub fn main() -> i32 {
             return crate::export::run(&a);
         }
         Ok(Command::Remount(o)) => return remount(&o),
+        Ok(Command::Upgrade(mnt, binary)) => {
+            return match crate::control::upgrade(&mnt, binary.as_deref()) {
+                Ok(report) => {
+                    print!("{report}");
+                    0
+                }
+                Err(e) => {
+                    eprintln!("mosaicfs: {e}");
+                    1
+                }
+            };
+        }
         Ok(Command::Sync(mnt)) => {
             return match crate::control::sync(&mnt) {
                 Ok(()) => 0,
@@ -110,7 +133,7 @@ pub fn main() -> i32 {
     for w in &opts.warnings {
         eprintln!("mosaicfs: warning: {w}");
     }
-    match mount(*opts) {
+    match mount(*opts, started_as) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("mosaicfs: {e}");
@@ -203,8 +226,13 @@ fn raise_nofile_limit() {
     }
 }
 
-fn mount(opts: Options) -> Result<()> {
-    check_mountpoint(&opts)?;
+/// `started_as`: the binary and the arguments, for the daemons that may take the mount over.
+fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Result<()> {
+    // A daemon a mount's holder started to take over its connection (takeover.rs).
+    let inherited = crate::takeover::Inherited::from_env()?;
+    if inherited.is_none() {
+        check_mountpoint(&opts)?;
+    }
     crate::sys::set_noatime(opts.noatime);
     if opts.noatime || opts.strictatime || opts.nodiratime {
         use crate::sys::{
@@ -267,17 +295,62 @@ fn mount(opts: Options) -> Result<()> {
     )?;
     layers.add_data_layers(&opts.datadirs)?;
     layers.follow_redirects = opts.redirect_dir.follows();
-    let overlay = Overlay::new(layers, Config::from_options(&opts))?;
-    let uring = use_uring(&opts, &overlay)?;
+    let uring = match &inherited {
+        Some(_) => false,
+        // Surviving the daemon over io_uring when it is only `auto`.
+        None if opts.restart == options::Switch::On && opts.uring == options::Uring::Auto => false,
+        None => use_uring(&opts, &layers)?,
+    };
+    let restart = crate::takeover::plan(&opts, uring);
+    if let (Err(why), options::Switch::On) = (&restart, opts.restart) {
+        return Err(crate::message!(
+            "restart=on: this mount cannot survive its daemon: {why}"
+        ));
+    }
+    let mut config = Config::from_options(&opts);
+    if restart.is_ok() && opts.restart == options::Switch::On {
+        // Backing files belong to the daemon that registered them (takeover.rs).
+        config.passthrough = options::PassthroughPolicy::Off;
+    }
+    if restart.is_ok() && !opts.caw_given {
+        // Pending copy-after-write blocks live in the daemon: a write that returned would die
+        // with it. A partial block is filled before its write returns instead.
+        config.caw_memory = None;
+    }
+    let overlay = Overlay::new(layers, config)?;
     if overlay.layers().work.is_some() && !overlay.sparse().sparse {
         eprintln!(
             "mosaicfs: warning: the upper file system does not report holes in sparse files; \
              files are copied up whole (block-level copy-up needs ext4, xfs, btrfs or tmpfs)"
         );
     }
-    let started = start(Arc::new(overlay), &opts, uring)?;
+    let overlay = Arc::new(overlay);
+    let takeovers = inherited.as_ref().map_or(0, |i| i.takeovers);
+    let (mut started, channel) = match inherited {
+        Some(inherited) => {
+            let channel = crate::takeover::Channel::new(inherited.channel);
+            let started = resume(overlay, &opts, inherited.fuse, &inherited.init)?;
+            (started, Some(channel))
+        }
+        None => (start(overlay, &opts, uring, restart.is_ok())?, None),
+    };
+    // The kernel's part, known once INIT was seen.
+    let restart = restart.and_then(|()| match started.overlay.kernel_resends() {
+        true => Ok(()),
+        false => Err(
+            "the kernel cannot resend the requests a daemon leaves unanswered \
+                      (FUSE_NOTIFY_RESEND, Linux 6.9+)"
+                .to_string(),
+        ),
+    });
+    if let (Err(why), options::Switch::On, 0) = (&restart, opts.restart, takeovers) {
+        return Err(crate::message!(
+            "restart=on: this mount cannot survive its daemon: {why}"
+        ));
+    }
     let mut notify: Option<OwnedFd> = None;
-    if !opts.foreground {
+    let mut channel = channel;
+    if !opts.foreground && channel.is_none() {
         // The mount is live: it answers as soon as the child serves. Only the pre-content
         // guardian (partial_passthrough) can still fail in the child; the parent waits for
         // the child only then, and else exits at once (it never unmounts: the child owns the
@@ -304,8 +377,44 @@ fn mount(opts: Options) -> Result<()> {
                     drop(r);
                     w
                 });
+                if restart.is_ok() {
+                    // This process becomes the mount's holder; the daemon goes on in a child.
+                    let init = started.session.init_request().to_vec();
+                    let w = crate::takeover::split_off_holder(
+                        std::os::fd::AsFd::as_fd(&started.session),
+                        &init,
+                        &started_as.0,
+                        &started_as.1,
+                    )?;
+                    channel = Some(crate::takeover::Channel::new(w));
+                }
             }
         }
+    }
+    let holder = match (&channel, restart) {
+        (Some(_), _) => Ok(rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())),
+        (None, Ok(())) => Err("no holder process".to_string()),
+        (None, Err(why)) => Err(why),
+    };
+    started.overlay.set_lineage(crate::overlay::Lineage {
+        takeovers,
+        holder,
+        binary: started_as.0.clone(),
+    });
+    if let Some(channel) = channel {
+        // The mount stays when this daemon's session ends: the next daemon serves it.
+        started.session.keep_mounted();
+        let stopper = started.session.stopper();
+        let channel = Arc::new(channel);
+        started.overlay.on_handover(move |binary| {
+            channel.hand_over_to(binary)?;
+            let stopper = stopper.clone();
+            std::thread::Builder::new()
+                .name("mosaicfs-handover".into())
+                .spawn(move || stopper.stop())
+                .map_err(|e| crate::message!("cannot stop serving: {e}"))?;
+            Ok(())
+        });
     }
     let result = serve(started, &opts, &mut notify, metrics, log_file);
     if let (Err(e), Some(w)) = (&result, notify) {
@@ -324,12 +433,9 @@ fn mount(opts: Options) -> Result<()> {
 /// store's client that stops answering must not take every worker — over io_uring a request
 /// waits for an entry of its CPU's queue, and requests queued behind stuck entries move only
 /// when one of those entries answers (entries added later take new requests, not queued ones).
-fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool> {
+fn use_uring(opts: &Options, layers: &LayerStack) -> Result<bool> {
     let kernel = fuser::uring_enabled();
-    let on_store = overlay
-        .layers()
-        .lower_ids()
-        .find(|&l| overlay.layers().layer(l).on_store);
+    let on_store = layers.lower_ids().find(|&l| layers.layer(l).on_store);
     match opts.uring {
         options::Uring::Off => Ok(false),
         options::Uring::Auto => {
@@ -344,11 +450,7 @@ fn use_uring(opts: &Options, overlay: &Overlay) -> Result<bool> {
             "uring=on: lower layer '{}' is on a network or FUSE store, and a store that stops \
              answering would hold up every request queued behind it over io_uring; use \
              uring=auto, which keeps /dev/fuse then",
-            overlay
-                .layers()
-                .layer(on_store.unwrap_or_default())
-                .path
-                .display()
+            layers.layer(on_store.unwrap_or_default()).path.display()
         )),
         options::Uring::On => match kernel {
             Some(true) => Ok(true),
@@ -462,7 +564,9 @@ fn spawn_lower_watchdog(
 const MAX_WORKERS: usize = 64;
 
 /// The session's settings; `uring`: ask the kernel for io_uring (`use_uring`).
-fn fuser_config(opts: &Options, uring: bool) -> fuser::Config {
+/// `restartable`: the mount may be taken over by another daemon (takeover.rs), so every
+/// worker reads the one descriptor the holder keeps (no clones).
+fn fuser_config(opts: &Options, uring: bool, restartable: bool) -> fuser::Config {
     use fuser::MountOption as M;
     let mut mo = vec![
         M::FSName(opts.fsname.clone()),
@@ -499,7 +603,7 @@ fn fuser_config(opts: &Options, uring: bool) -> fuser::Config {
     if opts.threads > 1 {
         cfg.max_threads = Some(MAX_WORKERS.max(opts.threads));
     }
-    cfg.clone_fd = true;
+    cfg.clone_fd = !restartable;
     cfg.uring = uring;
     cfg
 }
@@ -536,29 +640,76 @@ fn fuse_device_problem() -> Option<String> {
 
 /// Mounts and does all that can fail the mount without a thread: what fails here fails the
 /// command with its reason.
-fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool) -> Result<Started> {
+fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool, restartable: bool) -> Result<Started> {
+    let fs = filesystem(&overlay, opts);
+    let under = crate::sys::device_of(&opts.mountpoint);
+    let config = fuser_config(opts, uring, restartable);
+    let session =
+        fuser::Session::new(fs, &opts.mountpoint, &config).map_err(
+            |e| match fuse_device_problem() {
+                Some(problem) => {
+                    crate::message!("cannot mount on '{}': {problem}", opts.mountpoint.display())
+                }
+                None => crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()),
+            },
+        )?;
+    if opts.uring == options::Uring::On && session.transport() != "io_uring" {
+        return Err(crate::message!(
+            "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",
+            opts.mountpoint.display(),
+            fuser::URING_ENABLE_PARAMETER
+        ));
+    }
+    // The new mount's device: the mount point's as the kernel knows it without asking this
+    // daemon (`device_of`), once it differs from the directory's below the mount. Else
+    // (a kernel that asks anyway) the newest mount there in /proc/self/mountinfo.
+    let device = crate::sys::device_of(&opts.mountpoint).filter(|d| Some(d) != under.as_ref());
+    Ok(connected(session, overlay, opts, device))
+}
+
+/// Takes over the connection `fuse` of a live mount whose daemon ended (takeover.rs): the
+/// kernel's INIT request `init` is replayed, not answered, and the requests the old daemon
+/// left unanswered are queued again. Nothing here may ask the mount anything: no daemon
+/// answers it until this one serves.
+fn resume(overlay: Arc<Overlay>, opts: &Options, fuse: OwnedFd, init: &[u8]) -> Result<Started> {
+    let fs = filesystem(&overlay, opts);
+    let config = fuser_config(opts, false, true);
+    let acl = config.acl;
+    let session = fuser::Session::resume(fs, fuse, acl, config, init).map_err(|e| {
+        crate::message!(
+            "cannot take over the mount on '{}': {e}",
+            opts.mountpoint.display()
+        )
+    })?;
+    Ok(connected(session, overlay, opts, None))
+}
+
+/// The file system a session serves.
+fn filesystem(overlay: &Arc<Overlay>, opts: &Options) -> MosaicFs {
     overlay.arm_workers();
     log_panics();
-    let fs = MosaicFs {
+    MosaicFs {
         core: overlay.clone(),
         max_write: opts.max_write,
         panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
+        hang_on_lookup: std::env::var_os("MOSAICFS_TEST_HANG"),
         slow_release: std::env::var("MOSAICFS_TEST_SLOW_RELEASE")
             .ok()
             .and_then(|ms| ms.parse().ok())
             .map(std::time::Duration::from_millis),
         no_opendir: false,
-    };
-    let under = crate::sys::device_of(&opts.mountpoint);
-    let session =
-        fuser::Session::new(fs, &opts.mountpoint, &fuser_config(opts, uring)).map_err(|e| {
-            match fuse_device_problem() {
-                Some(problem) => {
-                    crate::message!("cannot mount on '{}': {problem}", opts.mountpoint.display())
-                }
-                None => crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()),
-            }
-        })?;
+    }
+}
+
+/// What a mounted or taken-over session needs before it serves: the kernel's notifications,
+/// the transport, the read-ahead and the control socket (`device`: the mount's device number,
+/// else the newest mount at the mount point in /proc/self/mountinfo).
+fn connected(
+    session: fuser::Session<MosaicFs>,
+    overlay: Arc<Overlay>,
+    opts: &Options,
+    device: Option<String>,
+) -> Started {
     let notifier = session.notifier();
     overlay.on_attrs_changed(move |ino, data| {
         // Offset -1: attributes only, the cached pages stay; 0: from the start, every page
@@ -567,29 +718,17 @@ fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool) -> Result<Started> 
         let offset = if data { 0 } else { -1 };
         let _ = notifier.inval_inode(fuser::INodeNo(ino), offset, 0);
     });
-    if opts.uring == options::Uring::On && session.transport() != "io_uring" {
-        return Err(crate::message!(
-            "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",
-            opts.mountpoint.display(),
-            fuser::URING_ENABLE_PARAMETER
-        ));
-    }
     overlay.set_transport(session.transport());
-    // The new mount's device: the mount point's as the kernel knows it without asking this
-    // daemon (`device_of`), once it differs from the directory's below the mount. Else
-    // (a kernel that asks anyway) the newest mount there in /proc/self/mountinfo.
-    let device = crate::sys::device_of(&opts.mountpoint)
-        .filter(|d| Some(d) != under.as_ref())
-        .or_else(|| crate::control::mount_device(&opts.mountpoint));
+    let device = device.or_else(|| crate::control::mount_device(&opts.mountpoint));
     let control = device.and_then(|dev| {
         set_read_ahead(&dev, opts.read_ahead_kb);
         crate::control::bind(&overlay, &dev)
     });
-    Ok(Started {
+    Started {
         session,
         overlay,
         control,
-    })
+    }
 }
 
 /// Starts the daemon's threads, then serves until the mount goes away.

@@ -27,6 +27,10 @@ pub struct MosaicFs {
     /// A name whose lookup panics, from `MOSAICFS_TEST_PANIC`: how the tests check the panic
     /// policy (daemon.rs, `log_panics`) on a real mount.
     pub panic_on_lookup: Option<std::ffi::OsString>,
+    /// A name whose lookup the first daemon of a mount never answers, from
+    /// `MOSAICFS_TEST_HANG`: how the tests kill a daemon while it holds a request
+    /// (takeover.rs: the next daemon must answer it).
+    pub hang_on_lookup: Option<std::ffi::OsString>,
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
@@ -211,6 +215,12 @@ impl MosaicFs {
         reply.created(&ttl, &attr, generation, fh, fopen_flags(opened.io, &opened))
     }
 
+    /// Makes handle `fh` known again when an earlier daemon of this mount opened it
+    /// (takeover.rs); `flags` are its open flags, or the access the request needs.
+    fn adopt(&self, fh: FileHandle, ino: INodeNo, flags: i32) -> Result<(), Errno> {
+        self.core.adopt_handle(fh.0, ino.0, flags).map_err(errno)
+    }
+
     fn ttl(&self) -> Duration {
         self.core.config().timeout
     }
@@ -288,6 +298,8 @@ impl Filesystem for MosaicFs {
         if self.core.set_writeback(writeback_offered) {
             wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
+        self.core
+            .set_kernel_resends(config.capabilities().contains(InitFlags::FUSE_HAS_RESEND));
         let _ = config.add_capabilities(wanted & config.capabilities());
         self.no_opendir = config
             .capabilities()
@@ -319,6 +331,12 @@ impl Filesystem for MosaicFs {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         if self.panic_on_lookup.as_deref() == Some(name) {
             panic!("injected by MOSAICFS_TEST_PANIC");
+        }
+        if self.hang_on_lookup.as_deref() == Some(name) && self.core.takeovers() == 0 {
+            log::warn!("MOSAICFS_TEST_HANG: holding the lookup of {name:?}");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
         }
         match self.core.lookup(parent.0, name) {
             Ok((node, attr)) => reply.entry(
@@ -544,10 +562,13 @@ impl Filesystem for MosaicFs {
         fh: FileHandle,
         offset: u64,
         size: u32,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        if let Err(e) = self.adopt(fh, ino, flags.0) {
+            return reply.error(e);
+        }
         self.core.read(fh.0, offset, size, |r| match r {
             Ok(ReadData::Bytes(data)) => reply.data(data),
             Ok(ReadData::Mapped(parts)) => {
@@ -568,7 +589,7 @@ impl Filesystem for MosaicFs {
     fn write(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -577,6 +598,15 @@ impl Filesystem for MosaicFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        // The writeback cache's writes carry no open flags: any writable handle of the inode.
+        let open_flags = if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+            libc::O_RDWR
+        } else {
+            flags.0
+        };
+        if let Err(e) = self.adopt(fh, ino, open_flags) {
+            return reply.error(e);
+        }
         let kill_privs = write_flags
             .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
             .then(|| caller(req, 0));
@@ -593,16 +623,22 @@ impl Filesystem for MosaicFs {
     fn copy_file_range(
         &self,
         req: &Request,
-        _ino_in: INodeNo,
+        ino_in: INodeNo,
         fh_in: FileHandle,
         offset_in: u64,
-        _ino_out: INodeNo,
+        ino_out: INodeNo,
         fh_out: FileHandle,
         offset_out: u64,
         len: u64,
         _flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        let adopted = self
+            .adopt(fh_in, ino_in, libc::O_RDONLY)
+            .and_then(|()| self.adopt(fh_out, ino_out, libc::O_WRONLY));
+        if let Err(e) = adopted {
+            return reply.error(e);
+        }
         let kill_privs = (req.uid() != 0).then(|| caller(req, 0));
         match self.core.copy_range(
             fh_in.0,
@@ -625,6 +661,10 @@ impl Filesystem for MosaicFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        // A handle an earlier daemon opened holds nothing for its close to finish here.
+        if self.core.is_unknown_inherited(fh.0) {
+            return reply.ok();
+        }
         done(reply, self.core.flush(fh.0))
     }
 
@@ -648,11 +688,14 @@ impl Filesystem for MosaicFs {
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        if let Err(e) = self.adopt(fh, ino, libc::O_RDONLY) {
+            return reply.error(e);
+        }
         done(reply, self.core.fsync(fh.0, datasync))
     }
 
@@ -904,12 +947,15 @@ impl Filesystem for MosaicFs {
     fn lseek(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: i64,
         whence: i32,
         reply: ReplyLseek,
     ) {
+        if let Err(e) = self.adopt(fh, ino, libc::O_RDONLY) {
+            return reply.error(e);
+        }
         if self.core.writeback_cache() {
             // The kernel asks SEEK_DATA and SEEK_HOLE without writing back the pages it holds
             // dirty: the layer file's holes may be where it holds data. ENOSYS has it answer
@@ -925,13 +971,16 @@ impl Filesystem for MosaicFs {
     fn fallocate(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        if let Err(e) = self.adopt(fh, ino, libc::O_WRONLY) {
+            return reply.error(e);
+        }
         // Root is taken to hold CAP_FSETID, as for the set-id bits of new files.
         let kill_privs = (req.uid() != 0).then(|| caller(req, 0));
         let r = self

@@ -79,7 +79,36 @@ impl<T> Default for HandleMap<T> {
     }
 }
 
+/// Where a daemon's handle numbers start: its place in the mount's line of daemons (the
+/// number of takeovers before it, takeover.rs) above this bit. A daemon that takes a mount over
+/// tells the handles the kernel still holds from its predecessors' by their number alone, and
+/// never hands out one of theirs again.
+const EPOCH_SHIFT: u32 = 48;
+
 impl<T> HandleMap<T> {
+    /// Handle numbers from now on are this daemon's: `epoch` takeovers came before it.
+    pub fn set_epoch(&self, epoch: u32) {
+        let epoch = u64::from(epoch.min(0xffff));
+        self.next
+            .store((epoch << EPOCH_SHIFT) | 1, Ordering::Relaxed);
+    }
+
+    /// Whether `fh` was handed out by a daemon that served the mount before this one.
+    pub fn is_inherited(&self, fh: u64) -> bool {
+        fh >> EPOCH_SHIFT < self.next.load(Ordering::Relaxed) >> EPOCH_SHIFT
+    }
+
+    /// Puts `value` under the number `fh` an earlier daemon gave it; `false` if a handle of
+    /// that number is there already.
+    pub fn insert_at(&self, fh: u64, value: T) -> bool {
+        let mut shard = self.shard(fh);
+        if shard.contains_key(&fh) {
+            return false;
+        }
+        shard.insert(fh, Arc::new(value));
+        true
+    }
+
     fn shard(&self, fh: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<T>>> {
         self.shards[(fh as usize) % SHARDS]
             .lock()

@@ -9,12 +9,16 @@ const MAN_PAGE: &str = include_str!("../docs/mosaicfs.1");
 const WIDTH: usize = 79;
 
 /// The subcommands with a help of their own, and their usage lines.
-pub const COMMANDS: [(&str, &str); 6] = [
+pub const COMMANDS: [(&str, &str); 7] = [
     (
         "status",
         "usage: mosaicfs status MOUNTPOINT [--json | --prometheus]",
     ),
     ("sync", "usage: mosaicfs sync MOUNTPOINT"),
+    (
+        "upgrade",
+        "usage: mosaicfs upgrade MOUNTPOINT [--binary PATH]",
+    ),
     (
         "complete",
         "usage: mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W \

@@ -27,6 +27,7 @@ pub(crate) mod seq;
 pub(crate) mod stat_override;
 pub(crate) mod stats;
 pub(crate) mod sys;
+pub(crate) mod takeover;
 pub(crate) mod tar;
 pub(crate) mod tools;
 pub mod upper;

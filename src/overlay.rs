@@ -6,7 +6,7 @@
 //! They are its submodules so that the overlay's state stays private to them: the rest of the
 //! crate sees the methods below marked `pub` and the requests (docs/ARCHITECTURE.md).
 //!
-//! May call (dev/callgraph.py --check keeps it so): passthrough.
+//! May call (dev/callgraph.py --check keeps it so): by_number, passthrough.
 
 // The request files: each holds one concern's `impl Overlay` block and sees the overlay's
 // private state; everything outside `overlay` goes through the methods they make public.
@@ -188,6 +188,8 @@ pub struct Overlay {
     passthrough_state: std::sync::atomic::AtomicUsize,
     /// The kernel's writeback cache is on (passthrough.rs `set_writeback`).
     writeback: std::sync::atomic::AtomicBool,
+    /// The kernel offered FUSE_NOTIFY_RESEND at INIT (passthrough.rs `set_kernel_resends`).
+    resends: std::sync::atomic::AtomicBool,
     /// The background workers (copy-after-write, completion) start at the first job, not at
     /// mount: an idle mount holds no thread for them (`arm_workers`, `need_*`).
     me: std::sync::OnceLock<std::sync::Weak<Overlay>>,
@@ -202,6 +204,46 @@ pub struct Overlay {
     attrs_changed: std::sync::OnceLock<Box<dyn Fn(Ino, bool) + Send + Sync>>,
     /// One scan of the tree for a file handle's object at a time (by_number.rs).
     pub(crate) scanning: std::sync::Mutex<()>,
+    /// This daemon's place in the mount's line of daemons (takeover.rs), set once at start.
+    lineage: std::sync::OnceLock<Lineage>,
+    /// Asks the mount's holder to start the daemon at a path in this one's place (the daemon
+    /// sets it where the mount survives its daemon; `mosaicfs upgrade`).
+    handover: std::sync::OnceLock<Handover>,
+}
+
+/// How a daemon has its holder start another in its place (takeover.rs).
+type Handover = Box<dyn Fn(&Path) -> Result<()> + Send + Sync>;
+
+/// Where this daemon stands among the daemons that served its mount (takeover.rs).
+#[derive(Debug, Clone)]
+pub struct Lineage {
+    /// How many daemons served the mount before this one (0: this one mounted it).
+    pub takeovers: u32,
+    /// The holder process that restarts the daemon, or why the mount ends with its daemon.
+    pub holder: std::result::Result<i32, String>,
+    /// The binary this daemon was started from: what `mosaicfs upgrade` starts again when
+    /// not told another.
+    pub binary: PathBuf,
+}
+
+impl Lineage {
+    /// `daemon:` and `restart:` lines of `mosaicfs status`.
+    pub fn describe(&self) -> String {
+        let restart = match &self.holder {
+            Ok(pid) => format!("yes, holder pid {pid}"),
+            Err(why) => format!("no ({why})"),
+        };
+        format!(
+            "daemon: pid {}, version {}, binary {}
+restart: {restart}; daemons before this \
+             one: {}
+",
+            std::process::id(),
+            env!("CARGO_PKG_VERSION"),
+            self.binary.display(),
+            self.takeovers
+        )
+    }
 }
 
 /// A directory as the merged view sees it: its upper directory (if any) and its lower parts.
@@ -310,12 +352,15 @@ impl Overlay {
                 PassthroughState::NoSession as usize,
             ),
             writeback: Default::default(),
+            resends: Default::default(),
             me: Default::default(),
             caw_started: std::sync::Once::new(),
             completion_started: std::sync::Once::new(),
             layer_guarded: std::sync::atomic::AtomicBool::new(false),
             attrs_changed: std::sync::OnceLock::new(),
             scanning: Default::default(),
+            lineage: Default::default(),
+            handover: Default::default(),
             layers,
         })
     }
@@ -502,8 +547,57 @@ impl Overlay {
         }
     }
 
+    /// The node the kernel calls `ino`. After a takeover the kernel still holds node ids an
+    /// earlier daemon gave it: such a node is found by its number (by_number.rs), counted
+    /// once for all the references the kernel holds (its FORGET, which gives them all back at
+    /// once, drops it again).
     pub fn node(&self, ino: Ino) -> Result<Arc<Node>> {
-        self.inodes.get(ino).ok_or_else(|| errno(libc::ESTALE))
+        match self.inodes.get(ino) {
+            Some(node) => Ok(node),
+            None if self.takeovers() > 0 => self.inherited_node(ino),
+            None => Err(errno(libc::ESTALE)),
+        }
+    }
+
+    fn inherited_node(&self, ino: Ino) -> Result<Arc<Node>> {
+        self.lookup_by_number(ino).map(|(node, _)| node)
+    }
+
+    /// Daemons that served this mount before this one.
+    pub fn takeovers(&self) -> u32 {
+        self.lineage.get().map_or(0, |l| l.takeovers)
+    }
+
+    pub fn lineage(&self) -> Option<&Lineage> {
+        self.lineage.get()
+    }
+
+    /// Set once, before the session serves: handle numbers from now on are this daemon's.
+    pub fn set_lineage(&self, lineage: Lineage) {
+        self.handles.set_epoch(lineage.takeovers);
+        self.dirs.set_epoch(lineage.takeovers);
+        self.inodes.set_alias_epoch(lineage.takeovers);
+        let _ = self.lineage.set(lineage);
+    }
+
+    /// How `mosaicfs upgrade` reaches the holder (the daemon sets it).
+    pub fn on_handover(&self, f: impl Fn(&Path) -> Result<()> + Send + Sync + 'static) {
+        let _ = self.handover.set(Box::new(f));
+    }
+
+    /// Has the holder start the daemon at `binary` in this one's place; this one stops serving.
+    pub fn hand_over(&self, binary: &Path) -> Result<()> {
+        match self.handover.get() {
+            Some(f) => f(binary),
+            None => Err(crate::message!(
+                "this mount does not survive its daemon ({}), so it cannot be upgraded in \
+                 place: unmount it and mount it again with the new binary",
+                match self.lineage.get().map(|l| &l.holder) {
+                    Some(Err(why)) => why.as_str(),
+                    _ => "no holder",
+                }
+            )),
+        }
     }
 
     /// The path of `ino` relative to the upper layer's root, built from its parent chain.

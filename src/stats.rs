@@ -71,6 +71,9 @@ pub struct Stats {
     /// Lower files opened for their data (an open of a file on a store's client waits for its
     /// first read: `FileData::Unopened`).
     pub lower_opens: Counter,
+    /// Handles an earlier daemon of the mount opened, made known again after a takeover
+    /// (takeover.rs).
+    pub handles_adopted: Counter,
 }
 
 impl Stats {
@@ -96,6 +99,7 @@ impl Stats {
             ("lower_opens", self.lower_opens.get()),
             ("fsyncs", self.fsyncs.get()),
             ("fsyncs_to_disk", self.fsyncs_to_disk.get()),
+            ("handles_adopted", self.handles_adopted.get()),
         ]
     }
 

@@ -732,6 +732,15 @@ impl InodeTable {
         }
     }
 
+    /// Second identities from now on are this daemon's: `epoch` daemons served the mount
+    /// before it (takeover.rs), and the kernel may still hold node ids they made.
+    pub fn set_alias_epoch(&self, epoch: u32) {
+        self.next_alias.store(
+            ALIAS_BASE | (u64::from(epoch.min(0xffff)) << 40),
+            Ordering::Relaxed,
+        );
+    }
+
     /// Makes lookups of `node`'s object name a new node id from now on, while the kernel inode
     /// behind `node` lives on for the handles open on it. The kernel binds an inode to the one
     /// backing file its passthrough handles use; a handle that needs another (or none) gets a

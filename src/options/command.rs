@@ -14,6 +14,9 @@ pub enum Command {
     Metrics(std::net::SocketAddr),
     /// `mosaicfs sync MNT`: write the memory upper's image now.
     Sync(PathBuf),
+    /// `mosaicfs upgrade MNT [--binary PATH]`: a new daemon takes the live mount over
+    /// (takeover.rs).
+    Upgrade(PathBuf, Option<PathBuf>),
     /// `mosaicfs complete`: make an unmounted upper layer one any overlay reads (tools.rs).
     Complete(Box<ToolArgs>),
     /// `mosaicfs fsck`: check (and repair) an unmounted upper layer (tools.rs).
@@ -31,6 +34,7 @@ usage: mosaicfs [-f] [-d] -o lowerdir=LOWER[:LOWER...][,upperdir=UPPER,workdir=W
        mosaicfs status MOUNTPOINT [--json|--prometheus]  (counters of a live mount)
        mosaicfs metrics --listen ADDR:PORT  (every mount's metrics, one Prometheus target)
        mosaicfs sync MOUNTPOINT  (upper=memory: the layer made durable as it is now)
+       mosaicfs upgrade MOUNTPOINT [--binary PATH]  (a new daemon takes the live mount over)
        mosaicfs complete --lowerdir=L[:L...] --upperdir=U --workdir=W [--redirects=kernel|copy]
                          (offline: partial files made whole, redirects for kernel overlayfs)
        mosaicfs fsck --lowerdir=L[:L...] --upperdir=U [--workdir=W] [--repair]
@@ -277,6 +281,21 @@ pub fn parse_args<I: IntoIterator<Item = OsString>>(args: I) -> Result<Command> 
                 Ok(Command::Status(PathBuf::from(mnt), format))
             }
             _ => Err("usage: mosaicfs status MOUNTPOINT [--json | --prometheus]".into()),
+        };
+    }
+    if args.first().is_some_and(|a| a == "upgrade") {
+        const USAGE: &str = "usage: mosaicfs upgrade MOUNTPOINT [--binary PATH]";
+        return match args.get(1..) {
+            Some([mnt]) => Ok(Command::Upgrade(PathBuf::from(mnt), None)),
+            Some([mnt, flag, bin]) if flag == "--binary" => Ok(Command::Upgrade(
+                PathBuf::from(mnt),
+                Some(PathBuf::from(bin)),
+            )),
+            Some([flag, bin, mnt]) if flag == "--binary" => Ok(Command::Upgrade(
+                PathBuf::from(mnt),
+                Some(PathBuf::from(bin)),
+            )),
+            _ => Err(USAGE.into()),
         };
     }
     match args.first().and_then(|a| a.to_str()) {

@@ -208,6 +208,15 @@ pub struct Options {
     /// it costs every close of a written file and every unlink and rename a round trip more,
     /// docs/PERFORMANCE.md "The writeback cache").
     pub writeback: Switch,
+    /// Whether the mount survives its daemon (`restart=auto|on|off`, takeover.rs): a holder
+    /// process keeps the FUSE connection and starts a new daemon on it when the serving one
+    /// ends. `auto` (default) where it can be done: in the background, over /dev/fuse, on a
+    /// disk upper, without copy-after-write or pre-content events; `on` refuses a mount where
+    /// it cannot; `off` never.
+    pub restart: Switch,
+    /// `copy_after_write=` or `caw_memory=` was given (a restartable mount turns
+    /// copy-after-write off unless asked for it: its pending blocks live in the daemon).
+    pub caw_given: bool,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
     /// Where the writable layer lives (`upper=disk|memory`).
@@ -294,6 +303,8 @@ impl Default for Options {
             reflink: true,
             partial_passthrough: Switch::Off,
             writeback: Switch::Off,
+            restart: Switch::Auto,
+            caw_given: false,
             read_ahead_kb: 4096,
             metrics: None,
             log_file: None,

@@ -168,11 +168,13 @@ impl Options {
             "reflink" => self.reflink = parse_bool(name, value)?,
             "partial_passthrough" => self.partial_passthrough = Switch::parse(name, value)?,
             "writeback" => self.writeback = Switch::parse(name, value)?,
+            "restart" => self.restart = Switch::parse(name, value)?,
             "volatile" => self.skip_fsync = true,
             "max_write" => self.max_write = Some(parse_num(name, value)?),
             "fsname" => self.fsname = need(value)?,
             "remount" => self.remount = true,
             "copy_after_write" => {
+                self.caw_given = true;
                 self.caw_always = value == Some("always");
                 let on = self.caw_always
                     || parse_bool(name, value).map_err(|_| {
@@ -189,6 +191,7 @@ impl Options {
                 }
             }
             "caw_memory" => {
+                self.caw_given = true;
                 // A size like every other (64M, 1G); a bare number is MiB, as it always was.
                 let bare = value.is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit()));
                 let bytes = if bare {

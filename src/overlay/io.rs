@@ -431,6 +431,78 @@ impl Overlay {
         self.handles.get(fh).ok_or_else(|| errno(libc::EBADF))
     }
 
+    /// Makes handle `fh` of inode `ino` known again when an earlier daemon of this mount
+    /// opened it (takeover.rs): the kernel's requests on the file carry its open flags
+    /// (`flags`: READ's and WRITE's; the access a request needs, for the others), and the
+    /// file's state is on disk, so opening the file again with them gives the same handle.
+    /// Served through the daemon: the kernel sends data requests only for a handle that does
+    /// not pass through. Nothing to do for this daemon's own handles (a shift and a compare).
+    pub fn adopt_handle(&self, fh: u64, ino: Ino, flags: i32) -> Result<()> {
+        if !self.handles.is_inherited(fh) || self.handles.get(fh).is_some() {
+            return Ok(());
+        }
+        let node = self.node(ino)?;
+        if node.kind() != libc::S_IFREG {
+            return Err(errno(libc::EBADF));
+        }
+        let acc = flags & libc::O_ACCMODE;
+        let writable = acc != libc::O_RDONLY;
+        let readable = acc != libc::O_WRONLY || flags & libc::O_APPEND != 0;
+        let file = self.open_file_as(&node, writable)?;
+        if writable {
+            self.ensure_upper(&node, &file)?;
+        }
+        let io = node
+            .io()
+            .begin(
+                file.kind(),
+                writable,
+                readable,
+                PassthroughPolicy::Off,
+                node.is_alias(),
+                Duration::ZERO,
+            )
+            .ok_or_else(|| {
+                Error::with_context(
+                    libc::EIO,
+                    "a handle opened before the takeover cannot be served: its inode is bound \
+                     to a passthrough backing file now",
+                )
+            })?;
+        let exec = flags & FMODE_EXEC != 0;
+        if exec {
+            node.state().executing += 1;
+        }
+        let handle = Handle {
+            file,
+            node,
+            append: flags & libc::O_APPEND != 0 && !self.writeback_cache(),
+            // The kernel checked the append-only flag at the open, and this handle appends.
+            append_only: false,
+            writable,
+            sync: flags & (libc::O_SYNC | libc::O_DSYNC) != 0,
+            exec,
+            io: Mutex::new(io),
+        };
+        // Two requests of one handle at once: the other one's stays (this one drops, undone).
+        self.handles.insert_at(fh, handle);
+        self.stats.handles_adopted.add(1);
+        Ok(())
+    }
+
+    /// Whether `fh` is a handle an earlier daemon of this mount opened and this one has not
+    /// made known again.
+    pub fn is_unknown_inherited(&self, fh: u64) -> bool {
+        self.handles.is_inherited(fh) && self.handles.get(fh).is_none()
+    }
+
+    /// A directory handle an earlier daemon of this mount opened, made known again.
+    pub fn adopt_dir_handle(&self, fh: u64, ino: Ino) {
+        if fh != 0 && self.dirs.is_inherited(fh) && self.dirs.get(fh).is_none() {
+            self.dirs.insert_at(fh, crate::handles::DirHandle { ino });
+        }
+    }
+
     /// Reads `size` bytes at `off` and hands them to `reply` (fewer only at end of file), for
     /// the kernel: a memory upper's file hands over its filestore mapping (`ReadData::Mapped`),
     /// other files go into a buffer each thread reuses, never zeroed — no allocation and at most

@@ -114,6 +114,18 @@ impl Overlay {
         on
     }
 
+    /// Whether the kernel can queue again the requests a daemon that ended left unanswered
+    /// (FUSE_NOTIFY_RESEND, offered as FUSE_HAS_RESEND at INIT: Linux 6.9+), which a daemon
+    /// taking the mount over needs (takeover.rs).
+    pub fn set_kernel_resends(&self, offered: bool) {
+        self.resends
+            .store(offered, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn kernel_resends(&self) -> bool {
+        self.resends.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether the kernel's writeback cache is on (`set_writeback`). Then the kernel owns the
     /// size and times of regular files, reads through write-only handles to fill the pages a
     /// write covers in part, and sends each write at the offset it chose, O_APPEND included.

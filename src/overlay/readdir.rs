@@ -16,7 +16,7 @@
 //! bumps its i_version; layers do not change under a mount). A read from offset 0 (opendir,
 //! rewinddir) takes a fresh snapshot (`Listings`).
 //!
-//! May call (dev/callgraph.py --check keeps it so): namei, overlay.
+//! May call (dev/callgraph.py --check keeps it so): io, namei, overlay.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
@@ -129,6 +129,7 @@ impl Overlay {
         offset: u64,
         mut emit: impl FnMut(&DirEntry, u64) -> bool,
     ) -> Result<()> {
+        self.adopt_dir_handle(fh, ino);
         if fh != 0 && self.dirs.get(fh).is_none_or(|h| h.ino != ino) {
             return Err(crate::error::errno(libc::EBADF));
         }

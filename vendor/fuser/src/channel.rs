@@ -8,6 +8,10 @@ use nix::errno::Errno;
 use crate::dev_fuse::DevFuse;
 use crate::passthrough::BackingId;
 
+/// mosaicfs patch: set when the session is being stopped while the mount stays
+/// (`Stopper::stop`): one session per process.
+pub(crate) static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// A raw communication channel to the FUSE kernel driver
 #[derive(Debug, Clone)]
 pub(crate) struct Channel(Arc<DevFuse>);
@@ -37,8 +41,14 @@ impl Channel {
     /// - ENOENT: Operation interrupted. According to FUSE, this is safe to retry.
     /// - EINTR: Interrupted system call, retry.
     /// - EAGAIN: Explicitly instructed to try again.
+    ///
+    /// mosaicfs patch: once the session is being stopped (`Stopper::stop`), an interrupted
+    /// read returns ESHUTDOWN instead, and no read starts: the worker ends.
     pub(crate) fn receive_retrying(&self, buffer: &mut [u8]) -> nix::Result<usize> {
         loop {
+            if STOPPING.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(Errno::ESHUTDOWN);
+            }
             match self.receive(buffer) {
                 Ok(size) => return Ok(size),
                 Err(Errno::ENOENT | Errno::EINTR | Errno::EAGAIN) => continue,

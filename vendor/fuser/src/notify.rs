@@ -104,6 +104,17 @@ impl Notifier {
         self.send_inval(notify_code::FUSE_NOTIFY_DELETE, &notif)
     }
 
+    /// mosaicfs patch: FUSE_NOTIFY_RESEND (Linux 6.9+): the kernel queues again every
+    /// request a daemon read and has not answered, for the daemon that serves the connection
+    /// now. A bare header: no payload.
+    pub fn resend(&self) -> io::Result<()> {
+        const FUSE_NOTIFY_RESEND: i32 = 7;
+        let mut header = [0u8; 16];
+        header[0..4].copy_from_slice(&16u32.to_ne_bytes());
+        header[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
+        self.0.send(&[io::IoSlice::new(&header)])
+    }
+
     #[allow(unused)]
     fn send_inval(&self, code: notify_code, notification: &Notification<'_>) -> io::Result<()> {
         match self.send(code, notification) {

@@ -144,6 +144,9 @@ pub struct Session<FS: Filesystem> {
     /// mosaicfs patch: the payload buffer size of an io_uring entry, when INIT agreed on
     /// io_uring.
     uring_payload: Option<usize>,
+    /// mosaicfs patch: the kernel's INIT request as it came, for a daemon that takes this
+    /// connection over later (`Session::resume`).
+    init_request: Vec<u8>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -193,6 +196,7 @@ impl<FS: Filesystem> Session<FS> {
             pool: WorkerPool::new(),
             config: options.clone(),
             uring_payload: None,
+            init_request: Vec::new(),
         };
 
         session.handshake()?;
@@ -223,11 +227,82 @@ impl<FS: Filesystem> Session<FS> {
             pool: WorkerPool::new(),
             config,
             uring_payload: None,
+            init_request: Vec::new(),
         };
 
         session.handshake()?;
 
         Ok(session)
+    }
+
+    /// mosaicfs patch: takes over a connection another process mounted and initialized, whose
+    /// /dev/fuse descriptor is `fd` and whose INIT request was `init_request`
+    /// (`Session::init_request`). The file system's `init` sees that request again, so that
+    /// it sets itself up as the first daemon did, but nothing is sent back: the kernel took
+    /// the first daemon's reply. Then FUSE_NOTIFY_RESEND puts back in the queue every request
+    /// the earlier daemon read and never answered (Linux 6.9+, `FUSE_HAS_RESEND`).
+    ///
+    /// Only for a connection served over /dev/fuse with every reader sharing one descriptor
+    /// (no `clone_fd`): a clone's requests end with an error when its last holder closes it.
+    pub fn resume(
+        filesystem: FS,
+        fd: OwnedFd,
+        acl: SessionACL,
+        config: Config,
+        init_request: &[u8],
+    ) -> io::Result<Self> {
+        let ch = Channel::new(Arc::new(DevFuse(File::from(fd))));
+        let mut session = Session {
+            filesystem: FilesystemHolder {
+                fs: Some(filesystem),
+            },
+            ch,
+            mount: UmountOnDrop {
+                mount: Arc::new(Mutex::new(None)),
+            },
+            allowed: acl,
+            session_owner: geteuid(),
+            proto_version: None,
+            pool: WorkerPool::new(),
+            config,
+            uring_payload: None,
+            init_request: init_request.to_vec(),
+        };
+        if !session.initialize(init_request, false)? {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the saved INIT request is not one this daemon can take over",
+            ));
+        }
+        if session.uring_payload.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "a connection served over io_uring cannot be taken over",
+            ));
+        }
+        session.notifier().resend()?;
+        Ok(session)
+    }
+
+    /// mosaicfs patch: the kernel's INIT request as this session received it.
+    pub fn init_request(&self) -> &[u8] {
+        &self.init_request
+    }
+
+    /// mosaicfs patch: the session no longer unmounts when it ends: another daemon takes the
+    /// connection over (`resume`), and the mount must stay.
+    pub fn keep_mounted(&mut self) {
+        if let Some(mount) = self.mount.mount.lock().take() {
+            std::mem::forget(mount);
+        }
+    }
+
+    /// mosaicfs patch: a way to end `run` from another thread while the mount stays: the
+    /// workers finish the requests they hold and read no more (`Stopper::stop`).
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            pool: self.pool.clone(),
+        }
     }
 
     /// Run the session loop in a background thread. If the returned handle is dropped,
@@ -263,6 +338,7 @@ impl<FS: Filesystem> Session<FS> {
             config,
             pool,
             uring_payload,
+            init_request: _,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -476,9 +552,20 @@ impl<FS: Filesystem> Session<FS> {
                 }
                 Err(err) => return Err(err.into()),
             };
+            if self.initialize(&buf[..size], true)? {
+                self.init_request = buf[..size].to_vec();
+                return Ok(());
+            }
+        }
+    }
 
+    /// Handles one INIT request: the file system's `init` and, when `reply`, the answer.
+    /// `Ok(false)`: the kernel's ABI is newer than ours and our version was sent: another INIT
+    /// follows.
+    fn initialize(&mut self, bytes: &[u8], reply: bool) -> io::Result<bool> {
+        {
             // Parse the request
-            let request = match ll::AnyRequest::try_from(&buf[..size]) {
+            let request = match ll::AnyRequest::try_from(bytes) {
                 Ok(request) => request,
                 Err(err) => {
                     error!("{err}");
@@ -524,9 +611,11 @@ impl<FS: Filesystem> Session<FS> {
                     abi::FUSE_KERNEL_VERSION
                 );
                 let response = init.reply_version_only();
-                <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
-                    .send_ll(&response);
-                continue;
+                if reply {
+                    <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
+                        .send_ll(&response);
+                }
+                return Ok(false);
             }
 
             // We don't support ABI versions before 7.6
@@ -616,11 +705,13 @@ impl<FS: Filesystem> Session<FS> {
                 config.max_write
             );
 
-            let response = init.reply(&config);
-            <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
-                .send_ll(&response);
+            if reply {
+                let response = init.reply(&config);
+                <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
+                    .send_ll(&response);
+            }
 
-            return Ok(());
+            Ok(true)
         }
     }
 
@@ -766,6 +857,8 @@ pub(crate) struct WorkerPool {
     asleep: std::sync::atomic::AtomicBool,
     /// A worker has told the file system that the mount is gone (`Filesystem::unmounted`).
     unmounted: std::sync::atomic::AtomicBool,
+    /// mosaicfs patch: workers whose loop has not returned yet (`Stopper::stop` waits for 0).
+    alive: std::sync::atomic::AtomicUsize,
 }
 
 /// What one worker is doing.
@@ -797,6 +890,7 @@ impl WorkerPool {
             supervisor: std::sync::OnceLock::new(),
             asleep: std::sync::atomic::AtomicBool::new(false),
             unmounted: std::sync::atomic::AtomicBool::new(false),
+            alive: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -975,11 +1069,20 @@ impl WorkerPool {
             pool: on_dev.then(|| self.clone()),
             watch: tracked.then(|| self.clone()),
         };
-        handles.push(
-            thread::Builder::new()
-                .name(thread_name)
-                .spawn(move || event_loop.run())?,
-        );
+        self.alive.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let pool = self.clone();
+        let spawned = thread::Builder::new().name(thread_name).spawn(move || {
+            let r = event_loop.run();
+            pool.alive.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            r
+        });
+        match spawned {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                self.alive.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                return Err(e);
+            }
+        }
         if tracked {
             slots.push(busy);
         }
@@ -1172,8 +1275,69 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                     self.session_over();
                     return Ok(());
                 }
+                // mosaicfs patch: stopped for another daemon to take over (`Stopper`): this
+                // worker answered what it took and ends; the mount stays.
+                Err(nix::errno::Errno::ESHUTDOWN) => {
+                    if let Some(pool) = self.pool.as_ref().or(self.watch.as_ref()) {
+                        pool.session_over();
+                    }
+                    return Ok(());
+                }
                 Err(err) => return Err(err.into()),
             }
+        }
+    }
+}
+
+/// mosaicfs patch: ends a session's `run` while the mount stays, for another daemon to take
+/// the connection over (`Session::resume`).
+#[derive(Debug, Clone)]
+pub struct Stopper {
+    pool: Arc<WorkerPool>,
+}
+
+/// The signal that interrupts a worker's read of /dev/fuse when the session stops. Its
+/// handler does nothing and is installed without SA_RESTART, so the read returns EINTR.
+const STOP_SIGNAL: i32 = libc::SIGURG;
+
+extern "C" fn on_stop_signal(_: libc::c_int) {}
+
+impl Stopper {
+    /// Workers read no more requests: each finishes the one it holds and ends, and `run`
+    /// returns once all have. A read already waiting is interrupted by a signal, sent again
+    /// until every worker is gone (a worker between its check and its read would miss one).
+    /// Nothing is left unanswered: a request is either read and answered, or still queued in
+    /// the kernel for the next daemon. Returns when every worker has ended.
+    pub fn stop(&self) {
+        // SAFETY: a handler that does nothing, for a signal nothing else in the process uses
+        // (SIGURG is ignored by default, so a stray one harms nothing either).
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = on_stop_signal as *const () as usize;
+            libc::sigemptyset(&mut act.sa_mask);
+            act.sa_flags = 0;
+            libc::sigaction(STOP_SIGNAL, &act, std::ptr::null_mut());
+        }
+        crate::channel::STOPPING.store(true, std::sync::atomic::Ordering::Release);
+        self.pool.end();
+        loop {
+            let threads: Vec<i32> = self
+                .pool
+                .busy_since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|w| w.thread.load(std::sync::atomic::Ordering::Relaxed))
+                .collect();
+            if self.pool.alive.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                return;
+            }
+            let pid = std::process::id() as i32;
+            for tid in threads.into_iter().filter(|&t| t != 0) {
+                // SAFETY: tgkill to a thread of this process; one that ended gives ESRCH.
+                unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, STOP_SIGNAL) };
+            }
+            thread::sleep(std::time::Duration::from_millis(5));
         }
     }
 }

@@ -1,0 +1,478 @@
+//! A mount that outlives its daemon: a holder process keeps the FUSE connection, and when the
+//! daemon serving it ends — killed, crashed, or stopped for an upgrade — starts a new one on
+//! the same connection. Processes on the mount wait a moment and see no error.
+//!
+//! The connection lives as long as any process holds its /dev/fuse descriptor. The holder
+//! (`mosaicfs __holder`, forked off when a mount goes to the background) holds the very
+//! descriptor the daemon reads (the same open file: every worker reads it, none is a clone,
+//! since the kernel fails the requests a clone holds when its last holder closes it), the
+//! kernel's INIT request, and how the daemon was started. It waits for the daemon; when the
+//! daemon has ended and the connection is still there, it starts the binary again with the same
+//! arguments, passing the descriptor, the INIT request and how many daemons came before.
+//!
+//! The new daemon opens the layers as a remount would, replays INIT to itself without
+//! answering it (`fuser::Session::resume`), and sends FUSE_NOTIFY_RESEND: the kernel queues
+//! again every request the old daemon had read and not answered (Linux 6.9+). Then it serves
+//! what the kernel still holds from its predecessors:
+//!
+//! - node ids: each is the object's merged inode number, found by number (by_number.rs) the
+//!   first time a request names it (`Overlay::node`);
+//! - open file handles: a handle's number carries the daemon that made it (handles.rs,
+//!   `EPOCH_SHIFT`); the first request on an older one opens the file again with the flags the
+//!   request carries (`Overlay::adopt_handle`). Everything a handle stands for is on disk:
+//!   the upper file, its partial-file mark and present blocks;
+//! - listing offsets: cookies made from names (readdir.rs), the same in every daemon;
+//!
+//! A request in flight when the old daemon died is served again from the start. Reads and
+//! writes at an offset are the same again; a create, mkdir, link or rename that the old daemon
+//! had finished answers EEXIST or ENOENT the second time (docs/ROBUSTNESS.md says what that
+//! window is and how small).
+//!
+//! Where it is done: a mount in the background (with `-f` the daemon is whoever supervises it),
+//! where nothing passes through (a kernel inode stays bound to the backing file the old daemon
+//! registered while a file opened before is open, and a new daemon's registration of the same
+//! file is another, which the kernel refuses: `restart=on` turns passthrough off), over /dev/fuse (an io_uring queue's entries belong to the ring of the daemon that made
+//! them), on a disk upper (a memory upper's tree lives in the daemon until an fsync), with no
+//! pre-content events (their group is the daemon's), and with copy-after-write off (its
+//! pending blocks live in the daemon: a write that returned would be lost). `restart=` and
+//! docs/ROBUSTNESS.md.
+//!
+//! Upgrading: `mosaicfs upgrade MNT` asks the daemon (control socket) to hand over. It tells the
+//! holder which binary comes next, stops reading requests, answers the ones it holds, flushes,
+//! and exits; the holder starts the new binary. Nothing is lost or answered twice.
+
+use std::ffi::{OsStr, OsString};
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::options::{Options, PassthroughPolicy, Switch, UpperKind};
+
+/// The hidden command the holder runs as.
+pub const HOLDER_COMMAND: &str = "__holder";
+/// What the holder hands a daemon it starts (hex fields, see `Inherited`).
+const TAKEOVER_ENV: &str = "MOSAICFS_TAKEOVER";
+/// What a holder starts from (hex fields, see `holder_main`).
+const HOLDER_ENV: &str = "MOSAICFS_HOLDER";
+/// More starts than this within `RESTART_WINDOW` and the holder gives up: a daemon that cannot
+/// start would otherwise be started forever. The mount then ends as it would without a holder.
+const MAX_RESTARTS: usize = 5;
+const RESTART_WINDOW: Duration = Duration::from_secs(30);
+/// A daemon that ran this long was good: an upgrade that fails is taken back to it.
+const GOOD_AFTER: Duration = Duration::from_secs(2);
+
+/// Whether a mount with these options can survive its daemon, decided before it is mounted
+/// (`uring`: requests will come over io_uring). The kernel's part (FUSE_NOTIFY_RESEND) is
+/// known only after INIT.
+pub fn plan(opts: &Options, uring: bool) -> std::result::Result<(), String> {
+    let why = if opts.restart == Switch::Off {
+        "restart=off"
+    } else if opts.foreground {
+        "-f: the daemon runs in the foreground, under whatever started it"
+    } else if uring {
+        "requests come over io_uring, whose queues belong to the daemon that made them"
+    } else if opts.passthrough != PassthroughPolicy::Off
+        && opts.restart != Switch::On
+        && crate::sys::admin_of_initial_namespace()
+    {
+        "files pass through to backing files the daemon registered, which another daemon \
+         cannot match (restart=on turns passthrough off)"
+    } else if opts.upper_kind == UpperKind::Memory {
+        "upper=memory keeps the layer's tree in the daemon until an fsync"
+    } else if opts.partial_passthrough != Switch::Off {
+        "partial_passthrough: pre-content events belong to the daemon's group"
+    } else if opts.caw_given && opts.caw_memory.is_some() {
+        "copy_after_write: pending blocks live in the daemon until they are filled"
+    } else {
+        return Ok(());
+    };
+    Err(why.to_string())
+}
+
+/// What a daemon started by a holder inherits: the connection, the pipe to the holder, how
+/// many daemons served the mount before it, and the kernel's INIT request.
+pub struct Inherited {
+    pub fuse: OwnedFd,
+    pub channel: OwnedFd,
+    pub takeovers: u32,
+    pub init: Vec<u8>,
+}
+
+impl Inherited {
+    /// Taken from the environment the holder set, once (the variable goes, so that nothing
+    /// this daemon starts takes it for its own).
+    pub fn from_env() -> Result<Option<Inherited>> {
+        let Some(value) = std::env::var_os(TAKEOVER_ENV) else {
+            return Ok(None);
+        };
+        // SAFETY: called at start, before the daemon starts any thread.
+        unsafe { std::env::remove_var(TAKEOVER_ENV) };
+        let fields = decode(&value);
+        let bad = || crate::message!("{TAKEOVER_ENV} is set by a mount's holder, not by hand");
+        let [fuse, channel, takeovers, init] = fields.as_slice() else {
+            return Err(bad());
+        };
+        let number = |f: &OsString| f.to_str().and_then(|s| s.parse::<i32>().ok());
+        let fd = |f: &OsString| number(f).and_then(crate::sys::inherited_fd);
+        let (Some(fuse), Some(channel), Some(takeovers)) =
+            (fd(fuse), fd(channel), number(takeovers))
+        else {
+            return Err(bad());
+        };
+        for fd in [&fuse, &channel] {
+            let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+        }
+        Ok(Some(Inherited {
+            fuse,
+            channel,
+            takeovers: takeovers as u32,
+            init: init.as_bytes().to_vec(),
+        }))
+    }
+}
+
+/// The daemon's end of the pipe to its holder: where it says which binary takes over.
+pub struct Channel(std::sync::Mutex<std::fs::File>);
+
+impl Channel {
+    pub fn new(fd: OwnedFd) -> Channel {
+        Channel(std::sync::Mutex::new(std::fs::File::from(fd)))
+    }
+
+    /// Tells the holder that `binary` is to serve the mount once this daemon has ended.
+    pub fn hand_over_to(&self, binary: &Path) -> Result<()> {
+        let mut line = b"upgrade\t".to_vec();
+        line.extend_from_slice(binary.as_os_str().as_bytes());
+        line.push(b'\n');
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .write_all(&line)
+            .map_err(|e| crate::message!("cannot reach the mount's holder: {e}"))
+    }
+}
+
+/// Splits the holder off this process (the daemon in the background, before any thread):
+/// returns in the child, which goes on as the daemon, with its end of the pipe to the holder;
+/// this process becomes the holder and never returns. `args` and `binary`: how the daemon was
+/// started, for the next one.
+pub fn split_off_holder(
+    fuse: BorrowedFd<'_>,
+    init: &[u8],
+    binary: &Path,
+    args: &[OsString],
+) -> Result<OwnedFd> {
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| crate::message!("pipe: {e}"))?;
+    let Some(daemon) = crate::sys::fork().map_err(|e| crate::message!("fork: {e}"))? else {
+        drop(r);
+        return Ok(w);
+    };
+    drop(w);
+    // The holder keeps what it needs past exec, without CLOEXEC; the exec drops everything
+    // else the daemon had open (the layers, the work dir's lock, the control socket).
+    let fuse = keep_across_exec(fuse);
+    let channel = keep_across_exec(r.as_fd());
+    let mut fields: Vec<OsString> = vec![
+        fuse.to_string().into(),
+        channel.to_string().into(),
+        daemon.to_string().into(),
+        binary.as_os_str().to_owned(),
+        OsString::from_vec(init.to_vec()),
+    ];
+    fields.extend(args.iter().cloned());
+    use std::os::unix::process::CommandExt;
+    let err = CommandExt::exec(
+        std::process::Command::new("/proc/self/exe")
+            .arg0("mosaicfs-holder")
+            .arg(HOLDER_COMMAND)
+            .env(HOLDER_ENV, encode(&fields))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    );
+    // The daemon serves on; it just will not be restarted.
+    log::error!("cannot start the mount's holder: {err}; the mount ends with its daemon");
+    std::process::exit(0);
+}
+
+/// A copy of `fd` that an exec keeps (no CLOEXEC); the number.
+fn keep_across_exec(fd: BorrowedFd<'_>) -> i32 {
+    // SAFETY: F_DUPFD of a descriptor this process holds; the copy is this process's to keep
+    // until it execs, which is what it is for.
+    unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD, 3) }
+}
+
+/// The daemon the holder waits for now (for the signal handlers).
+static DAEMON: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The holder: waits for the daemon, and starts the next one while the connection lives.
+pub fn holder_main() -> i32 {
+    let fields = std::env::var_os(HOLDER_ENV)
+        .map(|v| decode(&v))
+        .unwrap_or_default();
+    // SAFETY: single-threaded, at start.
+    unsafe { std::env::remove_var(HOLDER_ENV) };
+    let number = |i: usize| -> Option<i32> { fields.get(i)?.to_str()?.parse().ok() };
+    let (Some(fuse), Some(channel), Some(daemon), Some(binary), Some(init)) = (
+        number(0).and_then(crate::sys::inherited_fd),
+        number(1).and_then(crate::sys::inherited_fd),
+        number(2),
+        fields.get(3).map(PathBuf::from),
+        fields.get(4).map(|f| f.as_bytes().to_vec()),
+    ) else {
+        eprintln!("mosaicfs: {HOLDER_COMMAND} is started by a mount, not by hand");
+        return 2;
+    };
+    let args: Vec<OsString> = fields[5..].to_vec();
+    crate::sys::close_other_fds(&[fuse.as_raw_fd(), channel.as_raw_fd()]);
+    for fd in [&fuse, &channel] {
+        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+    }
+    set_name(c"mosaicfs-holder");
+    // The kernel's OOM killer picks the daemon, never the few pages that keep its mount
+    // alive (best effort: lowering the score needs CAP_SYS_RESOURCE).
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-999");
+    crate::logging::init(false);
+    crate::logging::to_background(None);
+    DAEMON.store(daemon, std::sync::atomic::Ordering::Relaxed);
+    forward_stop_signals();
+    Holder {
+        fuse,
+        init,
+        args,
+        binary: binary.clone(),
+        good: binary,
+        starts: Vec::new(),
+        takeovers: 0,
+    }
+    .run(daemon, channel)
+}
+
+struct Holder {
+    fuse: OwnedFd,
+    init: Vec<u8>,
+    args: Vec<OsString>,
+    /// The binary the next daemon runs.
+    binary: PathBuf,
+    /// The last binary whose daemon ran at least `GOOD_AFTER`.
+    good: PathBuf,
+    starts: Vec<Instant>,
+    takeovers: u32,
+}
+
+impl Holder {
+    fn run(mut self, mut daemon: i32, mut channel: OwnedFd) -> i32 {
+        let mut started = Instant::now();
+        loop {
+            let status = wait_for(daemon);
+            let said = read_all(&channel);
+            if !self.connected() {
+                return 0;
+            }
+            let upgrade = said
+                .lines()
+                .filter_map(|l| l.strip_prefix("upgrade\t"))
+                .next_back()
+                .map(PathBuf::from);
+            let ran = started.elapsed();
+            if ran >= GOOD_AFTER {
+                self.good = self.binary.clone();
+            }
+            match upgrade {
+                Some(next) => {
+                    log::info!(
+                        "the daemon of this mount handed over to {}: starting it",
+                        next.display()
+                    );
+                    self.binary = next;
+                }
+                None if ran < GOOD_AFTER && self.binary != self.good => {
+                    log::error!(
+                        "the daemon from {} ended after {:.1} s ({status}): going back to {}",
+                        self.binary.display(),
+                        ran.as_secs_f64(),
+                        self.good.display()
+                    );
+                    self.binary = self.good.clone();
+                }
+                None => log::error!(
+                    "the daemon of this mount ended ({status}) while the mount lives: starting \
+                     another on the same connection"
+                ),
+            }
+            let now = Instant::now();
+            self.starts
+                .retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+            if self.starts.len() >= MAX_RESTARTS {
+                log::error!(
+                    "{MAX_RESTARTS} daemons started within {} s and none stayed: giving the \
+                     mount up (its processes get ENOTCONN; unmount it and mount it again)",
+                    RESTART_WINDOW.as_secs()
+                );
+                return 1;
+            }
+            self.starts.push(now);
+            self.takeovers = self.takeovers.saturating_add(1);
+            match self.start() {
+                Ok((pid, r)) => {
+                    daemon = pid;
+                    channel = r;
+                    DAEMON.store(pid, std::sync::atomic::Ordering::Relaxed);
+                    started = Instant::now();
+                }
+                Err(e) => {
+                    log::error!("cannot start {}: {e}", self.binary.display());
+                    if self.binary == self.good {
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    self.binary = self.good.clone();
+                    // Counted as a start that ended at once: the loop waits for no one.
+                    daemon = -1;
+                }
+            }
+        }
+    }
+
+    /// Whether the connection still lives: the kernel reports an error on its device once
+    /// it ended (unmounted, or aborted).
+    fn connected(&self) -> bool {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.fuse,
+            rustix::event::PollFlags::IN,
+        )];
+        let zero = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        match rustix::event::poll(&mut fds, Some(&zero)) {
+            Ok(_) => !fds[0].revents().contains(rustix::event::PollFlags::ERR),
+            Err(_) => false,
+        }
+    }
+
+    /// Starts the next daemon: its pid and the holder's end of the pipe to it.
+    fn start(&self) -> std::io::Result<(i32, OwnedFd)> {
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+        let fuse = keep_across_exec(self.fuse.as_fd());
+        let write = keep_across_exec(w.as_fd());
+        let fields: Vec<OsString> = vec![
+            fuse.to_string().into(),
+            write.to_string().into(),
+            self.takeovers.to_string().into(),
+            OsString::from_vec(self.init.clone()),
+        ];
+        let child = std::process::Command::new(&self.binary)
+            .args(&self.args)
+            .env(TAKEOVER_ENV, encode(&fields))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+        // SAFETY: the copies made for the child, which has them now (or failed to start).
+        unsafe {
+            libc::close(fuse);
+            libc::close(write);
+        }
+        let child = child?;
+        Ok((child.id() as i32, r))
+    }
+}
+
+/// Waits for `pid` to end; how it ended, in words.
+fn wait_for(pid: i32) -> String {
+    if pid <= 0 {
+        return "did not start".into();
+    }
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid on a child of this process.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r == pid {
+            break;
+        }
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return "not a child".into();
+        }
+    }
+    if libc::WIFSIGNALED(status) {
+        format!("killed by signal {}", libc::WTERMSIG(status))
+    } else {
+        format!("exit status {}", libc::WEXITSTATUS(status))
+    }
+}
+
+/// Everything the daemon wrote to the pipe (it has ended: the pipe is at its end).
+fn read_all(channel: &OwnedFd) -> String {
+    let _ = rustix::fs::fcntl_setfl(channel, rustix::fs::OFlags::NONBLOCK);
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n @ 1..) = rustix::io::read(channel, &mut buf) {
+        out.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// SIGTERM, SIGINT and SIGHUP to the holder stop the mount as they would the daemon: passed on.
+fn forward_stop_signals() {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: the action is async-signal-safe: an atomic load and kill(2).
+        let _ = unsafe {
+            signal_hook::low_level::register(sig, move || {
+                let pid = DAEMON.load(std::sync::atomic::Ordering::Relaxed);
+                if pid > 0 {
+                    libc::kill(pid, sig);
+                }
+            })
+        };
+    }
+}
+
+/// The process's name as `ps` and `pkill` see it.
+fn set_name(name: &std::ffi::CStr) {
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
+}
+
+/// Fields as one environment value: each in hex, separated by commas.
+fn encode(fields: &[OsString]) -> OsString {
+    let hex: Vec<String> = fields
+        .iter()
+        .map(|f| f.as_bytes().iter().map(|b| format!("{b:02x}")).collect())
+        .collect();
+    hex.join(",").into()
+}
+
+fn decode(value: &OsStr) -> Vec<OsString> {
+    let Some(s) = value.to_str() else {
+        return Vec::new();
+    };
+    s.split(',')
+        .map(|f| {
+            let bytes = (0..f.len() / 2)
+                .filter_map(|i| u8::from_str_radix(f.get(2 * i..2 * i + 2)?, 16).ok())
+                .collect();
+            OsString::from_vec(bytes)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_survive_the_environment() {
+        let fields: Vec<OsString> = vec![
+            "12".into(),
+            OsString::from_vec(vec![0, 1, 0xff, b',']),
+            "".into(),
+            "-o".into(),
+            "lowerdir=/a b,upperdir=/c".into(),
+        ];
+        assert_eq!(decode(&encode(&fields)), fields);
+    }
+}

@@ -1,0 +1,449 @@
+//! A mount that outlives its daemon (takeover.rs): killed, the daemon is replaced by a new one
+//! on the same FUSE connection, and `mosaicfs upgrade` replaces it on purpose; processes on
+//! the mount see no error and no wrong byte.
+
+mod common;
+
+use std::fs;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A mount in the background, as containers/storage and mount(8) make it: the command
+/// returns with the mount live, served by a daemon beside its holder.
+struct Background {
+    dir: tempfile::TempDir,
+    mnt: PathBuf,
+    log: PathBuf,
+}
+
+impl Background {
+    /// `fill` builds the lower layer; `opts` are added to the layers' options; `env` goes to
+    /// the daemon.
+    fn mount(fill: impl FnOnce(&Path), opts: &str, env: &[(&str, &str)]) -> Background {
+        let dir = tempfile::Builder::new()
+            .prefix("mosaicfs-restart")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let p = dir.path();
+        for d in ["l", "u", "w", "m"] {
+            fs::create_dir(p.join(d)).unwrap();
+        }
+        fill(&p.join("l"));
+        let log = p.join("log");
+        let options = format!(
+            "lowerdir={0}/l,upperdir={0}/u,workdir={0}/w,upper=disk,log_file={1}{2}",
+            p.display(),
+            log.display(),
+            if opts.is_empty() {
+                String::new()
+            } else {
+                format!(",{opts}")
+            }
+        );
+        let out = {
+            let _forking = forking();
+            Command::new(BIN)
+                .args(["-o", &options])
+                .arg(p.join("m"))
+                .envs(env.iter().copied())
+                .env("MOSAICFS_LOG", "info")
+                .stdin(Stdio::null())
+                .output()
+                .unwrap()
+        };
+        assert!(
+            out.status.success(),
+            "mount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Background {
+            mnt: p.join("m"),
+            log,
+            dir,
+        }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.mnt.join(rel)
+    }
+
+    fn status(&self) -> String {
+        let _forking = forking();
+        let out = Command::new(BIN)
+            .arg("status")
+            .arg(&self.mnt)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A field of the status report: the number after `key` on the line starting `line`.
+    fn field(&self, line: &str, key: &str) -> u64 {
+        let status = self.status();
+        let l = status
+            .lines()
+            .find(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("no '{line}' line in: {status}"));
+        let at = l.find(key).unwrap_or_else(|| panic!("no '{key}' in: {l}")) + key.len();
+        l[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    fn daemon(&self) -> i32 {
+        self.field("daemon:", "pid ") as i32
+    }
+
+    fn holder(&self) -> i32 {
+        self.field("restart:", "holder pid ") as i32
+    }
+
+    fn takeovers(&self) -> u64 {
+        self.field("restart:", "daemons before this one: ")
+    }
+
+    /// Kills the serving daemon with SIGKILL and waits until another serves the mount.
+    fn kill_daemon(&self) {
+        let (old, before) = (self.daemon(), self.takeovers());
+        // SAFETY: kill(2) of the daemon the status report named.
+        assert_eq!(unsafe { libc::kill(old, libc::SIGKILL) }, 0);
+        let start = Instant::now();
+        while self
+            .status_quietly()
+            .is_none_or(|s| !s.contains(&format!("daemons before this one: {}", before + 1)))
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no daemon took over: {}",
+                fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_ne!(self.daemon(), old);
+    }
+
+    fn status_quietly(&self) -> Option<String> {
+        let _forking = forking();
+        let out = Command::new(BIN)
+            .arg("status")
+            .arg(&self.mnt)
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let holder = self.status_quietly().and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("restart:"))?;
+            let at = l.find("holder pid ")? + "holder pid ".len();
+            l[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<i32>()
+                .ok()
+        });
+        let start = Instant::now();
+        while rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::empty()).is_err()
+            && start.elapsed() < Duration::from_secs(10)
+            && is_mounted(&self.mnt)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+        // The holder ends once the connection has: nothing of the mount is left running.
+        if let Some(pid) = holder {
+            let start = Instant::now();
+            while Path::new(&format!("/proc/{pid}/comm")).exists()
+                && fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| !s.contains(") Z "))
+                && start.elapsed() < Duration::from_secs(10)
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+fn lower_tree(l: &Path) {
+    fs::write(l.join("image"), pattern(3 << 20, 7)).unwrap();
+    fs::create_dir(l.join("dir")).unwrap();
+    for i in 0..300 {
+        fs::write(l.join(format!("dir/f{i:03}")), format!("file {i}\n")).unwrap();
+    }
+    fs::write(l.join("dir/note"), "lower note\n").unwrap();
+}
+
+/// kill -9 of the daemon: every kind of reference a process holds into the mount goes on
+/// working with a new daemon — a read descriptor mid-file, a writer (written, fsynced, read
+/// back), a directory being listed, a working directory inside the mount — and new opens,
+/// creates and listings work.
+#[test]
+fn a_killed_daemon_is_replaced_and_its_processes_see_no_error() {
+    let m = Background::mount(lower_tree, "restart=on", &[]);
+    assert!(
+        m.status().contains("restart: yes, holder pid"),
+        "{}",
+        m.status()
+    );
+    let holder = m.holder();
+    let image = pattern(3 << 20, 7);
+
+    let mut reader = fs::File::open(m.path("image")).unwrap();
+    let mut head = vec![0u8; 1 << 20];
+    reader.read_exact(&mut head).unwrap();
+    let mut writer = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("dir/note"))
+        .unwrap();
+    writer.write_all(b"upper").unwrap();
+    let mut listing = fs::read_dir(m.path("dir")).unwrap();
+    let mut names: Vec<String> = listing
+        .by_ref()
+        .take(100)
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    // A shell inside the mount: it waits for the kill, then uses its working directory.
+    let marker = m.dir.path().join("go");
+    let shell = {
+        let _forking = forking();
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "while [ ! -e {0} ]; do sleep 0.01; done; cat f007 && ls | wc -l && \
+                 echo made > made-here && cat made-here",
+                marker.display()
+            ))
+            .current_dir(m.path("dir"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    m.kill_daemon();
+    assert_eq!(m.holder(), holder, "the same holder started the new daemon");
+    assert_eq!(m.takeovers(), 1);
+
+    let mut rest = Vec::new();
+    reader.read_to_end(&mut rest).unwrap();
+    head.extend_from_slice(&rest);
+    assert!(head == image, "the read descriptor read the file on");
+    writer.write_all(b" and more").unwrap();
+    writer.sync_all().unwrap();
+    writer.seek(SeekFrom::Start(0)).unwrap();
+    let mut note = String::new();
+    writer.read_to_string(&mut note).unwrap();
+    assert_eq!(note, "upper and more", "a write that returned is kept");
+    names.extend(listing.map(|e| e.unwrap().file_name().into_string().unwrap()));
+    names.sort();
+    let mut want: Vec<String> = (0..300).map(|i| format!("f{i:03}")).collect();
+    want.push("note".into());
+    want.sort();
+    assert_eq!(names, want, "the open directory listed on, each name once");
+    fs::write(marker, "").unwrap();
+    let out = shell.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the shell in the mount failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "file 7\n301\nmade\n",
+        "the shell's working directory kept working"
+    );
+    assert_eq!(
+        fs::read_to_string(m.dir.path().join("u/dir/made-here")).unwrap(),
+        "made\n"
+    );
+    fs::write(m.path("new"), "new file").unwrap();
+    assert_eq!(fs::read_to_string(m.path("new")).unwrap(), "new file");
+    assert_eq!(names_of(&m.path("")), ["dir", "image", "new"]);
+}
+
+fn names_of(dir: &Path) -> Vec<String> {
+    let mut n: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    n.sort();
+    n
+}
+
+/// A request the daemon had read and not answered when it was killed is answered by the next
+/// one (FUSE_NOTIFY_RESEND): the process that made it waits and gets the right answer, not an
+/// error. Without the resend it would wait forever.
+#[test]
+fn a_request_held_by_a_killed_daemon_is_answered_by_the_next() {
+    let m = Background::mount(
+        |l| fs::write(l.join("stuck"), "held across the kill").unwrap(),
+        "restart=on",
+        &[("MOSAICFS_TEST_HANG", "stuck")],
+    );
+    let path = m.path("stuck");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(fs::read_to_string(path).map_err(|e| e.to_string()));
+    });
+    let start = Instant::now();
+    while !fs::read_to_string(&m.log)
+        .unwrap_or_default()
+        .contains("holding the lookup")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the lookup never came"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(rx.try_recv().is_err(), "answered before the kill");
+    m.kill_daemon();
+    let got = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the request held by the killed daemon was never answered");
+    assert_eq!(got.as_deref(), Ok("held across the kill"));
+}
+
+/// `mosaicfs upgrade`, three times in a row, while a process appends numbered lines and reads
+/// them back: no write fails, none is lost or doubled, every upgrade is a new daemon.
+#[test]
+fn upgrades_under_load_lose_nothing() {
+    let m = Background::mount(|_| {}, "restart=on", &[]);
+    let stop = m.dir.path().join("stop");
+    let script = format!(
+        "i=0; while [ ! -e {stop} ]; do echo $i >> {f} || exit 1; \
+         tail -n 1 {f} | grep -qx $i || exit 2; i=$((i+1)); done; echo $i",
+        stop = stop.display(),
+        f = m.path("log").display()
+    );
+    let writer = {
+        let _forking = forking();
+        Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut pids = vec![m.daemon()];
+    for round in 1..=3 {
+        std::thread::sleep(Duration::from_millis(150));
+        let out = run(Command::new(BIN).arg("upgrade").arg(&m.mnt));
+        assert!(out.contains("took over from pid"), "{out}");
+        assert_eq!(m.takeovers(), round);
+        pids.push(m.daemon());
+    }
+    fs::write(&stop, "").unwrap();
+    let out = writer.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the writer failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let n: usize = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let lines = fs::read_to_string(m.path("log")).unwrap();
+    let want: String = (0..n).map(|i| format!("{i}\n")).collect();
+    assert!(lines == want, "{n} lines written, the file differs");
+    pids.dedup();
+    assert_eq!(pids.len(), 4, "each upgrade started a new daemon: {pids:?}");
+}
+
+/// An upgrade to something that is not mosaicfs is refused before the daemon stops, and the
+/// mount goes on being served by the same daemon.
+#[test]
+fn an_upgrade_to_a_broken_binary_is_refused() {
+    let m = Background::mount(|l| fs::write(l.join("a"), "a").unwrap(), "restart=on", &[]);
+    let pid = m.daemon();
+    let out = Command::new(BIN)
+        .args(["upgrade", "--binary", "/bin/false"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not answer as mosaicfs does"), "{err}");
+    assert_eq!(m.daemon(), pid);
+    assert_eq!(fs::read_to_string(m.path("a")).unwrap(), "a");
+}
+
+/// Where the mount does not survive its daemon, the status says why, `restart=on` refuses the
+/// mount with that reason, and `upgrade` says what to do instead.
+#[test]
+fn a_mount_that_cannot_survive_its_daemon_says_why() {
+    let mut m = Mount::new(1);
+    m.mount();
+    let status = common::status(&m);
+    assert!(
+        status.contains("restart: no (-f: the daemon runs in the foreground"),
+        "{status}"
+    );
+    let out = Command::new(BIN)
+        .arg("upgrade")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot be upgraded in place") && err.contains("unmount"),
+        "{err}"
+    );
+    m.unmount();
+    let refused = m.refused(&format!("{},restart=on", m.options()));
+    assert!(
+        refused.contains("restart=on: this mount cannot survive its daemon: -f"),
+        "{refused}"
+    );
+}
+
+/// Rootless, as the users who pick a FUSE overlay run it (a user namespace, no passthrough):
+/// the default mount survives kill -9 of its daemon, with a descriptor open across it.
+#[test]
+fn a_rootless_mount_survives_its_daemon_by_default() {
+    let d = tempfile::Builder::new()
+        .prefix("mosaicfs-restart-rootless")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let p = d.path().display().to_string();
+    for sub in ["l", "u", "w", "m"] {
+        fs::create_dir(d.path().join(sub)).unwrap();
+    }
+    fs::write(d.path().join("l/f"), "lower\n").unwrap();
+    let script = format!(
+        "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w,upper=disk {p}/m; \
+         exec 3>>{p}/m/f; echo before >&3; \
+         {bin} status {p}/m > {p}/status-before; \
+         pid=$(sed -n 's/^daemon: pid \\([0-9]*\\),.*/\\1/p' {p}/status-before); \
+         kill -9 $pid; \
+         i=0; until {bin} status {p}/m 2>/dev/null | grep -q 'daemons before this one: 1'; do \
+           i=$((i+1)); [ $i -lt 3000 ] || exit 9; sleep 0.01; done; \
+         echo after >&3; exec 3>&-; cat {p}/m/f > {p}/content; \
+         {bin} status {p}/m > {p}/status-after; umount {p}/m",
+        bin = BIN
+    );
+    run(Command::new("unshare").args(["-Urm", "sh", "-c", &script]));
+    let before = fs::read_to_string(d.path().join("status-before")).unwrap();
+    assert!(before.contains("restart: yes, holder pid"), "{before}");
+    assert!(before.contains("passthrough: none"), "{before}");
+    assert_eq!(
+        fs::read_to_string(d.path().join("content")).unwrap(),
+        "lower\nbefore\nafter\n"
+    );
+    let after = fs::read_to_string(d.path().join("status-after")).unwrap();
+    assert!(after.contains("daemons before this one: 1"), "{after}");
+}
