@@ -145,7 +145,18 @@ pub fn connect(mountpoint: &Path, what: &str) -> Result<UnixStream> {
                 .join(", ")
         )
     })?;
-    let mut conn = UnixStream::connect(&path).map_err(|e| {
+    // Refused: the socket's daemon has ended, and one that takes the mount over (takeover.rs)
+    // binds it again in a moment.
+    let mut connected = UnixStream::connect(&path);
+    while connected
+        .as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+        && since.elapsed() < std::time::Duration::from_secs(2)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        connected = UnixStream::connect(&path);
+    }
+    let mut conn = connected.map_err(|e| {
         crate::message!(
             "no mosaicfs daemon answers for '{}' ({}: {e}); is it a mosaicfs mount?",
             mountpoint.display(),

@@ -136,6 +136,22 @@ fn set_time(t: Option<TimeOrNow>) -> Option<Time> {
     })
 }
 
+/// Whether the kernel sends `req` again: a daemon before this one read it and ended without
+/// answering (FUSE_NOTIFY_RESEND, takeover.rs). It may have done it: a removal that finds
+/// nothing to remove, or a creation that finds its object made, did what was asked.
+fn resent(req: &Request) -> bool {
+    const FUSE_UNIQUE_RESEND: u64 = 1 << 63;
+    req.unique().0 & FUSE_UNIQUE_RESEND != 0
+}
+
+/// A resent removal (`resent`) that finds nothing to remove was done by the daemon before.
+fn removed_before(req: &Request, r: crate::error::Result<()>) -> crate::error::Result<()> {
+    match r {
+        Err(e) if e.is(libc::ENOENT) && resent(req) => Ok(()),
+        r => r,
+    }
+}
+
 /// Replies to a request that returns nothing but success or an errno.
 fn done(reply: ReplyEmpty, r: crate::error::Result<()>) {
     match r {
@@ -231,6 +247,21 @@ impl MosaicFs {
             self.core.config().timeout
         } else {
             self.core.config().lower_cache
+        }
+    }
+
+    /// A resent creation (`resent`) that finds its name taken: the daemon before made it,
+    /// and the entry is what is there now.
+    fn made_before(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        r: crate::error::Result<(Arc<crate::inode::Node>, Attr)>,
+    ) -> crate::error::Result<(Arc<crate::inode::Node>, Attr)> {
+        match r {
+            Err(e) if e.is(libc::EEXIST) && resent(req) => self.core.lookup(parent.0, name),
+            r => r,
         }
     }
 
@@ -454,7 +485,7 @@ impl Filesystem for MosaicFs {
         let r = self
             .core
             .mknod(parent.0, name, mode, decode_dev(rdev), &caller(req, umask));
-        self.entry(reply, r)
+        self.entry(reply, self.made_before(req, parent, name, r))
     }
 
     fn mkdir(
@@ -467,15 +498,15 @@ impl Filesystem for MosaicFs {
         reply: ReplyEntry,
     ) {
         let r = self.core.mkdir(parent.0, name, mode, &caller(req, umask));
-        self.entry(reply, r)
+        self.entry(reply, self.made_before(req, parent, name, r))
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        done(reply, self.core.unlink(parent.0, name))
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        done(reply, removed_before(req, self.core.unlink(parent.0, name)))
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        done(reply, self.core.rmdir(parent.0, name))
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        done(reply, removed_before(req, self.core.rmdir(parent.0, name)))
     }
 
     fn symlink(
@@ -489,7 +520,7 @@ impl Filesystem for MosaicFs {
         let r = self
             .core
             .symlink(parent.0, link_name, target, &caller(req, 0));
-        self.entry(reply, r)
+        self.entry(reply, self.made_before(req, parent, link_name, r))
     }
 
     fn rename(
@@ -502,29 +533,40 @@ impl Filesystem for MosaicFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        done(
-            reply,
-            self.core.rename(
-                parent.0,
-                name,
-                newparent.0,
-                newname,
-                flags.bits(),
-                &caller(req, 0),
-            ),
-        )
+        let r = self.core.rename(
+            parent.0,
+            name,
+            newparent.0,
+            newname,
+            flags.bits(),
+            &caller(req, 0),
+        );
+        // Resent after it was done: the name is gone and the new one is there.
+        let r = match r {
+            Err(e) if e.is(libc::ENOENT) && resent(req) => {
+                match self.core.lookup(newparent.0, newname) {
+                    Ok((node, _)) => {
+                        self.core.forget(node.ino, 1);
+                        Ok(())
+                    }
+                    Err(_) => Err(e),
+                }
+            }
+            r => r,
+        };
+        done(reply, r)
     }
 
     fn link(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         newparent: INodeNo,
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
         let r = self.core.link(ino.0, newparent.0, newname);
-        self.entry(reply, r)
+        self.entry(reply, self.made_before(req, newparent, newname, r))
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
@@ -926,6 +968,22 @@ impl Filesystem for MosaicFs {
         let r = self
             .core
             .create(parent.0, name, mode, flags, &caller(req, umask));
+        // Resent after it was done: the file is there, and this open is of it.
+        let r = match r {
+            Err(e) if e.is(libc::EEXIST) && resent(req) => {
+                self.core.lookup(parent.0, name).and_then(|(node, attr)| {
+                    let reopen = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
+                    match self.core.open(node.ino, reopen, None) {
+                        Ok(opened) => Ok((node, attr, opened)),
+                        Err(e) => {
+                            self.core.forget(node.ino, 1);
+                            Err(e)
+                        }
+                    }
+                })
+            }
+            r => r,
+        };
         self.created(reply, r)
     }
 

@@ -209,6 +209,9 @@ pub struct Overlay {
     /// Asks the mount's holder to start the daemon at a path in this one's place (the daemon
     /// sets it where the mount survives its daemon; `mosaicfs upgrade`).
     handover: std::sync::OnceLock<Handover>,
+    /// The work dir's orphans directory, where a mount that survives its daemon records the
+    /// removed objects still open (by_number.rs), once opened; `None` where it cannot be.
+    pub(crate) orphans: std::sync::OnceLock<Option<Arc<OwnedFd>>>,
 }
 
 /// How a daemon has its holder start another in its place (takeover.rs).
@@ -361,6 +364,7 @@ impl Overlay {
             scanning: Default::default(),
             lineage: Default::default(),
             handover: Default::default(),
+            orphans: Default::default(),
             layers,
         })
     }
@@ -560,7 +564,20 @@ impl Overlay {
     }
 
     fn inherited_node(&self, ino: Ino) -> Result<Arc<Node>> {
-        self.lookup_by_number(ino).map(|(node, _)| node)
+        let mut tries = 0;
+        loop {
+            let moves = self.moves.read();
+            match self.lookup_by_number(ino) {
+                Ok((node, _)) => return Ok(node),
+                // A directory moved while the tree was searched: search it again.
+                Err(e) if e.is(libc::ESTALE) && !self.moves.unchanged(moves) && tries < 8 => {
+                    tries += 1;
+                }
+                // Removed while open: the work dir's record of it (by_number.rs, orphans).
+                Err(e) if e.is(libc::ESTALE) => return self.orphan(ino).ok_or(e),
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Daemons that served this mount before this one.
@@ -577,7 +594,12 @@ impl Overlay {
         self.handles.set_epoch(lineage.takeovers);
         self.dirs.set_epoch(lineage.takeovers);
         self.inodes.set_alias_epoch(lineage.takeovers);
+        let fresh = lineage.takeovers == 0;
         let _ = self.lineage.set(lineage);
+        if fresh && !self.config.read_only {
+            // Records of a mount before this one: its daemons are gone with it.
+            self.clear_orphans();
+        }
     }
 
     /// How `mosaicfs upgrade` reaches the holder (the daemon sets it).

@@ -57,10 +57,12 @@ pub const HOLDER_COMMAND: &str = "__holder";
 const TAKEOVER_ENV: &str = "MOSAICFS_TAKEOVER";
 /// What a holder starts from (hex fields, see `holder_main`).
 const HOLDER_ENV: &str = "MOSAICFS_HOLDER";
-/// More starts than this within `RESTART_WINDOW` and the holder gives up: a daemon that cannot
-/// start would otherwise be started forever. The mount then ends as it would without a holder.
-const MAX_RESTARTS: usize = 5;
-const RESTART_WINDOW: Duration = Duration::from_secs(30);
+/// This many daemons in a row that exit with an error before `GOOD_AFTER` and the holder gives
+/// up: one that cannot start would otherwise be started forever. The mount then ends as it
+/// would without a holder. A daemon killed by a signal is always replaced (a pause of
+/// `KILLED_PAUSE` first when it was killed that early, so that a loop never spins).
+const MAX_FAILED_STARTS: usize = 5;
+const KILLED_PAUSE: Duration = Duration::from_millis(20);
 /// A daemon that ran this long was good: an upgrade that fails is taken back to it.
 const GOOD_AFTER: Duration = Duration::from_secs(2);
 
@@ -246,7 +248,7 @@ pub fn holder_main() -> i32 {
         args,
         binary: binary.clone(),
         good: binary,
-        starts: Vec::new(),
+        failed_starts: 0,
         takeovers: 0,
     }
     .run(daemon, channel)
@@ -260,7 +262,8 @@ struct Holder {
     binary: PathBuf,
     /// The last binary whose daemon ran at least `GOOD_AFTER`.
     good: PathBuf,
-    starts: Vec<Instant>,
+    /// Daemons in a row that exited with an error before `GOOD_AFTER`.
+    failed_starts: usize,
     takeovers: u32,
 }
 
@@ -304,18 +307,22 @@ impl Holder {
                      another on the same connection"
                 ),
             }
-            let now = Instant::now();
-            self.starts
-                .retain(|t| now.duration_since(*t) < RESTART_WINDOW);
-            if self.starts.len() >= MAX_RESTARTS {
+            let killed = status.starts_with("killed");
+            if ran >= GOOD_AFTER || killed {
+                self.failed_starts = 0;
+            } else {
+                self.failed_starts += 1;
+            }
+            if self.failed_starts >= MAX_FAILED_STARTS {
                 log::error!(
-                    "{MAX_RESTARTS} daemons started within {} s and none stayed: giving the \
-                     mount up (its processes get ENOTCONN; unmount it and mount it again)",
-                    RESTART_WINDOW.as_secs()
+                    "{MAX_FAILED_STARTS} daemons in a row failed to start: giving the mount up \
+                     (its processes get ENOTCONN; unmount it and mount it again)"
                 );
                 return 1;
             }
-            self.starts.push(now);
+            if killed && ran < GOOD_AFTER {
+                std::thread::sleep(KILLED_PAUSE);
+            }
             self.takeovers = self.takeovers.saturating_add(1);
             match self.start() {
                 Ok((pid, r)) => {

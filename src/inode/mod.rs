@@ -164,6 +164,36 @@ pub struct Pin {
     /// The object's own inode number in the upper layer.
     pub upper_ino: u64,
     held: Arc<std::sync::atomic::AtomicUsize>,
+    /// The object's record for a daemon that takes the mount over (by_number.rs, orphans),
+    /// removed with the pin.
+    pub orphan: Option<Orphan>,
+}
+
+/// A removed object's entries in the work dir's orphans directory (by_number.rs), which let a
+/// daemon that takes the mount over find an object the kernel still has open: removed when
+/// the kernel forgets the node.
+pub struct Orphan {
+    pub dir: Arc<std::os::fd::OwnedFd>,
+    pub name: String,
+}
+
+impl Orphan {
+    /// Leaves the record in place (until the next mount clears the directory).
+    pub fn keep(mut self) {
+        self.name.clear();
+    }
+}
+
+impl Drop for Orphan {
+    fn drop(&mut self) {
+        if self.name.is_empty() {
+            return;
+        }
+        let lower = format!("{}.lower", self.name);
+        for name in [self.name.as_str(), lower.as_str()] {
+            let _ = rustix::fs::unlinkat(&*self.dir, name, rustix::fs::AtFlags::empty());
+        }
+    }
 }
 
 /// Pins held at once, at most: far inside the descriptor reserve (file/mod.rs `FdReserve`).
@@ -186,6 +216,7 @@ impl Pin {
                 object,
                 upper_ino,
                 held,
+                orphan: None,
             }),
             None => {
                 held.fetch_sub(1, Ordering::Relaxed);
@@ -757,6 +788,14 @@ impl InodeTable {
             p.current.store(RETIRED, Ordering::Relaxed);
         }
         true
+    }
+
+    /// Records an object that lost its last name while open, found again after a takeover
+    /// (by_number.rs, orphans), and counts one kernel reference.
+    pub fn remember_orphan(&self, found: &Found) -> Arc<Node> {
+        let mut state = NodeState::new(found);
+        state.unlinked = true;
+        self.insert_new(found.ino, state, found.generation)
     }
 
     /// Records an object that has no name yet (O_TMPFILE) and counts one kernel reference.

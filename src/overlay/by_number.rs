@@ -25,16 +25,25 @@
 //! upper inode takes its generation from its birth time, the same in every mount
 //! (docs/KERNEL-NOTES.md "File handles").
 //!
+//! Objects removed while open have no number to be found by once their daemon is gone: a
+//! mount that survives its daemon (takeover.rs) records each in the work dir's
+//! `mosaicfs-orphans` directory, named by its node id — the upper object hard-linked there before its last name
+//! goes, and `ID.lower` a symlink to `LAYER/PATH` of its lower file — until the kernel
+//! forgets it (`inode::Orphan`). A daemon that takes the mount over finds such a node there
+//! (`orphan`): a process reading a file it opened and then removed (a running program that a
+//! package upgrade replaced) reads on. Lower files' records stay until the next mount.
+//!
 //! Touches: the node table (counted references), lookups (namei.rs), listings (readdir.rs).
 //!
 //! May call (dev/callgraph.py --check keeps it so): namei, overlay, readdir, upper_meta.
 
 use std::ffi::OsStr;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::{Result, errno};
 use crate::handles::DirEntry;
-use crate::inode::{ALIAS_BASE, Ino, Node, ROOT_INO, Seen};
+use crate::inode::{ALIAS_BASE, Found, Ino, LowerRef, Node, ROOT_INO, Seen};
 use crate::overlay::Overlay;
 use crate::sys::Attr;
 
@@ -157,6 +166,9 @@ impl Overlay {
     /// meets it nowhere and could record everything tells the table so (`scanned_whole`).
     fn scan_for(&self, wanted: Ino) -> Result<()> {
         let epoch = self.inodes.begin_scan();
+        // A directory moved meanwhile may have carried `wanted` from where the scan had yet
+        // to look to where it had looked: such a scan says nothing of the whole tree.
+        let moves = self.moves.read();
         let mut whole = true;
         let root = self.node(ROOT_INO)?;
         let mut stack = vec![(root.clone(), self.scan_listing(&root, &mut whole))];
@@ -189,7 +201,7 @@ impl Overlay {
         for (dir, _) in stack {
             self.inodes.forget(dir.ino, 1);
         }
-        if !found && whole {
+        if !found && whole && self.moves.unchanged(moves) {
             self.inodes.scanned_whole(epoch);
         }
         Ok(())
@@ -207,5 +219,178 @@ impl Overlay {
                 Vec::new().into_iter()
             }
         }
+    }
+}
+
+/// The work dir's directory of records of removed objects still open (module comment): beside
+/// `mosaicfs-work`, which every mount empties, this is emptied by a mount that does not take
+/// another's over.
+const ORPHANS: &str = "../mosaicfs-orphans";
+
+impl Overlay {
+    /// The orphans directory, made on first use; `None` where removed objects are not
+    /// recorded: the mount does not survive its daemon, or its upper is in memory.
+    fn orphans_dir(&self) -> Option<Arc<OwnedFd>> {
+        self.orphans
+            .get_or_init(|| {
+                let survives = self.lineage().is_some_and(|l| l.holder.is_ok());
+                let work = self.layers().work.as_ref().filter(|_| survives)?;
+                if self.layers().memory.is_some() {
+                    return None;
+                }
+                let _ =
+                    rustix::fs::mkdirat(&**work, ORPHANS, rustix::fs::Mode::from_raw_mode(0o700));
+                let flags = rustix::fs::OFlags::DIRECTORY
+                    | rustix::fs::OFlags::CLOEXEC
+                    | rustix::fs::OFlags::NOFOLLOW;
+                match rustix::fs::openat(&**work, ORPHANS, flags, rustix::fs::Mode::empty()) {
+                    Ok(fd) => Some(Arc::new(fd)),
+                    Err(e) => {
+                        log::warn!(
+                            "cannot keep records of removed files in the work dir ({e}): a \
+                             file removed while open cannot be read after a daemon takes the \
+                             mount over"
+                        );
+                        None
+                    }
+                }
+            })
+            .clone()
+    }
+
+    /// Empties the orphans directory (a fresh mount: no kernel inode of an earlier one lives,
+    /// and a record would keep a removed upper file's blocks).
+    pub(crate) fn clear_orphans(&self) {
+        let Some(work) = self.layers().work.as_ref() else {
+            return;
+        };
+        let flags = rustix::fs::OFlags::DIRECTORY
+            | rustix::fs::OFlags::CLOEXEC
+            | rustix::fs::OFlags::NOFOLLOW;
+        let Ok(dir) = rustix::fs::openat(&**work, ORPHANS, flags, rustix::fs::Mode::empty()) else {
+            return;
+        };
+        let Ok(entries) = rustix::fs::Dir::read_from(&dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_bytes();
+            if name != b"." && name != b".." {
+                let _ = rustix::fs::unlinkat(&dir, e.file_name(), rustix::fs::AtFlags::empty());
+            }
+        }
+    }
+
+    /// Records `node`, whose last name is about to go while a handle has it open: its upper
+    /// object `upper` (a name in a disk upper dir, still there) and its lower file. The
+    /// record goes when the returned `Orphan` is dropped (with the node's pin); a lower-only
+    /// object's stays until the next mount.
+    pub(super) fn record_orphan(
+        &self,
+        node: &Node,
+        upper: Option<(&crate::upper::UpperDir, &OsStr)>,
+    ) -> Option<crate::inode::Orphan> {
+        let lower = {
+            let st = node.state();
+            if st.kind != libc::S_IFREG || st.open.upgrade().is_none() {
+                return None;
+            }
+            st.lower.clone()
+        };
+        if let Some((crate::upper::UpperDir::Disk(fd), entry)) = upper {
+            // Another name keeps it: found by that one.
+            let links = rustix::fs::statat(&**fd, entry, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+                .map_or(0, |st| st.st_nlink);
+            if links != 1 {
+                return None;
+            }
+        }
+        let dir = self.orphans_dir()?;
+        let name = node.ino.to_string();
+        let orphan = crate::inode::Orphan {
+            dir: dir.clone(),
+            name: name.clone(),
+        };
+        if let Some(lower) = lower {
+            // Only a lower file at one place (no redirect, no metacopy data elsewhere).
+            if !lower.moved.is_empty() || lower.data.is_some() {
+                return None;
+            }
+            let target = format!("{}/{}", lower.top(), lower.path.display());
+            let link = format!("{name}.lower");
+            let _ = rustix::fs::unlinkat(&*dir, link.as_str(), rustix::fs::AtFlags::empty());
+            rustix::fs::symlinkat(target.as_str(), &*dir, link.as_str()).ok()?;
+        }
+        if let Some((crate::upper::UpperDir::Disk(fd), entry)) = upper {
+            let _ = rustix::fs::unlinkat(&*dir, name.as_str(), rustix::fs::AtFlags::empty());
+            rustix::fs::linkat(
+                &**fd,
+                entry,
+                &*dir,
+                name.as_str(),
+                rustix::fs::AtFlags::empty(),
+            )
+            .ok()?;
+        }
+        Some(orphan)
+    }
+
+    /// The node `ino` from its record in the orphans directory (after a takeover), counted.
+    pub(crate) fn orphan(&self, ino: Ino) -> Option<Arc<Node>> {
+        let dir = self.orphans_dir()?;
+        let name = ino.to_string();
+        let lower = rustix::fs::readlinkat(&*dir, format!("{name}.lower"), Vec::new())
+            .ok()
+            .and_then(|target| {
+                let target = target.to_str().ok()?.to_owned();
+                let (layer, path) = target.split_once('/')?;
+                let layer: crate::layers::LayerId = layer.parse().ok()?;
+                (layer != 0 && layer as usize <= self.layers().last_layer() as usize).then(|| {
+                    LowerRef {
+                        path: path.into(),
+                        layers: vec![layer],
+                        moved: Vec::new(),
+                        data: None,
+                    }
+                })
+            });
+        let flags =
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC;
+        let upper = rustix::fs::openat(&*dir, name.as_str(), flags, rustix::fs::Mode::empty())
+            .ok()
+            .map(crate::upper::UpperFile::Disk);
+        if upper.is_none() && lower.is_none() {
+            return None;
+        }
+        let upper_attr = upper.as_ref().and_then(|f| f.stat().ok());
+        // The record is the object's only name (it had one, and that went): else the object
+        // has a name again, which a lookup finds.
+        if upper_attr.as_ref().is_some_and(|a| a.nlink != 1) {
+            return None;
+        }
+        let upper_ino = upper_attr.map(|a| a.ino);
+        let found = Found {
+            ino,
+            kind: libc::S_IFREG,
+            upper: upper.is_some(),
+            origin: upper.is_some() && lower.is_some(),
+            lower,
+            origins: false,
+            upper_ino,
+            generation: None,
+        };
+        let node = self.inodes.remember_orphan(&found);
+        if let Some(object) = upper {
+            let orphan = crate::inode::Orphan {
+                dir: dir.clone(),
+                name,
+            };
+            let pin = crate::inode::Pin::take(&self.pins, || Some(object));
+            if let Some(mut pin) = pin {
+                pin.orphan = Some(orphan);
+                node.state().pin = Some(Box::new(pin));
+            }
+        }
+        Some(node)
     }
 }

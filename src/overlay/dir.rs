@@ -6,7 +6,7 @@
 //! Renaming a directory that has lower parts records a redirect to its lower path (as kernel
 //! overlayfs does with redirect_dir=on), so a rename never fails with EXDEV.
 //!
-//! May call (dev/callgraph.py --check keeps it so): copy_up, fileattr, io, namei, overlay, upper_meta.
+//! May call (dev/callgraph.py --check keeps it so): by_number, copy_up, fileattr, io, namei, overlay, upper_meta.
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
@@ -619,7 +619,12 @@ impl Overlay {
         if node.state().pin.is_some() {
             return;
         }
-        if let Some(pin) = Pin::take(&self.pins, || udir.object(name).ok()) {
+        if let Some(mut pin) = Pin::take(&self.pins, || udir.object(name).ok()) {
+            // Its last name going while it is open: recorded for a daemon that takes the
+            // mount over (by_number.rs, orphans).
+            if node.state().links.len() <= 1 {
+                pin.orphan = self.record_orphan(&node, Some((udir, name)));
+            }
             node.state().pin.get_or_insert(Box::new(pin));
         }
     }
@@ -632,8 +637,25 @@ impl Overlay {
                 node.keep();
             }
             st.links.retain(|(p, n)| !(*p == parent && n == name));
-            if st.links.is_empty() {
+            // A daemon that took the mount over knows only the names it was asked for: an
+            // upper file the kernel reached by another name may still have it (its pin, taken
+            // before the removal, says), and is found by that name again.
+            let named_elsewhere = self.takeovers() > 0
+                && st.upper
+                && st.pin.as_ref().is_some_and(|p| {
+                    p.object
+                        .stat()
+                        .is_ok_and(|a| a.nlink > u64::from(p.orphan.is_some()))
+                });
+            if st.links.is_empty() && !named_elsewhere {
                 st.unlinked = true;
+                if !st.upper {
+                    drop(st);
+                    // Kept until the next mount: lower-only objects hold no pin.
+                    if let Some(orphan) = self.record_orphan(&node, None) {
+                        orphan.keep();
+                    }
+                }
             }
         }
     }
