@@ -345,13 +345,11 @@ impl Overlay {
                 let target = target.to_str().ok()?.to_owned();
                 let (layer, path) = target.split_once('/')?;
                 let layer: crate::layers::LayerId = layer.parse().ok()?;
-                (layer != 0 && layer as usize <= self.layers().last_layer() as usize).then(|| {
-                    LowerRef {
-                        path: path.into(),
-                        layers: vec![layer],
-                        moved: Vec::new(),
-                        data: None,
-                    }
+                (layer != 0 && layer as usize <= self.layers().last_layer()).then(|| LowerRef {
+                    path: path.into(),
+                    layers: vec![layer],
+                    moved: Vec::new(),
+                    data: None,
                 })
             });
         let flags =
