@@ -77,6 +77,21 @@ Description: overlay file system for container storage that copies blocks, not f
  Podman and Docker as their mount program and containerd through
  mosaicfs-snapshotter.
 CONTROL
+# After an upgrade, every live mount that survives its daemon gets the new binary in place
+# (mosaicfs upgrade; the others keep the old daemon until they are mounted again).
+cat >"$stage/DEBIAN/postinst" <<'POSTINST'
+#!/bin/sh
+set -e
+if [ "$1" = configure ] && [ -n "$2" ]; then
+    awk '$0 ~ / - fuse\.mosaicfs / { print $5 }' /proc/self/mountinfo | while read -r mnt; do
+        mnt=$(printf '%b' "$mnt")
+        /usr/bin/mosaicfs upgrade "$mnt" --binary /usr/bin/mosaicfs ||
+            echo "mosaicfs: $mnt keeps its old daemon until it is mounted again" >&2
+    done
+fi
+exit 0
+POSTINST
+chmod 0755 "$stage/DEBIAN/postinst"
 (cd "$stage" && find . -type f ! -path './DEBIAN/*' -printf '%P\0' | sort -z | xargs -0 md5sum) \
     >"$stage/DEBIAN/md5sums"
 

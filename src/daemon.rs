@@ -401,6 +401,10 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         holder,
         binary: started_as.0.clone(),
     });
+    if takeovers == 0 && !opts.read_only {
+        // Records of removed files of a mount before this one: its daemons are gone with it.
+        started.overlay.clear_orphans();
+    }
     if let Some(channel) = channel {
         // The mount stays when this daemon's session ends: the next daemon serves it.
         started.session.keep_mounted();

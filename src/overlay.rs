@@ -169,6 +169,9 @@ pub struct Overlay {
     /// `upper_fd` and `upper_entry` build and open one again when a move ran meanwhile, so a
     /// request never acts on a path that a concurrent rename of an ancestor made wrong.
     moves: ChangeSeq,
+    /// Counts renames and links, at their start and at their end: a scan of the tree for a
+    /// number that overlaps one may have missed a name moving past it (by_number.rs).
+    names_moved: std::sync::atomic::AtomicU64,
     /// Pins of removed upper objects held now (inode/mod.rs `Pin`).
     pins: Arc<std::sync::atomic::AtomicUsize>,
     /// The descriptors open files may not take (file/mod.rs).
@@ -212,6 +215,15 @@ pub struct Overlay {
     /// The work dir's orphans directory, where a mount that survives its daemon records the
     /// removed objects still open (by_number.rs), once opened; `None` where it cannot be.
     pub(crate) orphans: std::sync::OnceLock<Option<Arc<OwnedFd>>>,
+}
+
+/// A rename or link in progress (`Overlay::name_moving`): counted again when it ends.
+pub(crate) struct NameMoving<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl Drop for NameMoving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// How a daemon has its holder start another in its place (takeover.rs).
@@ -345,6 +357,7 @@ impl Overlay {
             caw,
             control_socket: Default::default(),
             moves: ChangeSeq::default(),
+            names_moved: Default::default(),
             pins: Default::default(),
             fd_reserve: crate::file::FdReserve::from_rlimit(),
             reflink,
@@ -551,33 +564,43 @@ impl Overlay {
         }
     }
 
-    /// The node the kernel calls `ino`. After a takeover the kernel still holds node ids an
-    /// earlier daemon gave it: such a node is found by its number (by_number.rs), counted
-    /// once for all the references the kernel holds (its FORGET, which gives them all back at
-    /// once, drops it again).
+    /// The node the kernel calls `ino`. A daemon that took the mount over (takeover.rs) is
+    /// asked about objects the kernel got from the daemon before it — by node id, and by names
+    /// in directories whose entries the kernel still holds — so an `ino` not in the table is
+    /// looked for by its number (by_number.rs `know_inherited`), the one call from here to a
+    /// request file: every request reaches its objects through here.
     pub fn node(&self, ino: Ino) -> Result<Arc<Node>> {
-        match self.inodes.get(ino) {
-            Some(node) => Ok(node),
-            None if self.takeovers() > 0 => self.inherited_node(ino),
-            None => Err(errno(libc::ESTALE)),
+        if let Some(node) = self.inodes.get(ino) {
+            return Ok(node);
         }
-    }
-
-    fn inherited_node(&self, ino: Ino) -> Result<Arc<Node>> {
-        let mut tries = 0;
-        loop {
-            let moves = self.moves.read();
-            match self.lookup_by_number(ino) {
-                Ok((node, _)) => return Ok(node),
-                // A directory moved while the tree was searched: search it again.
-                Err(e) if e.is(libc::ESTALE) && !self.moves.unchanged(moves) && tries < 8 => {
-                    tries += 1;
-                }
-                // Removed while open: the work dir's record of it (by_number.rs, orphans).
-                Err(e) if e.is(libc::ESTALE) => return self.orphan(ino).ok_or(e),
-                Err(e) => return Err(e),
+        if self.takeovers() > 0 {
+            self.know_inherited(ino);
+            if let Some(node) = self.inodes.get(ino) {
+                return Ok(node);
             }
         }
+        Err(errno(libc::ESTALE))
+    }
+
+    /// A rename or link is under way from now until the guard drops (`names_moved`).
+    pub(crate) fn name_moving(&self) -> NameMoving<'_> {
+        self.names_moved
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        NameMoving(&self.names_moved)
+    }
+
+    /// A token for `tree_unchanged`: directory moves and renames so far.
+    pub(crate) fn tree_token(&self) -> (u64, u64) {
+        (
+            self.moves.read(),
+            self.names_moved.load(std::sync::atomic::Ordering::SeqCst),
+        )
+    }
+
+    /// Whether no directory moved and no name was renamed or linked since `token`.
+    pub(crate) fn tree_unchanged(&self, token: (u64, u64)) -> bool {
+        self.moves.unchanged(token.0)
+            && self.names_moved.load(std::sync::atomic::Ordering::SeqCst) == token.1
     }
 
     /// Daemons that served this mount before this one.
@@ -594,12 +617,10 @@ impl Overlay {
         self.handles.set_epoch(lineage.takeovers);
         self.dirs.set_epoch(lineage.takeovers);
         self.inodes.set_alias_epoch(lineage.takeovers);
-        let fresh = lineage.takeovers == 0;
-        let _ = self.lineage.set(lineage);
-        if fresh && !self.config.read_only {
-            // Records of a mount before this one: its daemons are gone with it.
-            self.clear_orphans();
+        if lineage.takeovers > 0 {
+            self.inodes.keep_directories();
         }
+        let _ = self.lineage.set(lineage);
     }
 
     /// How `mosaicfs upgrade` reaches the holder (the daemon sets it).

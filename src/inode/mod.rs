@@ -481,6 +481,8 @@ const DEPARTED_PER_SHARD: usize = 2048;
 pub struct InodeTable {
     shards: Box<[Shard]>,
     next_alias: AtomicU64,
+    /// `keep_directories`.
+    keep_dirs: std::sync::atomic::AtomicBool,
     /// Scans of the tree begun (`begin_scan`); records carry the count at their writing.
     scans: AtomicU64,
     /// The scan that last saw the whole tree and recorded every object in it
@@ -495,6 +497,7 @@ impl InodeTable {
         let table = InodeTable {
             shards: shards.into_boxed_slice(),
             next_alias: AtomicU64::new(ALIAS_BASE),
+            keep_dirs: Default::default(),
             scans: AtomicU64::new(1),
             whole: AtomicU64::new(0),
         };
@@ -763,6 +766,16 @@ impl InodeTable {
         }
     }
 
+    /// Directories stay in the table once known, whatever the kernel forgets: in a daemon that
+    /// took a mount over (takeover.rs), counts of the nodes the kernel got from the daemon
+    /// before are not exact — such a node is counted once for all the kernel's references, and
+    /// a directory met on the way to one only for its child — so a FORGET could drop a
+    /// directory whose children's paths still lead through it. Directories are few; each
+    /// costs its node until the unmount.
+    pub fn keep_directories(&self) {
+        self.keep_dirs.store(true, Ordering::Relaxed);
+    }
+
     /// Second identities from now on are this daemon's: `epoch` daemons served the mount
     /// before it (takeover.rs), and the kernel may still hold node ids they made.
     pub fn set_alias_epoch(&self, epoch: u32) {
@@ -866,6 +879,10 @@ impl InodeTable {
         if ino == ROOT_INO {
             return None;
         }
+        // Read before the shard is locked: no state lock is taken under a shard's (a node's
+        // kind never changes).
+        let kept_dir =
+            self.keep_dirs.load(Ordering::Relaxed) && self.get(ino).is_some_and(|n| n.is_dir());
         let mut read: Option<(Arc<Node>, Place)> = None;
         loop {
             let mut shard = self.write(ino);
@@ -877,6 +894,7 @@ impl InodeTable {
             if left > 0
                 || (current != SELF && current != RETIRED)
                 || node.kept.load(Ordering::Relaxed)
+                || kept_dir
             {
                 node.lookups.store(left, Ordering::Relaxed);
                 return None;

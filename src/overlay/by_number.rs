@@ -166,9 +166,10 @@ impl Overlay {
     /// meets it nowhere and could record everything tells the table so (`scanned_whole`).
     fn scan_for(&self, wanted: Ino) -> Result<()> {
         let epoch = self.inodes.begin_scan();
-        // A directory moved meanwhile may have carried `wanted` from where the scan had yet
-        // to look to where it had looked: such a scan says nothing of the whole tree.
-        let moves = self.moves.read();
+        // A directory moved or a name renamed meanwhile may have carried `wanted` from where
+        // the scan had yet to look to where it had looked: such a scan says nothing of the
+        // whole tree.
+        let token = self.tree_token();
         let mut whole = true;
         let root = self.node(ROOT_INO)?;
         let mut stack = vec![(root.clone(), self.scan_listing(&root, &mut whole))];
@@ -201,7 +202,7 @@ impl Overlay {
         for (dir, _) in stack {
             self.inodes.forget(dir.ino, 1);
         }
-        if !found && whole && self.moves.unchanged(moves) {
+        if !found && whole && self.tree_unchanged(token) {
             self.inodes.scanned_whole(epoch);
         }
         Ok(())
@@ -217,6 +218,36 @@ impl Overlay {
                 );
                 *whole = false;
                 Vec::new().into_iter()
+            }
+        }
+    }
+}
+
+impl Overlay {
+    /// Makes node `ino` known when a daemon before this one gave it to the kernel
+    /// (takeover.rs): found by its number, or by the record of a file removed while open, and
+    /// counted once for all the references the kernel holds (its FORGET, which gives them all
+    /// back at once, drops it again). Nothing to do in a daemon that mounted (one load).
+    pub(crate) fn know_inherited(&self, ino: Ino) {
+        if self.takeovers() == 0 || self.inodes.get(ino).is_some() {
+            return;
+        }
+        let mut tries = 0;
+        loop {
+            let token = self.tree_token();
+            match self.lookup_by_number(ino) {
+                Ok(_) => return,
+                // A name moved while the tree was searched: search it again.
+                Err(e) if e.is(libc::ESTALE) && !self.tree_unchanged(token) && tries < 8 => {
+                    tries += 1;
+                }
+                // Removed while open: the work dir's record of it.
+                Err(e) if e.is(libc::ESTALE) => {
+                    self.orphan(ino);
+                    return;
+                }
+                // The request finds no node and answers for itself.
+                Err(_) => return,
             }
         }
     }
@@ -260,7 +291,7 @@ impl Overlay {
 
     /// Empties the orphans directory (a fresh mount: no kernel inode of an earlier one lives,
     /// and a record would keep a removed upper file's blocks).
-    pub(crate) fn clear_orphans(&self) {
+    pub fn clear_orphans(&self) {
         let Some(work) = self.layers().work.as_ref() else {
             return;
         };
@@ -336,7 +367,7 @@ impl Overlay {
     }
 
     /// The node `ino` from its record in the orphans directory (after a takeover), counted.
-    pub(crate) fn orphan(&self, ino: Ino) -> Option<Arc<Node>> {
+    fn orphan(&self, ino: Ino) -> Option<Arc<Node>> {
         let dir = self.orphans_dir()?;
         let name = ino.to_string();
         let lower = rustix::fs::readlinkat(&*dir, format!("{name}.lower"), Vec::new())

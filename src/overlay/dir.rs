@@ -377,6 +377,7 @@ impl Overlay {
     }
 
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &OsStr) -> Result<(Arc<Node>, Attr)> {
+        let _moving = self.name_moving();
         self.check_writable()?;
         self.check_new_name(newname)?;
         let node = self.node(ino)?;
@@ -761,6 +762,7 @@ impl Overlay {
         caller: &Caller,
     ) -> Result<()> {
         let _recount = SubdirsChange(self, [parent, newparent]);
+        let _moving = self.name_moving();
         self.check_writable()?;
         check_name(name)?;
         self.check_new_name(newname)?;

@@ -84,6 +84,21 @@ check "mount -t fuse.mosaicfs runs the packaged binary" sh -c "
 check "a 1-byte write through it copies a block, not the file" block_write "$t/srv/a"
 umount "$t/srv/a" 2>/dev/null
 
+# An upgrade of the package while a mount that survives its daemon is live: the package's
+# postinst has a new daemon take the mount over (mosaicfs upgrade), a descriptor open across.
+layers "$t/srv/u"
+/usr/bin/mosaicfs -o "lowerdir=$t/srv/u-image,upperdir=$t/srv/u-rw/upper,workdir=$t/srv/u-rw/work,restart=on" "$t/srv/u"
+exec 9<"$t/srv/u/big"
+check "dpkg -i of the package again upgrades a live mount in place" sh -c "
+  before=\$(/usr/bin/mosaicfs status $t/srv/u | sed -n 's/^daemon: pid \\([0-9]*\\),.*/\\1/p')
+  dpkg -i '$deb' >/dev/null &&
+  /usr/bin/mosaicfs status $t/srv/u | grep -q 'daemons before this one: 1' &&
+  after=\$(/usr/bin/mosaicfs status $t/srv/u | sed -n 's/^daemon: pid \\([0-9]*\\),.*/\\1/p') &&
+  [ \"\$before\" != \"\$after\" ] && [ \"\$(readlink /proc/\$after/exe)\" = /usr/bin/mosaicfs ]"
+check "… and a descriptor open before reads on" sh -c "cmp - '$t/srv/u-image/big' <&9"
+exec 9<&-
+umount "$t/srv/u" 2>/dev/null
+
 # The examples as written, their /srv paths moved under $t.
 ex=/usr/share/doc/mosaicfs/examples
 layers "$t/srv/app"
