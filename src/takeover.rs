@@ -282,6 +282,7 @@ impl Holder {
                 .next_back()
                 .map(PathBuf::from);
             let ran = started.elapsed();
+            let handed_over = upgrade.is_some();
             if ran >= GOOD_AFTER {
                 self.good = self.binary.clone();
             }
@@ -307,11 +308,14 @@ impl Holder {
                      another on the same connection"
                 ),
             }
+            // A start failed: the daemon exited with an error before it served for long (not
+            // killed, not handing over).
             let killed = status.starts_with("killed");
-            if ran >= GOOD_AFTER || killed {
-                self.failed_starts = 0;
-            } else {
+            let failed = !killed && !handed_over && ran < GOOD_AFTER && status != "exit status 0";
+            if failed {
                 self.failed_starts += 1;
+            } else {
+                self.failed_starts = 0;
             }
             if self.failed_starts >= MAX_FAILED_STARTS {
                 log::error!(

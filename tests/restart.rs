@@ -317,8 +317,10 @@ fn a_request_held_by_a_killed_daemon_is_answered_by_the_next() {
     assert_eq!(got.as_deref(), Ok("held across the kill"));
 }
 
-/// `mosaicfs upgrade`, three times in a row, while a process appends numbered lines and reads
-/// them back: no write fails, none is lost or doubled, every upgrade is a new daemon.
+/// `mosaicfs upgrade`, six times in a row, while a process appends numbered lines and reads
+/// them back: no write fails, none is lost or doubled, every upgrade is a new daemon. (Six:
+/// daemons that hand over within 2 s of their start are not failed starts, five of which
+/// make the holder give the mount up.)
 #[test]
 fn upgrades_under_load_lose_nothing() {
     let m = Background::mount(|_| {}, "restart=on", &[]);
@@ -340,8 +342,8 @@ fn upgrades_under_load_lose_nothing() {
             .unwrap()
     };
     let mut pids = vec![m.daemon()];
-    for round in 1..=3 {
-        std::thread::sleep(Duration::from_millis(150));
+    for round in 1..=6 {
+        std::thread::sleep(Duration::from_millis(100));
         let out = run(Command::new(BIN).arg("upgrade").arg(&m.mnt));
         assert!(out.contains("took over from pid"), "{out}");
         assert_eq!(m.takeovers(), round);
@@ -360,7 +362,7 @@ fn upgrades_under_load_lose_nothing() {
     let want: String = (0..n).map(|i| format!("{i}\n")).collect();
     assert!(lines == want, "{n} lines written, the file differs");
     pids.dedup();
-    assert_eq!(pids.len(), 4, "each upgrade started a new daemon: {pids:?}");
+    assert_eq!(pids.len(), 7, "each upgrade started a new daemon: {pids:?}");
 }
 
 /// An upgrade to something that is not mosaicfs is refused before the daemon stops, and the
