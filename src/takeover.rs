@@ -62,7 +62,7 @@ const HOLDER_ENV: &str = "MOSAICFS_HOLDER";
 /// would without a holder. A daemon killed by a signal is always replaced (a pause of
 /// `KILLED_PAUSE` first when it was killed that early, so that a loop never spins).
 const MAX_FAILED_STARTS: usize = 5;
-const KILLED_PAUSE: Duration = Duration::from_millis(20);
+const KILLED_PAUSE: Duration = Duration::from_millis(5);
 /// A daemon that ran this long was good: an upgrade that fails is taken back to it.
 const GOOD_AFTER: Duration = Duration::from_secs(2);
 
