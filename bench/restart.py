@@ -20,7 +20,6 @@ Usage: bench/restart.py [--rounds N] [--kills K] [--root DIR]   (as root)
 """
 
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -28,8 +27,8 @@ import sys
 import threading
 import time
 
-from suite import (FO2, FreshFs, make_tree_tar, peer_arguments, run_rootless, sh, umount,
-                   write_random)
+from suite import (FO2, FreshFs, make_tree_tar, overwrites, peer_arguments, run_rootless, sh,
+                   small_files, timed, umount, write_random)
 
 KINDS = ["fuse-overlayfs", "fuse-overlayfs-2.0", "mosaicfs", "mosaicfs-restart-off"]
 
@@ -105,33 +104,11 @@ def upgrade(binary, mnt):
     return reported, longest[0] * 1000
 
 
-def timed(f):
-    os.sync()
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
-
-
 def costs(mnt, root, rnd):
     out = {}
     out["untar (s)"] = timed(lambda: sh(f"tar -xf {root}/tree.tar -C {mnt}"))
-    small = os.path.join(mnt, "small")
-
-    def make_small():
-        os.mkdir(small)
-        for i in range(2000):
-            fd = os.open(os.path.join(small, f"f{i}"), os.O_WRONLY | os.O_CREAT, 0o644)
-            os.write(fd, b"x" * 100)
-            os.close(fd)
-    out["small files (s)"] = timed(make_small)
-    page, rng = os.urandom(4096), random.Random(rnd)
-
-    def overwrite():
-        fd = os.open(os.path.join(mnt, "image"), os.O_RDWR)
-        for _ in range(5000):
-            os.pwrite(fd, page, rng.randrange(0, (64 << 20) // 4096) * 4096)
-        os.close(fd)
-    out["overwrites 4 KiB (us)"] = timed(overwrite) / 5000 * 1e6
+    out["small files (s)"] = small_files(os.path.join(mnt, "small"))
+    out["overwrites 4 KiB (us)"] = overwrites(os.path.join(mnt, "image"), 5000, rnd)
 
     def first_write():
         fd = os.open(os.path.join(mnt, "big"), os.O_WRONLY)

@@ -95,6 +95,38 @@ FILESYSTEMS = ["mosaicfs", "overlay", "fuse-overlayfs"]
 FO2 = os.environ.get("FUSE_OVERLAYFS2", "/var/tmp/fo2/bin/fuse-overlayfs")
 
 
+def timed(f):
+    """Seconds `f()` takes, started after a sync."""
+    os.sync()
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def overwrites(path, count, rnd, size=64 << 20):
+    """`count` 4 KiB writes at random block offsets of the `size`-byte file `path`, one open,
+    close included: microseconds each, started after a sync."""
+    page, rng = os.urandom(4096), random.Random(rnd)
+
+    def run():
+        fd = os.open(path, os.O_RDWR)
+        for _ in range(count):
+            os.pwrite(fd, page, rng.randrange(0, size // 4096) * 4096)
+        os.close(fd)
+    return timed(run) / count * 1e6
+
+
+def small_files(d, count=2000):
+    """Makes directory `d` with `count` files of one 100-byte write each: seconds."""
+    def run():
+        os.mkdir(d)
+        for i in range(count):
+            fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, b"x" * 100)
+            os.close(fd)
+    return timed(run)
+
+
 def stat_walk(top):
     """lstat of every entry below `top`."""
     for d, dirs, files in os.walk(top):

@@ -17,14 +17,13 @@ Every row starts after a sync. Usage: bench/writeback.py [--rounds N] [--root DI
 """
 
 import os
-import random
 import shutil
 import statistics
 import sys
 import time
 
-from suite import (FreshFs, make_tree_tar, mount_overlay, peer_arguments, peers, run_rootless,
-                   sh, umount, write_random)
+from suite import (FreshFs, make_tree_tar, mount_overlay, overwrites, peer_arguments, peers,
+                   run_rootless, sh, small_files, timed, umount, write_random)
 
 ROWS = [("new file 1 MiB (MiB/s)", "high"), ("new file 4 KiB (MiB/s)", "high"),
         ("new file 512 B (MiB/s)", "high"), ("overwrites 4 KiB (us)", "low"),
@@ -43,13 +42,6 @@ def prepare(root):
     return lower
 
 
-def timed(f):
-    os.sync()
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
-
-
 def workloads(mnt, root, rnd):
     out = {}
     for size, row in ((1 << 20, ROWS[0][0]), (4096, ROWS[1][0]), (512, ROWS[2][0])):
@@ -61,23 +53,9 @@ def workloads(mnt, root, rnd):
                 os.write(fd, buf)
             os.close(fd)
         out[row] = 64 / timed(write_new)
-    page, rng = os.urandom(4096), random.Random(rnd)
-
-    def overwrite():
-        fd = os.open(os.path.join(mnt, "image"), os.O_RDWR)
-        for _ in range(5000):
-            os.pwrite(fd, page, rng.randrange(0, (64 << 20) // 4096) * 4096)
-        os.close(fd)
-    out["overwrites 4 KiB (us)"] = timed(overwrite) / 5000 * 1e6
+    out["overwrites 4 KiB (us)"] = overwrites(os.path.join(mnt, "image"), 5000, rnd)
     small = os.path.join(mnt, "small")
-
-    def make_small():
-        os.mkdir(small)
-        for i in range(2000):
-            fd = os.open(os.path.join(small, f"f{i}"), os.O_WRONLY | os.O_CREAT, 0o644)
-            os.write(fd, b"x" * 100)
-            os.close(fd)
-    out["small files (s)"] = timed(make_small)
+    out["small files (s)"] = small_files(small)
     out["rm small files (s)"] = timed(lambda: shutil.rmtree(small))
     out["untar (s)"] = timed(lambda: sh(f"tar -xf {root}/tree.tar -C {mnt}"))
     out["rm -rf tree (s)"] = timed(lambda: shutil.rmtree(os.path.join(mnt, "src")))
