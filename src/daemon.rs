@@ -308,10 +308,6 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         ));
     }
     let mut config = Config::from_options(&opts);
-    if restart.is_ok() && opts.restart == options::Switch::On {
-        // Backing files belong to the daemon that registered them (takeover.rs).
-        config.passthrough = options::PassthroughPolicy::Off;
-    }
     if restart.is_ok() && !opts.caw_given {
         // Pending copy-after-write blocks live in the daemon: a write that returned would die
         // with it. A partial block is filled before its write returns instead.
@@ -404,6 +400,16 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
     if takeovers == 0 && !opts.read_only {
         // Records of removed files of a mount before this one: its daemons are gone with it.
         started.overlay.clear_orphans();
+    }
+    if channel.is_some() {
+        started.overlay.start_alias_records();
+        if started.overlay.fresh_file_ids() {
+            // The kernel's names lead to the old daemons' inodes, which may be bound to their
+            // backing files: every one is looked up again, and finds a node id of this daemon's.
+            if let Err(e) = started.session.notifier().inc_epoch() {
+                log::warn!("cannot have the kernel look every name up again: {e}");
+            }
+        }
     }
     if let Some(channel) = channel {
         // The mount stays when this daemon's session ends: the next daemon serves it.
@@ -697,6 +703,10 @@ fn filesystem(overlay: &Arc<Overlay>, opts: &Options) -> MosaicFs {
         max_write: opts.max_write,
         panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
         hang_on_lookup: std::env::var_os("MOSAICFS_TEST_HANG"),
+        hang_after_write: std::env::var_os("MOSAICFS_TEST_HANG_WRITE").map(|v| {
+            use std::os::unix::ffi::OsStringExt;
+            v.into_vec()
+        }),
         slow_release: std::env::var("MOSAICFS_TEST_SLOW_RELEASE")
             .ok()
             .and_then(|ms| ms.parse().ok())

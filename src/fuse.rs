@@ -31,6 +31,10 @@ pub struct MosaicFs {
     /// `MOSAICFS_TEST_HANG`: how the tests kill a daemon while it holds a request
     /// (takeover.rs: the next daemon must answer it).
     pub hang_on_lookup: Option<std::ffi::OsString>,
+    /// Data whose WRITE the first daemon of a mount carries out and never answers, from
+    /// `MOSAICFS_TEST_HANG_WRITE` (a prefix): how the tests kill a daemon between a write
+    /// and its answer (takeover.rs: the resent write must not be done twice).
+    pub hang_after_write: Option<Vec<u8>>,
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
@@ -653,10 +657,26 @@ impl Filesystem for MosaicFs {
             .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
             .then(|| caller(req, 0));
         let appending = flags.0 & libc::O_APPEND != 0;
-        match self
-            .core
-            .write(fh.0, offset, data, appending, kill_privs.as_ref())
-        {
+        match self.core.write(
+            fh.0,
+            offset,
+            data,
+            appending,
+            resent(req),
+            kill_privs.as_ref(),
+        ) {
+            Ok(_)
+                if self
+                    .hang_after_write
+                    .as_deref()
+                    .is_some_and(|p| data.starts_with(p))
+                    && self.core.takeovers() == 0 =>
+            {
+                log::warn!("MOSAICFS_TEST_HANG_WRITE: holding the answer to a write done");
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }

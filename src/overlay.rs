@@ -616,7 +616,6 @@ impl Overlay {
     pub fn set_lineage(&self, lineage: Lineage) {
         self.handles.set_epoch(lineage.takeovers);
         self.dirs.set_epoch(lineage.takeovers);
-        self.inodes.set_alias_epoch(lineage.takeovers);
         if lineage.takeovers > 0 {
             self.inodes.keep_directories();
         }

@@ -24,18 +24,27 @@
 //! - listing offsets: cookies made from names (readdir.rs), the same in every daemon;
 //!
 //! A request in flight when the old daemon died is served again from the start. Reads and
-//! writes at an offset are the same again; a create, mkdir, link or rename that the old daemon
-//! had finished answers EEXIST or ENOENT the second time (docs/ROBUSTNESS.md says what that
-//! window is and how small).
+//! writes at an offset are the same again, and an append goes where the kernel put it the
+//! first time; a create, mkdir, link or rename the old daemon had done finds its work done and
+//! answers as the first time would have (fuse.rs `resent`, docs/ROBUSTNESS.md).
 //!
-//! Where it is done: a mount in the background (with `-f` the daemon is whoever supervises it),
-//! where nothing passes through (a kernel inode stays bound to the backing file the old daemon
-//! registered while a file opened before is open, and a new daemon's registration of the same
-//! file is another, which the kernel refuses: `restart=on` turns passthrough off), over /dev/fuse (an io_uring queue's entries belong to the ring of the daemon that made
-//! them), on a disk upper (a memory upper's tree lives in the daemon until an fsync), with no
-//! pre-content events (their group is the daemon's), and with copy-after-write off (its
-//! pending blocks live in the daemon: a write that returned would be lost). `restart=` and
-//! docs/ROBUSTNESS.md.
+//! Files passing through (root, a kernel with FUSE passthrough): a kernel inode stays bound to
+//! the backing file a daemon registered while a file opened before is open, and the kernel
+//! refuses any other registration of the same file with EIO. So a daemon that takes such a
+//! mount over never lets the kernel open a regular file under a node id an earlier daemon gave
+//! it: lookups hand out node ids of its own (`InodeTable::fresh_file_ids`), it has the kernel
+//! look every name up again (FUSE_NOTIFY_INC_EPOCH, Linux 6.16+), and an OPEN of an earlier
+//! id answers ESTALE, on which the kernel looks the name up again and opens the new id. Node
+//! ids other than object numbers are recorded in the work dir (`mosaicfs-orphans/aliases`), so
+//! that the next daemon finds their objects too. A daemon that hands over leaves its backing
+//! registrations to the kernel (an OPEN answered just before names one).
+//!
+//! Where it is not done: `-f` (the daemon is whoever supervises it), io_uring (a queue's
+//! entries belong to the ring of the daemon that made them), a memory upper (its tree lives in
+//! the daemon until an fsync), pre-content events (their group is the daemon's), copy-after-
+//! write given as an option (its pending blocks live in the daemon: without the option a
+//! mount that survives its daemon turns it off), and a mount without a work dir whose files
+//! pass through (no place for the records). `restart=` and docs/ROBUSTNESS.md.
 //!
 //! Upgrading: `mosaicfs upgrade MNT` asks the daemon (control socket) to hand over. It tells the
 //! holder which binary comes next, stops reading requests, answers the ones it holds, flushes,
@@ -77,11 +86,11 @@ pub fn plan(opts: &Options, uring: bool) -> std::result::Result<(), String> {
     } else if uring {
         "requests come over io_uring, whose queues belong to the daemon that made them"
     } else if opts.passthrough != PassthroughPolicy::Off
-        && opts.restart != Switch::On
+        && opts.upperdir.is_none()
         && crate::sys::admin_of_initial_namespace()
     {
-        "files pass through to backing files the daemon registered, which another daemon \
-         cannot match (restart=on turns passthrough off)"
+        "files pass through on a mount without a work dir, where the next daemon would find \
+         no record of the node ids it must not reuse (passthrough=off survives)"
     } else if opts.upper_kind == UpperKind::Memory {
         "upper=memory keeps the layer's tree in the daemon until an fsync"
     } else if opts.partial_passthrough != Switch::Off {

@@ -191,7 +191,10 @@ impl Core {
     /// Writes `data` at `off` through a read-write handle, as a daemon-path writer does.
     fn write_at(&self, path: &str, off: u64, data: &[u8]) {
         let opened = self.ov().open(self.ino(path), libc::O_RDWR, None).unwrap();
-        let n = self.ov().write(opened.fh, off, data, false, None).unwrap();
+        let n = self
+            .ov()
+            .write(opened.fh, off, data, false, false, None)
+            .unwrap();
         assert_eq!(n as usize, data.len());
         self.ov().flush(opened.fh).unwrap();
         self.ov().release(opened.fh);
@@ -208,7 +211,9 @@ impl Core {
                 &Caller::root(),
             )
             .unwrap();
-        self.ov().write(opened.fh, 0, data, false, None).unwrap();
+        self.ov()
+            .write(opened.fh, 0, data, false, false, None)
+            .unwrap();
         self.ov().release(opened.fh);
         node.ino
     }
@@ -486,7 +491,7 @@ fn changes(c: &Core) -> Vec<String> {
     };
     let _ = (|| -> mosaicfs::error::Result<()> {
         let o = ov.open(c.try_ino("big")?, libc::O_RDWR, None)?;
-        let r = ov.write(o.fh, 8197, b"hello", false, None);
+        let r = ov.write(o.fh, 8197, b"hello", false, false, None);
         let _ = ov.flush(o.fh);
         ov.release(o.fh);
         r.map(drop)
@@ -500,7 +505,7 @@ fn changes(c: &Core) -> Vec<String> {
     });
     let made = c.try_ino("d").and_then(|d| {
         let (_, _, o) = ov.create(d, name("new"), 0o644, libc::O_RDWR, &root)?;
-        let r = ov.write(o.fh, 0, b"new data", false, None);
+        let r = ov.write(o.fh, 0, b"new data", false, false, None);
         ov.release(o.fh);
         r.map(drop)
     });

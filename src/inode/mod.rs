@@ -357,6 +357,18 @@ impl Node {
         self.kind() == libc::S_IFDIR
     }
 
+    /// Whether the kernel may hold this node id from a daemon before this one, bound to a
+    /// backing file that daemon registered (`InodeTable::fresh_file_ids`): a second identity
+    /// made before `first_alias`, or an object's own number once lookups no longer hand it out
+    /// (a file this daemon made keeps handing out its own).
+    pub fn from_before(&self, first_alias: Ino) -> bool {
+        if self.is_alias() {
+            self.ino < first_alias
+        } else {
+            self.current.load(Ordering::Relaxed) != SELF
+        }
+    }
+
     /// Whether this is a second identity (never bound to a lower file).
     pub fn is_alias(&self) -> bool {
         self.ino != self.st_ino
@@ -483,6 +495,11 @@ pub struct InodeTable {
     next_alias: AtomicU64,
     /// `keep_directories`.
     keep_dirs: std::sync::atomic::AtomicBool,
+    /// `set_alias_records`.
+    alias_records: std::sync::OnceLock<Arc<std::os::fd::OwnedFd>>,
+    /// `fresh_file_ids`, and the first second identity made since.
+    fresh_files: std::sync::atomic::AtomicBool,
+    first_alias: AtomicU64,
     /// Scans of the tree begun (`begin_scan`); records carry the count at their writing.
     scans: AtomicU64,
     /// The scan that last saw the whole tree and recorded every object in it
@@ -498,6 +515,9 @@ impl InodeTable {
             shards: shards.into_boxed_slice(),
             next_alias: AtomicU64::new(ALIAS_BASE),
             keep_dirs: Default::default(),
+            alias_records: Default::default(),
+            fresh_files: Default::default(),
+            first_alias: AtomicU64::new(ALIAS_BASE),
             scans: AtomicU64::new(1),
             whole: AtomicU64::new(0),
         };
@@ -722,7 +742,11 @@ impl InodeTable {
                     // Found again: the object keeps the generation its handles carry.
                     let kept = departed.remove(&found.ino).map(|d| d.generation);
                     let generation = found.generation.or(kept).unwrap_or(0);
-                    Arc::new(Node::new(found.ino, generation, NodeState::new(found)))
+                    let node = Node::new(found.ino, generation, NodeState::new(found));
+                    if found.kind == libc::S_IFREG && self.fresh_files.load(Ordering::Relaxed) {
+                        node.current.store(RETIRED, Ordering::Relaxed);
+                    }
+                    Arc::new(node)
                 });
                 let current = node.current.load(Ordering::Relaxed);
                 if current == SELF {
@@ -733,8 +757,7 @@ impl InodeTable {
             };
             if current == RETIRED {
                 // Shards are locked one at a time (the alias may hash to the same one).
-                let alias =
-                    Arc::new(primary.alias(self.next_alias.fetch_add(1, Ordering::Relaxed)));
+                let alias = self.new_alias(&primary);
                 self.write(alias.ino).nodes.insert(alias.ino, alias.clone());
                 let shard = self.write(found.ino);
                 match shard.nodes.get(&found.ino) {
@@ -776,13 +799,71 @@ impl InodeTable {
         self.keep_dirs.store(true, Ordering::Relaxed);
     }
 
-    /// Second identities from now on are this daemon's: `epoch` daemons served the mount
-    /// before it (takeover.rs), and the kernel may still hold node ids they made.
-    pub fn set_alias_epoch(&self, epoch: u32) {
-        self.next_alias.store(
-            ALIAS_BASE | (u64::from(epoch.min(0xffff)) << 40),
-            Ordering::Relaxed,
-        );
+    /// Second identities are recorded in `records` (a file of the work dir, by_number.rs): the
+    /// object number of `ALIAS_BASE + i` at byte `8 * i`, written before the kernel hears of
+    /// it, so that a daemon taking the mount over (takeover.rs) finds the object of every node
+    /// id the kernel holds. Numbering goes on from the records `start` already holds.
+    pub fn set_alias_records(&self, records: Arc<std::os::fd::OwnedFd>, start: u64) {
+        self.next_alias.store(ALIAS_BASE + start, Ordering::Relaxed);
+        let _ = self.alias_records.set(records);
+    }
+
+    /// The object number recorded for second identity `ino` (`set_alias_records`).
+    pub fn recorded_alias(&self, ino: Ino) -> Option<Ino> {
+        let records = self.alias_records.get()?;
+        let at = ino.checked_sub(ALIAS_BASE)?.checked_mul(8)?;
+        let mut buf = [0u8; 8];
+        match rustix::io::pread(&**records, &mut buf, at) {
+            Ok(8) => Some(u64::from_le_bytes(buf)).filter(|&n| n != 0),
+            _ => None,
+        }
+    }
+
+    /// The first second identity this daemon made (`set_alias_records`): lower ones are an
+    /// earlier daemon's.
+    pub fn first_alias(&self) -> Ino {
+        self.first_alias.load(Ordering::Relaxed)
+    }
+
+    /// From now on a regular file found by a lookup gets a node id of its own rather than its
+    /// object number (its primary node starts retired, `counted`): in a daemon that took over
+    /// a mount whose files pass through, the kernel inode under the object number may still be
+    /// bound to a backing file the daemon before registered (takeover.rs).
+    pub fn fresh_file_ids(&self) {
+        self.first_alias
+            .store(self.next_alias.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.fresh_files.store(true, Ordering::Relaxed);
+    }
+
+    pub fn fresh_files(&self) -> bool {
+        self.fresh_files.load(Ordering::Relaxed)
+    }
+
+    /// A node for second identity `ino` of `primary`, made by an earlier daemon, counted once
+    /// for the kernel's references (takeover.rs). The primary's own identity is left as it is.
+    pub fn adopt_alias(&self, primary: &Node, ino: Ino) -> Arc<Node> {
+        let mut shard = self.write(ino);
+        if let Some(n) = shard.nodes.get(&ino) {
+            return n.clone();
+        }
+        let alias = Arc::new(primary.alias(ino));
+        shard.nodes.insert(ino, alias.clone());
+        alias
+    }
+
+    /// Makes a new second identity of `primary` and records it (`set_alias_records`).
+    fn new_alias(&self, primary: &Node) -> Arc<Node> {
+        let ino = self.next_alias.fetch_add(1, Ordering::Relaxed);
+        if let Some(records) = self.alias_records.get() {
+            let at = (ino - ALIAS_BASE) * 8;
+            if let Err(e) = rustix::io::pwrite(&**records, &primary.st_ino.to_le_bytes(), at) {
+                log::warn!(
+                    "cannot record node id {ino} in the work dir ({e}): a daemon that takes \
+                     the mount over answers ESTALE for it"
+                );
+            }
+        }
+        Arc::new(primary.alias(ino))
     }
 
     /// Makes lookups of `node`'s object name a new node id from now on, while the kernel inode

@@ -35,7 +35,7 @@
 //!
 //! Touches: the node table (counted references), lookups (namei.rs), listings (readdir.rs).
 //!
-//! May call (dev/callgraph.py --check keeps it so): namei, overlay, readdir, upper_meta.
+//! May call (dev/callgraph.py --check keeps it so): namei, overlay, passthrough, readdir, upper_meta.
 
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
@@ -139,7 +139,8 @@ impl Overlay {
         // ...and down again, one lookup per step.
         while let Some((want, name)) = chain.pop() {
             match self.lookup_name(dir.ino, &name) {
-                Ok((node, _)) if node.ino == want => {
+                // The object itself, possibly under a node id of its own (`fresh_file_ids`).
+                Ok((node, _)) if node.st_ino == want => {
                     self.inodes.hold_parent(&node, dir.ino);
                     dir = node;
                 }
@@ -232,10 +233,30 @@ impl Overlay {
         if self.takeovers() == 0 || self.inodes.get(ino).is_some() {
             return;
         }
+        if ino >= ALIAS_BASE {
+            // A second identity an earlier daemon made: the object it names, recorded.
+            let Some(object) = self.inodes.recorded_alias(ino) else {
+                return;
+            };
+            self.know_inherited(object);
+            if let Some(primary) = self.inodes.get(object) {
+                self.inodes.adopt_alias(&primary, ino);
+            }
+            return;
+        }
         let mut tries = 0;
         loop {
             let token = self.tree_token();
             match self.lookup_by_number(ino) {
+                // Found under a node id of its own (`InodeTable::fresh_file_ids`): the object's
+                // number stays the kernel's old inode, counted once for its references.
+                Ok((node, _)) if node.ino != ino => {
+                    if let Some(primary) = self.inodes.get_counted(ino) {
+                        drop(primary);
+                        self.inodes.forget(node.ino, 1);
+                    }
+                    return;
+                }
                 Ok(_) => return,
                 // A name moved while the tree was searched: search it again.
                 Err(e) if e.is(libc::ESTALE) && !self.tree_unchanged(token) && tries < 8 => {
@@ -287,6 +308,38 @@ impl Overlay {
                 }
             })
             .clone()
+    }
+
+    /// Records second identities in the orphans directory from now on (`aliases`,
+    /// `InodeTable::set_alias_records`) where the mount survives its daemon, and, in a daemon
+    /// that took over a mount whose files pass through, gives regular files node ids of their
+    /// own (`fresh_file_ids`): the kernel inodes under their numbers may be bound to backing
+    /// files the daemon before registered. Called before the session serves.
+    pub fn start_alias_records(&self) {
+        let Some(dir) = self.orphans_dir() else {
+            return;
+        };
+        let flags = rustix::fs::OFlags::RDWR
+            | rustix::fs::OFlags::CREATE
+            | rustix::fs::OFlags::CLOEXEC
+            | rustix::fs::OFlags::NOFOLLOW;
+        let records = match rustix::fs::openat(&*dir, "aliases", flags, 0o600.into()) {
+            Ok(fd) => fd,
+            Err(e) => {
+                log::warn!("cannot record node ids in the work dir ({e})");
+                return;
+            }
+        };
+        let start = rustix::fs::fstat(&records).map_or(0, |st| st.st_size as u64 / 8);
+        self.inodes.set_alias_records(Arc::new(records), start);
+        if self.takeovers() > 0 && self.may_pass_through().is_ok() {
+            self.inodes.fresh_file_ids();
+        }
+    }
+
+    /// Whether regular files get node ids of their own (`start_alias_records`).
+    pub fn fresh_file_ids(&self) -> bool {
+        self.inodes.fresh_files()
     }
 
     /// Empties the orphans directory (a fresh mount: no kernel inode of an earlier one lives,

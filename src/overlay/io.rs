@@ -144,6 +144,16 @@ impl Overlay {
         if node.kind() != libc::S_IFREG {
             return Err(errno(libc::EINVAL));
         }
+        // In a daemon that took over a mount whose files pass through, a node id an earlier
+        // daemon gave the kernel may be bound to a backing file this one cannot match
+        // (takeover.rs): the kernel looks the name up again and opens the object under a node
+        // id of this daemon's (`InodeTable::fresh_file_ids`).
+        if self.inodes.fresh_files() && node.from_before(self.inodes.first_alias()) {
+            if let Some(primary) = self.inodes.get(node.st_ino) {
+                self.inodes.retire(&primary);
+            }
+            return Err(errno(libc::ESTALE));
+        }
         // Immutable and append-only files (fileattr.rs): checked before anything changes.
         let append_only = if writable || truncate {
             let append = flags & libc::O_APPEND != 0 && !truncate;
@@ -567,12 +577,18 @@ impl Overlay {
     /// Writes through handle `fh`; `appending`: its file flags have O_APPEND now (fcntl may
     /// have changed them since the open). `kill_privs`: the writer lacks CAP_FSETID, so set-id
     /// bits and file capabilities go, as the VFS would do (FUSE_HANDLE_KILLPRIV_V2).
+    /// `at_offset`: write at `off` even through a handle that appends — a write the kernel
+    /// sends again after a daemon ended without answering it (takeover.rs): the kernel chose
+    /// `off` as the end of the file when it sent the write the first time, so writing there
+    /// again is the same write, where appending would append it twice.
+    #[allow(clippy::too_many_arguments)]
     pub fn write(
         &self,
         fh: u64,
         off: u64,
         data: &[u8],
         appending: bool,
+        at_offset: bool,
         kill_privs: Option<&Caller>,
     ) -> Result<u32> {
         let h = self.handle(fh)?;
@@ -589,7 +605,7 @@ impl Overlay {
         self.ensure_upper(&h.node, &h.file)?;
         h.file.served_one();
         let mode = WriteMode {
-            append: h.append,
+            append: h.append && !at_offset,
             sync: h.sync && !self.config.skip_fsync,
         };
         let pending = h.file.write_data().write(off, data, mode)?;
@@ -631,7 +647,7 @@ impl Overlay {
             if bytes.is_empty() {
                 break;
             }
-            self.write(fh_out, off_out + done, &bytes, false, kill_privs)?;
+            self.write(fh_out, off_out + done, &bytes, false, false, kill_privs)?;
             done += bytes.len() as u64;
             if bytes.len() < want as usize {
                 break;

@@ -115,6 +115,16 @@ impl Notifier {
         self.0.send(&[io::IoSlice::new(&header)])
     }
 
+    /// mosaicfs patch: FUSE_NOTIFY_INC_EPOCH (Linux 6.16+): every dentry the kernel holds is
+    /// looked up again before its next use.
+    pub fn inc_epoch(&self) -> io::Result<()> {
+        const FUSE_NOTIFY_INC_EPOCH: i32 = 8;
+        let mut header = [0u8; 16];
+        header[0..4].copy_from_slice(&16u32.to_ne_bytes());
+        header[4..8].copy_from_slice(&FUSE_NOTIFY_INC_EPOCH.to_ne_bytes());
+        self.0.send(&[io::IoSlice::new(&header)])
+    }
+
     #[allow(unused)]
     fn send_inval(&self, code: notify_code, notification: &Notification<'_>) -> io::Result<()> {
         match self.send(code, notification) {

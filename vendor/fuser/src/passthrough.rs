@@ -92,6 +92,12 @@ impl BackingId {
 
 impl Drop for BackingId {
     fn drop(&mut self) {
+        // mosaicfs patch: a session stopped for another daemon to take over (`Stopper`) leaves
+        // its registrations to the kernel: an OPEN it answered just before it stopped names one,
+        // and the kernel looks the id up only when the opening process runs again.
+        if crate::channel::STOPPING.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         if let Some(ch) = self.channel.upgrade() {
             if let Err(e) = unsafe { fuse_dev_ioc_backing_close(ch.as_raw_fd(), &self.backing_id) }
             {
