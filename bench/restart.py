@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 
-from suite import (FO2, FreshFs, make_tree_tar, overwrites, peer_arguments, run_rootless, sh,
-                   small_files, timed, umount, write_random)
+from suite import (FO2, main_rootless, make_tree_tar, overwrites, peer_arguments, sh, small_files,
+                   timed, umount, write_random)
 
 KINDS = ["fuse-overlayfs", "fuse-overlayfs-2.0", "mosaicfs", "mosaicfs-restart-off"]
 
@@ -187,14 +187,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kills", type=int, default=10)
     a = ap.parse_args()
-    a.mosaicfs = os.path.abspath(a.mosaicfs)
-    if a.inside:
-        run(a, a.root)
-        return
-    with FreshFs(a.root, "ext4", 8 << 30) as root:
-        prepare(root)
-        run_rootless(root, __file__, ["--inside", "--root", root, "--rounds", str(a.rounds),
-                                      "--kills", str(a.kills), "--mosaicfs", a.mosaicfs])
+    main_rootless(a, __file__, run, prepare, ["--kills", str(a.kills)])
 
 
 if __name__ == "__main__":

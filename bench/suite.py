@@ -196,6 +196,20 @@ def umount(path):
     print(f"# could not unmount {path}", file=sys.stderr)
 
 
+def main_rootless(a, script, run, prepare, extra=()):
+    """The main of a script that runs every peer rootless: `run(a, root)` as user nobody in a
+    user namespace (the script run again with `--inside`) on a fresh ext4 that `prepare(root)`
+    filled; `extra`: the script's own arguments to pass on."""
+    a.mosaicfs = os.path.abspath(a.mosaicfs)
+    if a.inside:
+        run(a, a.root)
+        return
+    with FreshFs(a.root, "ext4", 8 << 30) as root:
+        prepare(root)
+        run_rootless(root, script, ["--inside", "--root", root, "--rounds", str(a.rounds),
+                                    "--mosaicfs", a.mosaicfs, *extra])
+
+
 def run_rootless(root, script, args):
     """Runs bench script `script` with `args` as user nobody in a new user and mount namespace
     (`unshare -Urm`, as rootless Podman runs its mount program), on `root`, which it gives to

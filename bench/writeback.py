@@ -22,8 +22,8 @@ import statistics
 import sys
 import time
 
-from suite import (FreshFs, make_tree_tar, mount_overlay, overwrites, peer_arguments, peers,
-                   run_rootless, sh, small_files, timed, umount, write_random)
+from suite import (main_rootless, make_tree_tar, mount_overlay, overwrites, peer_arguments, peers,
+                   sh, small_files, timed, umount, write_random)
 
 ROWS = [("new file 1 MiB (MiB/s)", "high"), ("new file 4 KiB (MiB/s)", "high"),
         ("new file 512 B (MiB/s)", "high"), ("overwrites 4 KiB (us)", "low"),
@@ -94,14 +94,7 @@ def main():
     ap = peer_arguments("/var/tmp/mosaicfs-bench-writeback")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    a.mosaicfs = os.path.abspath(a.mosaicfs)
-    if a.inside:
-        run(a, a.root)
-        return
-    with FreshFs(a.root, "ext4", 8 << 30) as root:
-        prepare(root)
-        run_rootless(root, __file__, ["--inside", "--root", root, "--rounds", str(a.rounds),
-                                      "--mosaicfs", a.mosaicfs])
+    main_rootless(a, __file__, run, prepare)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,34 @@ impl Drop for Background {
     }
 }
 
+/// Runs `op` in a thread of its own until the daemon logs `marker` (it holds `op`'s request),
+/// kills the daemon and returns what `op` got once the next daemon answered.
+fn across_a_kill<T: Send + 'static>(
+    m: &Background,
+    marker: &str,
+    op: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(op());
+    });
+    let start = Instant::now();
+    while !fs::read_to_string(&m.log)
+        .unwrap_or_default()
+        .contains(marker)
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the request never came"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(rx.try_recv().is_err(), "answered before the kill");
+    m.kill_daemon();
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("the request held by the killed daemon was never answered")
+}
+
 fn lower_tree(l: &Path) {
     fs::write(l.join("image"), pattern(3 << 20, 7)).unwrap();
     fs::create_dir(l.join("dir")).unwrap();
@@ -294,26 +322,9 @@ fn a_request_held_by_a_killed_daemon_is_answered_by_the_next() {
         &[("MOSAICFS_TEST_HANG", "stuck")],
     );
     let path = m.path("stuck");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(fs::read_to_string(path).map_err(|e| e.to_string()));
+    let got = across_a_kill(&m, "holding the lookup", move || {
+        fs::read_to_string(path).map_err(|e| e.to_string())
     });
-    let start = Instant::now();
-    while !fs::read_to_string(&m.log)
-        .unwrap_or_default()
-        .contains("holding the lookup")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the lookup never came"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert!(rx.try_recv().is_err(), "answered before the kill");
-    m.kill_daemon();
-    let got = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the request held by the killed daemon was never answered");
     assert_eq!(got.as_deref(), Ok("held across the kill"));
 }
 
@@ -635,26 +646,10 @@ fn an_append_done_before_the_kill_is_not_made_twice() {
         &[("MOSAICFS_TEST_HANG_WRITE", "HELD")],
     );
     let path = m.path("log");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    let written = across_a_kill(&m, "holding the answer to a write done", move || {
         let mut f = fs::OpenOptions::new().append(true).open(path).unwrap();
-        let _ = tx.send(f.write_all(b"HELD line\n").map_err(|e| e.to_string()));
+        f.write_all(b"HELD line\n").map_err(|e| e.to_string())
     });
-    let start = Instant::now();
-    while !fs::read_to_string(&m.log)
-        .unwrap_or_default()
-        .contains("holding the answer to a write done")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the write never came"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    m.kill_daemon();
-    let written = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the write held by the killed daemon was never answered");
     assert_eq!(written, Ok(()));
     assert_eq!(
         fs::read_to_string(m.path("log")).unwrap(),
