@@ -49,6 +49,9 @@ impl Background {
             Command::new(BIN)
                 .args(["-o", &options])
                 .arg(p.join("m"))
+                // /dev/fuse, also where the suite runs again with io_uring switched on
+                // (tests/with-uring.sh): a mount over io_uring does not survive its daemon.
+                .env("MOSAICFS_URING", "off")
                 .envs(env.iter().copied())
                 .env("MOSAICFS_LOG", "info")
                 .stdin(Stdio::null())
