@@ -88,6 +88,8 @@ test: deps install
 	tests/differential.py $(DAEMON) 1,2,3 2000 ,passthrough=off,writeback=auto
 	tests/podman/run.sh $(DAEMON)
 	tests/podman/rootless.sh $(DAEMON)
+	# Podman over lazily pulled layers: a registry and a layer store started by the test (#59).
+	tests/lazy/run.sh $(DAEMON)
 	# containers/storage's own tests with mosaicfs as its overlay driver's mount program.
 	tests/storage/run.sh $(DAEMON)
 	# fuse-overlayfs' own test scripts, with `fuse-overlayfs` running mosaicfs.
