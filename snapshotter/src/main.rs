@@ -6,6 +6,7 @@
 
 mod error;
 mod filter;
+mod remote;
 mod service;
 mod snapshots;
 mod store;
@@ -24,7 +25,7 @@ use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
 const USAGE: &str = "\
-usage: mosaicfs-snapshotter [--address SOCKET] [--root DIR]
+usage: mosaicfs-snapshotter [--address SOCKET] [--root DIR] [--layer-store DIR]
 
 A containerd proxy snapshotter: active snapshots mount as mosaicfs overlays (fuse3.mosaicfs,
 made by mount.fuse3 running `mosaicfs` from containerd's PATH), with their parents as lower
@@ -37,6 +38,10 @@ layers. Runs in the foreground until SIGTERM or SIGINT.
   --mount-options OPTS
                     more mosaicfs options for every mount, comma-separated (e.g.
                     copy_whole=4M,partial_passthrough=auto; see mosaicfs(1))
+  --layer-store DIR take image layers lazily from the layer store mounted at DIR
+                    (stargz-store's layout: DIR/base64(image)/DIGEST/diff) when a pull
+                    names them (`ctr-remote image rpull`, or the CRI plugin with
+                    disable_snapshot_annotations = false) instead of unpacking them
   -h, --help        this text
   -V, --version     the version
 
@@ -53,6 +58,7 @@ struct Args {
     address: PathBuf,
     root: PathBuf,
     mount_options: Vec<String>,
+    layer_store: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -60,6 +66,7 @@ fn parse_args() -> Result<Args, String> {
         address: "/run/mosaicfs-snapshotter/mosaicfs-snapshotter.sock".into(),
         root: "/var/lib/mosaicfs-snapshotter".into(),
         mount_options: Vec::new(),
+        layer_store: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -96,12 +103,17 @@ fn parse_args() -> Result<Args, String> {
                     args.mount_options.push(o.to_string());
                 }
             }
+            "--layer-store" => args.layer_store = Some(value()?.into()),
             _ => return Err(format!("unknown argument {arg:?} (see --help)")),
         }
     }
-    if args.address.is_relative() || args.root.is_relative() {
+    if args.address.is_relative()
+        || args.root.is_relative()
+        || args.layer_store.as_ref().is_some_and(|p| p.is_relative())
+    {
         return Err(
-            "--address and --root take absolute paths (containerd resolves them from elsewhere)"
+            "--address, --root and --layer-store take absolute paths (containerd resolves them \
+             from elsewhere)"
                 .into(),
         );
     }
@@ -233,8 +245,18 @@ fn run() -> Result<(), String> {
     let args = parse_args()?;
     check_binaries()?;
     let _lock = open_root(&args.root)?;
-    let snapshots = snapshots::Snapshots::open(&args.root, args.mount_options.clone())
+    let mut snapshots = snapshots::Snapshots::open(&args.root, args.mount_options.clone())
         .map_err(|e| e.to_string())?;
+    if let Some(store) = &args.layer_store {
+        if !store.is_dir() {
+            return Err(format!(
+                "--layer-store {}: no such directory; start the layer store (e.g. stargz-store \
+                 {0}) first",
+                store.display()
+            ));
+        }
+        snapshots = snapshots.with_layer_store(store.clone());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -24,8 +24,10 @@ impl Service {
         let result = tokio::task::spawn_blocking(move || f(&snapshots))
             .await
             .unwrap_or_else(|e| Err(SnapError::Internal(format!("{what}: {e}"))));
+        // NotFound and AlreadyExists are answers containerd asks for (a Stat before a Prepare,
+        // an unpack that finds its layer there), not failures.
         if let Err(e) = &result
-            && !matches!(e, SnapError::NotFound(_))
+            && !matches!(e, SnapError::NotFound(_) | SnapError::AlreadyExists(_))
         {
             eprintln!("mosaicfs-snapshotter: {what}: {e}");
         }

@@ -23,6 +23,7 @@ use containerd_snapshots::api::types::Mount;
 
 use crate::error::SnapError;
 use crate::filter::{Fields, Filter};
+use crate::remote::{self, LayerStore, RemoteLayer};
 use crate::store::{Kind, Record, Stamp, Store};
 
 /// Labels containerd (1.7 and later) and nerdctl set to ask for a user-namespaced view of the
@@ -36,6 +37,8 @@ pub struct Snapshots {
     store: Store,
     /// More mosaicfs options for every fuse3.mosaicfs mount (`--mount-options`).
     mount_options: Vec<String>,
+    /// Where image layers can be taken lazily from (`--layer-store`; remote.rs).
+    layer_store: Option<LayerStore>,
 }
 
 /// A snapshot as containerd's Stat and List see it.
@@ -58,6 +61,7 @@ impl Snapshots {
             root: root.to_path_buf(),
             store,
             mount_options,
+            layer_store: None,
         };
         for path in snapshots.cleanup()? {
             eprintln!(
@@ -66,6 +70,12 @@ impl Snapshots {
             );
         }
         Ok(snapshots)
+    }
+
+    /// Takes image layers the layer store at `root` serves instead of unpacking them.
+    pub fn with_layer_store(mut self, root: PathBuf) -> Snapshots {
+        self.layer_store = Some(LayerStore::new(root));
+        self
     }
 
     fn dir(&self, id: u64) -> PathBuf {
@@ -97,6 +107,9 @@ impl Snapshots {
                 "a snapshot needs a key (it was empty)".into(),
             ));
         }
+        if let Some(layer) = self.remote_layer(kind, &labels)? {
+            return self.commit_remote(layer, parent, labels);
+        }
         let txn = self.store.write()?;
         if txn.get(key)?.is_some() {
             return Err(SnapError::AlreadyExists(format!(
@@ -114,6 +127,7 @@ impl Snapshots {
             created: now,
             updated: now,
             usage: None,
+            remote: None,
         };
         let dir = self.dir(id);
         // A directory of this number can only be a leftover of a crash before its record was
@@ -139,6 +153,94 @@ impl Snapshots {
             return Err(e);
         }
         Ok(self.mounts_of(&record, &parents))
+    }
+
+    /// The layer the layer store serves for the image layer containerd prepares a snapshot to
+    /// unpack, when there is a store, the labels name a layer and the store has it.
+    fn remote_layer(
+        &self,
+        kind: Kind,
+        labels: &HashMap<String, String>,
+    ) -> Result<Option<RemoteLayer>, SnapError> {
+        let (Some(store), Some(target), Kind::Active) =
+            (&self.layer_store, labels.get(remote::TARGET_LABEL), kind)
+        else {
+            return Ok(None);
+        };
+        if self.store.get(target)?.is_some() {
+            return Err(SnapError::AlreadyExists(format!(
+                "snapshot {target:?} already exists"
+            )));
+        }
+        Ok(store.find(labels))
+    }
+
+    /// Commits the snapshot containerd would unpack the layer into (named by the target label)
+    /// with the store's tree as its layer, and answers "already exists", which tells containerd
+    /// that the layer is there without fetching it. The directory is made and renamed into
+    /// place before the record is committed, as in [`Snapshots::create`].
+    fn commit_remote(
+        &self,
+        layer: RemoteLayer,
+        parent: &str,
+        mut labels: HashMap<String, String>,
+    ) -> Result<Vec<Mount>, SnapError> {
+        let tree = layer.tree();
+        let target = labels[remote::TARGET_LABEL].clone();
+        labels.insert(remote::REMOTE_LABEL.into(), "remote snapshot".into());
+        let committed = (|| {
+            let txn = self.store.write()?;
+            if txn.get(&target)?.is_some() {
+                return Err(SnapError::AlreadyExists(format!(
+                    "snapshot {target:?} already exists"
+                )));
+            }
+            parents_of(|n| txn.get(n), parent)?;
+            let id = txn.next_id()?;
+            let dir = self.dir(id);
+            if dir.exists() {
+                fs::remove_dir_all(&dir)
+                    .map_err(|e| SnapError::io("cannot remove the leftover", &dir, e))?;
+            }
+            let tmp = self.root.join("snapshots").join(format!("new-{id}"));
+            let _ = fs::remove_dir_all(&tmp);
+            let made = fs::create_dir(&tmp)
+                .and_then(|()| std::os::unix::fs::symlink(&tree, tmp.join("fs")))
+                .and_then(|()| fs::rename(&tmp, &dir))
+                .map_err(|e| SnapError::io("cannot make the snapshot directory", &tmp, e));
+            let now = Stamp::now();
+            let record = Record {
+                id,
+                kind: Kind::Committed,
+                parent: parent.to_string(),
+                labels,
+                created: now,
+                updated: now,
+                usage: Some((0, 0)),
+                remote: Some(tree.clone()),
+            };
+            let done = made.and_then(|()| {
+                txn.put(&target, &record)?;
+                txn.commit()
+            });
+            if done.is_err() {
+                let _ = fs::remove_dir_all(&tmp);
+                let _ = fs::remove_dir_all(&dir);
+            }
+            done
+        })();
+        if let Err(e) = committed {
+            remote::release(&tree);
+            return Err(e);
+        }
+        eprintln!(
+            "mosaicfs-snapshotter: layer {target} taken from the layer store ({})",
+            tree.display()
+        );
+        Err(SnapError::AlreadyExists(format!(
+            "snapshot {target:?} already exists: the layer store serves its layer ({})",
+            tree.display()
+        )))
     }
 
     /// `fs` (mode 0755, owned as the parent's layer root is, as containerd's overlayfs
@@ -283,6 +385,9 @@ impl Snapshots {
         }
         txn.delete(key)?;
         txn.commit()?;
+        if let Some(tree) = &record.remote {
+            remote::release(tree);
+        }
         let dir = self.dir(record.id);
         let doomed = self
             .root
@@ -556,6 +661,72 @@ mod tests {
         assert!(!orphan.exists() && !root.path().join("snapshots/new-7").exists());
         assert!(kept.exists());
         assert_eq!(s.stat("a").unwrap().record.kind, Kind::Active);
+    }
+
+    #[test]
+    fn a_layer_the_layer_store_serves_is_committed_without_unpacking() {
+        let root = tempfile::tempdir().unwrap();
+        let store = tempfile::tempdir().unwrap();
+        // The store's layout: base64("reg/img:1")/DIGEST/diff.
+        let tree = store.path().join("cmVnL2ltZzox/sha256:00ff/diff");
+        fs::create_dir_all(&tree).unwrap();
+        fs::write(tree.join("file"), "from the store").unwrap();
+        let s = Snapshots::open(root.path(), Vec::new())
+            .unwrap()
+            .with_layer_store(store.path().to_path_buf());
+        let unpack = |digest: &str| {
+            HashMap::from([
+                (remote::TARGET_LABEL.to_string(), "chain-1".to_string()),
+                (
+                    "containerd.io/snapshot/cri.image-ref".to_string(),
+                    "reg/img:1".to_string(),
+                ),
+                (
+                    "containerd.io/snapshot/cri.layer-digest".to_string(),
+                    digest.to_string(),
+                ),
+            ])
+        };
+        // A layer the store does not have is unpacked as before.
+        assert!(
+            s.create(Kind::Active, "extract-0", "", unpack("sha256:0000"))
+                .is_ok()
+        );
+        s.remove("extract-0").unwrap();
+        // containerd's unpack takes "already exists" as "the layer is there".
+        assert!(matches!(
+            s.create(Kind::Active, "extract-1", "", unpack("sha256:00ff")),
+            Err(SnapError::AlreadyExists(_))
+        ));
+        assert!(matches!(s.stat("extract-1"), Err(SnapError::NotFound(_))));
+        let info = s.stat("chain-1").unwrap();
+        assert_eq!(info.record.kind, Kind::Committed);
+        assert!(info.record.labels.contains_key(remote::REMOTE_LABEL));
+        assert_eq!(s.usage("chain-1").unwrap(), (0, 0));
+        // A container on it sees the store's tree below its own layer.
+        let mounts = s.create(Kind::Active, "c", "chain-1", labels()).unwrap();
+        let layer = s.layer(info.record.id);
+        assert_eq!(mounts[0].r#type, "fuse3.mosaicfs");
+        assert!(
+            mounts[0]
+                .options
+                .contains(&format!("lowerdir={}", layer.display()))
+        );
+        assert_eq!(
+            fs::read_to_string(layer.join("file")).unwrap(),
+            "from the store"
+        );
+        s.create(Kind::Active, "c2", "", labels()).unwrap();
+        let view = s.create(Kind::View, "v", "chain-1", labels()).unwrap();
+        assert_eq!(view[0].source, layer.to_string_lossy());
+        // Removing the snapshot gives the layer back and leaves the store's files alone.
+        s.remove("c").unwrap();
+        s.remove("v").unwrap();
+        s.remove("chain-1").unwrap();
+        assert_eq!(
+            fs::read_to_string(tree.join("file")).unwrap(),
+            "from the store"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redb::{Database, ReadableTable, TableDefinition, WriteTransaction};
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 
 use crate::error::SnapError;
 
@@ -77,6 +78,10 @@ pub struct Record {
     /// no longer changes).
     #[serde(default)]
     pub usage: Option<(i64, i64)>,
+    /// For a layer a layer store serves (remote.rs): the store's tree, which the snapshot's
+    /// `fs` links to, given back to the store when the snapshot goes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<PathBuf>,
 }
 
 pub struct Store {
