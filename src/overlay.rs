@@ -299,22 +299,18 @@ impl Overlay {
                 sparse: true,
             },
         };
-        let mut root_lower = LowerRef {
-            path: PathBuf::new(),
-            layers: Vec::new(),
-            moved: Vec::new(),
-            data: None,
-        };
+        let mut root_layers = Vec::new();
         let opaque_root = layers.has_upper && layers_root_opaque(&layers);
         if !opaque_root {
             for l in layers.lower_ids() {
-                root_lower.layers.push(l);
+                root_layers.push(l);
                 if lower_root_opaque(&layers, l) {
                     break;
                 }
             }
         }
-        let root_lower = (!root_lower.layers.is_empty()).then_some(root_lower);
+        let root_lower =
+            (!root_layers.is_empty()).then(|| LowerRef::in_layers(Path::new(""), &root_layers));
         let clones = config.reflink
             && !config.read_only
             && layers.memory.is_none()
@@ -929,7 +925,7 @@ impl Overlay {
         let counted_at = {
             let st = node.state();
             if let Some(n) = st.subdirs {
-                return Ok(n);
+                return Ok(n.into());
             }
             st.subdirs_gen
         };
@@ -942,8 +938,9 @@ impl Overlay {
                 .count() as u64)
         })?;
         let mut st = node.state();
+        // A count past u32 (no file system links that many) is not kept.
         if st.subdirs_gen == counted_at {
-            st.subdirs = Some(n);
+            st.subdirs = u32::try_from(n).ok();
         }
         Ok(n)
     }

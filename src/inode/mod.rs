@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
@@ -44,16 +44,56 @@ pub const ROOT_INO: Ino = 1;
 /// contributes to it (top to bottom, stopping at an opaque one); for anything else, the one
 /// topmost layer that has it. The path is the same in all those layers unless a directory
 /// renamed in a lower layer (a redirect there) sent the layers below it elsewhere.
+///
+/// Every node of a lower object holds one, so it is kept small (docs/PERFORMANCE.md, "Memory
+/// per inode"): the path without spare capacity, one layer without an allocation, the rare
+/// redirects boxed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LowerRef {
     /// The path in the top layer.
-    pub path: PathBuf,
-    pub layers: Vec<LayerId>,
+    pub path: Box<Path>,
+    pub layers: Layers,
     /// `(layer, path)`: from `layer` down, the object is at `path` (redirects in lower layers;
-    /// usually empty).
-    pub moved: Vec<(LayerId, PathBuf)>,
+    /// usually none).
+    #[allow(clippy::box_collection)] // a pointer in every node rather than a vector's 24 bytes
+    moved: Option<Box<Vec<(LayerId, PathBuf)>>>,
     /// For a metadata-only file of kernel overlayfs: where its data is (metacopy.rs).
     pub data: Option<Arc<LowerData>>,
+}
+
+/// The layers of a [`LowerRef`], top first: one without an allocation (every lower file and
+/// most directories), more in a vector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Layers {
+    One(LayerId),
+    Many(Vec<LayerId>),
+}
+
+impl Layers {
+    pub fn push(&mut self, layer: LayerId) {
+        match self {
+            Layers::One(first) => *self = Layers::Many(vec![*first, layer]),
+            Layers::Many(v) => v.push(layer),
+        }
+    }
+}
+
+impl std::ops::Deref for Layers {
+    type Target = [LayerId];
+    fn deref(&self) -> &[LayerId] {
+        match self {
+            Layers::One(l) => std::slice::from_ref(l),
+            Layers::Many(v) => v,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Layers {
+    type Item = &'a LayerId;
+    type IntoIter = std::slice::Iter<'a, LayerId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
 }
 
 /// Where the data of a metadata-only lower file is, and the fs-verity digest its metadata
@@ -67,17 +107,35 @@ pub struct LowerData {
 }
 
 impl LowerRef {
-    pub fn new(path: PathBuf, layer: LayerId) -> LowerRef {
+    pub fn new(path: impl Into<Box<Path>>, layer: LayerId) -> LowerRef {
         LowerRef {
-            path,
-            layers: vec![layer],
-            moved: Vec::new(),
+            path: path.into(),
+            layers: Layers::One(layer),
+            moved: None,
             data: None,
         }
     }
 
+    /// The lower part of a directory `layers` (top first, at least one) make at `path`.
+    pub fn in_layers(path: impl Into<Box<Path>>, layers: &[LayerId]) -> LowerRef {
+        LowerRef {
+            path: path.into(),
+            layers: match layers {
+                [one] => Layers::One(*one),
+                more => Layers::Many(more.to_vec()),
+            },
+            moved: None,
+            data: None,
+        }
+    }
+
+    /// Whether lower layers' redirects send some layers to another path.
+    pub fn is_moved(&self) -> bool {
+        self.moved.is_some()
+    }
+
     /// Where the object's data is: its own file, or a metadata-only file's data file.
-    pub fn data_at(&self) -> (LayerId, &std::path::Path) {
+    pub fn data_at(&self) -> (LayerId, &Path) {
         match &self.data {
             Some(d) => (d.layer, &d.path),
             None => (self.top(), &self.path),
@@ -89,20 +147,104 @@ impl LowerRef {
     }
 
     /// The object's path in `layer`.
-    pub fn path_in(&self, layer: LayerId) -> &std::path::Path {
+    pub fn path_in(&self, layer: LayerId) -> &Path {
         self.moved
             .iter()
+            .flat_map(|m| m.iter())
             .rev()
             .find(|(from, _)| *from <= layer)
             .map_or(&self.path, |(_, p)| p)
     }
 
     /// Adds `layer`, below the others, where the object is at `path`.
-    pub fn push(&mut self, layer: LayerId, path: &std::path::Path) {
+    pub fn push(&mut self, layer: LayerId, path: &Path) {
         if path != self.path_in(layer) {
-            self.moved.push((layer, path.to_owned()));
+            self.moved
+                .get_or_insert_with(Default::default)
+                .push((layer, path.to_owned()));
         }
         self.layers.push(layer);
+    }
+}
+
+/// One name of an inode: its parent and the name in it.
+pub type Link = (Ino, OsString);
+
+/// The names of an inode, in order (the first builds its upper path). Every node holds one
+/// and nearly all have one name, kept without an allocation of its own beside the name's; the
+/// others, for hard links, in a boxed vector (docs/PERFORMANCE.md, "Memory per inode").
+#[derive(Debug, Default)]
+pub struct Links {
+    first: Option<Link>,
+    #[allow(clippy::box_collection)] // a pointer in every node rather than a vector's 24 bytes
+    more: Option<Box<Vec<Link>>>,
+}
+
+impl Links {
+    pub fn first(&self) -> Option<&Link> {
+        self.first.as_ref()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Link> {
+        self.first
+            .iter()
+            .chain(self.more.iter().flat_map(|m| m.iter()))
+    }
+
+    /// Adds a name after the others.
+    pub fn push(&mut self, link: Link) {
+        match self.first {
+            None => self.first = Some(link),
+            Some(_) => self.more.get_or_insert_with(Default::default).push(link),
+        }
+    }
+
+    /// Adds a name before the others: the one to build the upper path from.
+    pub fn push_first(&mut self, link: Link) {
+        if let Some(old) = self.first.replace(link) {
+            self.more
+                .get_or_insert_with(Default::default)
+                .insert(0, old);
+        }
+    }
+
+    /// Moves the name at `pos` (in `iter` order) to the front.
+    pub fn make_first(&mut self, pos: usize) {
+        if pos == 0 {
+            return;
+        }
+        if let (Some(first), Some(more)) = (&mut self.first, &mut self.more) {
+            std::mem::swap(first, &mut more[pos - 1]);
+        }
+    }
+
+    /// Keeps the names `keep` accepts, in order.
+    pub fn retain(&mut self, mut keep: impl FnMut(&Link) -> bool) {
+        let all: Vec<Link> = std::mem::take(self)
+            .into_iter()
+            .filter(|l| keep(l))
+            .collect();
+        for link in all {
+            self.push(link);
+        }
+    }
+
+    pub fn clear(&mut self) {
+        *self = Links::default();
+    }
+
+    fn into_iter(self) -> impl Iterator<Item = Link> {
+        self.first
+            .into_iter()
+            .chain(self.more.into_iter().flat_map(|m| *m))
     }
 }
 
@@ -111,7 +253,7 @@ pub struct NodeState {
     /// S_IFMT bits.
     pub kind: u32,
     /// Names of this inode in the merged tree; the first is used to build its upper path.
-    pub links: Vec<(Ino, OsString)>,
+    pub links: Links,
     /// Whether the object exists in the upper layer at its upper path.
     pub upper: bool,
     pub lower: Option<LowerRef>,
@@ -128,9 +270,9 @@ pub struct NodeState {
     pub executing: u32,
     /// For a merged directory: how many subdirectories its merged view has (its `st_nlink` is
     /// that plus 2), once counted. Reset by `subdirs_changed`.
-    pub subdirs: Option<u64>,
+    pub subdirs: Option<u32>,
     /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
-    pub subdirs_gen: u64,
+    pub subdirs_gen: u32,
     /// For a lower non-directory: how many of its names (hard links in the lower layer) this
     /// mount removed while it stayed in the lower layer. The lower file's `st_nlink` still
     /// counts them; the merged view must not.
@@ -242,7 +384,7 @@ impl NodeState {
     /// A subdirectory of this directory was made, removed or moved.
     pub fn subdirs_changed(&mut self) {
         self.subdirs = None;
-        self.subdirs_gen += 1;
+        self.subdirs_gen = self.subdirs_gen.wrapping_add(1);
     }
 }
 
@@ -255,11 +397,10 @@ pub struct Node {
     /// old one (upper file systems reuse inode numbers): the kernel tells the two apart by
     /// (nodeid, generation), and would otherwise take the new directory for the dead one.
     generation: AtomicU64,
-    /// Shared by every identity of one object.
-    state: Arc<Mutex<NodeState>>,
+    /// The state, and the lock serialising copy-up of the object: shared by every identity of
+    /// one object, in one allocation.
+    shared: Arc<Shared>,
     lookups: AtomicU64,
-    /// Serialises copy-up of this object (held across the copy, unlike `state`).
-    pub copy_up: Arc<Mutex<()>>,
     /// For a directory: changes to its entries (see the top of this file). A second identity
     /// (`retire`, regular files only) has its own, unused.
     pub entries: ChangeSeq,
@@ -276,6 +417,12 @@ pub struct Node {
     kept: std::sync::atomic::AtomicBool,
 }
 
+/// What every identity of one object shares.
+struct Shared {
+    state: Mutex<NodeState>,
+    copy_up: Mutex<()>,
+}
+
 /// `Node::current`: lookups name this node id.
 const SELF: u64 = 0;
 /// `Node::current`: lookups name a second identity, made on the next lookup.
@@ -289,9 +436,11 @@ impl Node {
             ino,
             st_ino: ino,
             generation: AtomicU64::new(generation),
-            state: Arc::new(Mutex::new(state)),
+            shared: Arc::new(Shared {
+                state: Mutex::new(state),
+                copy_up: Mutex::new(()),
+            }),
             lookups: AtomicU64::new(0),
-            copy_up: Arc::default(),
             entries: ChangeSeq::default(),
             io: Default::default(),
             current: AtomicU64::new(SELF),
@@ -306,9 +455,8 @@ impl Node {
             ino,
             st_ino: self.st_ino,
             generation: AtomicU64::new(0),
-            state: self.state.clone(),
+            shared: self.shared.clone(),
             lookups: AtomicU64::new(1),
-            copy_up: self.copy_up.clone(),
             entries: ChangeSeq::default(),
             io: Default::default(),
             current: AtomicU64::new(SELF),
@@ -335,11 +483,19 @@ impl Node {
     }
 
     pub fn state(&self) -> MutexGuard<'_, NodeState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn kind(&self) -> u32 {
         self.state().kind
+    }
+
+    /// Serialises copy-up of this object (held across the copy, unlike the state's lock).
+    pub fn copy_up_lock(&self) -> MutexGuard<'_, ()> {
+        self.shared
+            .copy_up
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Its most recent name, for the record of where it was once forgotten.
@@ -392,7 +548,7 @@ impl NodeState {
     fn new(found: &Found) -> NodeState {
         NodeState {
             kind: found.kind,
-            links: Vec::new(),
+            links: Links::default(),
             upper: found.upper,
             lower: found.lower.clone(),
             unlinked: false,
@@ -713,14 +869,12 @@ impl InodeTable {
             st.origins = found.origins || st.origins && !reused;
             st.unlinked = false;
             let link = (parent, name.to_os_string());
-            if let Some(pos) = st.links.iter().position(|l| *l == link) {
+            let known = st.links.iter().position(|l| *l == link);
+            if let Some(pos) = known {
                 // Most recent name first: it is the one known to be valid right now.
-                st.links.swap(0, pos);
+                st.links.make_first(pos);
             } else {
-                // Most objects have one name: room for exactly one (a first push would make
-                // room for four).
-                st.links.reserve_exact(1);
-                st.links.insert(0, link);
+                st.links.push_first(link);
                 // A lower hard link known by two names: a copy-up joins the names it knows
                 // (`Node::keep`), so they must outlive the kernel forgetting the inode.
                 if !st.upper && st.kind != libc::S_IFDIR && st.links.len() > 1 {
@@ -912,7 +1066,6 @@ impl InodeTable {
     /// nlink drop to the new file).
     pub fn remember_new(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
         let mut state = NodeState::new(found);
-        state.links.reserve_exact(1);
         state.links.push((parent, name.to_os_string()));
         self.insert_new(found.ino, state, found.generation)
     }

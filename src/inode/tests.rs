@@ -203,3 +203,42 @@ fn a_new_object_takes_its_stable_generation_or_the_next_one_below_2_to_the_32() 
     assert_eq!(next_generation(Some(0xffff_ffff), Some(0xffff_ffff)), 0);
     assert_eq!(next_generation(Some(0xffff_ffff), None), 0);
 }
+
+/// Every inode the kernel holds costs a node (docs/PERFORMANCE.md, "Memory per inode"): a
+/// field added to these grows every node of a million-file tree, so it should be a choice.
+#[test]
+fn a_node_stays_small() {
+    use std::mem::size_of;
+    assert!(
+        size_of::<LowerRef>() <= 56,
+        "LowerRef: {}",
+        size_of::<LowerRef>()
+    );
+    assert!(size_of::<Links>() <= 40, "Links: {}", size_of::<Links>());
+    assert!(
+        size_of::<NodeState>() <= 168,
+        "NodeState: {}",
+        size_of::<NodeState>()
+    );
+    assert!(size_of::<Node>() <= 88, "Node: {}", size_of::<Node>());
+}
+
+#[test]
+fn links_keep_their_order_through_every_change() {
+    let name = |s: &str| std::ffi::OsString::from(s);
+    let mut l = Links::default();
+    assert!(l.is_empty() && l.first().is_none());
+    l.push((1, name("a")));
+    l.push((2, name("b")));
+    l.push_first((3, name("c")));
+    let order = |l: &Links| l.iter().map(|(p, _)| *p).collect::<Vec<_>>();
+    assert_eq!(order(&l), [3, 1, 2]);
+    l.make_first(2);
+    assert_eq!(order(&l), [2, 1, 3]);
+    l.retain(|(p, _)| *p != 2);
+    assert_eq!(order(&l), [1, 3]);
+    assert_eq!(l.first(), Some(&(1, name("a"))));
+    assert_eq!(l.len(), 2);
+    l.clear();
+    assert!(l.is_empty());
+}

@@ -397,7 +397,7 @@ impl Overlay {
         };
         if let Some(lower) = lower {
             // Only a lower file at one place (no redirect, no metacopy data elsewhere).
-            if !lower.moved.is_empty() || lower.data.is_some() {
+            if lower.is_moved() || lower.data.is_some() {
                 return None;
             }
             let target = format!("{}/{}", lower.top(), lower.path.display());
@@ -429,12 +429,8 @@ impl Overlay {
                 let target = target.to_str().ok()?.to_owned();
                 let (layer, path) = target.split_once('/')?;
                 let layer: crate::layers::LayerId = layer.parse().ok()?;
-                (layer != 0 && layer as usize <= self.layers().last_layer()).then(|| LowerRef {
-                    path: path.into(),
-                    layers: vec![layer],
-                    moved: Vec::new(),
-                    data: None,
-                })
+                (layer != 0 && layer as usize <= self.layers().last_layer())
+                    .then(|| LowerRef::new(std::path::Path::new(path), layer))
             });
         let flags =
             rustix::fs::OFlags::PATH | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC;

@@ -104,7 +104,7 @@ impl Overlay {
         if node.ino == ROOT_INO {
             return Ok(());
         }
-        let _serial = node.copy_up.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = node.copy_up_lock();
         let (parent, name, lower) = {
             let st = node.state();
             if st.upper {

@@ -978,7 +978,7 @@ impl Overlay {
         let mut st = node.state();
         st.links.retain(|(p, n)| !(*p == from.0 && n == from.1));
         st.links.retain(|(p, n)| !(*p == to.0 && n == to.1));
-        st.links.insert(0, (to.0, OsString::from(to.1)));
+        st.links.push_first((to.0, OsString::from(to.1)));
         st.upper = true;
     }
 }

@@ -36,7 +36,7 @@ impl Overlay {
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
             if self.layers.layer(lower.top()).on_store && lower.data.is_none() {
-                return Ok(FileData::Unopened(lower.top(), lower.path));
+                return Ok(FileData::Unopened(lower.top(), lower.path.into()));
             }
             return Ok(FileData::Lower(self.open_lower_data(&lower)?));
         }
