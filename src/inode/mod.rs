@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
@@ -168,7 +169,85 @@ impl LowerRef {
 }
 
 /// One name of an inode: its parent and the name in it.
-pub type Link = (Ino, OsString);
+pub type Link = (Ino, Name);
+
+/// A file name as nodes and the records of forgotten ones keep it: inline when it is short,
+/// as nearly all are (no allocation of its own: a million-file tree holds a million of them,
+/// and names freed between nodes would keep the heap's pages from being given back), boxed
+/// when longer.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Name {
+    Short { len: u8, bytes: [u8; Name::SHORT] },
+    Long(Box<OsStr>),
+}
+
+impl Name {
+    const SHORT: usize = 22;
+
+    pub fn new(name: &OsStr) -> Name {
+        let b = name.as_bytes();
+        if b.len() <= Name::SHORT {
+            let mut bytes = [0; Name::SHORT];
+            bytes[..b.len()].copy_from_slice(b);
+            Name::Short {
+                len: b.len() as u8,
+                bytes,
+            }
+        } else {
+            Name::Long(name.into())
+        }
+    }
+
+    pub fn as_os_str(&self) -> &OsStr {
+        match self {
+            Name::Short { len, bytes } => OsStr::from_bytes(&bytes[..*len as usize]),
+            Name::Long(b) => b,
+        }
+    }
+}
+
+impl std::ops::Deref for Name {
+    type Target = OsStr;
+    fn deref(&self) -> &OsStr {
+        self.as_os_str()
+    }
+}
+
+impl AsRef<OsStr> for Name {
+    fn as_ref(&self) -> &OsStr {
+        self.as_os_str()
+    }
+}
+
+impl AsRef<std::path::Path> for Name {
+    fn as_ref(&self) -> &std::path::Path {
+        self.as_os_str().as_ref()
+    }
+}
+
+impl From<&OsStr> for Name {
+    fn from(name: &OsStr) -> Name {
+        Name::new(name)
+    }
+}
+
+impl PartialEq<OsStr> for Name {
+    fn eq(&self, other: &OsStr) -> bool {
+        self.as_os_str() == other
+    }
+}
+
+impl PartialEq<&OsStr> for Name {
+    fn eq(&self, other: &&OsStr) -> bool {
+        self.as_os_str() == *other
+    }
+}
+
+impl std::fmt::Debug for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_os_str().fmt(f)
+    }
+}
 
 /// The names of an inode, in order (the first builds its upper path). Every node holds one
 /// and nearly all have one name, kept without an allocation of its own beside the name's; the
@@ -502,7 +581,7 @@ impl Node {
     fn last_place(&self) -> Place {
         let st = self.state();
         let first = st.links.first().filter(|_| !st.unlinked);
-        first.map(|(p, name)| (*p, Box::<OsStr>::from(name.as_os_str())))
+        first.map(|(p, name)| (*p, name.clone()))
     }
 
     pub fn generation(&self) -> u64 {
@@ -629,7 +708,7 @@ struct Departed {
 }
 
 /// A forgotten node's parent and name, `None` once its last known name was removed.
-type Place = Option<(Ino, Box<OsStr>)>;
+type Place = Option<(Ino, Name)>;
 
 /// What the table knows of a number it holds no node for (`InodeTable::seen`).
 #[derive(Debug, PartialEq, Eq)]
@@ -687,7 +766,7 @@ impl InodeTable {
             upper_ino: None,
             generation: None,
         });
-        state.links.push((ROOT_INO, OsString::new()));
+        state.links.push((ROOT_INO, Name::new(OsStr::new(""))));
         let root = Node::new(ROOT_INO, 0, state);
         root.lookups.store(1, Ordering::Relaxed);
         table
@@ -868,7 +947,7 @@ impl InodeTable {
             // `note_origin_moved_into`): keep it unless the number names a new object.
             st.origins = found.origins || st.origins && !reused;
             st.unlinked = false;
-            let link = (parent, name.to_os_string());
+            let link = (parent, Name::new(name));
             let known = st.links.iter().position(|l| *l == link);
             if let Some(pos) = known {
                 // Most recent name first: it is the one known to be valid right now.
@@ -1066,7 +1145,7 @@ impl InodeTable {
     /// nlink drop to the new file).
     pub fn remember_new(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
         let mut state = NodeState::new(found);
-        state.links.push((parent, name.to_os_string()));
+        state.links.push((parent, Name::new(name)));
         self.insert_new(found.ino, state, found.generation)
     }
 

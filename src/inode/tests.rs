@@ -215,6 +215,7 @@ fn a_node_stays_small() {
         size_of::<LowerRef>()
     );
     assert!(size_of::<Links>() <= 40, "Links: {}", size_of::<Links>());
+    assert!(size_of::<Name>() <= 24, "Name: {}", size_of::<Name>());
     assert!(
         size_of::<NodeState>() <= 168,
         "NodeState: {}",
@@ -225,7 +226,7 @@ fn a_node_stays_small() {
 
 #[test]
 fn links_keep_their_order_through_every_change() {
-    let name = |s: &str| std::ffi::OsString::from(s);
+    let name = |s: &str| Name::new(std::ffi::OsStr::new(s));
     let mut l = Links::default();
     assert!(l.is_empty() && l.first().is_none());
     l.push((1, name("a")));
@@ -241,4 +242,22 @@ fn links_keep_their_order_through_every_change() {
     assert_eq!(l.len(), 2);
     l.clear();
     assert!(l.is_empty());
+}
+
+#[test]
+fn names_short_and_long_read_back_as_given() {
+    for s in [
+        "",
+        "a",
+        "f0000123",
+        &"x".repeat(22),
+        &"y".repeat(23),
+        &"z".repeat(255),
+    ] {
+        let n = Name::new(std::ffi::OsStr::new(s));
+        assert_eq!(n.as_os_str(), s);
+        assert_eq!(matches!(n, Name::Short { .. }), s.len() <= 22, "{s:?}");
+        assert_eq!(n, Name::new(std::ffi::OsStr::new(s)));
+    }
+    assert_ne!(Name::new("ab".as_ref()), Name::new("abc".as_ref()));
 }

@@ -391,7 +391,7 @@ impl Overlay {
     /// file under the other names this mount knows. They are one inode to the kernel, so a
     /// change through one name already shows through all; this makes the upper layer agree.
     pub(super) fn join_other_links(&self, node: &Node) {
-        let others: Vec<(Ino, OsString)> = node.state().links.iter().skip(1).cloned().collect();
+        let others: Vec<crate::inode::Link> = node.state().links.iter().skip(1).cloned().collect();
         for (p, n) in others {
             match self.join_copied_up_link(node, p, &n) {
                 Ok(()) => {}

@@ -8,7 +8,7 @@
 //!
 //! May call (dev/callgraph.py --check keeps it so): by_number, copy_up, fileattr, io, namei, overlay, upper_meta.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -978,7 +978,7 @@ impl Overlay {
         let mut st = node.state();
         st.links.retain(|(p, n)| !(*p == from.0 && n == from.1));
         st.links.retain(|(p, n)| !(*p == to.0 && n == to.1));
-        st.links.push_first((to.0, OsString::from(to.1)));
+        st.links.push_first((to.0, crate::inode::Name::new(to.1)));
         st.upper = true;
     }
 }
