@@ -496,6 +496,26 @@ pub struct Node {
     kept: std::sync::atomic::AtomicBool,
 }
 
+/// Nodes the kernel forgot since the daemon started, for `give_back_now_and_then`.
+static FORGOTTEN: AtomicU64 = AtomicU64::new(0);
+
+/// After every `TRIM_EVERY` forgotten nodes, asks the allocator to give the pages no
+/// allocation uses any more back to the system (glibc's `malloc_trim`): when the kernel drops
+/// its inodes (memory pressure, `drop_caches`), the daemon's memory falls with it rather than
+/// staying at its high-water mark. Their records (`Departed`) hold no allocation of their own
+/// among the freed nodes (`Name`), so whole pages come free. About a millisecond per 100 MiB
+/// of heap, once per 16,384 forgets.
+fn give_back_now_and_then() {
+    const TRIM_EVERY: u64 = 16_384;
+    if FORGOTTEN.fetch_add(1, Ordering::Relaxed) % TRIM_EVERY == TRIM_EVERY - 1 {
+        // SAFETY: malloc_trim only returns free memory to the system; it takes the
+        // allocator's own locks and touches no memory in use.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+}
+
 /// What every identity of one object shares.
 struct Shared {
     state: Mutex<NodeState>,
@@ -1175,6 +1195,8 @@ impl InodeTable {
             if let Some(node) = self.forget_one(ino, n) {
                 let held = node.held_parent.load(Ordering::Relaxed);
                 next = (held != 0).then_some((held, 1));
+                drop(node);
+                give_back_now_and_then();
             }
         }
     }
