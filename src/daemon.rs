@@ -330,6 +330,8 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         }
         None => (start(overlay, &opts, uring, restart.is_ok())?, None),
     };
+    // The kernel's INIT request, replayed by every daemon: a holder started later needs it.
+    let init = started.session.init_request().to_vec();
     // The kernel's part, known once INIT was seen.
     let restart = restart.and_then(|()| match started.overlay.kernel_resends() {
         true => Ok(()),
@@ -375,7 +377,6 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                 });
                 if restart.is_ok() {
                     // This process becomes the mount's holder; the daemon goes on in a child.
-                    let init = started.session.init_request().to_vec();
                     let w = crate::takeover::split_off_holder(
                         std::os::fd::AsFd::as_fd(&started.session),
                         &init,
@@ -388,10 +389,13 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         }
     }
     let holder = match (&channel, restart) {
-        (Some(_), _) => Ok(rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())),
+        (Some(_), _) => Ok(Arc::new(std::sync::atomic::AtomicI32::new(
+            rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get()),
+        ))),
         (None, Ok(())) => Err("no holder process".to_string()),
         (None, Err(why)) => Err(why),
     };
+    let holder_pid = holder.as_ref().ok().cloned();
     started.overlay.set_lineage(crate::overlay::Lineage {
         takeovers,
         holder,
@@ -416,6 +420,21 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         started.session.keep_mounted();
         let stopper = started.session.stopper();
         let channel = Arc::new(channel);
+        match std::os::fd::AsFd::as_fd(&started.session).try_clone_to_owned() {
+            Ok(fuse) if holder_pid.is_some() => crate::takeover::keep_a_holder(
+                channel.clone(),
+                crate::takeover::HolderSpec {
+                    fuse,
+                    takeovers,
+                    init,
+                    binary: started_as.0.clone(),
+                    args: started_as.1.clone(),
+                },
+                holder_pid.expect("checked"),
+            ),
+            Ok(_) => {}
+            Err(e) => log::warn!("cannot watch the mount's holder ({e})"),
+        }
         started.overlay.on_handover(move |binary| {
             channel.hand_over_to(binary)?;
             let stopper = stopper.clone();

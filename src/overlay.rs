@@ -234,8 +234,9 @@ type Handover = Box<dyn Fn(&Path) -> Result<()> + Send + Sync>;
 pub struct Lineage {
     /// How many daemons served the mount before this one (0: this one mounted it).
     pub takeovers: u32,
-    /// The holder process that restarts the daemon, or why the mount ends with its daemon.
-    pub holder: std::result::Result<i32, String>,
+    /// The holder process that restarts the daemon (its pid: another replaces a holder that
+    /// ends, takeover.rs `keep_a_holder`), or why the mount ends with its daemon.
+    pub holder: std::result::Result<Arc<std::sync::atomic::AtomicI32>, String>,
     /// The binary this daemon was started from: what `mosaicfs upgrade` starts again when
     /// not told another.
     pub binary: PathBuf,
@@ -245,7 +246,10 @@ impl Lineage {
     /// `daemon:` and `restart:` lines of `mosaicfs status`.
     pub fn describe(&self) -> String {
         let restart = match &self.holder {
-            Ok(pid) => format!("yes, holder pid {pid}"),
+            Ok(pid) => format!(
+                "yes, holder pid {}",
+                pid.load(std::sync::atomic::Ordering::Relaxed)
+            ),
             Err(why) => format!("no ({why})"),
         };
         format!(

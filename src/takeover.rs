@@ -46,6 +46,9 @@
 //! mount that survives its daemon turns it off), and a mount without a work dir whose files
 //! pass through (no place for the records). `restart=` and docs/ROBUSTNESS.md.
 //!
+//! A holder that ends is replaced by the daemon (`keep_a_holder`): the new one waits for the
+//! daemon by its pid, since it is not its parent, and starts the next daemon as before.
+//!
 //! Upgrading: `mosaicfs upgrade MNT` asks the daemon (control socket) to hand over. It tells the
 //! holder which binary comes next, stops reading requests, answers the ones it holds, flushes,
 //! and exits; the holder starts the new binary. Nothing is lost or answered twice.
@@ -153,6 +156,20 @@ impl Channel {
         Channel(std::sync::Mutex::new(std::fs::File::from(fd)))
     }
 
+    /// A copy of the current end, to wait on: it reports an error once the holder is gone.
+    fn watch(&self) -> std::io::Result<OwnedFd> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_fd()
+            .try_clone_to_owned()
+    }
+
+    /// The end of the pipe to a new holder.
+    fn replace(&self, fd: OwnedFd) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = std::fs::File::from(fd);
+    }
+
     /// Tells the holder that `binary` is to serve the mount once this daemon has ended.
     pub fn hand_over_to(&self, binary: &Path) -> Result<()> {
         let mut line = b"upgrade\t".to_vec();
@@ -187,27 +204,144 @@ pub fn split_off_holder(
     // else the daemon had open (the layers, the work dir's lock, the control socket).
     let fuse = keep_across_exec(fuse);
     let channel = keep_across_exec(r.as_fd());
+    use std::os::unix::process::CommandExt;
+    let err = holder_command(fuse, channel, daemon, 0, binary, init, args).exec();
+    // The daemon serves on; it just will not be restarted.
+    log::error!("cannot start the mount's holder: {err}; the mount ends with its daemon");
+    std::process::exit(0);
+}
+
+/// How a holder is started: the connection's and the pipe's descriptor numbers (open across
+/// the exec), the daemon it waits for and how many served before it, and how to start the
+/// next one.
+fn holder_command(
+    fuse: i32,
+    channel: i32,
+    daemon: i32,
+    takeovers: u32,
+    binary: &Path,
+    init: &[u8],
+    args: &[OsString],
+) -> std::process::Command {
     let mut fields: Vec<OsString> = vec![
         fuse.to_string().into(),
         channel.to_string().into(),
         daemon.to_string().into(),
         binary.as_os_str().to_owned(),
         OsString::from_vec(init.to_vec()),
+        takeovers.to_string().into(),
     ];
     fields.extend(args.iter().cloned());
     use std::os::unix::process::CommandExt;
-    let err = CommandExt::exec(
-        std::process::Command::new("/proc/self/exe")
-            .arg0("mosaicfs-holder")
-            .arg(HOLDER_COMMAND)
-            .env(HOLDER_ENV, encode(&fields))
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null()),
+    let mut command = std::process::Command::new("/proc/self/exe");
+    command
+        .arg0("mosaicfs-holder")
+        .arg(HOLDER_COMMAND)
+        .env(HOLDER_ENV, encode(&fields))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    command
+}
+
+/// What a daemon needs to start a holder of its own.
+pub struct HolderSpec {
+    pub fuse: OwnedFd,
+    /// Daemons before this one.
+    pub takeovers: u32,
+    pub init: Vec<u8>,
+    pub binary: PathBuf,
+    pub args: Vec<OsString>,
+}
+
+/// Keeps the mount restartable when its holder ends (killed, or an OOM kill despite its
+/// score): a thread of the daemon waits on its end of the pipe to the holder, which reports an
+/// error once no holder reads it, and then starts another holder — a child of the daemon, in
+/// a session of its own — that waits for this daemon by its pid and restarts it as the first
+/// one would. `pid` is the current holder's, as `mosaicfs status` shows it.
+pub fn keep_a_holder(
+    channel: std::sync::Arc<Channel>,
+    spec: HolderSpec,
+    pid: std::sync::Arc<std::sync::atomic::AtomicI32>,
+) {
+    use std::sync::atomic::Ordering;
+    let watch = move || {
+        // The first holder is this daemon's parent; the ones it starts are its children.
+        let mut ours = false;
+        loop {
+            let Ok(end) = channel.watch() else { return };
+            let mut fds = [rustix::event::PollFd::new(
+                &end,
+                rustix::event::PollFlags::empty(),
+            )];
+            while rustix::event::poll(&mut fds, None).is_err() {}
+            drop(end);
+            let old = pid.load(Ordering::Relaxed);
+            if ours {
+                // SAFETY: waitpid of a child this daemon started (it has ended).
+                unsafe { libc::waitpid(old, std::ptr::null_mut(), 0) };
+            }
+            if !connected(&spec.fuse) {
+                return;
+            }
+            match start_holder(&spec) {
+                Ok((new, end)) => {
+                    channel.replace(end);
+                    pid.store(new, Ordering::Relaxed);
+                    ours = true;
+                    log::warn!(
+                        "the mount's holder (pid {old}) ended: started another (pid {new}); \
+                         the mount still survives its daemon"
+                    );
+                }
+                Err(e) => {
+                    log::error!(
+                        "the mount's holder (pid {old}) ended and another cannot start ({e}): \
+                         the mount now ends with its daemon"
+                    );
+                    return;
+                }
+            }
+        }
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("mosaicfs-holder-watch".into())
+        .spawn(watch)
+    {
+        log::warn!("cannot watch the mount's holder ({e}): a holder that ends is not replaced");
+    }
+}
+
+/// Starts a holder for this daemon: its pid and the daemon's end of the pipe to it.
+fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let fuse = keep_across_exec(spec.fuse.as_fd());
+    let read = keep_across_exec(r.as_fd());
+    let mut command = holder_command(
+        fuse,
+        read,
+        std::process::id() as i32,
+        spec.takeovers,
+        &spec.binary,
+        &spec.init,
+        &spec.args,
     );
-    // The daemon serves on; it just will not be restarted.
-    log::error!("cannot start the mount's holder: {err}; the mount ends with its daemon");
-    std::process::exit(0);
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setsid(2) is async-signal-safe; the holder leaves the daemon's session, so that
+    // what ends the daemon's session or process group does not end it.
+    unsafe {
+        command.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = command.spawn();
+    // SAFETY: the copies made for the child, which has them now (or failed to start).
+    unsafe {
+        libc::close(fuse);
+        libc::close(read);
+    }
+    Ok((child?.id() as i32, w))
 }
 
 /// A copy of `fd` that an exec keeps (no CLOEXEC); the number.
@@ -228,17 +362,18 @@ pub fn holder_main() -> i32 {
     // SAFETY: single-threaded, at start.
     unsafe { std::env::remove_var(HOLDER_ENV) };
     let number = |i: usize| -> Option<i32> { fields.get(i)?.to_str()?.parse().ok() };
-    let (Some(fuse), Some(channel), Some(daemon), Some(binary), Some(init)) = (
+    let (Some(fuse), Some(channel), Some(daemon), Some(binary), Some(init), Some(takeovers)) = (
         number(0).and_then(crate::sys::inherited_fd),
         number(1).and_then(crate::sys::inherited_fd),
         number(2),
         fields.get(3).map(PathBuf::from),
         fields.get(4).map(|f| f.as_bytes().to_vec()),
+        number(5),
     ) else {
         eprintln!("mosaicfs: {HOLDER_COMMAND} is started by a mount, not by hand");
         return 2;
     };
-    let args: Vec<OsString> = fields[5..].to_vec();
+    let args: Vec<OsString> = fields[6..].to_vec();
     crate::sys::close_other_fds(&[fuse.as_raw_fd(), channel.as_raw_fd()]);
     for fd in [&fuse, &channel] {
         let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
@@ -258,7 +393,7 @@ pub fn holder_main() -> i32 {
         binary: binary.clone(),
         good: binary,
         failed_starts: 0,
-        takeovers: 0,
+        takeovers: takeovers as u32,
     }
     .run(daemon, channel)
 }
@@ -319,7 +454,7 @@ impl Holder {
             }
             // A start failed: the daemon exited with an error before it served for long (not
             // killed, not handing over).
-            let killed = status.starts_with("killed");
+            let killed = status.starts_with("killed") || status == ENDED_NOT_OURS;
             let failed = !killed && !handed_over && ran < GOOD_AFTER && status != "exit status 0";
             if failed {
                 self.failed_starts += 1;
@@ -357,21 +492,8 @@ impl Holder {
         }
     }
 
-    /// Whether the connection still lives: the kernel reports an error on its device once
-    /// it ended (unmounted, or aborted).
     fn connected(&self) -> bool {
-        let mut fds = [rustix::event::PollFd::new(
-            &self.fuse,
-            rustix::event::PollFlags::IN,
-        )];
-        let zero = rustix::event::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        match rustix::event::poll(&mut fds, Some(&zero)) {
-            Ok(_) => !fds[0].revents().contains(rustix::event::PollFlags::ERR),
-            Err(_) => false,
-        }
+        connected(&self.fuse)
     }
 
     /// Starts the next daemon: its pid and the holder's end of the pipe to it.
@@ -402,6 +524,27 @@ impl Holder {
     }
 }
 
+/// Whether the connection still lives: the kernel reports an error on its device once it
+/// ended (unmounted, or aborted).
+fn connected(fuse: &OwnedFd) -> bool {
+    let mut fds = [rustix::event::PollFd::new(
+        fuse,
+        rustix::event::PollFlags::IN,
+    )];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match rustix::event::poll(&mut fds, Some(&zero)) {
+        Ok(_) => !fds[0].revents().contains(rustix::event::PollFlags::ERR),
+        Err(_) => false,
+    }
+}
+
+/// How `wait_for` reports a daemon this holder did not start (a holder a daemon started in
+/// place of one that ended): it ended, how is not known.
+const ENDED_NOT_OURS: &str = "ended (not started by this holder)";
+
 /// Waits for `pid` to end; how it ended, in words.
 fn wait_for(pid: i32) -> String {
     if pid <= 0 {
@@ -414,8 +557,11 @@ fn wait_for(pid: i32) -> String {
         if r == pid {
             break;
         }
-        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return "not a child".into();
+        match std::io::Error::last_os_error().raw_os_error() {
+            _ if r >= 0 => {}
+            Some(libc::EINTR) => {}
+            Some(libc::ECHILD) => return wait_for_other(pid),
+            _ => return "not a child".into(),
         }
     }
     if libc::WIFSIGNALED(status) {
@@ -423,6 +569,23 @@ fn wait_for(pid: i32) -> String {
     } else {
         format!("exit status {}", libc::WEXITSTATUS(status))
     }
+}
+
+/// Waits for `pid`, a process that is not this one's child, to end (its pidfd becomes
+/// readable).
+fn wait_for_other(pid: i32) -> String {
+    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+        return "did not start".into();
+    };
+    let Ok(pidfd) = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) else {
+        return ENDED_NOT_OURS.into();
+    };
+    let mut fds = [rustix::event::PollFd::new(
+        &pidfd,
+        rustix::event::PollFlags::IN,
+    )];
+    while rustix::event::poll(&mut fds, None).is_err() {}
+    ENDED_NOT_OURS.into()
 }
 
 /// Everything the daemon wrote to the pipe (it has ended: the pipe is at its end).

@@ -379,6 +379,37 @@ fn upgrades_under_load_lose_nothing() {
     assert_eq!(pids.len(), 7, "each upgrade started a new daemon: {pids:?}");
 }
 
+/// kill -9 of the holder: the daemon starts another, which `status` names, and a kill of the
+/// daemon after that is survived as before (the new holder restarts it), twice over.
+#[test]
+fn a_holder_that_ends_is_replaced() {
+    let m = Background::mount(lower_tree, "restart=on", &[]);
+    for _ in 0..2 {
+        let old = m.holder();
+        // SAFETY: kill(2) of the holder the status report named.
+        assert_eq!(unsafe { libc::kill(old, libc::SIGKILL) }, 0);
+        let start = Instant::now();
+        while m.holder() == old {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no holder replaced pid {old}: {}",
+                fs::read_to_string(&m.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let new = m.holder();
+        assert_eq!(
+            fs::read_to_string(format!("/proc/{new}/comm"))
+                .unwrap()
+                .trim(),
+            "mosaicfs-holder"
+        );
+        m.kill_daemon();
+        assert_eq!(m.holder(), new, "the new holder started the next daemon");
+        assert_eq!(fs::read_to_string(m.path("dir/f007")).unwrap(), "file 7\n");
+    }
+}
+
 /// An upgrade to something that is not mosaicfs is refused before the daemon stops, and the
 /// mount goes on being served by the same daemon.
 #[test]
