@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from suite import FreshFs, mount_overlay, peer_arguments, peers, umount
+from suite import FreshFs, mount_overlay, peer_arguments, peers, print_head, umount
 from inodes import daemon_pid, drop_caches
 
 STEP = 100_000
@@ -148,12 +148,9 @@ def main():
         for kind in kinds:
             print(f"# {kind}", file=sys.stderr)
             results[kind] = run_one(kind, binary, root, lower, a.files)
-    print(f"\nA million entries, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{os.cpu_count()} cores, {os.uname().release}, root, {a.files:,} empty files in one "
-          f"lower directory and {a.files:,} in a tree three levels deep, fresh ext4, each overlay "
-          f"mounted fresh, caches dropped before each operation\n")
-    print("| | " + " | ".join(kinds) + " |")
-    print("|---|" + "---|" * len(kinds))
+    print_head("A million entries", f"root, {a.files:,} empty files in one lower directory and "
+               f"{a.files:,} in a tree three levels deep, fresh ext4, each overlay mounted "
+               f"fresh, caches dropped before each operation", "", kinds)
     rows = [("list the big directory (s)", "list", "{:.2f}"),
             ("lstat every entry (s)", "lstat", "{:.2f}"),
             ("find -type f \\| wc -l of the tree (s)", "find", "{:.2f}"),

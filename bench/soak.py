@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 
-from suite import FreshFs, mount_overlay, peer_arguments, peers, umount
+from suite import FreshFs, mount_overlay, peer_arguments, peers, print_head, umount
 from inodes import daemon_pid, drop_caches, rss_kib
 
 DIRS = 100
@@ -109,12 +109,9 @@ def main():
         lower = make_lower(root, a.files)
         for kind in kinds:
             results[kind] = soak(kind, binary, root, lower, a.files, a.minutes)
-    print(f"\nA soak, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
-          f"{os.uname().release}, root, {a.files:,} lower files in {DIRS} directories, "
-          f"{a.minutes} minutes of churn, caches dropped every minute; daemon RSS (MiB) after "
-          f"each minute's drop_caches\n")
-    print("| minute | " + " | ".join(kinds) + " |")
-    print("|---|" + "---|" * len(kinds))
+    print_head("A soak", f"root, {a.files:,} lower files in {DIRS} directories, {a.minutes} "
+               f"minutes of churn, caches dropped every minute; daemon RSS (MiB) after each "
+               f"minute's drop_caches", "minute", kinds)
     for m in sorted({1, *range(5, a.minutes + 1, 5), a.minutes}):
         print(f"| {m} | " + " | ".join(f"{results[k][0][m - 1]:.1f}" for k in kinds) + " |")
     print("| end / first minute | " + " | ".join(

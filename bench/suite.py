@@ -187,6 +187,15 @@ def peer_arguments(root):
     return ap
 
 
+def print_head(what, details, first, columns):
+    """A table's caption — what, the time, the machine, then `details` — and its header row
+    (`first`, then one column each)."""
+    print(f"\n{what}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} "
+          f"cores, {os.uname().release}, {details}\n")
+    print(f"| {first} | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+
+
 def umount(path):
     """Unmounts `path`, retrying while it is busy (a daemon's last requests), 10 s at most."""
     for _ in range(100):
