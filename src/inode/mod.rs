@@ -741,9 +741,13 @@ pub enum Seen {
     Unknown,
 }
 
-/// Records of forgotten nodes kept per shard, at most: about 9 MB over all shards. A full
-/// shard is emptied (a handle of what it held is then found by a scan of the tree).
-const DEPARTED_PER_SHARD: usize = 2048;
+/// Records of forgotten nodes kept per shard, at most: 32,768 over all shards, about 2 MB. A
+/// full shard is emptied (a handle of what it held is then found by a scan of the tree).
+/// Sized so that a daemon reaches its steady memory quickly: at 2,048 per shard (9 MB) the
+/// records took ten minutes of churn to fill and the daemon's RSS grew by half meanwhile
+/// (bench/soak.py, docs/PERFORMANCE.md "Memory per inode"), while handles of forgotten
+/// objects past a few thousand are rare (an NFS export after `drop_caches`).
+const DEPARTED_PER_SHARD: usize = 512;
 
 pub struct InodeTable {
     shards: Box<[Shard]>,
