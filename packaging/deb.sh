@@ -77,14 +77,18 @@ Description: overlay file system for container storage that copies blocks, not f
  Podman and Docker as their mount program and containerd through
  mosaicfs-snapshotter.
 CONTROL
-# After an upgrade, every live mount that survives its daemon gets the new binary in place
-# (mosaicfs upgrade; the others keep the old daemon until they are mounted again).
+# After an upgrade, every live mount that survives its daemon and is served by the packaged
+# binary gets the new binary in place (mosaicfs upgrade; the others keep the old daemon until
+# they are mounted again). A mount another mosaicfs serves (a build of one's own, a copy a
+# container engine runs) is left to it.
 cat >"$stage/DEBIAN/postinst" <<'POSTINST'
 #!/bin/sh
 set -e
 if [ "$1" = configure ] && [ -n "$2" ]; then
     awk '$0 ~ / - fuse\.mosaicfs / { print $5 }' /proc/self/mountinfo | while read -r mnt; do
         mnt=$(printf '%b' "$mnt")
+        /usr/bin/mosaicfs status "$mnt" 2>/dev/null | grep -q '^daemon: .*, binary /usr/bin/mosaicfs$' ||
+            continue
         /usr/bin/mosaicfs upgrade "$mnt" --binary /usr/bin/mosaicfs ||
             echo "mosaicfs: $mnt keeps its old daemon until it is mounted again" >&2
     done

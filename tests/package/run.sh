@@ -89,6 +89,12 @@ umount "$t/srv/a" 2>/dev/null
 layers "$t/srv/u"
 /usr/bin/mosaicfs -o "lowerdir=$t/srv/u-image,upperdir=$t/srv/u-rw/upper,workdir=$t/srv/u-rw/work,restart=on" "$t/srv/u"
 exec 9<"$t/srv/u/big"
+# And a mount another mosaicfs serves (a copy of the binary elsewhere), which the upgrade must
+# leave alone.
+layers "$t/srv/o"
+cp /usr/bin/mosaicfs "$t/other-mosaicfs"
+"$t/other-mosaicfs" -o "lowerdir=$t/srv/o-image,upperdir=$t/srv/o-rw/upper,workdir=$t/srv/o-rw/work,restart=on" "$t/srv/o"
+other=$(/usr/bin/mosaicfs status "$t/srv/o" | sed -n 's/^daemon: pid \([0-9]*\),.*/\1/p')
 check "dpkg -i of the package again upgrades a live mount in place" sh -c "
   before=\$(/usr/bin/mosaicfs status $t/srv/u | sed -n 's/^daemon: pid \\([0-9]*\\),.*/\\1/p')
   dpkg -i '$deb' >/dev/null &&
@@ -98,6 +104,9 @@ check "dpkg -i of the package again upgrades a live mount in place" sh -c "
 check "… and a descriptor open before reads on" sh -c "cmp - '$t/srv/u-image/big' <&9"
 exec 9<&-
 umount "$t/srv/u" 2>/dev/null
+check "… and leaves a mount another mosaicfs binary serves to it" sh -c "
+  /usr/bin/mosaicfs status $t/srv/o | grep -q '^daemon: pid $other, .*binary $t/other-mosaicfs'"
+umount "$t/srv/o" 2>/dev/null
 
 # The examples as written, their /srv paths moved under $t.
 ex=/usr/share/doc/mosaicfs/examples
