@@ -41,7 +41,6 @@ def soak(kind, binary, root, lower, files, minutes):
     mount_overlay(kind, binary, lower, d)
     mnt = os.path.join(d, "mnt")
     tree = os.path.join(mnt, "tree")
-    pid = daemon_pid(mnt)
     rnd = random.Random(58)
     mine, serial, ops = [], 0, 0
     rss = []
@@ -85,6 +84,8 @@ def soak(kind, binary, root, lower, files, minutes):
         if time.time() >= next_minute:
             drop_caches()
             time.sleep(1)
+            # Found again each time: a takeover (an upgrade, a restart) changes the daemon.
+            pid = daemon_pid(mnt)
             rss.append(rss_kib(pid) / 1024)
             next_minute += 60
             m = len(rss)
