@@ -433,10 +433,10 @@ class FreshFs:
     (`recently_deleted`), which made create-heavy workloads depend on what the previous file
     system measured had deleted."""
 
-    def __init__(self, root, kind, size=16 << 30):
+    def __init__(self, root, kind, size=16 << 30, mkfs_options=""):
         self.image = root.rstrip("/") + ".img"
         self.mnt = os.path.join(root, kind)
-        self.mkfs = MKFS[kind]
+        self.mkfs = f"{MKFS[kind]} {mkfs_options}".strip()
         self.size = size
 
     def __enter__(self):
