@@ -208,3 +208,38 @@ fn a_handle_of_a_removed_file_stays_stale_when_its_number_is_given_to_a_new_file
     );
     m.unmount();
 }
+
+/// Removing lower files leaves no node behind once the kernel forgets them: only a lower file
+/// with other names keeps its node (the count of its removed names is nowhere else). Kept,
+/// every lower file an `rm -rf` removed stayed in the daemon's memory until the unmount.
+#[test]
+fn removed_lower_files_leave_no_node_behind() {
+    let mut m = Mount::new(1);
+    let many = m.lower(0).join("many");
+    fs::create_dir(&many).unwrap();
+    for i in 0..500 {
+        fs::write(many.join(format!("f{i}")), "x").unwrap();
+    }
+    fs::write(m.lower(0).join("linked"), "l").unwrap();
+    fs::hard_link(m.lower(0).join("linked"), m.lower(0).join("linked2")).unwrap();
+    m.mount();
+    for i in 0..500 {
+        fs::remove_file(m.path(&format!("many/f{i}"))).unwrap();
+    }
+    fs::remove_file(m.path("linked")).unwrap();
+    drop_caches();
+    let report = status(&m);
+    let known: u64 = report
+        .lines()
+        .find_map(|l| l.strip_prefix("inodes known: "))
+        .unwrap_or_else(|| panic!("no inode count in: {report}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        known < 100,
+        "{known} inodes known after removing 500 lower files"
+    );
+    assert_eq!(fs::metadata(m.path("linked2")).unwrap().nlink(), 1);
+    assert!(fs::read_dir(m.path("many")).unwrap().next().is_none());
+}

@@ -461,7 +461,7 @@ impl Overlay {
         let _changing = pnode.entries.write();
         if !entry.found.upper {
             self.layers.make_whiteout(&udir, name)?;
-            self.forget_name(entry.found.ino, pnode.ino, name);
+            self.forget_name(entry.found.ino, pnode.ino, name, entry.attr.nlink);
             return Ok(());
         }
         crate::creds::act_as_daemon();
@@ -470,7 +470,7 @@ impl Overlay {
             // A non-directory goes in one atomic step. Only a directory, whose contents go one
             // by one, is first moved out to the work dir (or a whiteout put in its place).
             udir.unlink(name)?;
-            self.forget_name(entry.found.ino, pnode.ino, name);
+            self.forget_name(entry.found.ino, pnode.ino, name, entry.attr.nlink);
             return Ok(());
         }
         if !needs_whiteout {
@@ -482,7 +482,7 @@ impl Overlay {
                     // Its descriptors in the directory cache are stale now (dircache.rs).
                     self.note_move(pnode, name);
                     self.moves.record();
-                    self.forget_name(entry.found.ino, pnode.ino, name);
+                    self.forget_name(entry.found.ino, pnode.ino, name, entry.attr.nlink);
                     return Ok(());
                 }
                 Err(e) if e.is(libc::ENOTEMPTY) || e.is(libc::EEXIST) => {}
@@ -514,7 +514,7 @@ impl Overlay {
         } else {
             udir.rename(name, &work, &tmp, RenameFlags::NOREPLACE)?;
         }
-        self.forget_name(entry.found.ino, pnode.ino, name);
+        self.forget_name(entry.found.ino, pnode.ino, name, entry.attr.nlink);
         drop(_moving);
         drop(_changing);
         // A non-directory the whiteout replaced is gone; anything else waits in the work dir.
@@ -630,12 +630,19 @@ impl Overlay {
         }
     }
 
-    fn forget_name(&self, ino: Ino, parent: Ino, name: &OsStr) {
+    /// `nlink`: the object's link count before this name went. A lower file that keeps other
+    /// names keeps its node (`Node::keep`: the count of removed names is nowhere else); one
+    /// whose last name went has nothing left to find, and its node goes when the kernel
+    /// forgets it (kept, every lower file an `rm -rf` removed stayed in memory until the
+    /// unmount).
+    fn forget_name(&self, ino: Ino, parent: Ino, name: &OsStr, nlink: u64) {
         if let Some(node) = self.inodes.get(ino) {
             let mut st = node.state();
             if !st.upper && st.kind != libc::S_IFDIR {
                 st.lower_names_gone += 1;
-                node.keep();
+                if nlink > 1 {
+                    node.keep();
+                }
             }
             st.links.retain(|(p, n)| !(*p == parent && n == name));
             // A daemon that took the mount over knows only the names it was asked for: an
@@ -920,7 +927,8 @@ impl Overlay {
             if exchange {
                 self.move_name(d, (newparent, newname), (parent, name));
             } else {
-                self.forget_name(d.ino, newparent, newname);
+                let nlink = dst.as_ref().map_or(1, |e| e.attr.nlink);
+                self.forget_name(d.ino, newparent, newname, nlink);
             }
         }
         drop(_moving);
