@@ -420,8 +420,11 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         started.session.keep_mounted();
         let stopper = started.session.stopper();
         let channel = Arc::new(channel);
-        match std::os::fd::AsFd::as_fd(&started.session).try_clone_to_owned() {
-            Ok(fuse) if holder_pid.is_some() => crate::takeover::keep_a_holder(
+        match (
+            holder_pid,
+            std::os::fd::AsFd::as_fd(&started.session).try_clone_to_owned(),
+        ) {
+            (Some(pid), Ok(fuse)) => crate::takeover::keep_a_holder(
                 channel.clone(),
                 crate::takeover::HolderSpec {
                     fuse,
@@ -430,10 +433,10 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                     binary: started_as.0.clone(),
                     args: started_as.1.clone(),
                 },
-                holder_pid.expect("checked"),
+                pid,
             ),
-            Ok(_) => {}
-            Err(e) => log::warn!("cannot watch the mount's holder ({e})"),
+            (None, _) => {}
+            (_, Err(e)) => log::warn!("cannot watch the mount's holder ({e})"),
         }
         started.overlay.on_handover(move |binary| {
             channel.hand_over_to(binary)?;
