@@ -4,7 +4,8 @@
 set -euo pipefail
 packages=(fuse3 fuse-overlayfs attr acl bc procps util-linux podman runc busybox-static zstd
   erofs-utils squashfuse squashfs-tools sshfs openssh-server glusterfs-server glusterfs-client
-  xfsprogs btrfs-progs e2fsprogs python3 strace containerd docker.io protobuf-compiler uidmap bats)
+  xfsprogs btrfs-progs e2fsprogs python3 strace containerd docker.io protobuf-compiler uidmap bats
+  docker-registry stargz-snapshotter curl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,6 +3,8 @@
 # tests/check.sh; sets $t (the work dir), $tool, $registry, $image, $big_mib, RUN and the
 # cleanup trap (KEEP=1 keeps the work dir, the daemons and the mounts).
 lazy_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export PATH=$PATH:/usr/local/go/bin
+# tests/deps.sh installs docker-registry and stargz-snapshotter (ctr-remote); run alone, this does.
 if ! command -v docker-registry >/dev/null; then
   echo "lazy: installing docker-registry"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-registry >/dev/null
