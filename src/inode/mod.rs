@@ -307,23 +307,22 @@ impl Links {
 
     /// Keeps the names `keep` accepts, in order.
     pub fn retain(&mut self, mut keep: impl FnMut(&Link) -> bool) {
-        let all: Vec<Link> = std::mem::take(self)
-            .into_iter()
-            .filter(|l| keep(l))
-            .collect();
-        for link in all {
-            self.push(link);
+        if self.first.as_ref().is_some_and(|l| !keep(l)) {
+            self.first = None;
+        }
+        if let Some(more) = &mut self.more {
+            more.retain(|l| keep(l));
+            if self.first.is_none() && !more.is_empty() {
+                self.first = Some(more.remove(0));
+            }
+            if more.is_empty() {
+                self.more = None;
+            }
         }
     }
 
     pub fn clear(&mut self) {
         *self = Links::default();
-    }
-
-    fn into_iter(self) -> impl Iterator<Item = Link> {
-        self.first
-            .into_iter()
-            .chain(self.more.into_iter().flat_map(|m| *m))
     }
 }
 
