@@ -254,6 +254,14 @@ impl MosaicFs {
         }
     }
 
+    /// After a change of the extended attribute `name` of `ino`: an ACL decides access, as
+    /// the mode does (`setattr`).
+    fn xattr_changed(&self, ino: INodeNo, name: &OsStr) {
+        if name.as_encoded_bytes().starts_with(b"system.posix_acl_") {
+            self.core.access_changed(ino.0);
+        }
+    }
+
     /// A resent creation (`resent`) that finds its name taken: the daemon before made it,
     /// and the entry is what is there now.
     fn made_before(
@@ -463,7 +471,11 @@ impl Filesystem for MosaicFs {
             ctime: set_time(ctime.map(TimeOrNow::SpecificTime)),
             written,
         };
-        match self.core.setattr(ino.0, set, &caller(req, 0)) {
+        let r = self.core.setattr(ino.0, set, &caller(req, 0));
+        if mode.is_some() {
+            self.core.access_changed(ino.0);
+        }
+        match r {
             Ok(a) => reply.attr(&self.ttl(), &fuse_attr(&a)),
             Err(e) => reply.error(errno(e)),
         }
@@ -890,10 +902,9 @@ impl Filesystem for MosaicFs {
         // The daemon sets the ACL with its own credentials, which keep the set-group-ID bit:
         // the kernel says when the caller's would not have (FUSE_SETXATTR_EXT).
         let kill_sgid = setxattr_flags & fuser::FUSE_SETXATTR_ACL_KILL_SGID != 0;
-        done(
-            reply,
-            self.core.setxattr(ino.0, name, value, flags, kill_sgid),
-        )
+        let r = self.core.setxattr(ino.0, name, value, flags, kill_sgid);
+        self.xattr_changed(ino, name);
+        done(reply, r)
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
@@ -965,7 +976,9 @@ impl Filesystem for MosaicFs {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        done(reply, self.core.removexattr(ino.0, name))
+        let r = self.core.removexattr(ino.0, name);
+        self.xattr_changed(ino, name);
+        done(reply, r)
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {

@@ -432,6 +432,14 @@ impl Overlay {
         self.inodes.forget(ino, n);
     }
 
+    /// The access rules of `ino` changed (its mode or ACL): the kernel drops its entry when
+    /// `ino` is a directory (`Node::entry_dropped`), to check access again at the next lookup.
+    pub fn access_changed(&self, ino: Ino) {
+        if let Some(node) = self.inodes.get(ino).filter(|n| n.is_dir()) {
+            node.entry_dropped();
+        }
+    }
+
     /// How requests reach the daemon (`"io_uring"` or `"/dev/fuse"`).
     pub fn transport(&self) -> &'static str {
         self.transport.get().copied().unwrap_or("/dev/fuse")

@@ -321,6 +321,49 @@ fn lookups_creates_and_listings_merge_the_layers() {
     }
 }
 
+/// A READDIRPLUS gives the kernel whole entries only where it lacks them: an entry it was given
+/// moments ago under that name (made or looked up through the mount) goes as its name alone,
+/// which spares the daemon its lookup. Entries it never got, one it forgot, and a directory
+/// whose mode changed (the kernel drops that entry to check access again) come whole.
+#[test]
+fn a_listing_gives_whole_entries_only_where_the_kernel_lacks_them() {
+    for store in STORES {
+        let c = Core::new(store, lower_tree);
+        let new = c.create("d", "new", b"new");
+        c.lookup("d/x").unwrap();
+        let (made, _) = c
+            .ov()
+            .mkdir(c.ino("d"), OsStr::new("made"), 0o700, &Caller::root())
+            .unwrap();
+        let (chmodded, _) = c
+            .ov()
+            .mkdir(c.ino("d"), OsStr::new("chmodded"), 0o700, &Caller::root())
+            .unwrap();
+        c.ov().access_changed(chmodded.ino);
+        let whole = |path: &str| {
+            let mut out = Vec::new();
+            c.ov()
+                .readdirplus(c.ino(path), 0, 0, |e, _, found| {
+                    if found.is_some() {
+                        out.push(e.name.to_string_lossy().into_owned());
+                    }
+                    false
+                })
+                .unwrap();
+            out.sort();
+            out
+        };
+        assert_eq!(whole("d"), ["chmodded", "sub", "y"], "{store:?}");
+        assert!(made.is_dir());
+        c.ov().forget(new, u64::MAX);
+        assert_eq!(
+            whole("d"),
+            ["new"],
+            "{store:?}: given whole, then forgotten"
+        );
+    }
+}
+
 #[test]
 fn a_write_to_a_lower_file_copies_up_one_block_and_completion_the_rest() {
     for store in STORES {

@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use crate::file::{NodeIo, OpenFile};
@@ -493,6 +493,20 @@ pub struct Node {
     /// Kept in the table after the kernel forgets it (`keep`): the node knows what the layers
     /// do not say and a lookup by another name could not find again.
     kept: std::sync::atomic::AtomicBool,
+    /// When the kernel was last given an entry for this node (`clock` seconds): a LOOKUP,
+    /// CREATE or READDIRPLUS reply, each counted in `lookups`. A listing spares the lookup of
+    /// an entry the kernel was given moments ago (`told_within`).
+    told: AtomicU32,
+}
+
+/// `Node::told` of a node whose entry the kernel holds no longer.
+const NOT_HELD: u32 = u32::MAX;
+
+/// Whole seconds since the daemon's first call: the clock of `Node::told`.
+fn clock() -> u32 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(std::time::Instant::now);
+    u32::try_from(start.elapsed().as_secs()).map_or(NOT_HELD - 1, |s| s.min(NOT_HELD - 1))
 }
 
 /// Nodes the kernel forgot since the daemon started, for `give_back_now_and_then`.
@@ -544,6 +558,7 @@ impl Node {
             current: AtomicU64::new(SELF),
             held_parent: AtomicU64::new(0),
             kept: Default::default(),
+            told: AtomicU32::new(clock()),
         }
     }
 
@@ -560,6 +575,7 @@ impl Node {
             current: AtomicU64::new(SELF),
             held_parent: AtomicU64::new(0),
             kept: Default::default(),
+            told: AtomicU32::new(clock()),
         }
     }
 
@@ -573,6 +589,30 @@ impl Node {
     /// knows is gone, the lower file may have others no lookup has named yet.
     pub fn keep(&self) {
         self.kept.store(true, Ordering::Relaxed);
+    }
+
+    /// One more kernel reference: the kernel was just given an entry for this node.
+    fn count_reference(&self) {
+        self.lookups.fetch_add(1, Ordering::Relaxed);
+        self.told.store(clock(), Ordering::Relaxed);
+    }
+
+    /// Whether the kernel holds this node id and was given an entry for it less than half of
+    /// `ttl` ago, so that the entry and its attributes are still valid in its caches for a
+    /// while longer. Seconds are whole: a `ttl` under 2 s is never enough.
+    pub fn told_within(&self, ttl: std::time::Duration) -> bool {
+        let told = self.told.load(Ordering::Relaxed);
+        let age = u64::from(clock().saturating_sub(told));
+        told != NOT_HELD
+            && self.lookups.load(Ordering::Relaxed) > 0
+            && self.current.load(Ordering::Relaxed) == SELF
+            && (age + 1) * 2 <= ttl.as_secs()
+    }
+
+    /// The kernel dropped its entry for this node (it does for a directory whose mode or
+    /// ACL changed, to check access again): the next listing gives the whole entry.
+    pub fn entry_dropped(&self) {
+        self.told.store(NOT_HELD, Ordering::Relaxed);
     }
 
     /// How the kernel inode behind this node id does I/O.
@@ -825,7 +865,7 @@ impl InodeTable {
         // Under the read lock: `forget` changes counts under the write lock only.
         let shard = self.shard(ino).read().unwrap_or_else(|e| e.into_inner());
         let node = shard.nodes.get(&ino)?;
-        node.lookups.fetch_add(1, Ordering::Relaxed);
+        node.count_reference();
         Some(node.clone())
     }
 
@@ -1006,7 +1046,7 @@ impl InodeTable {
                 });
                 let current = node.current.load(Ordering::Relaxed);
                 if current == SELF {
-                    node.lookups.fetch_add(1, Ordering::Relaxed);
+                    node.count_reference();
                     return node.clone();
                 }
                 (node.clone(), current)
@@ -1032,7 +1072,7 @@ impl InodeTable {
                 }
             }
             if let Some(alias) = self.write(current).nodes.get(&current) {
-                alias.lookups.fetch_add(1, Ordering::Relaxed);
+                alias.count_reference();
                 return alias.clone();
             }
             // The second identity was forgotten meanwhile (forget resets `current`): retry.

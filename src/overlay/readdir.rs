@@ -182,7 +182,7 @@ impl Overlay {
         mut emit: impl FnMut(&DirEntry, u64, Option<(&Node, &Attr)>) -> bool,
     ) -> Result<()> {
         self.readdir(ino, fh, offset, |e, next| {
-            if e.name == "." || e.name == ".." {
+            if e.name == "." || e.name == ".." || self.kernel_holds_entry(ino, e) {
                 return emit(e, next, None);
             }
             match self.lookup_name(ino, &e.name) {
@@ -196,6 +196,28 @@ impl Overlay {
                 Err(_) => emit(e, next, None),
             }
         })
+    }
+
+    /// Whether the kernel holds `e` as an entry of `dir` that it was given moments ago
+    /// (`Node::told_within`): a READDIRPLUS then passes only its name, as for `.` (nodeid 0:
+    /// the kernel keeps what it has). Walking a tree made or looked at through the mount just
+    /// before — `find` after an untar, `ls -l` after `ls` — costs no lookup per entry in the
+    /// daemon and no relinking of each entry in the kernel, which is most of a READDIRPLUS
+    /// (docs/PERFORMANCE.md, "The stat walk"). An entry given longer ago is looked up again,
+    /// so that a listing still renews the kernel's caches before they expire.
+    fn kernel_holds_entry(&self, dir: Ino, e: &DirEntry) -> bool {
+        let Some(node) = self.inodes.get(e.ino) else {
+            return false;
+        };
+        let st = node.state();
+        let ttl = if st.upper {
+            self.config.timeout
+        } else {
+            self.config.lower_cache
+        };
+        let named_here = st.links.iter().any(|(p, n)| *p == dir && **n == *e.name);
+        drop(st);
+        named_here && node.told_within(ttl)
     }
 
     /// The merged listing of directory `ino`, with `.` and `..` first.
