@@ -406,6 +406,7 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         // Records of removed files of a mount before this one: its daemons are gone with it.
         started.overlay.clear_orphans();
     }
+    started.overlay.start_request_records();
     if channel.is_some() {
         started.overlay.start_alias_records();
         if started.overlay.fresh_file_ids() {
@@ -730,6 +731,7 @@ fn filesystem(overlay: &Arc<Overlay>, opts: &Options) -> MosaicFs {
             use std::os::unix::ffi::OsStringExt;
             v.into_vec()
         }),
+        hang_after_change: std::env::var_os("MOSAICFS_TEST_HANG_CHANGE"),
         slow_release: std::env::var("MOSAICFS_TEST_SLOW_RELEASE")
             .ok()
             .and_then(|ms| ms.parse().ok())

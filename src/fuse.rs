@@ -18,6 +18,7 @@ use crate::error::Error;
 use crate::file::{IoMode, Opened};
 use crate::overlay::SetAttr;
 use crate::overlay::{Caller, Overlay};
+use crate::resend::Before;
 use crate::sys::{Attr, Time};
 use crate::upper::ReadData;
 
@@ -35,6 +36,11 @@ pub struct MosaicFs {
     /// `MOSAICFS_TEST_HANG_WRITE` (a prefix): how the tests kill a daemon between a write
     /// and its answer (takeover.rs: the resent write must not be done twice).
     pub hang_after_write: Option<Vec<u8>>,
+    /// A name whose creation, removal or rename (to it) the first daemon of a mount carries
+    /// out and never answers, from `MOSAICFS_TEST_HANG_CHANGE`: how the tests kill a daemon
+    /// between a change and its answer (resend.rs: the resent request must not be done twice,
+    /// nor a failed one pass).
+    pub hang_after_change: Option<std::ffi::OsString>,
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
@@ -141,17 +147,24 @@ fn set_time(t: Option<TimeOrNow>) -> Option<Time> {
 }
 
 /// Whether the kernel sends `req` again: a daemon before this one read it and ended without
-/// answering (FUSE_NOTIFY_RESEND, takeover.rs). It may have done it: a removal that finds
-/// nothing to remove, or a creation that finds its object made, did what was asked.
+/// answering (FUSE_NOTIFY_RESEND, takeover.rs), and may have done it. (Requests that change
+/// the tree know more: `changing`.)
 fn resent(req: &Request) -> bool {
     const FUSE_UNIQUE_RESEND: u64 = 1 << 63;
     req.unique().0 & FUSE_UNIQUE_RESEND != 0
 }
 
-/// A resent removal (`resent`) that finds nothing to remove was done by the daemon before.
-fn removed_before(req: &Request, r: crate::error::Result<()>) -> crate::error::Result<()> {
-    match r {
-        Err(e) if e.is(libc::ENOENT) && resent(req) => Ok(()),
+/// A removal that the daemon before did (`Before::Done`) is not done again; one it may have
+/// done (`may_be_done`) and that finds nothing to remove did what was asked.
+fn removed(
+    before: Before,
+    remove: impl FnOnce() -> crate::error::Result<()>,
+) -> crate::error::Result<()> {
+    if before == Before::Done {
+        return Ok(());
+    }
+    match remove() {
+        Err(e) if e.is(libc::ENOENT) && before.may_be_done() => Ok(()),
         r => r,
     }
 }
@@ -262,19 +275,46 @@ impl MosaicFs {
         }
     }
 
-    /// A resent creation (`resent`) that finds its name taken: the daemon before made it,
-    /// and the entry is what is there now.
-    fn made_before(
+    /// A creation that the daemon before did (`Before::Done`) answers with what is there;
+    /// one it may have done (`may_be_done`) and that finds its name taken made it.
+    fn made(
         &self,
-        req: &Request,
+        before: Before,
         parent: INodeNo,
         name: &OsStr,
-        r: crate::error::Result<(Arc<crate::inode::Node>, Attr)>,
+        make: impl FnOnce() -> crate::error::Result<(Arc<crate::inode::Node>, Attr)>,
     ) -> crate::error::Result<(Arc<crate::inode::Node>, Attr)> {
-        match r {
-            Err(e) if e.is(libc::EEXIST) && resent(req) => self.core.lookup(parent.0, name),
+        if before == Before::Done {
+            return self.core.lookup(parent.0, name);
+        }
+        match make() {
+            Err(e) if e.is(libc::EEXIST) && before.may_be_done() => {
+                self.core.lookup(parent.0, name)
+            }
             r => r,
         }
+    }
+
+    /// Carries out `op`, a request that changes the tree at `name`, recorded while it runs
+    /// (resend.rs): `op` is told what a daemon before did of it, if it is sent again, and its
+    /// outcome is recorded before `answer` sends it.
+    fn changing<T>(
+        &self,
+        req: &Request,
+        name: &OsStr,
+        op: impl FnOnce(Before) -> crate::error::Result<T>,
+        answer: impl FnOnce(crate::error::Result<T>),
+    ) {
+        let slot = self.core.request_starts(req.unique().0);
+        let r = op(slot.before());
+        slot.finish(r.is_ok());
+        if self.hang_after_change.as_deref() == Some(name) && self.core.takeovers() == 0 {
+            log::warn!("MOSAICFS_TEST_HANG_CHANGE: holding the answer to a change of {name:?}");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        answer(r);
     }
 
     fn entry(&self, reply: ReplyEntry, r: crate::error::Result<(Arc<crate::inode::Node>, Attr)>) {
@@ -498,10 +538,18 @@ impl Filesystem for MosaicFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let r = self
-            .core
-            .mknod(parent.0, name, mode, decode_dev(rdev), &caller(req, umask));
-        self.entry(reply, self.made_before(req, parent, name, r))
+        self.changing(
+            req,
+            name,
+            |before| {
+                self.made(before, parent, name, || {
+                    let dev = decode_dev(rdev);
+                    self.core
+                        .mknod(parent.0, name, mode, dev, &caller(req, umask))
+                })
+            },
+            |r| self.entry(reply, r),
+        )
     }
 
     fn mkdir(
@@ -513,16 +561,34 @@ impl Filesystem for MosaicFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.core.mkdir(parent.0, name, mode, &caller(req, umask));
-        self.entry(reply, self.made_before(req, parent, name, r))
+        self.changing(
+            req,
+            name,
+            |before| {
+                self.made(before, parent, name, || {
+                    self.core.mkdir(parent.0, name, mode, &caller(req, umask))
+                })
+            },
+            |r| self.entry(reply, r),
+        )
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        done(reply, removed_before(req, self.core.unlink(parent.0, name)))
+        self.changing(
+            req,
+            name,
+            |before| removed(before, || self.core.unlink(parent.0, name)),
+            |r| done(reply, r),
+        )
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        done(reply, removed_before(req, self.core.rmdir(parent.0, name)))
+        self.changing(
+            req,
+            name,
+            |before| removed(before, || self.core.rmdir(parent.0, name)),
+            |r| done(reply, r),
+        )
     }
 
     fn symlink(
@@ -533,10 +599,17 @@ impl Filesystem for MosaicFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        let r = self
-            .core
-            .symlink(parent.0, link_name, target, &caller(req, 0));
-        self.entry(reply, self.made_before(req, parent, link_name, r))
+        self.changing(
+            req,
+            link_name,
+            |before| {
+                self.made(before, parent, link_name, || {
+                    self.core
+                        .symlink(parent.0, link_name, target, &caller(req, 0))
+                })
+            },
+            |r| self.entry(reply, r),
+        )
     }
 
     fn rename(
@@ -549,28 +622,35 @@ impl Filesystem for MosaicFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let r = self.core.rename(
-            parent.0,
-            name,
-            newparent.0,
-            newname,
-            flags.bits(),
-            &caller(req, 0),
-        );
-        // Resent after it was done: the name is gone and the new one is there.
-        let r = match r {
-            Err(e) if e.is(libc::ENOENT) && resent(req) => {
-                match self.core.lookup(newparent.0, newname) {
-                    Ok((node, _)) => {
-                        self.core.forget(node.ino, 1);
-                        Ok(())
-                    }
-                    Err(_) => Err(e),
-                }
+        let rename = |before: Before| {
+            if before == Before::Done {
+                return Ok(());
             }
-            r => r,
+            let r = self.core.rename(
+                parent.0,
+                name,
+                newparent.0,
+                newname,
+                flags.bits(),
+                &caller(req, 0),
+            );
+            // Maybe done before: the name is gone and the new one is there. (A RENAME_EXCHANGE
+            // the daemon before was in the middle of cannot be told from one not begun: it is
+            // done, again.)
+            match r {
+                Err(e) if e.is(libc::ENOENT) && before.may_be_done() => {
+                    match self.core.lookup(newparent.0, newname) {
+                        Ok((node, _)) => {
+                            self.core.forget(node.ino, 1);
+                            Ok(())
+                        }
+                        Err(_) => Err(e),
+                    }
+                }
+                r => r,
+            }
         };
-        done(reply, r)
+        self.changing(req, newname, rename, |r| done(reply, r))
     }
 
     fn link(
@@ -581,8 +661,16 @@ impl Filesystem for MosaicFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        let r = self.core.link(ino.0, newparent.0, newname);
-        self.entry(reply, self.made_before(req, newparent, newname, r))
+        self.changing(
+            req,
+            newname,
+            |before| {
+                self.made(before, newparent, newname, || {
+                    self.core.link(ino.0, newparent.0, newname)
+                })
+            },
+            |r| self.entry(reply, r),
+        )
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
@@ -998,26 +1086,32 @@ impl Filesystem for MosaicFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let r = self
-            .core
-            .create(parent.0, name, mode, flags, &caller(req, umask));
-        // Resent after it was done: the file is there, and this open is of it.
-        let r = match r {
-            Err(e) if e.is(libc::EEXIST) && resent(req) => {
-                self.core.lookup(parent.0, name).and_then(|(node, attr)| {
-                    let reopen = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
-                    match self.core.open(node.ino, reopen, None) {
-                        Ok(opened) => Ok((node, attr, opened)),
-                        Err(e) => {
-                            self.core.forget(node.ino, 1);
-                            Err(e)
-                        }
+        // Done before: the file is there, and this open is of it.
+        let reopen = || {
+            self.core.lookup(parent.0, name).and_then(|(node, attr)| {
+                let flags = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
+                match self.core.open(node.ino, flags, None) {
+                    Ok(opened) => Ok((node, attr, opened)),
+                    Err(e) => {
+                        self.core.forget(node.ino, 1);
+                        Err(e)
                     }
-                })
-            }
-            r => r,
+                }
+            })
         };
-        self.created(reply, r)
+        let create = |before: Before| {
+            if before == Before::Done {
+                return reopen();
+            }
+            match self
+                .core
+                .create(parent.0, name, mode, flags, &caller(req, umask))
+            {
+                Err(e) if e.is(libc::EEXIST) && before.may_be_done() => reopen(),
+                r => r,
+            }
+        };
+        self.changing(req, name, create, |r| self.created(reply, r))
     }
 
     fn tmpfile(

@@ -23,6 +23,7 @@ pub(crate) mod lower_wait;
 pub(crate) mod memory_upper;
 pub mod options;
 pub mod overlay;
+pub(crate) mod resend;
 pub(crate) mod seq;
 pub(crate) mod stat_override;
 pub(crate) mod stats;

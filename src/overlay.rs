@@ -215,6 +215,9 @@ pub struct Overlay {
     /// The work dir's orphans directory, where a mount that survives its daemon records the
     /// removed objects still open (by_number.rs), once opened; `None` where it cannot be.
     pub(crate) orphans: std::sync::OnceLock<Option<Arc<OwnedFd>>>,
+    /// What this daemon does of the requests that change the tree, for the next daemon
+    /// (resend.rs), where the mount survives its daemon and has a work dir.
+    pub(crate) requests: std::sync::OnceLock<crate::resend::Ledger>,
 }
 
 /// A rename or link in progress (`Overlay::name_moving`): counted again when it ends.
@@ -378,6 +381,7 @@ impl Overlay {
             lineage: Default::default(),
             handover: Default::default(),
             orphans: Default::default(),
+            requests: Default::default(),
             layers,
         })
     }

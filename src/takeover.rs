@@ -25,8 +25,8 @@
 //!
 //! A request in flight when the old daemon died is served again from the start. Reads and
 //! writes at an offset are the same again, and an append goes where the kernel put it the
-//! first time; a create, mkdir, link or rename the old daemon had done finds its work done and
-//! answers as the first time would have (fuse.rs `resent`, docs/ROBUSTNESS.md).
+//! first time; a create, mkdir, link, removal or rename the old daemon had done is not done
+//! again, as the work dir's record of requests in progress says (resend.rs, docs/ROBUSTNESS.md).
 //!
 //! Files passing through (root, a kernel with FUSE passthrough): a kernel inode stays bound to
 //! the backing file a daemon registered while a file opened before is open, and the kernel

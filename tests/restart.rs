@@ -690,3 +690,27 @@ fn an_append_done_before_the_kill_is_not_made_twice() {
         "first\nHELD line\n"
     );
 }
+
+/// A RENAME_EXCHANGE the dead daemon had done but not answered is sent again and not done a
+/// second time, which would swap the names back (resend.rs: the work dir's record of requests
+/// in progress says it was done).
+#[test]
+fn an_exchange_done_before_the_kill_is_not_undone() {
+    let m = Background::mount(
+        |l| {
+            fs::write(l.join("a"), "A").unwrap();
+            fs::write(l.join("b"), "B").unwrap();
+        },
+        "restart=on",
+        &[("MOSAICFS_TEST_HANG_CHANGE", "b")],
+    );
+    let (a, b) = (m.path("a"), m.path("b"));
+    let got = across_a_kill(&m, "holding the answer to a change", move || {
+        let flags = rustix::fs::RenameFlags::EXCHANGE;
+        rustix::fs::renameat_with(rustix::fs::CWD, &a, rustix::fs::CWD, &b, flags)
+            .map_err(|e| e.to_string())
+    });
+    assert_eq!(got, Ok(()));
+    assert_eq!(fs::read_to_string(m.path("a")).unwrap(), "B");
+    assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "A");
+}

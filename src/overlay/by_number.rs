@@ -337,6 +337,33 @@ impl Overlay {
         }
     }
 
+    /// Records, from now on, what this daemon does of the requests that change the tree
+    /// (resend.rs), where the mount survives its daemon; a daemon that took the mount over
+    /// first reads what the one before it left. Called before the session serves.
+    pub fn start_request_records(&self) {
+        let Some(dir) = self.orphans_dir() else {
+            return;
+        };
+        match crate::resend::Ledger::open(&*dir, self.takeovers() > 0) {
+            Ok(ledger) => {
+                let _ = self.requests.set(ledger);
+            }
+            Err(e) => log::warn!(
+                "cannot keep the record of requests in progress in the work dir ({e}): a \
+                 daemon that takes the mount over tells from the tree alone whether a request \
+                 its predecessor held was done"
+            ),
+        }
+    }
+
+    /// Starts request `unique` in the record of requests in progress (`start_request_records`).
+    pub fn request_starts(&self, unique: u64) -> crate::resend::Slot<'_> {
+        match self.requests.get() {
+            Some(ledger) => ledger.start(unique),
+            None => crate::resend::Slot::unrecorded(unique),
+        }
+    }
+
     /// Whether regular files get node ids of their own (`start_alias_records`).
     pub fn fresh_file_ids(&self) -> bool {
         self.inodes.fresh_files()

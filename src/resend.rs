@@ -1,0 +1,287 @@
+//! What a daemon did of the requests that change the tree, for the daemon that takes its mount
+//! over and gets them again (takeover.rs, FUSE_NOTIFY_RESEND).
+//!
+//! A request the kernel sends again was read by a daemon that ended before it answered: that
+//! daemon may have done it or not. Looking at the tree tells only sometimes — a creation that
+//! finds its name taken may have been made by the request, or have been there before it (an
+//! exclusive create that must fail); a RENAME_EXCHANGE done once looks like one never done.
+//! So every daemon of a mount that survives its daemon keeps, in one page of a file in the
+//! work dir (`mosaicfs-orphans/requests`, mapped shared: what a killed process stored there
+//! stays in the page cache), one word for each such request it is carrying out: the request's
+//! number with `STARTED` before it changes anything, with `DONE` once it succeeded, cleared
+//! once it failed or was answered. The next daemon reads the page before it serves
+//! (`Ledger::open`), and a request sent again is then one of
+//!
+//! - done: answered as the first daemon would have, nothing changed again;
+//! - started and not done: the daemon ended in the middle of it; the tree is looked at as
+//!   before the ledger existed (fuse.rs `resent`);
+//! - neither: not started, or failed (which changed nothing): done now, its error a real one.
+//!
+//! A word is busy from the request's start to its answer, so the page never holds more words
+//! than requests in flight: 512, far above the workers a daemon runs. Without a work dir (no
+//! place for the page), and after a daemon that kept none (an older binary), every resent
+//! request is "started".
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// The kernel's mark on a request it sends again (`FUSE_UNIQUE_RESEND`); the rest is the
+/// number it had the first time.
+const RESENT: u64 = 1 << 63;
+const DONE: u64 = 1 << 62;
+const STARTED: u64 = 1 << 61;
+const NUMBER: u64 = STARTED - 1;
+const WORDS: usize = 512;
+const SIZE: usize = WORDS * 8;
+
+/// The file's name in the orphans directory.
+pub const FILE: &str = "requests";
+
+/// What the daemon before did of a request sent again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Before {
+    /// Not sent again: this daemon is the first to see it.
+    New,
+    Done,
+    /// Begun and maybe carried out, or no ledger to tell.
+    Started,
+    /// Not begun, or failed without a change.
+    NotStarted,
+}
+
+impl Before {
+    /// Whether the tree must be looked at to tell whether the request was carried out.
+    pub fn may_be_done(self) -> bool {
+        self == Before::Started
+    }
+}
+
+pub struct Ledger {
+    words: *const AtomicU64,
+    _file: OwnedFd,
+    /// Where the search for a free word starts.
+    next: AtomicUsize,
+    /// The words the daemon before left: request number to its state; `None` where it kept
+    /// no ledger (a binary before this one), and a resent request may have been done.
+    before: Option<HashMap<u64, u64>>,
+}
+
+// SAFETY: the mapping is only reached through atomics, and lives as long as the ledger.
+unsafe impl Send for Ledger {}
+unsafe impl Sync for Ledger {}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `open`, of `SIZE` bytes; no `Slot` outlives the ledger.
+        unsafe {
+            let _ = rustix::mm::munmap(self.words as *mut _, SIZE);
+        }
+    }
+}
+
+impl Ledger {
+    /// The ledger file `FILE` in directory `dir`: read for what the daemon before left
+    /// (`took_over`), then emptied for this daemon.
+    pub fn open(dir: impl AsFd, took_over: bool) -> std::io::Result<Ledger> {
+        use rustix::fs::{Mode, OFlags};
+        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC | OFlags::NOFOLLOW;
+        let file = rustix::fs::openat(dir, FILE, flags, Mode::from_raw_mode(0o600))?;
+        let kept = took_over && rustix::fs::fstat(&file)?.st_size == SIZE as i64;
+        if !kept {
+            rustix::fs::ftruncate(&file, 0)?;
+        }
+        rustix::fs::ftruncate(&file, SIZE as u64)?;
+        // SAFETY: a fresh shared mapping of the file, of its size; reached only through the
+        // atomics below.
+        let map = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                SIZE,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::SHARED,
+                &file,
+                0,
+            )?
+        };
+        let words = map as *const AtomicU64;
+        let mut before = HashMap::new();
+        for i in 0..WORDS {
+            // SAFETY: `i` is inside the mapping; AtomicU64 has u64's layout, and the page is
+            // aligned.
+            let word = unsafe { &*words.add(i) };
+            let w = word.swap(0, Ordering::Relaxed);
+            if w != 0 {
+                before.insert(w & NUMBER, w & !NUMBER);
+            }
+        }
+        Ok(Ledger {
+            words,
+            _file: file,
+            next: AtomicUsize::new(0),
+            before: (kept || !took_over).then_some(before),
+        })
+    }
+
+    /// Records that request `unique` starts, and says what the daemon before did of it. The
+    /// returned slot is to be told the outcome (`Slot::finish`) before the answer, and dropped
+    /// after it. A request sent again keeps what the daemon before recorded of it, so that a
+    /// third daemon knows it too.
+    pub fn start(&self, unique: u64) -> Slot<'_> {
+        let number = unique & NUMBER;
+        let before = if unique & RESENT == 0 {
+            Before::New
+        } else {
+            match self.before.as_ref().map(|b| b.get(&number)) {
+                Some(Some(s)) if s & DONE != 0 => Before::Done,
+                Some(Some(_)) | None => Before::Started,
+                Some(None) => Before::NotStarted,
+            }
+        };
+        let state = if before == Before::Done {
+            DONE
+        } else {
+            STARTED
+        };
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        for k in 0..WORDS {
+            let i = (start + k) % WORDS;
+            // SAFETY: `i` is inside the mapping.
+            let word = unsafe { &*self.words.add(i) };
+            if word
+                .compare_exchange(0, number | state, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return Slot {
+                    word: Some(word),
+                    number,
+                    before,
+                };
+            }
+        }
+        log::warn!("more requests in flight than the ledger holds: request {number} unrecorded");
+        Slot {
+            word: None,
+            number,
+            before,
+        }
+    }
+}
+
+/// A request being carried out (`Ledger::start`).
+pub struct Slot<'a> {
+    word: Option<&'a AtomicU64>,
+    number: u64,
+    before: Before,
+}
+
+impl Slot<'_> {
+    /// A request with no ledger to record it in: sent again, it is "started".
+    pub fn unrecorded(unique: u64) -> Slot<'static> {
+        Slot {
+            word: None,
+            number: unique & NUMBER,
+            before: if unique & RESENT == 0 {
+                Before::New
+            } else {
+                Before::Started
+            },
+        }
+    }
+
+    pub fn before(&self) -> Before {
+        self.before
+    }
+
+    /// The request succeeded (recorded as done) or failed (forgotten: it changed nothing,
+    /// and sent again it is done again).
+    pub fn finish(&self, ok: bool) {
+        if let Some(word) = self.word {
+            let w = if ok { self.number | DONE } else { 0 };
+            word.store(w, Ordering::Release);
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    /// Answered: the word is free.
+    fn drop(&mut self) {
+        if let Some(word) = self.word {
+            word.store(0, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir() -> (tempfile::TempDir, OwnedFd) {
+        let t = tempfile::tempdir().unwrap();
+        let fd = rustix::fs::open(
+            t.path(),
+            rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        (t, fd)
+    }
+
+    #[test]
+    fn the_next_daemon_knows_what_was_done_started_or_failed() {
+        let (_t, d) = dir();
+        let first = Ledger::open(&d, false).unwrap();
+        let done = first.start(10);
+        done.finish(true);
+        let started = first.start(12);
+        let failed = first.start(14);
+        failed.finish(false);
+        let answered = first.start(16);
+        answered.finish(true);
+        drop(answered);
+        assert_eq!(done.before(), Before::New);
+        // The daemon ends here, its slots never dropped.
+        std::mem::forget((done, started, failed));
+        drop(first);
+
+        let second = Ledger::open(&d, true).unwrap();
+        let again = |n: u64| second.start(n | RESENT).before();
+        assert_eq!(again(10), Before::Done);
+        assert_eq!(again(12), Before::Started);
+        assert_eq!(again(14), Before::NotStarted);
+        assert_eq!(again(16), Before::NotStarted, "answered: not sent again");
+        assert_eq!(second.start(18).before(), Before::New);
+
+        // A request sent again and held by the second daemon too is known to the third.
+        let held = second.start(10 | RESENT);
+        std::mem::forget(held);
+        let third = Ledger::open(&d, true).unwrap();
+        assert_eq!(third.start(10 | RESENT).before(), Before::Done);
+
+        // A fresh mount forgets every daemon before it.
+        drop((second, third));
+        let fresh = Ledger::open(&d, false).unwrap();
+        assert_eq!(fresh.start(10 | RESENT).before(), Before::NotStarted);
+
+        // A daemon before that kept no ledger (an older binary) may have done anything.
+        drop(fresh);
+        rustix::fs::unlinkat(&d, FILE, rustix::fs::AtFlags::empty()).unwrap();
+        let after_old = Ledger::open(&d, true).unwrap();
+        assert_eq!(after_old.start(10 | RESENT).before(), Before::Started);
+        let next = Ledger::open(&d, true).unwrap();
+        assert_eq!(next.start(10 | RESENT).before(), Before::NotStarted);
+    }
+
+    #[test]
+    fn a_word_is_held_from_start_to_answer_only() {
+        let (_t, d) = dir();
+        let l = Ledger::open(&d, false).unwrap();
+        for n in 0..(WORDS as u64 * 3) {
+            let s = l.start(n * 2);
+            s.finish(true);
+        }
+        let held: Vec<_> = (0..WORDS as u64).map(|n| l.start(n * 2)).collect();
+        assert!(held.iter().all(|s| s.word.is_some()));
+        assert!(l.start(1 << 20).word.is_none(), "every word busy");
+    }
+}
