@@ -18,7 +18,9 @@
 //! - neither: not started, or failed (which changed nothing): done now, its error a real one.
 //!
 //! A word is busy from the request's start to its answer, so the page never holds more words
-//! than requests in flight: 512, far above the workers a daemon runs. Without a work dir (no
+//! than requests in flight: 512, far above the workers a daemon runs. The page's block is
+//! allocated when the file is made (a full file system then refuses the record, not a store
+//! into the mapping later, which would be a SIGBUS). Without a work dir (no
 //! place for the page), and after a daemon that kept none (an older binary), every resent
 //! request is "started".
 
@@ -92,6 +94,19 @@ impl Ledger {
             rustix::fs::ftruncate(&file, 0)?;
         }
         rustix::fs::ftruncate(&file, SIZE as u64)?;
+        // Its blocks are allocated now: a store into a hole of a shared mapping allocates at
+        // the page fault, and on a full file system that fault is a SIGBUS.
+        if let Err(e) =
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, SIZE as u64)
+        {
+            if e != rustix::io::Errno::OPNOTSUPP {
+                return Err(e.into());
+            }
+            if !kept {
+                rustix::io::pwrite(&file, &[0u8; SIZE], 0)?;
+            }
+            rustix::fs::fdatasync(&file)?;
+        }
         // SAFETY: a fresh shared mapping of the file, of its size; reached only through the
         // atomics below.
         let map = unsafe {
@@ -270,6 +285,43 @@ mod tests {
         assert_eq!(after_old.start(10 | RESENT).before(), Before::Started);
         let next = Ledger::open(&d, true).unwrap();
         assert_eq!(next.start(10 | RESENT).before(), Before::NotStarted);
+    }
+
+    /// On a full file system the record is refused when it is made; a store into a page
+    /// without a block would be a SIGBUS at the first request.
+    #[test]
+    fn a_full_file_system_refuses_the_record_at_once() {
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let mnt = t.path();
+        let opts = std::ffi::CString::new("size=64k").unwrap();
+        rustix::mount::mount(
+            "tmpfs",
+            mnt,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            opts.as_c_str(),
+        )
+        .unwrap();
+        let filler = mnt.join("filler");
+        let _ = std::fs::write(&filler, vec![1u8; 1 << 20]);
+        let d = rustix::fs::open(
+            mnt,
+            rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        let opened = Ledger::open(&d, false);
+        let refused = opened.as_ref().err().map(|e| e.raw_os_error());
+        if let Ok(l) = &opened {
+            // What the fallocate spares: without it this store is the SIGBUS.
+            l.start(2).finish(true);
+        }
+        drop((opened, d));
+        rustix::mount::unmount(mnt, rustix::mount::UnmountFlags::DETACH).unwrap();
+        assert_eq!(refused, Some(Some(libc::ENOSPC)));
     }
 
     #[test]
