@@ -172,8 +172,8 @@ impl Overlay {
 
     /// READDIRPLUS: entries with their attributes, each looked up (one kernel reference each,
     /// except `.` and `..`, which the kernel does not take). `emit` returns true when the reply
-    /// is full; that entry's reference is given back. An entry gone since the listing is passed
-    /// without attributes.
+    /// is full; that entry's reference is given back. An entry gone since the listing, and one
+    /// the kernel holds fresh already (`kernel_holds_entry`), is passed without attributes.
     pub fn readdirplus(
         &self,
         ino: Ino,
