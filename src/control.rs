@@ -98,6 +98,15 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         );
     }
     let (inodes, handles) = overlay.open_counts();
+    let mem = crate::sys::memory_use();
+    r += &format!(
+        "memory: {} KiB resident; heap {} KiB in use, {} KiB freed and kept by the allocator, \
+         {} KiB in mappings of their own\n",
+        mem.resident / 1024,
+        mem.heap_in_use / 1024,
+        mem.heap_free / 1024,
+        mem.mapped / 1024
+    );
     r += &format!(
         "inodes known: {}\nopen handles: {}\ncomplete files served by passthrough: {}\n\
          partial files open or waiting for completion: {}\n",

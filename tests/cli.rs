@@ -710,6 +710,18 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
         text.contains("copy-ups=1") && text.contains("write=1"),
         "{text}"
     );
+    // The daemon's memory, resident and as its allocator sees it.
+    let resident: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("memory: "))
+        .and_then(|l| l.split(" KiB resident").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no memory line: {text}"));
+    assert!((100..1 << 22).contains(&resident), "{text}");
+    assert!(
+        text.contains("KiB freed and kept by the allocator"),
+        "{text}"
+    );
     // Each partial file, and why it is not complete yet: a disk upper's complete files pass
     // through, so sustained use would complete it; a memory upper's never do.
     let waiting = if disk_upper() {
