@@ -889,7 +889,7 @@ impl Filesystem for MosaicFs {
         mut reply: ReplyDirectory,
     ) {
         let r = self.core.readdir(ino.0, fh.0, offset, |e, next| {
-            reply.add(INodeNo(e.ino), next, file_type(e.kind), &e.name)
+            reply.add(INodeNo(e.ino), next, file_type(e.kind), e.name)
         });
         match r {
             Ok(()) => reply.ok(),
@@ -911,7 +911,7 @@ impl Filesystem for MosaicFs {
                 Some((node, attr)) => reply.add(
                     INodeNo(e.ino),
                     next,
-                    &e.name,
+                    e.name,
                     &self.ttl_of(node),
                     &entry_attr(node, attr),
                     Generation(node.generation()),
@@ -924,7 +924,7 @@ impl Filesystem for MosaicFs {
                     reply.add(
                         INodeNo(e.ino),
                         next,
-                        &e.name,
+                        e.name,
                         &Duration::ZERO,
                         &a,
                         Generation(0),

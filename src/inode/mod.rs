@@ -521,11 +521,7 @@ static FORGOTTEN: AtomicU64 = AtomicU64::new(0);
 fn give_back_now_and_then() {
     const TRIM_EVERY: u64 = 16_384;
     if FORGOTTEN.fetch_add(1, Ordering::Relaxed) % TRIM_EVERY == TRIM_EVERY - 1 {
-        // SAFETY: malloc_trim only returns free memory to the system; it takes the
-        // allocator's own locks and touches no memory in use.
-        unsafe {
-            libc::malloc_trim(0);
-        }
+        crate::sys::give_back_free_memory();
     }
 }
 
