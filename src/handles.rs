@@ -39,7 +39,9 @@ impl Drop for Handle {
         self.node.io().end(self.io());
         if self.exec {
             let mut st = self.node.state();
-            st.executing = st.executing.saturating_sub(1);
+            if st.rare().executing > 0 {
+                st.rare_mut().executing -= 1;
+            }
         }
     }
 }

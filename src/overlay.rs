@@ -918,8 +918,8 @@ impl Overlay {
     /// was read sends a GETATTR, which would otherwise cost a call to the store per file
     /// (bench/stores.sh: 80 µs each on GlusterFS).
     fn store_attr(&self, st: &crate::inode::NodeState) -> Option<Attr> {
-        match st.store_attr.as_deref() {
-            Some(&(attr, at)) if !st.upper && at.elapsed() < self.config.lower_cache => Some(attr),
+        match st.rare().store_attr {
+            Some((attr, at)) if !st.upper && at.elapsed() < self.config.lower_cache => Some(attr),
             _ => None,
         }
     }
@@ -932,7 +932,7 @@ impl Overlay {
             _ => false,
         };
         if on_store {
-            st.store_attr = Some(Box::new((attr, std::time::Instant::now())));
+            st.rare_mut().store_attr = Some((attr, std::time::Instant::now()));
         }
     }
 
@@ -940,7 +940,7 @@ impl Overlay {
     fn merged_subdirs(&self, node: &Node) -> Result<u64> {
         let counted_at = {
             let st = node.state();
-            if let Some(n) = st.subdirs {
+            if let Some(n) = st.subdirs() {
                 return Ok(n.into());
             }
             st.subdirs_gen
@@ -956,7 +956,7 @@ impl Overlay {
         let mut st = node.state();
         // A count past u32 (no file system links that many) is not kept.
         if st.subdirs_gen == counted_at {
-            st.subdirs = u32::try_from(n).ok();
+            st.set_subdirs(n);
         }
         Ok(n)
     }
@@ -1100,7 +1100,7 @@ impl Overlay {
 
     /// The pinned upper object of a node (inode/mod.rs `Pin`), if any.
     fn pinned(&self, st: &crate::inode::NodeState) -> Option<UpperFile> {
-        st.pin.as_ref()?.object.try_clone().ok()
+        st.rare().pin.as_ref()?.object.try_clone().ok()
     }
 
     /// `node`'s upper object when it has no name any more (or never had one: O_TMPFILE) and

@@ -54,12 +54,18 @@ pub struct LowerRef {
     /// The path in the top layer.
     pub path: Box<Path>,
     pub layers: Layers,
-    /// `(layer, path)`: from `layer` down, the object is at `path` (redirects in lower layers;
-    /// usually none).
-    #[allow(clippy::box_collection)] // a pointer in every node rather than a vector's 24 bytes
-    moved: Option<Box<Vec<(LayerId, PathBuf)>>>,
+    /// Redirects and a metadata-only file's data: most objects have neither, and a pointer in
+    /// every node is what they cost.
+    rare: Option<Box<LowerRare>>,
+}
+
+/// Never empty: a `LowerRef` without either has none (equal parts compare equal).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct LowerRare {
+    /// `(layer, path)`: from `layer` down, the object is at `path` (redirects in lower layers).
+    moved: Vec<(LayerId, PathBuf)>,
     /// For a metadata-only file of kernel overlayfs: where its data is (metacopy.rs).
-    pub data: Option<Arc<LowerData>>,
+    data: Option<Arc<LowerData>>,
 }
 
 /// The layers of a [`LowerRef`], top first: one without an allocation (every lower file and
@@ -67,15 +73,14 @@ pub struct LowerRef {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Layers {
     One(LayerId),
-    Many(Vec<LayerId>),
+    Many(Box<[LayerId]>),
 }
 
 impl Layers {
     pub fn push(&mut self, layer: LayerId) {
-        match self {
-            Layers::One(first) => *self = Layers::Many(vec![*first, layer]),
-            Layers::Many(v) => v.push(layer),
-        }
+        let mut all = self.to_vec();
+        all.push(layer);
+        *self = Layers::Many(all.into_boxed_slice());
     }
 }
 
@@ -112,8 +117,7 @@ impl LowerRef {
         LowerRef {
             path: path.into(),
             layers: Layers::One(layer),
-            moved: None,
-            data: None,
+            rare: None,
         }
     }
 
@@ -123,21 +127,33 @@ impl LowerRef {
             path: path.into(),
             layers: match layers {
                 [one] => Layers::One(*one),
-                more => Layers::Many(more.to_vec()),
+                more => Layers::Many(more.into()),
             },
-            moved: None,
-            data: None,
+            rare: None,
         }
     }
 
     /// Whether lower layers' redirects send some layers to another path.
     pub fn is_moved(&self) -> bool {
-        self.moved.is_some()
+        self.rare.as_ref().is_some_and(|r| !r.moved.is_empty())
+    }
+
+    /// For a metadata-only file of kernel overlayfs: where its data is (metacopy.rs).
+    pub fn data(&self) -> Option<&Arc<LowerData>> {
+        self.rare.as_ref().and_then(|r| r.data.as_ref())
+    }
+
+    pub fn set_data(&mut self, data: Option<Arc<LowerData>>) {
+        let rare = self.rare.get_or_insert_with(Default::default);
+        rare.data = data;
+        if *rare == Default::default() {
+            self.rare = None;
+        }
     }
 
     /// Where the object's data is: its own file, or a metadata-only file's data file.
     pub fn data_at(&self) -> (LayerId, &Path) {
-        match &self.data {
+        match self.data() {
             Some(d) => (d.layer, &d.path),
             None => (self.top(), &self.path),
         }
@@ -149,9 +165,9 @@ impl LowerRef {
 
     /// The object's path in `layer`.
     pub fn path_in(&self, layer: LayerId) -> &Path {
-        self.moved
+        self.rare
             .iter()
-            .flat_map(|m| m.iter())
+            .flat_map(|r| r.moved.iter())
             .rev()
             .find(|(from, _)| *from <= layer)
             .map_or(&self.path, |(_, p)| p)
@@ -160,8 +176,9 @@ impl LowerRef {
     /// Adds `layer`, below the others, where the object is at `path`.
     pub fn push(&mut self, layer: LayerId, path: &Path) {
         if path != self.path_in(layer) {
-            self.moved
+            self.rare
                 .get_or_insert_with(Default::default)
+                .moved
                 .push((layer, path.to_owned()));
         }
         self.layers.push(layer);
@@ -343,14 +360,24 @@ pub struct NodeState {
     pub origins: bool,
     /// The shared state of open handles on this regular file, while any is open.
     pub open: Weak<OpenFile>,
+    /// For a merged directory: how many subdirectories its merged view has, plus one (its
+    /// `st_nlink` is the count plus 2), once counted (`subdirs`). Reset by `subdirs_changed`.
+    subdirs_plus_one: Option<std::num::NonZeroU32>,
+    /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
+    pub subdirs_gen: u32,
+    /// What few nodes need (`rare`, `rare_mut`): boxed, so that the rest pay a pointer for it
+    /// (docs/PERFORMANCE.md, "Memory per inode").
+    rare: Option<Box<Rare>>,
+    /// Its immutable and append-only flags (fileattr.rs `protection`), once read.
+    pub protection: Option<u32>,
+}
+
+/// The part of a node's state few nodes have (`NodeState::rare`).
+#[derive(Debug, Default)]
+pub struct Rare {
     /// Handles an execve(2) opened (`FMODE_EXEC`) and has not released: the file is a
     /// running program's text, which the kernel keeps from being written (`io.rs` `open`).
     pub executing: u32,
-    /// For a merged directory: how many subdirectories its merged view has (its `st_nlink` is
-    /// that plus 2), once counted. Reset by `subdirs_changed`.
-    pub subdirs: Option<u32>,
-    /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
-    pub subdirs_gen: u32,
     /// For a lower non-directory: how many of its names (hard links in the lower layer) this
     /// mount removed while it stayed in the lower layer. The lower file's `st_nlink` still
     /// counts them; the merged view must not.
@@ -360,16 +387,21 @@ pub struct NodeState {
     /// view, so `st_nlink` counts them beside the upper file's own.
     pub lower_names_unjoined: u64,
     /// For an object only a lower layer on a store's client holds (`Layer::on_store`): its
-    /// layer `stat` and when it was taken (`Overlay::stat_layer`). Boxed: most nodes have
-    /// none, and inline it would be a third of every node's state (docs/PERFORMANCE.md,
-    /// "Memory per inode").
-    pub store_attr: Option<Box<(crate::sys::Attr, std::time::Instant)>>,
+    /// layer `stat` and when it was taken (`Overlay::stat_layer`).
+    pub store_attr: Option<(crate::sys::Attr, std::time::Instant)>,
     /// The upper object itself, held once a removal took its last known name while the kernel
     /// still knew the node (`Overlay::pin_removed`).
-    pub pin: Option<Box<Pin>>,
-    /// Its immutable and append-only flags (fileattr.rs `protection`), once read.
-    pub protection: Option<u32>,
+    pub pin: Option<Pin>,
 }
+
+/// What `NodeState::rare` reads for a node without any.
+static NO_RARE: Rare = Rare {
+    executing: 0,
+    lower_names_gone: 0,
+    lower_names_unjoined: 0,
+    store_attr: None,
+    pin: None,
+};
 
 /// A removed upper object whose node the kernel still holds, kept: an `O_PATH` descriptor of
 /// it on a disk upper, its node on a memory upper. While it is kept the upper file system
@@ -461,8 +493,30 @@ impl Drop for Pin {
 impl NodeState {
     /// A subdirectory of this directory was made, removed or moved.
     pub fn subdirs_changed(&mut self) {
-        self.subdirs = None;
+        self.subdirs_plus_one = None;
         self.subdirs_gen = self.subdirs_gen.wrapping_add(1);
+    }
+
+    /// The directory's count of subdirectories, if counted since the last change.
+    pub fn subdirs(&self) -> Option<u32> {
+        self.subdirs_plus_one.map(|n| n.get() - 1)
+    }
+
+    /// Keeps `count` as the directory's count of subdirectories (not kept past `u32::MAX - 1`).
+    pub fn set_subdirs(&mut self, count: u64) {
+        self.subdirs_plus_one = u32::try_from(count)
+            .ok()
+            .and_then(|n| n.checked_add(1))
+            .and_then(std::num::NonZeroU32::new);
+    }
+
+    /// What few nodes have: nothing, for most.
+    pub fn rare(&self) -> &Rare {
+        self.rare.as_deref().unwrap_or(&NO_RARE)
+    }
+
+    pub fn rare_mut(&mut self) -> &mut Rare {
+        self.rare.get_or_insert_with(Default::default)
     }
 }
 
@@ -689,13 +743,9 @@ impl NodeState {
             has_origin: found.origin,
             origins: found.origins,
             open: Weak::new(),
-            executing: 0,
-            subdirs: None,
+            subdirs_plus_one: None,
             subdirs_gen: 0,
-            lower_names_gone: 0,
-            lower_names_unjoined: 0,
-            store_attr: None,
-            pin: None,
+            rare: None,
             protection: None,
         }
     }
@@ -976,7 +1026,8 @@ impl InodeTable {
             // may be another copy of that lower file, with another upper number). The kernel
             // inode of the removed name, still open perhaps, must then stay good.
             let same = if found.upper {
-                st.pin
+                st.rare()
+                    .pin
                     .as_ref()
                     .is_some_and(|p| Some(p.upper_ino) == found.upper_ino)
             } else {

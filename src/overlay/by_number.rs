@@ -424,7 +424,7 @@ impl Overlay {
         };
         if let Some(lower) = lower {
             // Only a lower file at one place (no redirect, no metacopy data elsewhere).
-            if lower.is_moved() || lower.data.is_some() {
+            if lower.is_moved() || lower.data().is_some() {
                 return None;
             }
             let target = format!("{}/{}", lower.top(), lower.path.display());
@@ -493,7 +493,7 @@ impl Overlay {
             let pin = crate::inode::Pin::take(&self.pins, || Some(object));
             if let Some(mut pin) = pin {
                 pin.orphan = Some(orphan);
-                node.state().pin = Some(Box::new(pin));
+                node.state().rare_mut().pin = Some(pin);
             }
         }
         Some(node)

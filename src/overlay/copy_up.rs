@@ -166,7 +166,12 @@ impl Overlay {
             // knows are joined now, the others join at their lookup.
             let mut st = node.state();
             let known = st.links.len() as u64;
-            st.lower_names_unjoined = lattr.nlink.saturating_sub(st.lower_names_gone + known);
+            let unjoined = lattr
+                .nlink
+                .saturating_sub(st.rare().lower_names_gone + known);
+            if unjoined != st.rare().lower_names_unjoined {
+                st.rare_mut().lower_names_unjoined = unjoined;
+            }
         }
         self.stats.copy_ups.add(1);
         self.refresh_open(node)
@@ -193,7 +198,7 @@ impl Overlay {
                     // A metadata-only lower file's bytes are its data file's (metacopy.rs),
                     // checked against its digest before anything depends on them.
                     let (data_layer, data_path) = lower.data_at();
-                    let data_attr = match &lower.data {
+                    let data_attr = match lower.data() {
                         Some(data) => {
                             drop(self.open_lower_data(lower)?);
                             self.lower_data_attr(data)?

@@ -617,7 +617,7 @@ impl Overlay {
         let Some(node) = self.inodes.get(ino) else {
             return;
         };
-        if node.state().pin.is_some() {
+        if node.state().rare().pin.is_some() {
             return;
         }
         if let Some(mut pin) = Pin::take(&self.pins, || udir.object(name).ok()) {
@@ -626,7 +626,7 @@ impl Overlay {
             if node.state().links.len() <= 1 {
                 pin.orphan = self.record_orphan(&node, Some((udir, name)));
             }
-            node.state().pin.get_or_insert(Box::new(pin));
+            node.state().rare_mut().pin.get_or_insert(pin);
         }
     }
 
@@ -639,7 +639,7 @@ impl Overlay {
         if let Some(node) = self.inodes.get(ino) {
             let mut st = node.state();
             if !st.upper && st.kind != libc::S_IFDIR {
-                st.lower_names_gone += 1;
+                st.rare_mut().lower_names_gone += 1;
                 if nlink > 1 {
                     node.keep();
                 }
@@ -650,7 +650,7 @@ impl Overlay {
             // before the removal, says), and is found by that name again.
             let named_elsewhere = self.takeovers() > 0
                 && st.upper
-                && st.pin.as_ref().is_some_and(|p| {
+                && st.rare().pin.as_ref().is_some_and(|p| {
                     p.object
                         .stat()
                         .is_ok_and(|a| a.nlink > u64::from(p.orphan.is_some()))

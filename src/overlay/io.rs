@@ -167,7 +167,7 @@ impl Overlay {
         // then fails. A local file system truncates nothing there. (Writable opens are the
         // kernel's to judge: the RELEASE of a program that has just exited may still be on
         // its way here, and `cp` over it must not fail.)
-        if truncate && !writable && node.state().executing > 0 {
+        if truncate && !writable && node.state().rare().executing > 0 {
             return Err(errno(libc::ETXTBSY));
         }
         let file = if truncate {
@@ -266,7 +266,7 @@ impl Overlay {
         let mappable = acc == libc::O_RDWR && io == crate::file::IoMode::Passthrough;
         let flushes = writable && (self.caw.is_some() && file.is_partial() || mappable);
         if exec {
-            node.state().executing += 1;
+            node.state().rare_mut().executing += 1;
         }
         if writable {
             file.writer_opens
@@ -481,7 +481,7 @@ impl Overlay {
             })?;
         let exec = flags & FMODE_EXEC != 0;
         if exec {
-            node.state().executing += 1;
+            node.state().rare_mut().executing += 1;
         }
         let handle = Handle {
             file,

@@ -69,7 +69,9 @@ impl Overlay {
                     // Joined, or joined by a lookup beside this one: look again.
                     Ok(()) => {
                         let mut st = node.state();
-                        st.lower_names_unjoined = st.lower_names_unjoined.saturating_sub(1);
+                        if st.rare().lower_names_unjoined > 0 {
+                            st.rare_mut().lower_names_unjoined -= 1;
+                        }
                         continue;
                     }
                     Err(e) if e.is(libc::EEXIST) => continue,
@@ -260,7 +262,7 @@ impl Overlay {
             && st.upper
             && !st.unlinked
             && !st.has_origin
-            && st.pin.is_none()
+            && st.rare().pin.is_none()
             && !st.links.is_empty();
         known.then(|| Found {
             ino: node.ino,
@@ -353,7 +355,7 @@ impl Overlay {
                     if !attr.is_dir() {
                         if attr.is_reg() {
                             // A metadata-only file: its data lies below (metacopy.rs).
-                            lower.data = self.lower_data(layer, &path)?;
+                            lower.set_data(self.lower_data(layer, &path)?);
                         }
                         return Ok(Some((attr, lower)));
                     }

@@ -35,7 +35,7 @@ impl Overlay {
         };
         if !upper {
             let lower = lower.ok_or_else(|| errno(libc::ENOENT))?;
-            if self.layers.layer(lower.top()).on_store && lower.data.is_none() {
+            if self.layers.layer(lower.top()).on_store && lower.data().is_none() {
                 return Ok(FileData::Unopened(lower.top(), lower.path.into()));
             }
             return Ok(FileData::Lower(self.open_lower_data(&lower)?));
@@ -247,7 +247,7 @@ impl Overlay {
     pub(super) fn open_lower_data(&self, lower: &LowerRef) -> Result<Source> {
         let (layer, path) = lower.data_at();
         let src = self.open_lower_source(layer, path)?;
-        if let (Some(data), Source::File(fd)) = (&lower.data, &src) {
+        if let (Some(data), Source::File(fd)) = (lower.data(), &src) {
             self.check_verity(data, fd.as_fd())?;
         }
         Ok(src)

@@ -25,9 +25,17 @@ impl Overlay {
         let (unlinked, merged_dir, lower_names_gone, unjoined, data) = {
             let st = node.state();
             let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
-            let gone = if st.upper { 0 } else { st.lower_names_gone };
-            let unjoined = if st.upper { st.lower_names_unjoined } else { 0 };
-            let data = st.lower.as_ref().and_then(|l| l.data.clone());
+            let gone = if st.upper {
+                0
+            } else {
+                st.rare().lower_names_gone
+            };
+            let unjoined = if st.upper {
+                st.rare().lower_names_unjoined
+            } else {
+                0
+            };
+            let data = st.lower.as_ref().and_then(|l| l.data().cloned());
             let data = data.filter(|_| !st.upper);
             (
                 st.unlinked,
