@@ -6,28 +6,50 @@ const BUFFER_SIZE: usize = MAX_WRITE_SIZE + 4096;
 
 /// A buffer for one request from the kernel, page-aligned (so aligned for
 /// `fuse_in_header`).
-///
-/// mosaicfs patch: the buffer is an anonymous mapping of its own rather than a zeroed
-/// `Vec`. A worker's 16 MiB buffer in the allocator's heap was cleared page by page whenever
-/// it reused freed heap memory (calloc), and grew the heap past the arenas' 64 MiB regions:
-/// resident memory that only WRITEs of that size need. A mapping's pages stay untouched, and
-/// so not resident, until a request fills them.
 #[derive(Debug)]
 pub(crate) struct FuseReadBuf {
-    ptr: std::ptr::NonNull<u8>,
+    buffer: MappedBuf,
 }
-
-// SAFETY: the mapping is owned by this value alone, like a `Vec`'s memory.
-unsafe impl Send for FuseReadBuf {}
 
 impl FuseReadBuf {
     /// Creates a new `FuseReadBuf` of `BUFFER_SIZE` bytes.
     pub(crate) fn new() -> Self {
+        Self {
+            buffer: MappedBuf::new(BUFFER_SIZE),
+        }
+    }
+
+    /// The whole buffer.
+    pub(crate) fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.buffer
+    }
+}
+
+/// mosaicfs patch: a zeroed buffer in an anonymous mapping of its own, for the buffers a
+/// worker keeps for the session's life (its request buffer, an io_uring entry's payload). As a
+/// zeroed `Vec` such a buffer was `calloc`ed, which clears whatever part of a chunk it carves
+/// from freed heap memory: a 16 MiB request buffer made resident that way, and the buffers
+/// grew the allocator's arenas past their 64 MiB regions. A mapping's pages stay untouched,
+/// and so not resident, until a request fills them.
+#[derive(Debug)]
+pub(crate) struct MappedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value alone, like a `Vec`'s memory.
+unsafe impl Send for MappedBuf {}
+// SAFETY: shared references only read it, like a `Vec`'s.
+unsafe impl Sync for MappedBuf {}
+
+impl MappedBuf {
+    /// `len` zeroed bytes (at least one page is mapped).
+    pub(crate) fn new(len: usize) -> Self {
         // SAFETY: a fresh private anonymous mapping, unmapped in `drop`.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                BUFFER_SIZE,
+                len.max(1),
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -36,27 +58,37 @@ impl FuseReadBuf {
         };
         assert!(
             ptr != libc::MAP_FAILED,
-            "cannot map a FUSE request buffer: {}",
+            "cannot map a FUSE buffer of {len} bytes: {}",
             std::io::Error::last_os_error()
         );
         Self {
             ptr: std::ptr::NonNull::new(ptr.cast()).expect("mmap gave a null pointer"),
+            len,
         }
-    }
-
-    /// The whole buffer (zeroed by the kernel where never written).
-    pub(crate) fn as_mut(&mut self) -> &mut [u8] {
-        // SAFETY: the mapping is BUFFER_SIZE bytes, readable and writable, and borrowed
-        // mutably through `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), BUFFER_SIZE) }
     }
 }
 
-impl Drop for FuseReadBuf {
+impl std::ops::Deref for MappedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes, alive as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for MappedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len` writable bytes, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for MappedBuf {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, no longer borrowed.
         unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), BUFFER_SIZE);
+            libc::munmap(self.ptr.as_ptr().cast(), self.len.max(1));
         }
     }
 }
+

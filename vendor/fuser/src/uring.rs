@@ -385,7 +385,7 @@ pub(crate) struct RingEntry {
     ring: Ring,
     header: Box<ReqHeader>,
     /// `PREFIX` bytes, then the payload buffer registered with the kernel.
-    buf: Vec<u8>,
+    buf: crate::read_buf::MappedBuf,
     iov: Box<[libc::iovec; 2]>,
     /// The /dev/fuse descriptor. Not a fixed file of the ring: the ring would hold the file
     /// (and with it the kernel's passthrough backing files) until its asynchronous teardown,
@@ -414,7 +414,7 @@ impl RingEntry {
             op_in: [0; OP_IN_OUT_SZ],
             ent: EntInOut::default(),
         });
-        let mut buf = vec![0u8; PREFIX + payload];
+        let mut buf = crate::read_buf::MappedBuf::new(PREFIX + payload);
         let iov = Box::new([
             libc::iovec {
                 iov_base: (&mut *header as *mut ReqHeader).cast(),
