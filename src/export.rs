@@ -131,7 +131,7 @@ fn plan_lower_links(plan: &mut Plan) -> FsResult<()> {
         if let Item::Object(node) = item {
             let st = node.state();
             if st.kind == libc::S_IFREG && st.upper && st.has_origin {
-                wanted.insert(node.st_ino, node.clone());
+                wanted.insert(node.st_ino(), node.clone());
             }
         }
     }

@@ -909,7 +909,7 @@ impl Overlay {
         attr.file_type() == st.kind
             && (st.has_origin
                 || node.ino == ROOT_INO
-                || self.map_ino(UPPER, attr.ino) == node.st_ino)
+                || self.map_ino(UPPER, attr.ino) == node.st_ino())
     }
 
     /// The `stat` of an object only a lower layer on a store's client holds, as taken within

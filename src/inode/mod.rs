@@ -53,53 +53,23 @@ pub const ROOT_INO: Ino = 1;
 pub struct LowerRef {
     /// The path in the top layer.
     pub path: Box<Path>,
-    pub layers: Layers,
-    /// Redirects and a metadata-only file's data: most objects have neither, and a pointer in
-    /// every node is what they cost.
+    /// The top layer holding it (`layers`: every one).
+    top: LayerId,
+    /// The layers below the top one, redirects and a metadata-only file's data: most objects
+    /// have none of them (every lower file, most directories), and a pointer in every node is
+    /// what they cost.
     rare: Option<Box<LowerRare>>,
 }
 
-/// Never empty: a `LowerRef` without either has none (equal parts compare equal).
+/// Never empty: a `LowerRef` without any has none (equal parts compare equal).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct LowerRare {
+    /// Every layer, top first, when there are more than one (empty otherwise).
+    layers: Vec<LayerId>,
     /// `(layer, path)`: from `layer` down, the object is at `path` (redirects in lower layers).
     moved: Vec<(LayerId, PathBuf)>,
     /// For a metadata-only file of kernel overlayfs: where its data is (metacopy.rs).
     data: Option<Arc<LowerData>>,
-}
-
-/// The layers of a [`LowerRef`], top first: one without an allocation (every lower file and
-/// most directories), more in a vector.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Layers {
-    One(LayerId),
-    Many(Box<[LayerId]>),
-}
-
-impl Layers {
-    pub fn push(&mut self, layer: LayerId) {
-        let mut all = self.to_vec();
-        all.push(layer);
-        *self = Layers::Many(all.into_boxed_slice());
-    }
-}
-
-impl std::ops::Deref for Layers {
-    type Target = [LayerId];
-    fn deref(&self) -> &[LayerId] {
-        match self {
-            Layers::One(l) => std::slice::from_ref(l),
-            Layers::Many(v) => v,
-        }
-    }
-}
-
-impl<'a> IntoIterator for &'a Layers {
-    type Item = &'a LayerId;
-    type IntoIter = std::slice::Iter<'a, LayerId>;
-    fn into_iter(self) -> Self::IntoIter {
-        self.iter()
-    }
 }
 
 /// Where the data of a metadata-only lower file is, and the fs-verity digest its metadata
@@ -116,20 +86,28 @@ impl LowerRef {
     pub fn new(path: impl Into<Box<Path>>, layer: LayerId) -> LowerRef {
         LowerRef {
             path: path.into(),
-            layers: Layers::One(layer),
+            top: layer,
             rare: None,
         }
     }
 
     /// The lower part of a directory `layers` (top first, at least one) make at `path`.
     pub fn in_layers(path: impl Into<Box<Path>>, layers: &[LayerId]) -> LowerRef {
-        LowerRef {
-            path: path.into(),
-            layers: match layers {
-                [one] => Layers::One(*one),
-                more => Layers::Many(more.into()),
-            },
-            rare: None,
+        let mut l = LowerRef::new(path, layers[0]);
+        if layers.len() > 1 {
+            l.rare = Some(Box::new(LowerRare {
+                layers: layers.to_vec(),
+                ..Default::default()
+            }));
+        }
+        l
+    }
+
+    /// Every layer holding the object, top first.
+    pub fn layers(&self) -> &[LayerId] {
+        match &self.rare {
+            Some(r) if !r.layers.is_empty() => &r.layers,
+            _ => std::slice::from_ref(&self.top),
         }
     }
 
@@ -160,7 +138,7 @@ impl LowerRef {
     }
 
     pub fn top(&self) -> LayerId {
-        self.layers[0]
+        self.top
     }
 
     /// The object's path in `layer`.
@@ -181,7 +159,10 @@ impl LowerRef {
                 .moved
                 .push((layer, path.to_owned()));
         }
-        self.layers.push(layer);
+        let all = self.layers().to_vec();
+        let rare = self.rare.get_or_insert_with(Default::default);
+        rare.layers = all;
+        rare.layers.push(layer);
     }
 }
 
@@ -364,12 +345,13 @@ pub struct NodeState {
     /// `st_nlink` is the count plus 2), once counted (`subdirs`). Reset by `subdirs_changed`.
     subdirs_plus_one: Option<std::num::NonZeroU32>,
     /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
-    pub subdirs_gen: u32,
+    pub subdirs_gen: u16,
     /// What few nodes need (`rare`, `rare_mut`): boxed, so that the rest pay a pointer for it
     /// (docs/PERFORMANCE.md, "Memory per inode").
     rare: Option<Box<Rare>>,
-    /// Its immutable and append-only flags (fileattr.rs `protection`), once read.
-    pub protection: Option<u32>,
+    /// Its immutable and append-only flags (fileattr.rs `protection`), once read: see
+    /// `protection`.
+    protection: u8,
 }
 
 /// The part of a node's state few nodes have (`NodeState::rare`).
@@ -393,6 +375,9 @@ pub struct Rare {
     /// still knew the node (`Overlay::pin_removed`).
     pub pin: Option<Pin>,
 }
+
+/// `NodeState::protection`: the flags were read (the low four bits are flags 4-7).
+const PROTECTION_KNOWN: u8 = 0x80;
 
 /// What `NodeState::rare` reads for a node without any.
 static NO_RARE: Rare = Rare {
@@ -510,6 +495,17 @@ impl NodeState {
             .and_then(std::num::NonZeroU32::new);
     }
 
+    /// The immutable and append-only flags (`FS_IMMUTABLE_FL`, `FS_APPEND_FL`: bits 4 and
+    /// 5), once known.
+    pub fn protection(&self) -> Option<u32> {
+        (self.protection & PROTECTION_KNOWN != 0).then(|| u32::from(self.protection & 0x0f) << 4)
+    }
+
+    pub fn set_protection(&mut self, flags: Option<u32>) {
+        debug_assert!(flags.is_none_or(|f| f & !0xf0 == 0), "{flags:?}");
+        self.protection = flags.map_or(0, |f| PROTECTION_KNOWN | ((f >> 4) & 0x0f) as u8);
+    }
+
     /// What few nodes have: nothing, for most.
     pub fn rare(&self) -> &Rare {
         self.rare.as_deref().unwrap_or(&NO_RARE)
@@ -523,12 +519,13 @@ impl NodeState {
 pub struct Node {
     /// The FUSE node id: the table's key and the kernel's name for this inode.
     pub ino: Ino,
-    /// The inode number `stat` shows: `ino`, except for a second identity (see `retire`).
-    pub st_ino: Ino,
-    /// Bumped when the number is reused for a new object while the kernel may still hold the
-    /// old one (upper file systems reuse inode numbers): the kernel tells the two apart by
-    /// (nodeid, generation), and would otherwise take the new directory for the dead one.
-    generation: AtomicU64,
+    /// For an object's own node id, its generation (`generation`): bumped when the number is
+    /// reused for a new object while the kernel may still hold the old one (upper file
+    /// systems reuse inode numbers), as the kernel tells the two apart by (nodeid,
+    /// generation) and would otherwise take the new directory for the dead one. For a second
+    /// identity (see `retire`), whose generation is always 0: the object's own number, which
+    /// `stat` shows (`st_ino`). One field for both keeps the node in 72 bytes.
+    generation_or_number: AtomicU64,
     /// The state, and the lock serialising copy-up of the object: shared by every identity of
     /// one object, in one allocation.
     shared: Arc<Shared>,
@@ -538,7 +535,7 @@ pub struct Node {
     pub entries: ChangeSeq,
     /// How the kernel inode behind this node id does I/O (its passthrough binding), made at
     /// its first open (`io`): most nodes are never opened (directories, files only looked at).
-    io: std::sync::OnceLock<Box<NodeIo>>,
+    io: once_cell::race::OnceBox<NodeIo>,
     /// `SELF`, `RETIRED` or the node id of this object's second identity. Changed only under
     /// the write lock of this node's shard.
     current: AtomicU64,
@@ -596,8 +593,7 @@ impl Node {
     fn new(ino: Ino, generation: u64, state: NodeState) -> Node {
         Node {
             ino,
-            st_ino: ino,
-            generation: AtomicU64::new(generation),
+            generation_or_number: AtomicU64::new(generation),
             shared: Arc::new(Shared {
                 state: Mutex::new(state),
                 copy_up: Mutex::new(()),
@@ -614,10 +610,10 @@ impl Node {
 
     /// A second identity of this object under node id `ino`: same state, own kernel inode.
     fn alias(&self, ino: Ino) -> Node {
+        debug_assert!(ino >= ALIAS_BASE);
         Node {
             ino,
-            st_ino: self.st_ino,
-            generation: AtomicU64::new(0),
+            generation_or_number: AtomicU64::new(self.st_ino()),
             shared: self.shared.clone(),
             lookups: AtomicU64::new(1),
             entries: ChangeSeq::default(),
@@ -694,7 +690,20 @@ impl Node {
     }
 
     pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Relaxed)
+        if self.is_alias() {
+            0
+        } else {
+            self.generation_or_number.load(Ordering::Relaxed)
+        }
+    }
+
+    /// The inode number `stat` shows: `ino`, except for a second identity (see `retire`).
+    pub fn st_ino(&self) -> Ino {
+        if self.is_alias() {
+            self.generation_or_number.load(Ordering::Relaxed)
+        } else {
+            self.ino
+        }
     }
 
     pub fn is_dir(&self) -> bool {
@@ -715,7 +724,7 @@ impl Node {
 
     /// Whether this is a second identity (never bound to a lower file).
     pub fn is_alias(&self) -> bool {
-        self.ino != self.st_ino
+        self.ino >= ALIAS_BASE
     }
 
     /// Whether lookups of this object name another node id now (`retire`): opens still made
@@ -746,7 +755,7 @@ impl NodeState {
             subdirs_plus_one: None,
             subdirs_gen: 0,
             rare: None,
-            protection: None,
+            protection: 0,
         }
     }
 }
@@ -1037,13 +1046,13 @@ impl InodeTable {
             if !node.is_alias() && reused {
                 // A new object under a number the old one left behind.
                 let old = node.generation();
-                node.generation.store(
+                node.generation_or_number.store(
                     next_generation(Some(old), found.generation),
                     Ordering::Relaxed,
                 );
                 st.open = Weak::new();
                 st.links.clear();
-                st.protection = None;
+                st.set_protection(None);
             }
             if st.upper != found.upper || st.lower != found.lower || st.links.is_empty() {
                 st.subdirs_changed();
@@ -1199,7 +1208,7 @@ impl InodeTable {
         let ino = self.next_alias.fetch_add(1, Ordering::Relaxed);
         if let Some(records) = self.alias_records.get() {
             let at = (ino - ALIAS_BASE) * 8;
-            if let Err(e) = rustix::io::pwrite(&**records, &primary.st_ino.to_le_bytes(), at) {
+            if let Err(e) = rustix::io::pwrite(&**records, &primary.st_ino().to_le_bytes(), at) {
                 log::warn!(
                     "cannot record node id {ino} in the work dir ({e}): a daemon that takes \
                      the mount over answers ESTALE for it"
@@ -1345,12 +1354,12 @@ impl InodeTable {
                 return Some(removed);
             }
             drop(shard);
-            let mut shard = self.write(removed.st_ino);
-            if let Some(p) = shard.nodes.get(&removed.st_ino)
+            let mut shard = self.write(removed.st_ino());
+            if let Some(p) = shard.nodes.get(&removed.st_ino())
                 && p.current.load(Ordering::Relaxed) == removed.ino
             {
                 if p.lookups.load(Ordering::Relaxed) == 0 {
-                    shard.nodes.remove(&removed.st_ino);
+                    shard.nodes.remove(&removed.st_ino());
                 } else {
                     // The first kernel inode may still be bound to its backing file.
                     p.current.store(RETIRED, Ordering::Relaxed);

@@ -140,7 +140,7 @@ impl Overlay {
         while let Some((want, name)) = chain.pop() {
             match self.lookup_name(dir.ino, &name) {
                 // The object itself, possibly under a node id of its own (`fresh_file_ids`).
-                Ok((node, _)) if node.st_ino == want => {
+                Ok((node, _)) if node.st_ino() == want => {
                     self.inodes.hold_parent(&node, dir.ino);
                     dir = node;
                 }

@@ -255,7 +255,7 @@ impl Overlay {
                 self.store_protection(work, Some(tmp), protection)?;
             }
         }
-        let origin = node.st_ino.to_string();
+        let origin = node.st_ino().to_string();
         let key = OsStr::new(&self.layers.xattr.origin);
         if let Err(e) = work.set_xattr(Some(tmp), key, origin.as_bytes(), 0) {
             // user.* xattrs cannot sit on symlinks or devices: their inode number then changes

@@ -129,7 +129,7 @@ impl Overlay {
             generation: attr.stable_generation(),
         };
         let node = self.inodes.remember_new(parent, name, &found);
-        node.state().protection = Some(0);
+        node.state().set_protection(Some(0));
         let attr = self.present(&node, attr);
         Ok((node, attr))
     }
@@ -368,7 +368,7 @@ impl Overlay {
             generation: attr.stable_generation(),
         };
         let node = self.inodes.remember_unnamed(&found);
-        node.state().protection = Some(0);
+        node.state().set_protection(Some(0));
         // Held until the handle holds it: an unnamed file cannot be reopened by path.
         let _file = self.adopt_open_file(&node, crate::file::FileData::Upper(file));
         let opened = self.open(node.ino, flags & !(libc::O_TMPFILE | libc::O_TRUNC), None)?;
@@ -415,7 +415,7 @@ impl Overlay {
             // A linked O_TMPFILE is the same object, now with a name: not a new generation.
             st.unlinked = false;
             Found {
-                ino: node.st_ino,
+                ino: node.st_ino(),
                 kind: st.kind,
                 upper: true,
                 lower: st.lower.clone(),

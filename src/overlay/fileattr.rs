@@ -145,7 +145,7 @@ impl Overlay {
     pub fn protection(&self, node: &Node) -> Result<u32> {
         let (known, upper, kind) = {
             let st = node.state();
-            (st.protection, st.upper, st.kind)
+            (st.protection(), st.upper, st.kind)
         };
         if let Some(p) = known {
             return Ok(p);
@@ -160,7 +160,10 @@ impl Overlay {
                 false => inode_protection(dir, name),
             })
         })?;
-        node.state().protection.get_or_insert(p);
+        let mut st = node.state();
+        if st.protection().is_none() {
+            st.set_protection(Some(p));
+        }
         Ok(p)
     }
 
@@ -284,7 +287,7 @@ impl Overlay {
             set_real(dir.view(), name.as_deref())?;
             self.store_protection(&dir, name.as_deref(), protection)
         })?;
-        node.state().protection = Some(protection);
+        node.state().set_protection(Some(protection));
         // The change moved the object's ctime, which no reply to an ioctl carries.
         self.attrs_changed_behind(node.ino);
         Ok(())

@@ -93,7 +93,7 @@ impl Overlay {
         // Only a copied-up file can be partial and wait in the completion queue (whose lock is
         // the mount's: lower files and files made in the upper layer never take it here).
         if let Some(f) = copied_up
-            .then(|| self.completer.find(node.st_ino))
+            .then(|| self.completer.find(node.st_ino()))
             .flatten()
         {
             let mut st = node.state();
@@ -110,7 +110,7 @@ impl Overlay {
         if let Some(f) = st.open.upgrade() {
             return Ok(f);
         }
-        let f = Arc::new(OpenFile::new(node.st_ino, data));
+        let f = Arc::new(OpenFile::new(node.st_ino(), data));
         st.open = Arc::downgrade(&f);
         drop(st);
         if partial {
@@ -121,7 +121,7 @@ impl Overlay {
 
     /// Makes `data` the open state of `node` (an O_TMPFILE, which has no path to open by).
     pub(super) fn adopt_open_file(&self, node: &Node, data: FileData) -> Arc<OpenFile> {
-        let f = Arc::new(OpenFile::new(node.st_ino, data));
+        let f = Arc::new(OpenFile::new(node.st_ino(), data));
         node.state().open = Arc::downgrade(&f);
         f
     }
@@ -149,7 +149,7 @@ impl Overlay {
         // (takeover.rs): the kernel looks the name up again and opens the object under a node
         // id of this daemon's (`InodeTable::fresh_file_ids`).
         if self.inodes.fresh_files() && node.from_before(self.inodes.first_alias()) {
-            if let Some(primary) = self.inodes.get(node.st_ino) {
+            if let Some(primary) = self.inodes.get(node.st_ino()) {
                 self.inodes.retire(&primary);
             }
             return Err(errno(libc::ESTALE));
@@ -422,7 +422,7 @@ impl Overlay {
         }
         log::info!(
             "open of inode {} refused: its kernel inode is read through passthrough",
-            node.st_ino
+            node.st_ino()
         );
         errno(libc::ETXTBSY)
     }

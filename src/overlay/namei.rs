@@ -283,7 +283,7 @@ impl Overlay {
         name: &OsStr,
     ) -> Result<Option<(Attr, LowerRef)>> {
         let candidates = dir
-            .layers
+            .layers()
             .iter()
             .map(|&l| (l, dir.path_in(l).join(name)))
             .collect();

@@ -367,7 +367,7 @@ impl Overlay {
             }
         }
         if let Some(lower) = &view.lower {
-            for &layer in &lower.layers {
+            for &layer in lower.layers() {
                 let path = lower.path_in(layer);
                 let _waiting = crate::lower_wait::enter(layer)?;
                 let (objects, whiteouts) =

@@ -21,10 +21,10 @@ impl Overlay {
     /// The merged view's attributes of `node`: its own inode number, overlay nlink rules, the
     /// id mapping and squashing options.
     pub fn present(&self, node: &Node, mut a: Attr) -> Attr {
-        a.ino = node.st_ino;
+        a.ino = node.st_ino();
         let (unlinked, merged_dir, lower_names_gone, unjoined, data) = {
             let st = node.state();
-            let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers.len());
+            let layers = st.upper as usize + st.lower.as_ref().map_or(0, |l| l.layers().len());
             let gone = if st.upper {
                 0
             } else {
