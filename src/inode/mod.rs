@@ -248,79 +248,96 @@ impl std::fmt::Debug for Name {
 }
 
 /// The names of an inode, in order (the first builds its upper path). Every node holds one
-/// and nearly all have one name, kept without an allocation of its own beside the name's; the
-/// others, for hard links, in a boxed vector (docs/PERFORMANCE.md, "Memory per inode").
+/// and nearly all have one name, kept without an allocation of its own beside the name's;
+/// two or more, for hard links, in a boxed vector (docs/PERFORMANCE.md, "Memory per inode").
+/// The three cases fit in the 32 bytes of one name (the name's tag leaves room for the
+/// others).
 #[derive(Debug, Default)]
-pub struct Links {
-    first: Option<Link>,
+pub enum Links {
+    #[default]
+    None,
+    One(Link),
+    /// Never fewer than two.
     #[allow(clippy::box_collection)] // a pointer in every node rather than a vector's 24 bytes
-    more: Option<Box<Vec<Link>>>,
+    Many(Box<Vec<Link>>),
 }
 
 impl Links {
+    fn as_slice(&self) -> &[Link] {
+        match self {
+            Links::None => &[],
+            Links::One(l) => std::slice::from_ref(l),
+            Links::Many(v) => v,
+        }
+    }
+
     pub fn first(&self) -> Option<&Link> {
-        self.first.as_ref()
+        self.as_slice().first()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.first.is_none()
+        matches!(self, Links::None)
     }
 
     pub fn len(&self) -> usize {
-        self.iter().count()
+        self.as_slice().len()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Link> {
-        self.first
-            .iter()
-            .chain(self.more.iter().flat_map(|m| m.iter()))
+        self.as_slice().iter()
     }
 
     /// Adds a name after the others.
     pub fn push(&mut self, link: Link) {
-        match self.first {
-            None => self.first = Some(link),
-            Some(_) => self.more.get_or_insert_with(Default::default).push(link),
-        }
+        *self = match std::mem::take(self) {
+            Links::None => Links::One(link),
+            Links::One(l) => Links::Many(Box::new(vec![l, link])),
+            Links::Many(mut v) => {
+                v.push(link);
+                Links::Many(v)
+            }
+        };
     }
 
     /// Adds a name before the others: the one to build the upper path from.
     pub fn push_first(&mut self, link: Link) {
-        if let Some(old) = self.first.replace(link) {
-            self.more
-                .get_or_insert_with(Default::default)
-                .insert(0, old);
-        }
+        *self = match std::mem::take(self) {
+            Links::None => Links::One(link),
+            Links::One(l) => Links::Many(Box::new(vec![link, l])),
+            Links::Many(mut v) => {
+                v.insert(0, link);
+                Links::Many(v)
+            }
+        };
     }
 
     /// Moves the name at `pos` (in `iter` order) to the front.
     pub fn make_first(&mut self, pos: usize) {
-        if pos == 0 {
-            return;
-        }
-        if let (Some(first), Some(more)) = (&mut self.first, &mut self.more) {
-            std::mem::swap(first, &mut more[pos - 1]);
+        if let Links::Many(v) = self
+            && pos < v.len()
+        {
+            v.swap(0, pos);
         }
     }
 
     /// Keeps the names `keep` accepts, in order.
     pub fn retain(&mut self, mut keep: impl FnMut(&Link) -> bool) {
-        if self.first.as_ref().is_some_and(|l| !keep(l)) {
-            self.first = None;
-        }
-        if let Some(more) = &mut self.more {
-            more.retain(|l| keep(l));
-            if self.first.is_none() && !more.is_empty() {
-                self.first = Some(more.remove(0));
+        *self = match std::mem::take(self) {
+            Links::One(l) if keep(&l) => Links::One(l),
+            Links::Many(mut v) => {
+                v.retain(|l| keep(l));
+                match v.len() {
+                    0 => Links::None,
+                    1 => Links::One(v.remove(0)),
+                    _ => Links::Many(v),
+                }
             }
-            if more.is_empty() {
-                self.more = None;
-            }
-        }
+            _ => Links::None,
+        };
     }
 
     pub fn clear(&mut self) {
-        *self = Links::default();
+        *self = Links::None;
     }
 }
 
@@ -526,9 +543,11 @@ pub struct Node {
     /// identity (see `retire`), whose generation is always 0: the object's own number, which
     /// `stat` shows (`st_ino`). One field for both keeps the node in 72 bytes.
     generation_or_number: AtomicU64,
-    /// The state, and the lock serialising copy-up of the object: shared by every identity of
-    /// one object, in one allocation.
-    shared: Arc<Shared>,
+    /// The state, and the lock serialising copy-up of the object, inline: the node is one
+    /// allocation. A second identity uses its primary's (`primary`) and leaves its own unused.
+    shared: Shared,
+    /// For a second identity: the object's own node, whose state every identity shares.
+    primary: Option<Arc<Node>>,
     lookups: AtomicU64,
     /// For a directory: changes to its entries (see the top of this file). A second identity
     /// (`retire`, regular files only) has its own, unused.
@@ -594,10 +613,11 @@ impl Node {
         Node {
             ino,
             generation_or_number: AtomicU64::new(generation),
-            shared: Arc::new(Shared {
+            shared: Shared {
                 state: Mutex::new(state),
                 copy_up: Mutex::new(()),
-            }),
+            },
+            primary: None,
             lookups: AtomicU64::new(0),
             entries: ChangeSeq::default(),
             io: Default::default(),
@@ -609,12 +629,26 @@ impl Node {
     }
 
     /// A second identity of this object under node id `ino`: same state, own kernel inode.
-    fn alias(&self, ino: Ino) -> Node {
-        debug_assert!(ino >= ALIAS_BASE);
+    fn alias(self: &Arc<Node>, ino: Ino) -> Node {
+        debug_assert!(ino >= ALIAS_BASE && !self.is_alias());
+        let unused = NodeState::new(&Found {
+            ino,
+            kind: 0,
+            upper: false,
+            lower: None,
+            origin: false,
+            origins: false,
+            upper_ino: None,
+            generation: None,
+        });
         Node {
             ino,
             generation_or_number: AtomicU64::new(self.st_ino()),
-            shared: self.shared.clone(),
+            shared: Shared {
+                state: Mutex::new(unused),
+                copy_up: Mutex::new(()),
+            },
+            primary: Some(self.clone()),
             lookups: AtomicU64::new(1),
             entries: ChangeSeq::default(),
             io: Default::default(),
@@ -666,8 +700,16 @@ impl Node {
         self.io.get_or_init(Box::default)
     }
 
+    /// What every identity of the object shares: the primary's.
+    fn shared(&self) -> &Shared {
+        self.primary.as_ref().map_or(&self.shared, |p| &p.shared)
+    }
+
     pub fn state(&self) -> MutexGuard<'_, NodeState> {
-        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared()
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn kind(&self) -> u32 {
@@ -676,7 +718,7 @@ impl Node {
 
     /// Serialises copy-up of this object (held across the copy, unlike the state's lock).
     pub fn copy_up_lock(&self) -> MutexGuard<'_, ()> {
-        self.shared
+        self.shared()
             .copy_up
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1193,7 +1235,7 @@ impl InodeTable {
 
     /// A node for second identity `ino` of `primary`, made by an earlier daemon, counted once
     /// for the kernel's references (takeover.rs). The primary's own identity is left as it is.
-    pub fn adopt_alias(&self, primary: &Node, ino: Ino) -> Arc<Node> {
+    pub fn adopt_alias(&self, primary: &Arc<Node>, ino: Ino) -> Arc<Node> {
         let mut shard = self.write(ino);
         if let Some(n) = shard.nodes.get(&ino) {
             return n.clone();
@@ -1204,7 +1246,7 @@ impl InodeTable {
     }
 
     /// Makes a new second identity of `primary` and records it (`set_alias_records`).
-    fn new_alias(&self, primary: &Node) -> Arc<Node> {
+    fn new_alias(&self, primary: &Arc<Node>) -> Arc<Node> {
         let ino = self.next_alias.fetch_add(1, Ordering::Relaxed);
         if let Some(records) = self.alias_records.get() {
             let at = (ino - ALIAS_BASE) * 8;
