@@ -802,6 +802,17 @@ impl NodeState {
     }
 }
 
+/// Gives back most of a shard's room once it holds an eighth of what it could: a hash map
+/// keeps its peak capacity, which after the kernel forgot a walk of 100,000 files was 2 MiB of
+/// empty tables. Shrunk to twice what it holds, it grows again only after as many more
+/// inserts as half of that, so a table going up and down costs a rehash now and then.
+fn shrink_when_emptied<V>(map: &mut HashMap<Ino, V>) {
+    const KEEP: usize = 128;
+    if map.capacity() > KEEP && map.len() * 8 < map.capacity() {
+        map.shrink_to((map.len() * 2).max(KEEP));
+    }
+}
+
 /// What a lookup found, to be recorded in the table.
 #[derive(Debug, Clone)]
 pub struct Found {
@@ -877,13 +888,15 @@ pub enum Seen {
     Unknown,
 }
 
-/// Records of forgotten nodes kept per shard, at most: 32,768 over all shards, about 2 MB. A
-/// full shard is emptied (a handle of what it held is then found by a scan of the tree).
+/// Records of forgotten nodes kept per shard, at most: 28,672 over all shards, about 1.8 MB.
+/// A full shard is emptied (a handle of what it held is then found by a scan of the tree).
 /// Sized so that a daemon reaches its steady memory quickly: at 2,048 per shard (9 MB) the
 /// records took ten minutes of churn to fill and the daemon's RSS grew by half meanwhile
 /// (bench/soak.py, docs/PERFORMANCE.md "Memory per inode"), while handles of forgotten
-/// objects past a few thousand are rare (an NFS export after `drop_caches`).
-const DEPARTED_PER_SHARD: usize = 512;
+/// objects past a few thousand are rare (an NFS export after `drop_caches`). 448 is what a
+/// hash map of 512 buckets holds (seven eighths): at 512 records each shard's map doubled to
+/// 1,024 buckets, 3.7 MB in all.
+const DEPARTED_PER_SHARD: usize = 448;
 
 pub struct InodeTable {
     shards: Box<[Shard]>,
@@ -1391,6 +1404,7 @@ impl InodeTable {
                 .nodes
                 .remove(&ino)
                 .expect("held under the shard's lock");
+            shrink_when_emptied(&mut shard.nodes);
             if !removed.is_alias() {
                 self.depart(&mut shard, ino, place, removed.generation());
                 return Some(removed);

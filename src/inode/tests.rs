@@ -271,3 +271,25 @@ fn names_short_and_long_read_back_as_given() {
     }
     assert_ne!(Name::new("ab".as_ref()), Name::new("abc".as_ref()));
 }
+
+#[test]
+fn a_shard_gives_back_its_room_once_it_empties() {
+    let mut m: HashMap<Ino, u8> = (0..10_000).map(|i| (i, 0)).collect();
+    let peak = m.capacity();
+    for i in 0..5_000 {
+        m.remove(&i);
+        shrink_when_emptied(&mut m);
+    }
+    assert!(
+        m.capacity() > 12_000,
+        "half full, the room stays: {} of {peak}",
+        m.capacity()
+    );
+    for i in 5_000..9_990 {
+        m.remove(&i);
+        shrink_when_emptied(&mut m);
+    }
+    assert_eq!(m.len(), 10);
+    assert!(m.capacity() <= 256, "{} of {peak} left", m.capacity());
+    assert!((9_990..10_000).all(|i| m.contains_key(&i)));
+}
