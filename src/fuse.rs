@@ -440,6 +440,13 @@ impl Filesystem for MosaicFs {
         self.core.forget(ino.0, nlookup);
     }
 
+    fn batch_forget(&self, _req: &Request, nodes: &[fuser::ForgetOne]) {
+        for n in nodes {
+            self.core.forget(n.nodeid().0, n.nlookup());
+        }
+        self.core.forgets_done();
+    }
+
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self
             .core

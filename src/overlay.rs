@@ -436,6 +436,12 @@ impl Overlay {
         self.inodes.forget(ino, n);
     }
 
+    /// A batch of FORGETs is done: memory the forgotten nodes held goes back to the system
+    /// when it is much (inode/mod.rs `give_back_after_forgets`).
+    pub fn forgets_done(&self) {
+        crate::inode::give_back_after_forgets();
+    }
+
     /// The access rules of `ino` changed (its mode or ACL): the kernel drops its entry when
     /// `ino` is a directory (`Node::entry_dropped`), to check access again at the next lookup.
     pub fn access_changed(&self, ino: Ino) {

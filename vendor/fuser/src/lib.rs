@@ -33,7 +33,9 @@ use serde::Serialize;
 
 pub use crate::access_flags::AccessFlags;
 pub use crate::bsd_file_flags::BsdFileFlags;
-use crate::forget_one::ForgetOne;
+/// mosaicfs patch: public, so that a file system can implement `Filesystem::batch_forget`,
+/// whose argument it is.
+pub use crate::forget_one::ForgetOne;
 pub use crate::ll::Errno;
 pub use crate::request::on_request_served;
 pub use crate::ll::Generation;
