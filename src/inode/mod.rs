@@ -47,8 +47,8 @@ pub const ROOT_INO: Ino = 1;
 /// renamed in a lower layer (a redirect there) sent the layers below it elsewhere.
 ///
 /// Every node of a lower object holds one, so it is kept small (docs/PERFORMANCE.md, "Memory
-/// per inode"): the path without spare capacity, one layer without an allocation, the rare
-/// redirects boxed.
+/// per inode"): 32 bytes, the path without spare capacity, the top layer inline and what
+/// few objects have (more layers, redirects, metacopy data) in one box.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LowerRef {
     /// The path in the top layer.
@@ -541,7 +541,7 @@ pub struct Node {
     /// systems reuse inode numbers), as the kernel tells the two apart by (nodeid,
     /// generation) and would otherwise take the new directory for the dead one. For a second
     /// identity (see `retire`), whose generation is always 0: the object's own number, which
-    /// `stat` shows (`st_ino`). One field for both keeps the node in 72 bytes.
+    /// `stat` shows (`st_ino`). One field for both: 8 bytes in every node.
     generation_or_number: AtomicU64,
     /// The state, and the lock serialising copy-up of the object, inline: the node is one
     /// allocation. A second identity uses its primary's (`primary`) and leaves its own unused.
