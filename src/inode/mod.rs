@@ -159,9 +159,11 @@ impl LowerRef {
                 .moved
                 .push((layer, path.to_owned()));
         }
-        let all = self.layers().to_vec();
+        let top = self.top;
         let rare = self.rare.get_or_insert_with(Default::default);
-        rare.layers = all;
+        if rare.layers.is_empty() {
+            rare.layers.push(top);
+        }
         rare.layers.push(layer);
     }
 }
