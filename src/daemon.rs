@@ -48,6 +48,7 @@ pub fn main() -> i32 {
         return crate::takeover::holder_main();
     }
     limit_malloc_arenas();
+    keep_malloc_thresholds();
     // How this daemon was started, for the daemons that may take its mount over.
     let started_as = (
         std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into()),
@@ -867,23 +868,41 @@ fn set_read_ahead(dev: &str, kb: u32) {
     }
 }
 
-/// Caps glibc's malloc arenas at one per CPU this process may run on (at least 2), unless
-/// `MALLOC_ARENA_MAX` in the environment says otherwise. glibc's default is eight per CPU, and
-/// the daemon's workers, each freeing nodes another allocated, left memory spread over an
-/// arena each: 100,000 inodes looked up, 2,000 files made and removed and the caches dropped,
-/// four times over, held 61-93 MiB after each walk and 20-54 MiB after each drop with the
-/// default, 45-62 and 18-23 with two arenas, at the same speed (docs/PERFORMANCE.md, "Memory
-/// per inode"). Malloc's per-thread caches serve most allocations without an arena's lock.
+/// Gives glibc's malloc one arena, unless `MALLOC_ARENA_MAX` in the environment says
+/// otherwise. glibc's default is eight per CPU, and the daemon's workers, each freeing nodes
+/// another allocated, left memory spread over an arena each: 100,000 inodes looked up, 2,000
+/// files made and removed and the caches dropped, four times over, held 61-93 MiB after each
+/// walk and 20-54 MiB after each drop with the default, 45-62 and 18-23 with two arenas. And
+/// `malloc_trim` gives back the top of the first arena only: with two, a churning daemon's
+/// RSS after each minute's `drop_caches` swung between 9.0 and 13.8 MiB with the same 1.3 MiB
+/// in use, by what the second arena's top held; with one, 8.8-9.7 (bench/soak.py). Untar and
+/// rm -rf by one process or two at once took the same time with one arena or two: the
+/// per-thread caches serve most allocations without an arena's lock (docs/PERFORMANCE.md,
+/// "Memory per inode").
 fn limit_malloc_arenas() {
     if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
         return;
     }
-    let cpus = rustix::thread::sched_getaffinity(None).map_or(2, |set| set.count() as usize);
-    let arenas = cpus.clamp(2, 64) as libc::c_int;
     // SAFETY: mallopt only sets a tunable of the allocator, before any thread but this one
     // exists.
     unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, arenas);
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
+/// Fixes glibc's thresholds for mapping a block of its own and for giving the top of an arena
+/// back at their defaults (128 KiB). glibc raises both each time a block it mapped is freed,
+/// up to that block's size and twice it: one big directory listing freed (a 100,000-entry
+/// snapshot maps 3 MB) let every arena keep 6 MB at its top from then on, which `malloc_trim`
+/// does not return for arenas other than the first. A daemon that walked 100,000 files and had
+/// them forgotten held 4.8, 9.2, 6.5 and 6.9 MiB in four rounds, the second arena 0.6-4.7 MiB
+/// of it (docs/PERFORMANCE.md, "Memory per inode").
+fn keep_malloc_thresholds() {
+    const DEFAULT: libc::c_int = 128 * 1024;
+    // SAFETY: as above: tunables set before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, DEFAULT);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, DEFAULT);
     }
 }
 
