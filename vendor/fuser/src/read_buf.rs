@@ -23,6 +23,18 @@ impl FuseReadBuf {
     pub(crate) fn as_mut(&mut self) -> &mut [u8] {
         &mut self.buffer
     }
+
+    /// mosaicfs patch: gives the pages of a request of `used` bytes back to the system beyond
+    /// the first `KEEP`, when there are any. The kernel fills a read with as many FORGETs as
+    /// the buffer holds: after `drop_caches` a batch of 37,000 (600 KiB) left that much of
+    /// each worker's buffer resident for the session's life, 2.4 MiB over four workers. Other
+    /// big requests (WRITE) come again, and are left alone.
+    pub(crate) fn give_back_after(&mut self, used: usize) {
+        const KEEP: usize = 64 * 1024;
+        if used > KEEP {
+            self.buffer.discard(KEEP, used - KEEP);
+        }
+    }
 }
 
 /// mosaicfs patch: a zeroed buffer in an anonymous mapping of its own, for the buffers a
@@ -64,6 +76,27 @@ impl MappedBuf {
         Self {
             ptr: std::ptr::NonNull::new(ptr.cast()).expect("mmap gave a null pointer"),
             len,
+        }
+    }
+}
+
+impl MappedBuf {
+    /// Drops the pages of `len` bytes from `from` (page-aligned) from memory: they read as
+    /// zeros until written again.
+    pub(crate) fn discard(&mut self, from: usize, len: usize) {
+        let page = 4096;
+        let end = (from + len).min(self.len).next_multiple_of(page).min(self.len);
+        let start = from.next_multiple_of(page);
+        if start < end {
+            // SAFETY: a range inside the mapping, borrowed mutably through `self`; the pages
+            // read as zeros after MADV_DONTNEED, as they did when mapped.
+            unsafe {
+                libc::madvise(
+                    self.ptr.as_ptr().add(start).cast(),
+                    end - start,
+                    libc::MADV_DONTNEED,
+                );
+            }
         }
     }
 }

@@ -1235,9 +1235,11 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     fn event_loop(&self) -> io::Result<()> {
         // Buffer for receiving requests from the kernel. Only one is allocated and
         // it is reused immediately after dispatching to conserve memory and allocations.
-        let mut buf = FuseReadBuf::new();
-        let buf = buf.as_mut();
+        let mut read_buf = FuseReadBuf::new();
         loop {
+            // mosaicfs patch: pages a big batch of FORGETs filled are given back after it.
+            let mut forgot = 0;
+            let buf = read_buf.as_mut();
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             match self.ch.receive_retrying(buf) {
@@ -1256,8 +1258,11 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                                 Ok(Operation::Forget(_)) | Ok(Operation::BatchForget(_))
                             );
                             self.serve(&req);
-                            if forget && self.is_side_reader() {
-                                thread::sleep(FORGET_PAUSE);
+                            if forget {
+                                forgot = size;
+                                if self.is_side_reader() {
+                                    thread::sleep(FORGET_PAUSE);
+                                }
                             }
                         }
                     }
@@ -1285,6 +1290,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 }
                 Err(err) => return Err(err.into()),
             }
+            read_buf.give_back_after(forgot);
         }
     }
 }
