@@ -39,7 +39,7 @@ pub struct MosaicFs {
     /// A name whose creation, removal or rename (to it) the first daemon of a mount carries
     /// out and never answers, from `MOSAICFS_TEST_HANG_CHANGE`: how the tests kill a daemon
     /// between a change and its answer (resend.rs: the resent request must not be done twice,
-    /// nor a failed one pass).
+    /// nor a failed one pass); `before-done:NAME` holds it before it is recorded as done.
     pub hang_after_change: Option<std::ffi::OsString>,
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
@@ -305,15 +305,57 @@ impl MosaicFs {
         op: impl FnOnce(Before) -> crate::error::Result<T>,
         answer: impl FnOnce(crate::error::Result<T>),
     ) {
+        self.changing_noted(req, name, |slot| op(slot.before()), answer)
+    }
+
+    /// The object numbers at `name` in `parent` and at `newname` in `newparent`, if both names
+    /// are there.
+    fn objects_at(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        newparent: u64,
+        newname: &OsStr,
+    ) -> Option<[u64; 2]> {
+        let number = |dir, name| {
+            let (node, _) = self.core.lookup(dir, name).ok()?;
+            let number = node.st_ino();
+            self.core.forget(node.ino, 1);
+            Some(number)
+        };
+        Some([number(parent, name)?, number(newparent, newname)?])
+    }
+
+    /// `changing`, with `op` given the request's slot in the record: what a daemon before
+    /// noted of it, and where to note what tells whether it was done (`Slot::note`).
+    fn changing_noted<T>(
+        &self,
+        req: &Request,
+        name: &OsStr,
+        op: impl FnOnce(&crate::resend::Slot) -> crate::error::Result<T>,
+        answer: impl FnOnce(crate::error::Result<T>),
+    ) {
         let slot = self.core.request_starts(req.unique().0);
-        let r = op(slot.before());
-        slot.finish(r.is_ok());
-        if self.hang_after_change.as_deref() == Some(name) && self.core.takeovers() == 0 {
-            log::warn!("MOSAICFS_TEST_HANG_CHANGE: holding the answer to a change of {name:?}");
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
+        let r = op(&slot);
+        let hang = |when: &str| {
+            let wanted = self
+                .hang_after_change
+                .as_deref()
+                .map(|h| h.as_encoded_bytes());
+            let name = name.as_encoded_bytes();
+            let at = [when.as_bytes(), name].concat();
+            if wanted.is_some_and(|w| w == at) && self.core.takeovers() == 0 {
+                log::warn!(
+                    "MOSAICFS_TEST_HANG_CHANGE: holding the answer to a change of {name:?} {when}"
+                );
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
             }
-        }
+        };
+        hang("before-done:");
+        slot.finish(r.is_ok());
+        hang("");
         answer(r);
     }
 
@@ -629,9 +671,25 @@ impl Filesystem for MosaicFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let rename = |before: Before| {
+        let exchange = flags.contains(RenameFlags::RENAME_EXCHANGE);
+        let rename = |slot: &crate::resend::Slot| {
+            let before = slot.before();
             if before == Before::Done {
                 return Ok(());
+            }
+            if exchange && (slot.recorded() || before.may_be_done()) {
+                // An exchange looks the same done or not: the objects at the two names tell.
+                let now = self.objects_at(parent.0, name, newparent.0, newname);
+                if before.may_be_done()
+                    && let (Some([a, b]), Some(now)) = (slot.noted(), now)
+                    && a != b
+                    && now == [b, a]
+                {
+                    return Ok(());
+                }
+                if let Some(now) = now {
+                    slot.note(now);
+                }
             }
             let r = self.core.rename(
                 parent.0,
@@ -641,9 +699,7 @@ impl Filesystem for MosaicFs {
                 flags.bits(),
                 &caller(req, 0),
             );
-            // Maybe done before: the name is gone and the new one is there. (A RENAME_EXCHANGE
-            // the daemon before was in the middle of cannot be told from one not begun: it is
-            // done, again.)
+            // Maybe done before: the name is gone and the new one is there.
             match r {
                 Err(e) if e.is(libc::ENOENT) && before.may_be_done() => {
                     match self.core.lookup(newparent.0, newname) {
@@ -657,7 +713,7 @@ impl Filesystem for MosaicFs {
                 r => r,
             }
         };
-        self.changing(req, newname, rename, |r| done(reply, r))
+        self.changing_noted(req, newname, rename, |r| done(reply, r))
     }
 
     fn link(

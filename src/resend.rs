@@ -17,8 +17,13 @@
 //!   before the ledger existed (fuse.rs `resent`);
 //! - neither: not started, or failed (which changed nothing): done now, its error a real one.
 //!
+//! A request whose outcome the tree cannot tell keeps a note beside its word, written before
+//! it changes anything: a RENAME_EXCHANGE notes the objects at its two names, so that the next
+//! daemon, finding them swapped, knows the exchange was done even when the daemon before ended
+//! between the swap and its mark (`Slot::note`, `Slot::noted`; fuse.rs `rename`).
+//!
 //! A word is busy from the request's start to its answer, so the page never holds more words
-//! than requests in flight: 512, far above the workers a daemon runs. The page's block is
+//! than requests in flight: 512, far above the workers a daemon runs. The file's blocks are
 //! allocated when the file is made (a full file system then refuses the record, not a store
 //! into the mapping later, which would be a SIGBUS). Without a work dir (no
 //! place for the page), and after a daemon that kept none (an older binary), every resent
@@ -35,7 +40,8 @@ const DONE: u64 = 1 << 62;
 const STARTED: u64 = 1 << 61;
 const NUMBER: u64 = STARTED - 1;
 const WORDS: usize = 512;
-const SIZE: usize = WORDS * 8;
+/// The words, then two words of notes for each.
+const SIZE: usize = WORDS * 8 * 3;
 
 /// The file's name in the orphans directory.
 pub const FILE: &str = "requests";
@@ -64,9 +70,9 @@ pub struct Ledger {
     _file: OwnedFd,
     /// Where the search for a free word starts.
     next: AtomicUsize,
-    /// The words the daemon before left: request number to its state; `None` where it kept
-    /// no ledger (a binary before this one), and a resent request may have been done.
-    before: Option<HashMap<u64, u64>>,
+    /// The words the daemon before left: request number to its state and notes; `None` where
+    /// it kept no ledger (a binary before this one), and a resent request may have been done.
+    before: Option<HashMap<u64, (u64, [u64; 2])>>,
 }
 
 // SAFETY: the mapping is only reached through atomics, and lives as long as the ledger.
@@ -122,12 +128,13 @@ impl Ledger {
         let words = map as *const AtomicU64;
         let mut before = HashMap::new();
         for i in 0..WORDS {
-            // SAFETY: `i` is inside the mapping; AtomicU64 has u64's layout, and the page is
-            // aligned.
-            let word = unsafe { &*words.add(i) };
+            // SAFETY: `i` and its notes are inside the mapping; AtomicU64 has u64's layout, and
+            // the page is aligned.
+            let [word, a, b] = [i, note_at(i), note_at(i) + 1].map(|k| unsafe { &*words.add(k) });
             let w = word.swap(0, Ordering::Relaxed);
+            let notes = [a.swap(0, Ordering::Relaxed), b.swap(0, Ordering::Relaxed)];
             if w != 0 {
-                before.insert(w & NUMBER, w & !NUMBER);
+                before.insert(w & NUMBER, (w & !NUMBER, notes));
             }
         }
         Ok(Ledger {
@@ -144,12 +151,17 @@ impl Ledger {
     /// third daemon knows it too.
     pub fn start(&self, unique: u64) -> Slot<'_> {
         let number = unique & NUMBER;
+        let mut noted = [0; 2];
         let before = if unique & RESENT == 0 {
             Before::New
         } else {
             match self.before.as_ref().map(|b| b.get(&number)) {
-                Some(Some(s)) if s & DONE != 0 => Before::Done,
-                Some(Some(_)) | None => Before::Started,
+                Some(Some((s, _))) if s & DONE != 0 => Before::Done,
+                Some(Some((_, notes))) => {
+                    noted = *notes;
+                    Before::Started
+                }
+                None => Before::Started,
                 Some(None) => Before::NotStarted,
             }
         };
@@ -167,11 +179,19 @@ impl Ledger {
                 .compare_exchange(0, number | state, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
             {
-                return Slot {
-                    word: Some(word),
+                // SAFETY: the notes of word `i`, inside the mapping.
+                let notes = unsafe { &*(self.words.add(note_at(i)) as *const [AtomicU64; 2]) };
+                let slot = Slot {
+                    word: Some((word, notes)),
                     number,
                     before,
+                    noted,
                 };
+                // Kept for a daemon after this one, should it end before the answer too.
+                if noted != [0; 2] {
+                    slot.note(noted);
+                }
+                return slot;
             }
         }
         log::warn!("more requests in flight than the ledger holds: request {number} unrecorded");
@@ -179,15 +199,23 @@ impl Ledger {
             word: None,
             number,
             before,
+            noted,
         }
     }
 }
 
+/// Where the two notes of word `i` are.
+fn note_at(i: usize) -> usize {
+    WORDS + 2 * i
+}
+
 /// A request being carried out (`Ledger::start`).
 pub struct Slot<'a> {
-    word: Option<&'a AtomicU64>,
+    word: Option<(&'a AtomicU64, &'a [AtomicU64; 2])>,
     number: u64,
     before: Before,
+    /// What the daemon before noted of the request (`note`), zeros if nothing.
+    noted: [u64; 2],
 }
 
 impl Slot<'_> {
@@ -201,6 +229,7 @@ impl Slot<'_> {
             } else {
                 Before::Started
             },
+            noted: [0; 2],
         }
     }
 
@@ -208,10 +237,29 @@ impl Slot<'_> {
         self.before
     }
 
+    /// Whether the request is in the record (a mount that survives its daemon).
+    pub fn recorded(&self) -> bool {
+        self.word.is_some()
+    }
+
+    /// Notes two numbers that tell, once the request is sent again, whether it was done;
+    /// stored before the request changes anything.
+    pub fn note(&self, notes: [u64; 2]) {
+        if let Some((_, words)) = self.word {
+            words[0].store(notes[0], Ordering::Release);
+            words[1].store(notes[1], Ordering::Release);
+        }
+    }
+
+    /// What a daemon before this one noted of the request it began (`note`), if anything.
+    pub fn noted(&self) -> Option<[u64; 2]> {
+        (self.noted != [0; 2]).then_some(self.noted)
+    }
+
     /// The request succeeded (recorded as done) or failed (forgotten: it changed nothing,
     /// and sent again it is done again).
     pub fn finish(&self, ok: bool) {
-        if let Some(word) = self.word {
+        if let Some((word, _)) = self.word {
             let w = if ok { self.number | DONE } else { 0 };
             word.store(w, Ordering::Release);
         }
@@ -221,7 +269,8 @@ impl Slot<'_> {
 impl Drop for Slot<'_> {
     /// Answered: the word is free.
     fn drop(&mut self) {
-        if let Some(word) = self.word {
+        if let Some((word, _)) = self.word {
+            self.note([0; 2]);
             word.store(0, Ordering::Release);
         }
     }
@@ -285,6 +334,35 @@ mod tests {
         assert_eq!(after_old.start(10 | RESENT).before(), Before::Started);
         let next = Ledger::open(&d, true).unwrap();
         assert_eq!(next.start(10 | RESENT).before(), Before::NotStarted);
+    }
+
+    #[test]
+    fn notes_reach_the_daemons_after_while_the_request_is_unanswered() {
+        let (_t, d) = dir();
+        let first = Ledger::open(&d, false).unwrap();
+        let started = first.start(20);
+        started.note([7, 9]);
+        let answered = first.start(22);
+        answered.note([1, 2]);
+        drop(answered);
+        let reused = first.start(24);
+        assert_eq!(reused.noted(), None);
+        std::mem::forget((started, reused));
+        drop(first);
+
+        let second = Ledger::open(&d, true).unwrap();
+        let again = second.start(20 | RESENT);
+        assert_eq!(again.before(), Before::Started);
+        assert_eq!(again.noted(), Some([7, 9]));
+        assert_eq!(second.start(24 | RESENT).noted(), None, "nothing noted");
+        std::mem::forget(again);
+        drop(second);
+        let third = Ledger::open(&d, true).unwrap();
+        assert_eq!(
+            third.start(20 | RESENT).noted(),
+            Some([7, 9]),
+            "kept for the third"
+        );
     }
 
     /// On a full file system the record is refused when it is made; a store into a page

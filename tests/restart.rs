@@ -719,3 +719,27 @@ fn an_exchange_done_before_the_kill_is_not_undone() {
     assert_eq!(fs::read_to_string(m.path("a")).unwrap(), "B");
     assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "A");
 }
+
+/// A RENAME_EXCHANGE the dead daemon had carried out but not yet recorded as done is not done a
+/// second time either: it noted the objects at both names before the swap, and the next daemon
+/// finds them swapped (resend.rs `Slot::note`). Without the note the names swap back.
+#[test]
+fn an_exchange_killed_before_its_record_is_not_undone() {
+    let m = Background::mount(
+        |l| {
+            fs::write(l.join("a"), "A").unwrap();
+            fs::write(l.join("b"), "B").unwrap();
+        },
+        "restart=on",
+        &[("MOSAICFS_TEST_HANG_CHANGE", "before-done:b")],
+    );
+    let (a, b) = (m.path("a"), m.path("b"));
+    let got = across_a_kill(&m, "holding the answer to a change", move || {
+        let flags = rustix::fs::RenameFlags::EXCHANGE;
+        rustix::fs::renameat_with(rustix::fs::CWD, &a, rustix::fs::CWD, &b, flags)
+            .map_err(|e| e.to_string())
+    });
+    assert_eq!(got, Ok(()));
+    assert_eq!(fs::read_to_string(m.path("a")).unwrap(), "B");
+    assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "A");
+}
