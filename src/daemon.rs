@@ -638,6 +638,12 @@ fn fuser_config(opts: &Options, uring: bool, restartable: bool) -> fuser::Config
     if opts.threads > 1 {
         cfg.max_threads = Some(MAX_WORKERS.max(opts.threads));
     }
+    // Workers added that way leave once the pool has had idle ones for a while (30 s; the
+    // tests shorten it with `MOSAICFS_TEST_RETIRE_AFTER_MS`).
+    cfg.retire_after = std::env::var("MOSAICFS_TEST_RETIRE_AFTER_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(std::time::Duration::from_millis);
     cfg.clone_fd = !restartable;
     cfg.uring = uring;
     cfg

@@ -962,6 +962,57 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
     );
 }
 
+/// Workers added while every one was stuck leave once the pool has had idle workers for a
+/// while (vendored fuser `WorkerPool::offer_retirement`): a pool grown in a burst does not keep
+/// its threads, and their memory, for the life of the mount. Without it the pool stays at its
+/// peak. The mount serves as before, and grows again when it must.
+#[test]
+fn workers_added_while_all_were_stuck_leave_when_idle() {
+    let mut m = Mount::new(1);
+    for i in 0..32 {
+        write(m.lower(0).join(format!("f{i}")), "x");
+    }
+    m.env
+        .push(("MOSAICFS_TEST_SLOW_RELEASE".into(), "300".into()));
+    m.env
+        .push(("MOSAICFS_TEST_RETIRE_AFTER_MS".into(), "500".into()));
+    m.mount();
+    if thread_names(&m).iter().any(|n| n.starts_with("fuser-ring")) {
+        return;
+    }
+    let workers = |m: &Mount| {
+        thread_names(m)
+            .iter()
+            .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
+            .count()
+    };
+    // Every RELEASE holds its worker 300 ms: 32 closes at once keep every worker stuck.
+    let grow = |m: &Mount| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while workers(m) <= 8 && std::time::Instant::now() < deadline {
+            let files: Vec<_> = (0..32)
+                .map(|i| std::fs::File::open(m.path(&format!("f{i}"))).unwrap())
+                .collect();
+            drop(files);
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        }
+        workers(m)
+    };
+    let grown = grow(&m);
+    assert!(grown > 8, "the pool never grew past 8 workers: {grown}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while workers(&m) > 8 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let left = workers(&m);
+    assert!(
+        left <= 8,
+        "{grown} workers, and {left} a minute after the burst"
+    );
+    assert_eq!(std::fs::read(m.path("f0")).unwrap(), b"x");
+    assert!(grow(&m) > 8, "the pool grows again");
+}
+
 /// Context switches of all the daemon's threads so far (each wake-up of a sleeping thread is
 /// one).
 fn daemon_switches(m: &Mount) -> u64 {

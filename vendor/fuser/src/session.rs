@@ -358,9 +358,12 @@ impl<FS: Filesystem> Session<FS> {
 
         // mosaicfs patch: the pool of workers can grow (`Config::max_threads`). Each worker
         // publishes when its current request started; a supervisor adds a worker while all
-        // of them have been on one request for `STUCK_AFTER`. Added workers stay until the
-        // session ends. Every worker's handle is in `pool.handles`, joined below.
+        // of them have been on one request for `STUCK_AFTER`. Workers added beyond
+        // `n_threads` leave once the pool has had idle workers for `retire_after`
+        // (`WorkerPool::offer_retirement`). Every worker's handle is in `pool.handles`, joined
+        // below.
         let max_threads = config.max_threads.unwrap_or(n_threads).max(n_threads);
+        let retire_after = config.retire_after.unwrap_or(RETIRE_AFTER);
         let clone_fd = config.clone_fd;
         let new_channel = move |ch: &Channel| -> io::Result<Channel> {
             if clone_fd {
@@ -458,18 +461,26 @@ impl<FS: Filesystem> Session<FS> {
                                 warn!("cannot add a FUSE worker: {e}");
                             }
                         }
+                        pool.offer_retirement(retire_after);
                         for &group in &groups {
                             let workers = pool.workers();
                             let in_group = pool.workers_in(group);
                             if workers >= max_threads || !pool.all_stuck(group) {
                                 continue;
                             }
+                            // Stuck again: no worker leaves now.
+                            pool.leave.store(0, std::sync::atomic::Ordering::Release);
                             // The group doubles: requests that queue behind the stuck ones
                             // (the kernel hands them out in order) wait for free workers, and
                             // one more worker per look would take seconds to reach them.
                             let mut added = 0;
                             for _ in 0..in_group.min(max_threads - workers) {
+                                let beyond = pool.workers_in(group) >= pool.demand();
                                 let spawned = worker(&template, group).and_then(|w| {
+                                    let w = match w {
+                                        WorkerKind::Dev(ch) if beyond => WorkerKind::Extra(ch),
+                                        w => w,
+                                    };
                                     pool.spawn(w, &filesystem, allowed, session_owner)
                                 });
                                 match spawned {
@@ -504,12 +515,16 @@ impl<FS: Filesystem> Session<FS> {
         loop {
             let next = pool.handles.lock().unwrap_or_else(|e| e.into_inner()).pop();
             let Some(thread) = next else { break };
+            let id = thread.thread().id();
             let res = match thread.join() {
                 Ok(res) => res,
                 Err(_) => {
                     return Err(io::Error::other("event loop thread panicked"));
                 }
             };
+            if pool.was_retired(id) {
+                continue;
+            }
             // A worker ends only with the session: no more workers from here on.
             pool.session_over();
             if let Err(e) = res {
@@ -831,6 +846,14 @@ impl SessionUnmounter {
 /// grows (`Config::max_threads`).
 pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// mosaicfs patch: how long the pool must have had two idle workers or more before the workers
+/// added beyond `n_threads` leave (`Config::retire_after`).
+const RETIRE_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// mosaicfs patch: how long a worker added beyond `n_threads` waits for a request before it
+/// looks whether it may leave.
+const EXTRA_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// mosaicfs patch: how long the supervisor waits, when a worker took a request and left none
 /// waiting, before it adds one: a burst that is over by then needs none.
 const GROW_GRACE: std::time::Duration = std::time::Duration::from_millis(1);
@@ -859,6 +882,15 @@ pub(crate) struct WorkerPool {
     unmounted: std::sync::atomic::AtomicBool,
     /// mosaicfs patch: workers whose loop has not returned yet (`Stopper::stop` waits for 0).
     alive: std::sync::atomic::AtomicUsize,
+    /// Workers added beyond `n_threads` (`WorkerKind::Extra`) still serving.
+    extra: std::sync::atomic::AtomicUsize,
+    /// How many of them may leave now (`offer_retirement`).
+    leave: std::sync::atomic::AtomicUsize,
+    /// Since when (ns since `epoch`) the supervisor has seen two idle workers or more at every
+    /// look, while extra workers serve; 0 when not.
+    idle_since: std::sync::atomic::AtomicU64,
+    /// Workers that left (`retire`): `run` joins them without ending the session.
+    retired: std::sync::Mutex<Vec<thread::ThreadId>>,
 }
 
 /// What one worker is doing.
@@ -891,7 +923,64 @@ impl WorkerPool {
             asleep: std::sync::atomic::AtomicBool::new(false),
             unmounted: std::sync::atomic::AtomicBool::new(false),
             alive: std::sync::atomic::AtomicUsize::new(0),
+            extra: std::sync::atomic::AtomicUsize::new(0),
+            leave: std::sync::atomic::AtomicUsize::new(0),
+            idle_since: std::sync::atomic::AtomicU64::new(0),
+            retired: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// The supervisor's look at extra workers: once two or more workers have been idle at
+    /// every look for `after`, as many extra workers as are idle beyond one may leave.
+    fn offer_retirement(&self, after: std::time::Duration) {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+        let extra = self.extra.load(Acquire);
+        let idle = self.idle.load(Acquire);
+        if extra == 0 || idle < 2 {
+            self.idle_since.store(0, Relaxed);
+            return;
+        }
+        let now = (self.epoch.elapsed().as_nanos() as u64).max(1);
+        let since = self.idle_since.load(Relaxed);
+        if since == 0 {
+            self.idle_since.store(now, Relaxed);
+        } else if now - since >= after.as_nanos() as u64 && self.leave.load(Acquire) == 0 {
+            self.leave.fetch_add(extra.min(idle - 1), AcqRel);
+            self.idle_since.store(now, Relaxed);
+        }
+    }
+
+    /// Whether an extra worker may leave now (it takes the permission).
+    fn may_leave(&self) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        self.leave
+            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// An extra worker, idle, leaves the pool: it no longer counts, and `run` joins it
+    /// without taking its end for the session's.
+    fn retire(&self, busy: Option<&Arc<WorkerState>>) {
+        use std::sync::atomic::Ordering::AcqRel;
+        self.retired
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(thread::current().id());
+        if let Some(busy) = busy {
+            self.busy_since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|w| !Arc::ptr_eq(w, busy));
+        }
+        self.idle.fetch_sub(1, AcqRel);
+        self.extra.fetch_sub(1, AcqRel);
+    }
+
+    fn was_retired(&self, id: thread::ThreadId) -> bool {
+        self.retired
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&id)
     }
 
     fn set_demand(&self, n: usize) {
@@ -934,6 +1023,11 @@ impl WorkerPool {
         use std::sync::atomic::Ordering::SeqCst;
         if self.any_busy() {
             thread::park_timeout(STUCK_AFTER / 4);
+            return;
+        }
+        // Extra workers to let go: a look now and then until they are gone.
+        if self.extra.load(SeqCst) > 0 {
+            thread::park_timeout(STUCK_AFTER);
             return;
         }
         self.asleep.store(true, SeqCst);
@@ -1035,8 +1129,9 @@ impl WorkerPool {
         if self.ended.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(false);
         }
+        let extra = matches!(kind, WorkerKind::Extra(_));
         let (ch, ring, tracked) = match kind {
-            WorkerKind::Dev(ch) => (ch, None, true),
+            WorkerKind::Dev(ch) | WorkerKind::Extra(ch) => (ch, None, true),
             WorkerKind::Ring { ch, qid, payload } => (ch, Some((qid, payload)), true),
             WorkerKind::Reader(ch) => (ch, None, false),
         };
@@ -1068,7 +1163,11 @@ impl WorkerPool {
             ring,
             pool: on_dev.then(|| self.clone()),
             watch: tracked.then(|| self.clone()),
+            extra,
         };
+        if extra {
+            self.extra.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
         self.alive.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let pool = self.clone();
         let spawned = thread::Builder::new().name(thread_name).spawn(move || {
@@ -1094,6 +1193,9 @@ impl WorkerPool {
 enum WorkerKind {
     /// Requests read from /dev/fuse (or a clone of it).
     Dev(Channel),
+    /// The same, by a worker added beyond `n_threads` while all were stuck: it leaves when
+    /// the pool no longer needs it (`WorkerPool::offer_retirement`).
+    Extra(Channel),
     /// One io_uring entry of queue `qid`.
     Ring { ch: Channel, qid: u16, payload: usize },
     /// What io_uring does not carry (FORGET, INTERRUPT), read from /dev/fuse; not counted
@@ -1119,6 +1221,8 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     /// mosaicfs patch: the pool of a worker whose busy mark the supervisor watches, told when
     /// it takes a request (`WorkerPool::note_busy`).
     pub(crate) watch: Option<Arc<WorkerPool>>,
+    /// mosaicfs patch: a worker added beyond `n_threads` (`WorkerKind::Extra`).
+    pub(crate) extra: bool,
 }
 
 /// mosaicfs patch: how long the /dev/fuse reader beside the io_uring queues waits after a
@@ -1237,6 +1341,19 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut read_buf = FuseReadBuf::new();
         loop {
+            // mosaicfs patch: an extra worker waits for a request a while at a time, and
+            // leaves when the pool lets it (it holds no request then).
+            if self.extra
+                && let Some(pool) = &self.pool
+            {
+                if pool.may_leave() {
+                    pool.retire(self.busy.as_ref().map(|(b, _)| b));
+                    return Ok(());
+                }
+                if !self.ch.wait_readable(EXTRA_POLL) {
+                    continue;
+                }
+            }
             // mosaicfs patch: pages a big batch of FORGETs filled are given back after it.
             let mut forgot = 0;
             let buf = read_buf.as_mut();

@@ -26,6 +26,10 @@ pub struct Config {
     /// Another is added, one at a time up to `n_threads`, when a request starts while no
     /// worker waits for one: an idle mount holds `min_threads` workers, a busy one `n_threads`.
     pub min_threads: Option<usize>,
+    /// mosaicfs patch: a worker added beyond `n_threads` while all were stuck leaves once the
+    /// pool has had two idle workers or more for this long (unspecified: 30 s), so that a
+    /// pool grown in a burst does not keep its threads and their memory for the session.
+    pub retire_after: Option<std::time::Duration>,
     /// mosaicfs patch: carry requests over io_uring when the kernel offers it at INIT
     /// (`Session::transport` says what was agreed).
     pub uring: bool,
