@@ -16,6 +16,7 @@ Usage: bench/soak.py [--minutes M] [--files N] [--only KIND,...]   (as root)
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 
@@ -33,6 +34,16 @@ def make_lower(root, files):
     for i in range(files):
         open(os.path.join(lower, "tree", f"d{i % DIRS:03d}", f"f{i:07d}"), "w").close()
     return lower
+
+
+def own_memory(kind, binary, mnt):
+    """What mosaicfs says of its memory (`mosaicfs status`: the allocator's figures, the
+    inodes it knows), for the progress lines; nothing for the peers."""
+    if kind != "mosaicfs":
+        return ""
+    out = subprocess.run([binary, "status", mnt], capture_output=True, text=True).stdout
+    lines = [ln.strip() for ln in out.splitlines() if ln.startswith(("memory:", "inodes known"))]
+    return "; " + "; ".join(lines)
 
 
 def soak(kind, binary, root, lower, files, minutes):
@@ -89,9 +100,8 @@ def soak(kind, binary, root, lower, files, minutes):
             rss.append(rss_kib(pid) / 1024)
             next_minute += 60
             m = len(rss)
-            if m == 1 or m % 5 == 0:
-                print(f"# {kind}: minute {m}, RSS {rss[-1]:.1f} MiB, {ops:,} operations",
-                      file=sys.stderr, flush=True)
+            print(f"# {kind}: minute {m}, RSS {rss[-1]:.1f} MiB, {ops:,} operations"
+                  f"{own_memory(kind, binary, mnt)}", file=sys.stderr, flush=True)
     umount(mnt)
     shutil.rmtree(d, ignore_errors=True)
     return rss, ops
