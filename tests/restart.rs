@@ -701,23 +701,7 @@ fn an_append_done_before_the_kill_is_not_made_twice() {
 /// in progress says it was done).
 #[test]
 fn an_exchange_done_before_the_kill_is_not_undone() {
-    let m = Background::mount(
-        |l| {
-            fs::write(l.join("a"), "A").unwrap();
-            fs::write(l.join("b"), "B").unwrap();
-        },
-        "restart=on",
-        &[("MOSAICFS_TEST_HANG_CHANGE", "b")],
-    );
-    let (a, b) = (m.path("a"), m.path("b"));
-    let got = across_a_kill(&m, "holding the answer to a change", move || {
-        let flags = rustix::fs::RenameFlags::EXCHANGE;
-        rustix::fs::renameat_with(rustix::fs::CWD, &a, rustix::fs::CWD, &b, flags)
-            .map_err(|e| e.to_string())
-    });
-    assert_eq!(got, Ok(()));
-    assert_eq!(fs::read_to_string(m.path("a")).unwrap(), "B");
-    assert_eq!(fs::read_to_string(m.path("b")).unwrap(), "A");
+    exchange_across_a_kill("b");
 }
 
 /// A RENAME_EXCHANGE the dead daemon had carried out but not yet recorded as done is not done a
@@ -725,13 +709,19 @@ fn an_exchange_done_before_the_kill_is_not_undone() {
 /// finds them swapped (resend.rs `Slot::note`). Without the note the names swap back.
 #[test]
 fn an_exchange_killed_before_its_record_is_not_undone() {
+    exchange_across_a_kill("before-done:b");
+}
+
+/// Exchanges "a" and "b" while the daemon holds the answer where `hang` says
+/// (`MOSAICFS_TEST_HANG_CHANGE`) and is killed there; the exchange is done once.
+fn exchange_across_a_kill(hang: &str) {
     let m = Background::mount(
         |l| {
             fs::write(l.join("a"), "A").unwrap();
             fs::write(l.join("b"), "B").unwrap();
         },
         "restart=on",
-        &[("MOSAICFS_TEST_HANG_CHANGE", "before-done:b")],
+        &[("MOSAICFS_TEST_HANG_CHANGE", hang)],
     );
     let (a, b) = (m.path("a"), m.path("b"));
     let got = across_a_kill(&m, "holding the answer to a change", move || {
