@@ -107,6 +107,7 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         mem.heap_free / 1024,
         mem.mapped / 1024
     );
+    r += &format!("FUSE workers: {}\n", crate::sys::fuse_workers());
     r += &format!(
         "inodes known: {}\nopen handles: {}\ncomplete files served by passthrough: {}\n\
          partial files open or waiting for completion: {}\n",

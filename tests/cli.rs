@@ -722,6 +722,12 @@ fn status_reports_a_live_mount_and_explains_a_dead_one() {
         text.contains("KiB freed and kept by the allocator"),
         "{text}"
     );
+    let workers: usize = text
+        .lines()
+        .find_map(|l| l.strip_prefix("FUSE workers: "))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no workers line: {text}"));
+    assert!(workers >= 1, "{text}");
     // Each partial file, and why it is not complete yet: a disk upper's complete files pass
     // through, so sustained use would complete it; a memory upper's never do.
     let waiting = if disk_upper() {

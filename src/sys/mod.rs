@@ -703,6 +703,22 @@ pub fn memory_use() -> MemoryUse {
     }
 }
 
+/// The threads of this process serving FUSE requests (named `fuser-N`, or `fuser-ringQ-N`
+/// over io_uring), whose number grows while every one is stuck and shrinks again once they
+/// are idle (vendored fuser `WorkerPool`).
+pub fn fuse_workers() -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| {
+            let name = name.trim();
+            name.starts_with("fuser-") && name != "fuser-pool" && name != "fuser-dev"
+        })
+        .count()
+}
+
 /// Asks the allocator to give every page no allocation uses back to the system (glibc's
 /// `malloc_trim`, which also returns whole free pages between allocations in use): about a
 /// millisecond per 100 MiB of heap. Called after the daemon freed much at once.
