@@ -243,3 +243,45 @@ fn removed_lower_files_leave_no_node_behind() {
     assert_eq!(fs::metadata(m.path("linked2")).unwrap().nlink(), 1);
     assert!(fs::read_dir(m.path("many")).unwrap().next().is_none());
 }
+
+/// A handle found by a scan of the tree opens whatever the scan had to record on its way: the
+/// records of forgotten nodes are bounded, and a directory of more names than they hold once
+/// pushed out the record of the very directory holding the object the scan was looking for,
+/// so the object, found, answered ESTALE.
+#[test]
+fn handles_in_a_directory_of_more_names_than_the_records_hold_open_after_a_remount() {
+    const FILES: usize = 40_000;
+    let mut m = Mount::new(1);
+    let big = m.lower(0).join("outer/big");
+    fs::create_dir_all(&big).unwrap();
+    for i in 0..FILES {
+        fs::File::create(big.join(format!("f{i:05}"))).unwrap();
+    }
+    m.mount();
+    let wanted: Vec<String> = (0..FILES)
+        .step_by(FILES / 16)
+        .map(|i| format!("outer/big/f{i:05}"))
+        .chain(["outer/big".to_string()])
+        .collect();
+    let handles: Vec<_> = wanted.iter().map(|rel| handle_of(&m.path(rel))).collect();
+    let inos: Vec<u64> = wanted
+        .iter()
+        .map(|rel| fs::metadata(m.path(rel)).unwrap().ino())
+        .collect();
+    for when in ["after a remount", "after drop_caches"] {
+        match when {
+            "after a remount" => m.remount(),
+            _ => drop_caches(),
+        }
+        for ((rel, h), ino) in wanted.iter().zip(&handles).zip(&inos) {
+            let fd = open_handle(&m.path(""), h, libc::O_RDONLY)
+                .unwrap_or_else(|e| panic!("{when}: open_by_handle_at of {rel}: {e}"));
+            assert_eq!(ino_of_fd(&fd), *ino, "{when}: {rel} opened another object");
+            // Each handle after the first is looked for with the kernel's caches emptied
+            // again, so that each is found from the records alone.
+            drop(fd);
+            drop_caches();
+        }
+    }
+    m.unmount();
+}

@@ -41,7 +41,7 @@ use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use crate::error::{Result, errno};
+use crate::error::{Error, Result, errno};
 use crate::handles::DirEntry;
 use crate::inode::{ALIAS_BASE, Found, Ino, LowerRef, Node, ROOT_INO, Seen};
 use crate::overlay::Overlay;
@@ -74,10 +74,7 @@ impl Overlay {
                 // A scan that ran while this one waited may have found it.
                 match self.revive(ino)? {
                     Some(node) => node,
-                    None => {
-                        self.scan_for(ino)?;
-                        self.revive(ino)?.ok_or_else(|| errno(libc::ESTALE))?
-                    }
+                    None => self.scan_for(ino)?.ok_or_else(|| errno(libc::ESTALE))?,
                 }
             }
         };
@@ -151,11 +148,7 @@ impl Overlay {
                 }
                 Err(e) => {
                     self.inodes.forget(dir.ino, 1);
-                    let moved = [libc::ENOENT, libc::ENOTDIR, libc::ESTALE];
-                    return match moved.iter().any(|&n| e.is(n)) {
-                        true => Ok(None),
-                        false => Err(e),
-                    };
+                    return not_there(e);
                 }
             }
         }
@@ -163,9 +156,15 @@ impl Overlay {
     }
 
     /// Walks the merged tree depth first until it meets `wanted`, recording where each name it
-    /// passes lives (the whole listing of the directory holding `wanted` included). A walk that
-    /// meets it nowhere and could record everything tells the table so (`scanned_whole`).
-    fn scan_for(&self, wanted: Ino) -> Result<()> {
+    /// passes lives (the whole listing of the directory holding `wanted` included), and gives
+    /// `wanted`'s node, counted. A walk that meets it nowhere and could record everything tells
+    /// the table so (`scanned_whole`).
+    ///
+    /// The node is looked up while the walk still holds every directory above it, not found
+    /// again from the records afterwards: the records are bounded, and the names the walk
+    /// recorded after a directory (a big directory's listing) may have pushed that directory's
+    /// record out (tests/handles.rs, a directory of more names than the records hold).
+    fn scan_for(&self, wanted: Ino) -> Result<Option<Arc<Node>>> {
         let epoch = self.inodes.begin_scan();
         // A directory moved or a name renamed meanwhile may have carried `wanted` from where
         // the scan had yet to look to where it had looked: such a scan says nothing of the
@@ -174,7 +173,7 @@ impl Overlay {
         let mut whole = true;
         let root = self.node(ROOT_INO)?;
         let mut stack = vec![(root.clone(), self.scan_listing(&root, &mut whole))];
-        let mut found = false;
+        let mut found = None;
         while let Some((dir, entries)) = stack.last_mut() {
             let Some(e) = entries.next() else {
                 let (dir, _) = stack.pop().expect("not empty");
@@ -186,7 +185,7 @@ impl Overlay {
                 for e in entries {
                     self.inodes.note_seen(e.ino, dir.ino, &e.name);
                 }
-                found = true;
+                found = Some(e.name);
                 break;
             }
             if e.kind == libc::S_IFDIR {
@@ -200,13 +199,39 @@ impl Overlay {
                 }
             }
         }
-        for (dir, _) in stack {
-            self.inodes.forget(dir.ino, 1);
+        let chain: Vec<Arc<Node>> = stack.into_iter().map(|(dir, _)| dir).collect();
+        let Some(name) = found else {
+            if whole && self.tree_unchanged(token) {
+                self.inodes.scanned_whole(epoch);
+            }
+            return Ok(None);
+        };
+        let dir = chain.last().expect("the walk met it in a directory");
+        let let_go = |chain: &[Arc<Node>]| {
+            for dir in chain {
+                self.inodes.forget(dir.ino, 1);
+            }
+        };
+        match self.lookup_name(dir.ino, &name) {
+            Ok((node, _)) if node.st_ino() == wanted => {
+                // Each directory keeps the reference the walk counted on its parent, as a
+                // node found from the records does (`revive`).
+                for pair in chain.windows(2) {
+                    self.inodes.hold_parent(&pair[1], pair[0].ino);
+                }
+                self.inodes.hold_parent(&node, dir.ino);
+                Ok(Some(node))
+            }
+            Ok((other, _)) => {
+                self.inodes.forget(other.ino, 1);
+                let_go(&chain);
+                Ok(None)
+            }
+            Err(e) => {
+                let_go(&chain);
+                not_there(e)
+            }
         }
-        if !found && whole && self.tree_unchanged(token) {
-            self.inodes.scanned_whole(epoch);
-        }
-        Ok(())
     }
 
     fn scan_listing(&self, dir: &Node, whole: &mut bool) -> std::vec::IntoIter<DirEntry> {
@@ -221,6 +246,16 @@ impl Overlay {
                 Vec::new().into_iter()
             }
         }
+    }
+}
+
+/// A lookup on the way to an object by its number failed: a name moved or went meanwhile,
+/// which means "not found there", or something else went wrong, which is the answer.
+fn not_there<T>(e: Error) -> Result<Option<T>> {
+    let moved = [libc::ENOENT, libc::ENOTDIR, libc::ESTALE];
+    match moved.iter().any(|&n| e.is(n)) {
+        true => Ok(None),
+        false => Err(e),
     }
 }
 
