@@ -739,12 +739,16 @@ fn filesystem(overlay: &Arc<Overlay>, opts: &Options) -> MosaicFs {
             v.into_vec()
         }),
         hang_after_change: std::env::var_os("MOSAICFS_TEST_HANG_CHANGE"),
-        slow_release: std::env::var("MOSAICFS_TEST_SLOW_RELEASE")
-            .ok()
-            .and_then(|ms| ms.parse().ok())
-            .map(std::time::Duration::from_millis),
+        slow_release: test_pause("MOSAICFS_TEST_SLOW_RELEASE"),
+        late_forget: test_pause("MOSAICFS_TEST_LATE_FORGET"),
         no_opendir: false,
     }
+}
+
+/// A pause the tests ask for in milliseconds in the variable `name`.
+fn test_pause(name: &str) -> Option<std::time::Duration> {
+    let ms = std::env::var(name).ok()?.parse().ok()?;
+    Some(std::time::Duration::from_millis(ms))
 }
 
 /// What a mounted or taken-over session needs before it serves: the kernel's notifications,

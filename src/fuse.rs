@@ -44,6 +44,10 @@ pub struct MosaicFs {
     /// How long each RELEASE waits before it is served, from `MOSAICFS_TEST_SLOW_RELEASE`
     /// (milliseconds): how the tests make a RELEASE still on its way when the next open comes.
     pub slow_release: Option<Duration>,
+    /// How long the FORGETs of non-directories wait, from `MOSAICFS_TEST_LATE_FORGET`
+    /// (milliseconds), a batch's directories forgotten first: how the tests make a node's
+    /// FORGET still on its way when its parent's has been taken (by_number.rs `revive`).
+    pub late_forget: Option<Duration>,
     /// The kernel sends no OPENDIR or RELEASEDIR once one OPENDIR was answered ENOSYS
     /// (FUSE_NO_OPENDIR_SUPPORT): set in `init` when it can (readdir.rs says why it pays).
     pub no_opendir: bool,
@@ -479,10 +483,28 @@ impl Filesystem for MosaicFs {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        if let Some(pause) = self.late_forget
+            && !self.core.node(ino.0).is_ok_and(|n| n.is_dir())
+        {
+            std::thread::sleep(pause);
+        }
         self.core.forget(ino.0, nlookup);
     }
 
     fn batch_forget(&self, _req: &Request, nodes: &[fuser::ForgetOne]) {
+        if let Some(pause) = self.late_forget {
+            let is_dir =
+                |n: &&fuser::ForgetOne| self.core.node(n.nodeid().0).is_ok_and(|n| n.is_dir());
+            let (dirs, others): (Vec<_>, Vec<_>) = nodes.iter().partition(is_dir);
+            for n in dirs {
+                self.core.forget(n.nodeid().0, n.nlookup());
+            }
+            std::thread::sleep(pause);
+            for n in others {
+                self.core.forget(n.nodeid().0, n.nlookup());
+            }
+            return self.core.forgets_done();
+        }
         for n in nodes {
             self.core.forget(n.nodeid().0, n.nlookup());
         }

@@ -285,3 +285,30 @@ fn handles_in_a_directory_of_more_names_than_the_records_hold_open_after_a_remou
     }
     m.unmount();
 }
+
+/// The kernel forgets a file before its directory, but the daemon's workers take FORGETs in
+/// any order: a handle opened right after `drop_caches` may find the file still held and its
+/// directory gone. It must open all the same (it answered ESTALE: the file's path led
+/// nowhere; xfstests generic/467 under the writeback cache, one run in ten).
+#[test]
+fn a_handle_opens_while_its_files_forget_is_late_and_its_directorys_was_taken() {
+    let mut m = Mount::new(1);
+    m.env
+        .push(("MOSAICFS_TEST_LATE_FORGET".into(), "1500".into()));
+    m.mount();
+    fs::create_dir_all(m.path("d/e")).unwrap();
+    write(m.path("d/e/f"), "late");
+    let h = handle_of(&m.path("d/e/f"));
+    let ino = fs::metadata(m.path("d/e/f")).unwrap().ino();
+    drop_caches();
+    let fd = open_handle(&m.path(""), &h, libc::O_RDONLY)
+        .expect("open_by_handle_at while the file's FORGET waits");
+    assert_eq!(ino_of_fd(&fd), ino);
+    let reopen = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    assert_eq!(fs::read_to_string(&reopen).unwrap(), "late");
+    // Once the late FORGETs are taken, its directories are still there to open it by.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert_eq!(fs::read_to_string(&reopen).unwrap(), "late");
+    drop(fd);
+    m.unmount();
+}

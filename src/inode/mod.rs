@@ -1088,6 +1088,38 @@ impl InodeTable {
         }
     }
 
+    /// Keeps the directories above `node` in the table for as long as it stays: `node`, found
+    /// by its number, may be one whose FORGET is on its way, and so may each directory above
+    /// it — the kernel forgot them all, and the daemon's workers take their FORGETs in any
+    /// order. From `node` up to the root, each keeps a counted reference on the directory it is
+    /// named in (`hold_parent`) unless it keeps one already. `None` once that holds; where
+    /// `node` was last named if a directory on the way has left the table already, so that no
+    /// path to `node` can be built until it is found again by that name.
+    pub fn hold_up(&self, node: &Node) -> Option<(Ino, OsString)> {
+        let place = node.last_place()?;
+        let mut up: Option<Arc<Node>> = None;
+        let mut parent = place.0;
+        for _ in 0..4096 {
+            if parent == ROOT_INO {
+                return None;
+            }
+            let child = up.as_deref().unwrap_or(node);
+            let found = match child.held_parent.load(Ordering::Relaxed) {
+                0 => self
+                    .get_counted(parent)
+                    .inspect(|_| self.hold_parent(child, parent)),
+                _ => self.get(parent),
+            };
+            let Some(dir) = found else {
+                return Some((place.0, place.1.as_os_str().to_os_string()));
+            };
+            // A directory without a name holds nothing above it.
+            (parent, _) = dir.last_place()?;
+            up = Some(dir);
+        }
+        None
+    }
+
     /// Records a lookup of `name` in `parent` and counts one kernel reference to it.
     pub fn remember(&self, parent: Ino, name: &OsStr, found: &Found) -> Arc<Node> {
         self.remember_if(parent, name, found, || true)
