@@ -338,6 +338,15 @@ impl Overlay {
                     config.caw_always,
                 ))
             });
+        let records = crate::inode::Records::new(layers.work.as_deref()).map_err(|e| {
+            Error::with_context(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!(
+                    "cannot make the table of forgotten inodes ({e}): raise the limit on open \
+                     files or free memory"
+                ),
+            )
+        })?;
         Ok(Overlay {
             inodes: InodeTable::new(
                 layers.has_upper,
@@ -348,6 +357,7 @@ impl Overlay {
                             .dir_flags(root.view(), None, true)
                             .is_ok_and(|f| f.origins)
                     }),
+                records,
             ),
             ino_map: InoMap { devices },
             config,

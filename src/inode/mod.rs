@@ -38,6 +38,9 @@ use crate::file::{NodeIo, OpenFile};
 use crate::layers::LayerId;
 use crate::seq::ChangeSeq;
 
+mod records;
+pub use records::Records;
+
 pub type Ino = u64;
 pub const ROOT_INO: Ino = 1;
 
@@ -589,9 +592,8 @@ static FORGOTTEN_AT_TRIM: AtomicU64 = AtomicU64::new(0);
 /// After every `TRIM_EVERY` forgotten nodes, asks the allocator to give the pages no
 /// allocation uses any more back to the system (glibc's `malloc_trim`): when the kernel drops
 /// its inodes (memory pressure, `drop_caches`), the daemon's memory falls with it rather than
-/// staying at its high-water mark. Their records (`Departed`) hold no allocation of their own
-/// among the freed nodes (`Name`), so whole pages come free. About a millisecond per 100 MiB
-/// of heap, once per 16,384 forgets.
+/// staying at its high-water mark. Their records (`Records`) are kept out of the heap, so
+/// whole pages come free. About a millisecond per 100 MiB of heap, once per 16,384 forgets.
 fn give_back_now_and_then() {
     const TRIM_EVERY: u64 = 16_384;
     let n = FORGOTTEN.fetch_add(1, Ordering::Relaxed) + 1;
@@ -885,22 +887,6 @@ type Shard = RwLock<ShardMap>;
 #[derive(Default)]
 struct ShardMap {
     nodes: HashMap<Ino, Arc<Node>>,
-    /// Where nodes the kernel forgot were last seen (`Departed`).
-    departed: HashMap<Ino, Departed>,
-}
-
-/// Where a node the kernel forgot was last seen, and its generation: what a file handle of it
-/// needs after `drop_caches` (`Overlay::lookup_by_number`), and what keeps a handle of a
-/// removed object from opening a new object made under its number later in the mount (the
-/// new one gets the next generation, `insert_new`).
-#[derive(Debug)]
-struct Departed {
-    /// Its parent and name; `None` once the last name the mount knew was removed (the object
-    /// may live on under a name the mount never looked up: a hard link).
-    place: Place,
-    generation: u64,
-    /// `InodeTable::scans` when recorded.
-    epoch: u64,
 }
 
 /// A forgotten node's parent and name, `None` once its last known name was removed.
@@ -913,22 +899,18 @@ pub enum Seen {
     At(Ino, OsString),
     /// Its last known name was removed.
     Gone,
-    /// Never seen, or the record was dropped.
+    /// Never seen, or the record was dropped or could not hold its name.
     Unknown,
 }
 
-/// Records of forgotten nodes kept per shard, at most: 28,672 over all shards, about 1.8 MB.
-/// A full shard is emptied (a handle of what it held is then found by a scan of the tree).
-/// Sized so that a daemon reaches its steady memory quickly: at 2,048 per shard (9 MB) the
-/// records took ten minutes of churn to fill and the daemon's RSS grew by half meanwhile
-/// (bench/soak.py, docs/PERFORMANCE.md "Memory per inode"), while handles of forgotten
-/// objects past a few thousand are rare (an NFS export after `drop_caches`). 448 is what a
-/// hash map of 512 buckets holds (seven eighths): at 512 records each shard's map doubled to
-/// 1,024 buckets, 3.7 MB in all.
-const DEPARTED_PER_SHARD: usize = 448;
-
 pub struct InodeTable {
     shards: Box<[Shard]>,
+    /// Where nodes the kernel forgot were last seen, and their generations: what a file
+    /// handle needs after `drop_caches` (`Overlay::lookup_by_number`), and what keeps a handle
+    /// of a removed object from opening a new object made under its number later in the
+    /// mount (the new one gets the next generation, `insert_new`). A record is written in the
+    /// same hold of the shard's lock that removes the node.
+    records: Records,
     next_alias: AtomicU64,
     /// `keep_directories`.
     keep_dirs: std::sync::atomic::AtomicBool,
@@ -946,10 +928,16 @@ pub struct InodeTable {
 }
 
 impl InodeTable {
-    pub fn new(root_upper: bool, root_lower: Option<LowerRef>, root_origins: bool) -> Self {
+    pub fn new(
+        root_upper: bool,
+        root_lower: Option<LowerRef>,
+        root_origins: bool,
+        records: Records,
+    ) -> Self {
         let shards: Vec<_> = (0..SHARDS).map(|_| RwLock::default()).collect();
         let table = InodeTable {
             shards: shards.into_boxed_slice(),
+            records,
             next_alias: AtomicU64::new(ALIAS_BASE),
             keep_dirs: Default::default(),
             alias_records: Default::default(),
@@ -1010,12 +998,8 @@ impl InodeTable {
 
     /// Where the forgotten node `ino` was last seen.
     pub fn seen(&self, ino: Ino) -> Seen {
-        let shard = self.shard(ino).read().unwrap_or_else(|e| e.into_inner());
-        match shard.departed.get(&ino).map(|d| &d.place) {
-            Some(Some((parent, name))) => Seen::At(*parent, name.to_os_string()),
-            Some(None) => Seen::Gone,
-            None => Seen::Unknown,
-        }
+        let _shard = self.shard(ino).read().unwrap_or_else(|e| e.into_inner());
+        self.records.get(ino).map_or(Seen::Unknown, |r| r.seen)
     }
 
     /// Whether `ino`, which the table holds no node for, surely names nothing: the last whole
@@ -1029,9 +1013,9 @@ impl InodeTable {
         if shard.nodes.contains_key(&ino) {
             return false;
         }
-        match shard.departed.get(&ino) {
+        match self.records.get(ino) {
             None => true,
-            Some(d) => d.place.is_none() && d.epoch < whole,
+            Some(r) => r.seen == Seen::Gone && r.epoch < whole,
         }
     }
 
@@ -1048,30 +1032,30 @@ impl InodeTable {
     /// Records that `ino` is named `name` in `parent` (a scan of the tree), unless the table
     /// holds it. False if the record had no room.
     pub fn note_seen(&self, ino: Ino, parent: Ino, name: &OsStr) -> bool {
-        let mut shard = self.write(ino);
+        let shard = self.write(ino);
         if shard.nodes.contains_key(&ino) {
             return true;
         }
-        let generation = shard.departed.get(&ino).map_or(0, |d| d.generation);
-        self.depart(&mut shard, ino, Some((parent, name.into())), generation)
+        let generation = self.records.get(ino).map_or(0, |r| r.generation);
+        self.depart(&shard, ino, Some((parent, name)), generation)
     }
 
-    fn depart(&self, shard: &mut ShardMap, ino: Ino, place: Place, generation: u64) -> bool {
-        let room = shard.departed.len() < DEPARTED_PER_SHARD || shard.departed.contains_key(&ino);
-        if !room {
-            shard.departed.clear();
+    /// Records where `ino` was last seen (`records`), under its shard's lock. False if the
+    /// table knows less than before (another number's record displaced): a whole scan then no
+    /// longer vouches for numbers it does not hold.
+    fn depart(
+        &self,
+        _shard: &ShardMap,
+        ino: Ino,
+        place: Option<(Ino, &OsStr)>,
+        generation: u64,
+    ) -> bool {
+        let epoch = self.scans.load(Ordering::Relaxed);
+        let kept = self.records.put(ino, place, generation, epoch);
+        if !kept {
             self.whole.store(0, Ordering::Relaxed);
         }
-        let epoch = self.scans.load(Ordering::Relaxed);
-        shard.departed.insert(
-            ino,
-            Departed {
-                place,
-                generation,
-                epoch,
-            },
-        );
-        room
+        kept
     }
 
     /// Lets `node`, found by its number with no kernel reference on its parent, keep the
@@ -1205,10 +1189,10 @@ impl InodeTable {
         loop {
             let (primary, current) = {
                 let mut shard = self.write(found.ino);
-                let ShardMap { nodes, departed } = &mut *shard;
-                let node = nodes.entry(found.ino).or_insert_with(|| {
+                let records = &self.records;
+                let node = shard.nodes.entry(found.ino).or_insert_with(|| {
                     // Found again: the object keeps the generation its handles carry.
-                    let kept = departed.remove(&found.ino).map(|d| d.generation);
+                    let kept = records.take(found.ino);
                     let generation = found.generation.or(kept).unwrap_or(0);
                     let node = Node::new(found.ino, generation, NodeState::new(found));
                     if found.kind == libc::S_IFREG && self.fresh_files.load(Ordering::Relaxed) {
@@ -1392,7 +1376,7 @@ impl InodeTable {
         // them.
         let (old, held) = match shard.nodes.get(&ino) {
             Some(old) => (Some(old.generation()), old.lookups.load(Ordering::Relaxed)),
-            None => (shard.departed.remove(&ino).map(|d| d.generation), 0),
+            None => (self.records.take(ino), 0),
         };
         let generation = next_generation(old, stable);
         let node = Arc::new(Node::new(ino, generation, state));
@@ -1402,7 +1386,7 @@ impl InodeTable {
     }
 
     /// Drops `n` kernel references; the inode is forgotten when none is left, and where it was
-    /// is recorded (`Departed`). A node found by its number gives back the reference on its
+    /// is recorded (`Records`). A node found by its number gives back the reference on its
     /// parent it kept (`hold_parent`).
     pub fn forget(&self, ino: Ino, n: u64) {
         let mut next = Some((ino, n));
@@ -1418,7 +1402,7 @@ impl InodeTable {
 
     /// `forget` of one node: the node if it left the table.
     ///
-    /// A node leaves the table and its record (`Departed`) is written in one hold of the
+    /// A node leaves the table and its record (`Records`) is written in one hold of the
     /// shard: a look in between would find the number neither held nor recorded, which after a
     /// whole scan means "names nothing" (`surely_gone`: a directory's file handle answered
     /// ESTALE after `drop_caches`), and a lookup there would make a node of generation 0 for
@@ -1467,7 +1451,8 @@ impl InodeTable {
                 .expect("held under the shard's lock");
             shrink_when_emptied(&mut shard.nodes);
             if !removed.is_alias() {
-                self.depart(&mut shard, ino, place, removed.generation());
+                let place = place.as_ref().map(|(p, name)| (*p, name.as_os_str()));
+                self.depart(&shard, ino, place, removed.generation());
                 return Some(removed);
             }
             drop(shard);
