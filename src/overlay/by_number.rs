@@ -146,21 +146,9 @@ impl Overlay {
         };
         // ...and down again, one lookup per step.
         while let Some((want, name)) = chain.pop() {
-            match self.lookup_name(dir.ino, &name) {
-                // The object itself, possibly under a node id of its own (`fresh_file_ids`).
-                Ok((node, _)) if node.st_ino() == want => {
-                    self.inodes.hold_parent(&node, dir.ino);
-                    dir = node;
-                }
-                Ok((other, _)) => {
-                    self.inodes.forget(other.ino, 1);
-                    self.inodes.forget(dir.ino, 1);
-                    return Ok(None);
-                }
-                Err(e) => {
-                    self.inodes.forget(dir.ino, 1);
-                    return not_there(e);
-                }
+            match self.step_down(&dir, &name, want)? {
+                Some(node) => dir = node,
+                None => return Ok(None),
             }
         }
         Ok(Some(dir))
@@ -210,36 +198,49 @@ impl Overlay {
                 }
             }
         }
-        let chain: Vec<Arc<Node>> = stack.into_iter().map(|(dir, _)| dir).collect();
+        let mut chain: Vec<Arc<Node>> = stack.into_iter().map(|(dir, _)| dir).collect();
         let Some(name) = found else {
             if whole && self.tree_unchanged(token) {
                 self.inodes.scanned_whole(epoch);
             }
             return Ok(None);
         };
-        let dir = chain.last().expect("the walk met it in a directory");
-        let let_go = |chain: &[Arc<Node>]| {
-            for dir in chain {
+        let dir = chain.pop().expect("the walk met it in a directory");
+        let node = self.step_down(&dir, &name, wanted);
+        if let Ok(Some(_)) = node {
+            // Each directory keeps the reference the walk counted on its parent, as a node
+            // found from the records does (`revive`).
+            for pair in chain.windows(2) {
+                self.inodes.hold_parent(&pair[1], pair[0].ino);
+            }
+            if let Some(parent) = chain.last() {
+                self.inodes.hold_parent(&dir, parent.ino);
+            }
+        } else {
+            for dir in &chain {
                 self.inodes.forget(dir.ino, 1);
             }
-        };
-        match self.lookup_name(dir.ino, &name) {
-            Ok((node, _)) if node.st_ino() == wanted => {
-                // Each directory keeps the reference the walk counted on its parent, as a
-                // node found from the records does (`revive`).
-                for pair in chain.windows(2) {
-                    self.inodes.hold_parent(&pair[1], pair[0].ino);
-                }
+        }
+        node
+    }
+
+    /// One step down to the object numbered `want`: `name` in `dir`, counted and keeping the
+    /// reference on `dir` the caller counted (`hold_parent`), if it is that object (possibly
+    /// under a node id of its own, `fresh_file_ids`); otherwise `None`, with `dir`'s reference
+    /// given back.
+    fn step_down(&self, dir: &Node, name: &OsStr, want: Ino) -> Result<Option<Arc<Node>>> {
+        match self.lookup_name(dir.ino, name) {
+            Ok((node, _)) if node.st_ino() == want => {
                 self.inodes.hold_parent(&node, dir.ino);
                 Ok(Some(node))
             }
             Ok((other, _)) => {
                 self.inodes.forget(other.ino, 1);
-                let_go(&chain);
+                self.inodes.forget(dir.ino, 1);
                 Ok(None)
             }
             Err(e) => {
-                let_go(&chain);
+                self.inodes.forget(dir.ino, 1);
                 not_there(e)
             }
         }
