@@ -644,6 +644,12 @@ fn fuser_config(opts: &Options, uring: bool, restartable: bool) -> fuser::Config
         .ok()
         .and_then(|ms| ms.parse().ok())
         .map(std::time::Duration::from_millis);
+    // Workers added by demand leave again once the mount has been quiet for a while (5 s;
+    // `MOSAICFS_TEST_SHRINK_AFTER_MS` in the tests): an idle mount holds one.
+    cfg.shrink_after = std::env::var("MOSAICFS_TEST_SHRINK_AFTER_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(std::time::Duration::from_millis);
     cfg.clone_fd = !restartable;
     cfg.uring = uring;
     cfg

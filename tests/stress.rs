@@ -1013,6 +1013,73 @@ fn workers_added_while_all_were_stuck_leave_when_idle() {
     assert!(grow(&m) > 8, "the pool grows again");
 }
 
+/// Workers the pool added by demand leave once the mount has been quiet a while (vendored
+/// fuser `WorkerPool::shrink`), so that an idle mount holds one worker again after a burst;
+/// and the signal that ends a leaving worker's read never reaches a request: callers that
+/// keep coming in bursts while workers leave see every answer right. Without the shrink the
+/// pool stays at its peak.
+#[test]
+fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
+    let mut m = Mount::new(1);
+    for i in 0..8 {
+        write(m.lower(0).join(format!("f{i}")), format!("lower {i}"));
+    }
+    m.env
+        .push(("MOSAICFS_TEST_SHRINK_AFTER_MS".into(), "200".into()));
+    m.mount();
+    if thread_names(&m).iter().any(|n| n.starts_with("fuser-ring")) {
+        return;
+    }
+    let workers = |m: &Mount| {
+        thread_names(m)
+            .iter()
+            .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
+            .count()
+    };
+    // Callers in bursts, each request answered by the daemon (xattrs are never cached), and
+    // files written and read back; a burst every 300 ms, longer than the quiet the pool waits.
+    let burst = |m: &Mount, round: usize| {
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let m = &m;
+                s.spawn(move || {
+                    for i in 0..100 {
+                        let f = format!("f{}", (t + i) % 8);
+                        assert!(xattr_get(&m.path(&f), "user.none").is_err());
+                        let want = format!("lower {}", (t + i) % 8);
+                        assert_eq!(std::fs::read_to_string(m.path(&f)).unwrap(), want);
+                    }
+                    let own = m.path(&format!("w{t}"));
+                    let text = format!("round {round} thread {t}");
+                    std::fs::write(&own, &text).unwrap();
+                    assert_eq!(std::fs::read_to_string(&own).unwrap(), text);
+                    std::fs::remove_file(&own).unwrap();
+                });
+            }
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut peak = 0;
+    let mut round = 0;
+    while std::time::Instant::now() < deadline && (round < 20 || peak < 2) {
+        burst(&m, round);
+        peak = peak.max(workers(&m));
+        round += 1;
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    assert!(peak >= 2, "four callers at once and the pool never grew");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while workers(&m) > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let left = workers(&m);
+    assert_eq!(
+        left, 1,
+        "{peak} workers at the peak, {left} after a quiet minute"
+    );
+    burst(&m, round);
+}
+
 /// Context switches of all the daemon's threads so far (each wake-up of a sleeping thread is
 /// one).
 fn daemon_switches(m: &Mount) -> u64 {

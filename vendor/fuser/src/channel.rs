@@ -45,12 +45,23 @@ impl Channel {
     /// mosaicfs patch: once the session is being stopped (`Stopper::stop`), an interrupted
     /// read returns ESHUTDOWN instead, and no read starts: the worker ends.
     pub(crate) fn receive_retrying(&self, buffer: &mut [u8]) -> nix::Result<usize> {
+        self.receive_unless(buffer, || false)
+    }
+
+    /// mosaicfs patch: the same, but a read interrupted while `leave()` holds returns
+    /// ECANCELED: the worker was asked to leave the pool (`WorkerPool::shrink`).
+    pub(crate) fn receive_unless(
+        &self,
+        buffer: &mut [u8],
+        leave: impl Fn() -> bool,
+    ) -> nix::Result<usize> {
         loop {
             if STOPPING.load(std::sync::atomic::Ordering::Acquire) {
                 return Err(Errno::ESHUTDOWN);
             }
             match self.receive(buffer) {
                 Ok(size) => return Ok(size),
+                Err(Errno::EINTR) if leave() => return Err(Errno::ECANCELED),
                 Err(Errno::ENOENT | Errno::EINTR | Errno::EAGAIN) => continue,
                 Err(err) => return Err(err),
             }

@@ -364,6 +364,10 @@ impl<FS: Filesystem> Session<FS> {
         // below.
         let max_threads = config.max_threads.unwrap_or(n_threads).max(n_threads);
         let retire_after = config.retire_after.unwrap_or(RETIRE_AFTER);
+        pool.shrink_after_ns.store(
+            config.shrink_after.unwrap_or(SHRINK_AFTER).as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let clone_fd = config.clone_fd;
         let new_channel = move |ch: &Channel| -> io::Result<Channel> {
             if clone_fd {
@@ -405,7 +409,10 @@ impl<FS: Filesystem> Session<FS> {
             None => config.min_threads.unwrap_or(n_threads).clamp(1, n_threads),
         };
         pool.set_demand(if ring_queues.is_some() { 0 } else { n_threads });
+        pool.floor.store(initial, std::sync::atomic::Ordering::Relaxed);
         let template = if max_threads > initial {
+            // Workers added by demand are woken by a signal when they may leave (`shrink`).
+            install_stop_handler();
             Some(new_channel(&ch)?)
         } else {
             None
@@ -462,6 +469,7 @@ impl<FS: Filesystem> Session<FS> {
                             }
                         }
                         pool.offer_retirement(retire_after);
+                        pool.shrink();
                         for &group in &groups {
                             let workers = pool.workers();
                             let in_group = pool.workers_in(group);
@@ -538,6 +546,11 @@ impl<FS: Filesystem> Session<FS> {
         if let Some(supervisor) = supervisor {
             supervisor.thread().unpark();
             let _ = supervisor.join();
+        }
+        // Workers that left the pool were let go, not joined: each drops its hold on the file
+        // system before it counts itself out.
+        while pool.alive.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            thread::sleep(std::time::Duration::from_millis(1));
         }
 
         let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
@@ -850,6 +863,23 @@ pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_mi
 /// added beyond `n_threads` leave (`Config::retire_after`).
 const RETIRE_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// mosaicfs patch: how long the pool must have kept more than one worker idle before the
+/// workers added by demand leave (`Config::shrink_after`, `WorkerPool::shrink`). Adding one
+/// again costs a thread's start, some 100 us, and the request that finds none idle waits
+/// `GROW_GRACE` at most for it.
+const SHRINK_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// mosaicfs patch: how soon the supervisor wakes a worker asked to leave again: one asked
+/// between marking itself `READING` and entering its read took the signal before the read.
+const LEAVE_AGAIN: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// mosaicfs patch: what a /dev/fuse worker is doing (`WorkerState::phase`), for `shrink`: only
+/// a worker waiting in its read may be asked to leave, so that the signal that ends that read
+/// never lands in a system call a request makes (a lower layer on a FUSE store answers EINTR).
+const SERVING: u8 = 0;
+const READING: u8 = 1;
+const LEAVING: u8 = 2;
+
 /// mosaicfs patch: how long a worker added beyond `n_threads` waits for a request before it
 /// looks whether it may leave.
 const EXTRA_POLL: std::time::Duration = std::time::Duration::from_millis(500);
@@ -891,6 +921,16 @@ pub(crate) struct WorkerPool {
     idle_since: std::sync::atomic::AtomicU64,
     /// Workers that left (`retire`): `run` joins them without ending the session.
     retired: std::sync::Mutex<Vec<thread::ThreadId>>,
+    /// /dev/fuse workers the pool keeps however quiet (`min_threads`).
+    floor: std::sync::atomic::AtomicUsize,
+    /// `Config::shrink_after`, in ns.
+    shrink_after_ns: std::sync::atomic::AtomicU64,
+    /// Since when (ns since `epoch`) `spare` counts; 0 while no worker may leave.
+    shrink_since: std::sync::atomic::AtomicU64,
+    /// The fewest workers a request left idle when it was taken, since `shrink_since`.
+    spare: std::sync::atomic::AtomicUsize,
+    /// Workers asked to leave (`shrink`) that have not left yet.
+    leaving: std::sync::atomic::AtomicUsize,
 }
 
 /// What one worker is doing.
@@ -902,6 +942,10 @@ pub(crate) struct WorkerState {
     ring: bool,
     /// The io_uring queue of its entry.
     qid: Option<u16>,
+    /// A /dev/fuse worker, which may leave when the pool is quiet (`WorkerPool::shrink`).
+    shrinkable: bool,
+    /// `SERVING`, `READING` or `LEAVING` (shrinkable workers only).
+    phase: std::sync::atomic::AtomicU8,
     /// When its current request was dispatched (ns since the pool's epoch, at least 1), or 0
     /// while it waits for one. Stored last (Release) when a request starts.
     since: std::sync::atomic::AtomicU64,
@@ -927,7 +971,90 @@ impl WorkerPool {
             leave: std::sync::atomic::AtomicUsize::new(0),
             idle_since: std::sync::atomic::AtomicU64::new(0),
             retired: std::sync::Mutex::new(Vec::new()),
+            floor: std::sync::atomic::AtomicUsize::new(1),
+            shrink_after_ns: std::sync::atomic::AtomicU64::new(0),
+            shrink_since: std::sync::atomic::AtomicU64::new(0),
+            spare: std::sync::atomic::AtomicUsize::new(0),
+            leaving: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// The supervisor's look at workers added by demand: once every request taken through
+    /// `shrink_after` left two workers idle or more, as many as were never needed beyond one
+    /// spare leave, down to `floor`. Only a worker waiting in its read is asked (`READING` to
+    /// `LEAVING`) and woken by `STOP_SIGNAL`; one that took a request in between serves it
+    /// with the signal blocked, then leaves. An idle mount holds one worker again, and every
+    /// other worker's stack and request buffer go back with its thread.
+    fn shrink(&self) {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+        let states = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        // One asked between its mark and its read took the signal before the read: again.
+        for s in states.iter().filter(|s| s.phase.load(Acquire) == LEAVING) {
+            signal_worker(s);
+        }
+        let dev = states.iter().filter(|s| s.shrinkable).count();
+        let floor = self.floor.load(Relaxed) + self.leaving.load(Acquire);
+        let beyond = dev.saturating_sub(floor);
+        if beyond == 0 {
+            self.shrink_since.store(0, Relaxed);
+            return;
+        }
+        let now = (self.epoch.elapsed().as_nanos() as u64).max(1);
+        let since = self.shrink_since.load(Relaxed);
+        if since != 0 && now - since < self.shrink_after_ns.load(Relaxed) {
+            return;
+        }
+        let unneeded = if since == 0 {
+            0
+        } else {
+            self.spare.load(Acquire).saturating_sub(1).min(beyond)
+        };
+        self.spare.store(self.idle.load(Acquire), Release);
+        self.shrink_since.store(now, Relaxed);
+        // The newest first: the oldest are the ones the pool started with.
+        let asked = states
+            .iter()
+            .rev()
+            .filter(|s| s.shrinkable)
+            .filter(|s| {
+                s.phase
+                    .compare_exchange(READING, LEAVING, AcqRel, Acquire)
+                    .is_ok()
+            })
+            .take(unneeded)
+            .inspect(|s| {
+                self.leaving.fetch_add(1, AcqRel);
+                signal_worker(s);
+            })
+            .count();
+        if asked > 0 {
+            drop(states);
+            // A pool gone quiet: the heap's free pages go back too (glibc's `malloc_trim`).
+            // SAFETY: malloc_trim only returns free memory to the system.
+            unsafe { libc::malloc_trim(0) };
+        }
+    }
+
+    /// A worker asked to leave (`shrink`) leaves: it no longer counts, and its thread is let
+    /// go (detached) rather than joined at the session's end, so that its stack goes at once.
+    fn leave(&self, busy: &Arc<WorkerState>) {
+        use std::sync::atomic::Ordering::AcqRel;
+        let me = thread::current().id();
+        self.retired
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(me);
+        self.busy_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|w| !Arc::ptr_eq(w, busy));
+        self.idle.fetch_sub(1, AcqRel);
+        self.leaving.fetch_sub(1, AcqRel);
+        let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        // Not there when `run` is joining it already.
+        if let Some(i) = handles.iter().position(|h| h.thread().id() == me) {
+            drop(handles.remove(i));
+        }
     }
 
     /// The supervisor's look at extra workers: once two or more workers have been idle at
@@ -998,6 +1125,8 @@ impl WorkerPool {
     /// A /dev/fuse worker took a request: if no other waits, ask for one more.
     fn took_request(&self) {
         let before = self.idle.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.spare
+            .fetch_min(before.saturating_sub(1), std::sync::atomic::Ordering::AcqRel);
         if before <= 1 && !self.wanted.load(std::sync::atomic::Ordering::Relaxed) {
             self.wanted.store(true, std::sync::atomic::Ordering::Release);
             if let Some(t) = self.supervisor.get() {
@@ -1028,6 +1157,17 @@ impl WorkerPool {
         // Extra workers to let go: a look now and then until they are gone.
         if self.extra.load(SeqCst) > 0 {
             thread::park_timeout(STUCK_AFTER);
+            return;
+        }
+        // Workers asked to leave, or that may leave once the pool has been quiet a while.
+        if self.leaving.load(SeqCst) > 0 {
+            thread::park_timeout(LEAVE_AGAIN);
+            return;
+        }
+        if self.shrink_since.load(SeqCst) != 0 {
+            thread::park_timeout(std::time::Duration::from_nanos(
+                self.shrink_after_ns.load(SeqCst),
+            ));
             return;
         }
         self.asleep.store(true, SeqCst);
@@ -1130,6 +1270,7 @@ impl WorkerPool {
             return Ok(false);
         }
         let extra = matches!(kind, WorkerKind::Extra(_));
+        let shrinkable = matches!(kind, WorkerKind::Dev(_));
         let (ch, ring, tracked) = match kind {
             WorkerKind::Dev(ch) | WorkerKind::Extra(ch) => (ch, None, true),
             WorkerKind::Ring { ch, qid, payload } => (ch, Some((qid, payload)), true),
@@ -1139,6 +1280,8 @@ impl WorkerPool {
             sender: ch.sender(),
             ring: ring.is_some(),
             qid: ring.map(|(q, _)| q),
+            shrinkable,
+            phase: Default::default(),
             since: Default::default(),
             unique: Default::default(),
             thread: Default::default(),
@@ -1172,6 +1315,8 @@ impl WorkerPool {
         let pool = self.clone();
         let spawned = thread::Builder::new().name(thread_name).spawn(move || {
             let r = event_loop.run();
+            // Before it counts itself out: `run` takes the file system back once none is alive.
+            drop(event_loop);
             pool.alive.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
             r
         });
@@ -1357,9 +1502,30 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // mosaicfs patch: pages a big batch of FORGETs filled are given back after it.
             let mut forgot = 0;
             let buf = read_buf.as_mut();
+            // mosaicfs patch: a worker the pool may let go waits in its read as `READING`
+            // (`WorkerPool::shrink`); asked to leave there, its read ends with ECANCELED. One
+            // asked just as it took a request serves that with the signal blocked, then leaves.
+            let shrinkable = self.busy.as_ref().map(|(b, _)| b).filter(|b| b.shrinkable);
+            if let Some(b) = shrinkable {
+                b.phase.store(READING, std::sync::atomic::Ordering::SeqCst);
+            }
+            let asked = || {
+                shrinkable.is_some_and(|b| {
+                    b.phase.load(std::sync::atomic::Ordering::Acquire) == LEAVING
+                })
+            };
+            let mut leave_after = false;
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
-            match self.ch.receive_retrying(buf) {
+            let received = self.ch.receive_unless(buf, asked);
+            if let (Ok(_), Some(b)) = (&received, shrinkable) {
+                let was = b.phase.swap(SERVING, std::sync::atomic::Ordering::AcqRel);
+                if was == LEAVING {
+                    block_stop_signal();
+                    leave_after = true;
+                }
+            }
+            match received {
                 Ok(size) => match RequestWithSender::new(self.ch.sender(), None, &buf[..size]) {
                     // Dispatch request
                     Some(req) => {
@@ -1405,9 +1571,17 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                     }
                     return Ok(());
                 }
+                // mosaicfs patch: asked to leave while waiting (`WorkerPool::shrink`).
+                Err(nix::errno::Errno::ECANCELED) => leave_after = true,
                 Err(err) => return Err(err.into()),
             }
             read_buf.give_back_after(forgot);
+            if leave_after
+                && let (Some(pool), Some(b)) = (&self.pool, shrinkable)
+            {
+                pool.leave(b);
+                return Ok(());
+            }
         }
     }
 }
@@ -1425,6 +1599,41 @@ const STOP_SIGNAL: i32 = libc::SIGURG;
 
 extern "C" fn on_stop_signal(_: libc::c_int) {}
 
+/// Installs `STOP_SIGNAL`'s handler, which does nothing, without SA_RESTART: a worker's read
+/// of /dev/fuse that the signal reaches returns EINTR.
+fn install_stop_handler() {
+    // SAFETY: a handler that does nothing, for a signal nothing else in the process uses
+    // (SIGURG is ignored by default, so a stray one harms nothing either).
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = on_stop_signal as *const () as usize;
+        libc::sigemptyset(&mut act.sa_mask);
+        act.sa_flags = 0;
+        libc::sigaction(STOP_SIGNAL, &act, std::ptr::null_mut());
+    }
+}
+
+/// Sends `STOP_SIGNAL` to one worker's thread (none yet started: nothing).
+fn signal_worker(worker: &WorkerState) {
+    let tid = worker.thread.load(std::sync::atomic::Ordering::Relaxed);
+    if tid != 0 {
+        // SAFETY: tgkill to a thread of this process; one that ended gives ESRCH.
+        unsafe { libc::syscall(libc::SYS_tgkill, std::process::id() as i32, tid, STOP_SIGNAL) };
+    }
+}
+
+/// Blocks `STOP_SIGNAL` in this thread: a worker asked to leave just as it took a request
+/// serves it without a signal that would interrupt the request's own system calls.
+fn block_stop_signal() {
+    // SAFETY: changes this thread's signal mask only.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, STOP_SIGNAL);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
 impl Stopper {
     /// Workers read no more requests: each finishes the one it holds and ends, and `run`
     /// returns once all have. A read already waiting is interrupted by a signal, sent again
@@ -1432,15 +1641,7 @@ impl Stopper {
     /// Nothing is left unanswered: a request is either read and answered, or still queued in
     /// the kernel for the next daemon. Returns when every worker has ended.
     pub fn stop(&self) {
-        // SAFETY: a handler that does nothing, for a signal nothing else in the process uses
-        // (SIGURG is ignored by default, so a stray one harms nothing either).
-        unsafe {
-            let mut act: libc::sigaction = std::mem::zeroed();
-            act.sa_sigaction = on_stop_signal as *const () as usize;
-            libc::sigemptyset(&mut act.sa_mask);
-            act.sa_flags = 0;
-            libc::sigaction(STOP_SIGNAL, &act, std::ptr::null_mut());
-        }
+        install_stop_handler();
         crate::channel::STOPPING.store(true, std::sync::atomic::Ordering::Release);
         self.pool.end();
         loop {

@@ -30,6 +30,10 @@ pub struct Config {
     /// pool has had two idle workers or more for this long (unspecified: 30 s), so that a
     /// pool grown in a burst does not keep its threads and their memory for the session.
     pub retire_after: Option<std::time::Duration>,
+    /// mosaicfs patch: workers added by demand (up to `n_threads`) leave, down to
+    /// `min_threads`, once the pool has kept a spare worker idle through this long
+    /// (unspecified: 5 s; `WorkerPool::shrink`).
+    pub shrink_after: Option<std::time::Duration>,
     /// mosaicfs patch: carry requests over io_uring when the kernel offers it at INIT
     /// (`Session::transport` says what was agreed).
     pub uring: bool,
