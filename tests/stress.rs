@@ -1123,3 +1123,52 @@ fn xattr_get(p: &Path, name: &str) -> std::io::Result<usize> {
         Ok(r as usize)
     }
 }
+
+/// The daemon's environment, as `NAME=value` strings.
+fn daemon_environment(m: &Mount) -> Vec<String> {
+    std::fs::read(format!("/proc/{}/environ", m.pid()))
+        .unwrap()
+        .split(|&b| b == 0)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect()
+}
+
+/// The daemon runs without glibc's per-thread malloc cache (it re-executes itself at mount
+/// with the tunable set: `exec_without_malloc_cache`), whose chunks kept a megabyte of heap
+/// pages after the kernel forgot a walk's inodes; a tunable of the caller's own is kept, and
+/// a tcache setting of the caller's wins.
+#[test]
+fn the_daemon_runs_without_the_malloc_cache_and_keeps_the_callers_tunables() {
+    let tunables = |m: &Mount| {
+        daemon_environment(m)
+            .into_iter()
+            .find_map(|v| v.strip_prefix("GLIBC_TUNABLES=").map(str::to_string))
+    };
+    let mut m = Mount::new(1);
+    m.mount();
+    assert_eq!(
+        tunables(&m).as_deref(),
+        Some("glibc.malloc.tcache_count=0:glibc.pthread.stack_cache_size=0")
+    );
+    m.unmount();
+    let mut m = Mount::new(1);
+    m.env.push((
+        "GLIBC_TUNABLES".into(),
+        "glibc.malloc.trim_threshold=131072".into(),
+    ));
+    m.mount();
+    // glibc cuts its own copy of the variable at the first tunable as it reads them (the
+    // daemon's own environment, which its children get, has both): only the caller's shows.
+    assert_eq!(
+        tunables(&m).as_deref(),
+        Some("glibc.malloc.trim_threshold=131072")
+    );
+    m.unmount();
+    let mut m = Mount::new(1);
+    m.env.push((
+        "GLIBC_TUNABLES".into(),
+        "glibc.malloc.tcache_count=3".into(),
+    ));
+    m.mount();
+    assert_eq!(tunables(&m).as_deref(), Some("glibc.malloc.tcache_count=3"));
+}
