@@ -84,6 +84,21 @@ cp -a etc etc.copy
 rm -rf etc.copy
 df . >/dev/null
 stat -f . >/dev/null
+# The workers the workload added let go again once quiet (`WorkerPool::shrink`).
+sleep 1
+"""
+
+# What an idle mount also does, counted with its first listing: a big directory walked, then
+# forgotten when the kernel reclaims its inodes (FORGET, the records of forgotten nodes, a
+# lookup by record). Linked beside the mount's own code, the walk and the forgetting map
+# little more of the program than the mount did.
+FORGETTING = r"""
+set -e
+cd "$1"
+ls -l usr/share/many >/dev/null
+sync
+echo 2 > /proc/sys/vm/drop_caches
+stat usr/share/many/f7 >/dev/null
 """
 
 
@@ -156,6 +171,9 @@ def profile(binary, fsstress, funcs):
     for i in range(1, 30):
         with open(f"{t}/l/etc/f{i}", "w") as f:
             f.write(f"file {i}\n")
+    os.makedirs(f"{t}/l/usr/share/many")
+    for i in range(3000):
+        open(f"{t}/l/usr/share/many/f{i}", "w").close()
     os.symlink("f1", f"{t}/l/etc/link")
     mnt = f"{t}/m"
     # The client of `mosaicfs status` runs from a copy: only the daemon's calls count.
@@ -182,11 +200,14 @@ def profile(binary, fsstress, funcs):
         write(f"{TRACING}/buffer_size_kb", str(MOUNT_TRACE_KB))
         write(f"{TRACING}/trace", "")
         write(f"{TRACING}/tracing_on", "1")
-        sh(f"{binary} -o lowerdir={t}/l,upperdir={t}/u,workdir={t}/w {mnt}")
+        # Workers added by demand leave within the workload (`WorkerPool::shrink`).
+        env = dict(os.environ, MOSAICFS_TEST_SHRINK_AFTER_MS="300")
+        sh(f"{binary} -o lowerdir={t}/l,upperdir={t}/u,workdir={t}/w {mnt}", env=env)
         time.sleep(1)
         write(f"{TRACING}/tracing_on", "0")
         started = hit_counts(binary)
         sh(f"ls -la {mnt} {mnt}/etc", input="")
+        sh(f"bash -s {mnt}", input=FORGETTING)
         time.sleep(0.5)
         listed = hit_counts(binary)
         calls = [
@@ -261,7 +282,7 @@ def main():
     funcs = functions(binary)
     in_daemon, started, listed, ran, refused = profile(binary, fsstress, funcs)
     by_address = sorted(range(len(funcs)), key=lambda i: funcs[i][1])
-    # What an idle mount has run: the daemon's start and a first listing.
+    # What an idle mount has run: the daemon's start, a first listing, a walk forgotten.
     idle = [i for i in by_address if i in in_daemon or listed.get(i, 0) > started.get(i, 0)]
     # The daemon also runs what the command had entered before it forked: it returns there.
     idle += [i for i in by_address if re.match(FORK_PATH, funcs[i][0]) and i not in idle]
