@@ -911,6 +911,19 @@ fn thread_names(m: &Mount) -> Vec<String> {
         .collect()
 }
 
+/// How many of these threads are FUSE workers (over /dev/fuse or io_uring).
+fn workers_among(names: &[String]) -> usize {
+    names
+        .iter()
+        .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
+        .count()
+}
+
+/// The daemon's FUSE workers.
+fn fuse_workers(m: &Mount) -> usize {
+    workers_among(&thread_names(m))
+}
+
 #[test]
 fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
     let mut m = Mount::new(1);
@@ -928,14 +941,8 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
     if names.iter().any(|n| n.starts_with("fuser-ring")) {
         return;
     }
-    let workers = |names: &[String]| {
-        names
-            .iter()
-            .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
-            .count()
-    };
     assert!(
-        workers(&names) <= 2,
+        workers_among(&names) <= 2,
         "an idle mount's FUSE workers: {names:?}"
     );
     // Eight callers at once, each request answered by the daemon (xattrs are never cached),
@@ -944,7 +951,7 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
     let path = m.path("f");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut names = thread_names(&m);
-    while workers(&names) <= 2 && std::time::Instant::now() < deadline {
+    while workers_among(&names) <= 2 && std::time::Instant::now() < deadline {
         std::thread::scope(|s| {
             for _ in 0..8 {
                 s.spawn(|| {
@@ -957,7 +964,7 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
         names = thread_names(&m);
     }
     assert!(
-        workers(&names) > 2,
+        workers_among(&names) > 2,
         "eight callers at once and the pool did not grow: {names:?}"
     );
 }
@@ -980,31 +987,25 @@ fn workers_added_while_all_were_stuck_leave_when_idle() {
     if thread_names(&m).iter().any(|n| n.starts_with("fuser-ring")) {
         return;
     }
-    let workers = |m: &Mount| {
-        thread_names(m)
-            .iter()
-            .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
-            .count()
-    };
     // Every RELEASE holds its worker 300 ms: 32 closes at once keep every worker stuck.
     let grow = |m: &Mount| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while workers(m) <= 8 && std::time::Instant::now() < deadline {
+        while fuse_workers(m) <= 8 && std::time::Instant::now() < deadline {
             let files: Vec<_> = (0..32)
                 .map(|i| std::fs::File::open(m.path(&format!("f{i}"))).unwrap())
                 .collect();
             drop(files);
             std::thread::sleep(std::time::Duration::from_millis(250));
         }
-        workers(m)
+        fuse_workers(m)
     };
     let grown = grow(&m);
     assert!(grown > 8, "the pool never grew past 8 workers: {grown}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while workers(&m) > 8 && std::time::Instant::now() < deadline {
+    while fuse_workers(&m) > 8 && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    let left = workers(&m);
+    let left = fuse_workers(&m);
     assert!(
         left <= 8,
         "{grown} workers, and {left} a minute after the burst"
@@ -1030,12 +1031,6 @@ fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
     if thread_names(&m).iter().any(|n| n.starts_with("fuser-ring")) {
         return;
     }
-    let workers = |m: &Mount| {
-        thread_names(m)
-            .iter()
-            .filter(|n| n.starts_with("fuser-") && *n != "fuser-pool")
-            .count()
-    };
     // Callers in bursts, each request answered by the daemon (xattrs are never cached), and
     // files written and read back; a burst every 300 ms, longer than the quiet the pool waits.
     let burst = |m: &Mount, round: usize| {
@@ -1063,16 +1058,16 @@ fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
     let mut round = 0;
     while std::time::Instant::now() < deadline && (round < 20 || peak < 2) {
         burst(&m, round);
-        peak = peak.max(workers(&m));
+        peak = peak.max(fuse_workers(&m));
         round += 1;
         std::thread::sleep(std::time::Duration::from_millis(300));
     }
     assert!(peak >= 2, "four callers at once and the pool never grew");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while workers(&m) > 1 && std::time::Instant::now() < deadline {
+    while fuse_workers(&m) > 1 && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let left = workers(&m);
+    let left = fuse_workers(&m);
     assert_eq!(
         left, 1,
         "{peak} workers at the peak, {left} after a quiet minute"
