@@ -1147,7 +1147,8 @@ impl WorkerPool {
     }
 
     /// The supervisor's wait: a tick while a worker is busy (to see it stuck), else parked
-    /// until a worker takes a request (`note_busy`) or the session ends.
+    /// until a worker takes a request (`note_busy`), the session ends, or (while workers may
+    /// leave, `shrink`) their next look is due.
     fn supervisor_wait(&self) {
         use std::sync::atomic::Ordering::SeqCst;
         if self.any_busy() {
@@ -1159,17 +1160,15 @@ impl WorkerPool {
             thread::park_timeout(STUCK_AFTER);
             return;
         }
-        // Workers asked to leave, or that may leave once the pool has been quiet a while.
-        if self.leaving.load(SeqCst) > 0 {
-            thread::park_timeout(LEAVE_AGAIN);
-            return;
-        }
-        if self.shrink_since.load(SeqCst) != 0 {
-            thread::park_timeout(std::time::Duration::from_nanos(
-                self.shrink_after_ns.load(SeqCst),
-            ));
-            return;
-        }
+        // Workers asked to leave, or that may leave once the pool has been quiet a while: a
+        // look then (a worker that gets busy meanwhile wakes it sooner, as below).
+        let look = if self.leaving.load(SeqCst) > 0 {
+            Some(LEAVE_AGAIN)
+        } else if self.shrink_since.load(SeqCst) != 0 {
+            Some(std::time::Duration::from_nanos(self.shrink_after_ns.load(SeqCst)))
+        } else {
+            None
+        };
         self.asleep.store(true, SeqCst);
         // Dekker with `note_busy`: a worker that marked itself busy before this fence is seen
         // below; one that marks itself after it sees `asleep` and unparks.
@@ -1178,7 +1177,10 @@ impl WorkerPool {
             self.asleep.store(false, SeqCst);
             return;
         }
-        thread::park();
+        match look {
+            Some(after) => thread::park_timeout(after),
+            None => thread::park(),
+        }
         self.asleep.store(false, SeqCst);
     }
 
