@@ -911,6 +911,26 @@ fn thread_names(m: &Mount) -> Vec<String> {
         .collect()
 }
 
+/// The daemon's threads once its session has started them all: the pool's supervisor
+/// ("fuser-pool") starts after the workers, and a mount returns before either exists.
+fn started_thread_names(m: &Mount) -> Vec<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let names = thread_names(m);
+        if names.iter().any(|n| n == "fuser-pool") || std::time::Instant::now() > deadline {
+            return names;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// Whether the mount's requests come over io_uring (its workers are the rings').
+fn over_io_uring(m: &Mount) -> bool {
+    started_thread_names(m)
+        .iter()
+        .any(|n| n.starts_with("fuser-ring"))
+}
+
 /// How many of these threads are FUSE workers (over /dev/fuse or io_uring).
 fn workers_among(names: &[String]) -> usize {
     names
@@ -929,7 +949,7 @@ fn an_idle_mount_holds_one_worker_and_the_pool_grows_with_demand() {
     let mut m = Mount::new(1);
     write(m.lower(0).join("f"), "x");
     m.mount();
-    let names = thread_names(&m);
+    let names = started_thread_names(&m);
     assert!(
         !names
             .iter()
@@ -984,7 +1004,7 @@ fn workers_added_while_all_were_stuck_leave_when_idle() {
     m.env
         .push(("MOSAICFS_TEST_RETIRE_AFTER_MS".into(), "500".into()));
     m.mount();
-    if thread_names(&m).iter().any(|n| n.starts_with("fuser-ring")) {
+    if over_io_uring(&m) {
         return;
     }
     // Every RELEASE holds its worker 300 ms: 32 closes at once keep every worker stuck.
@@ -1028,7 +1048,7 @@ fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
     m.env
         .push(("MOSAICFS_TEST_SHRINK_AFTER_MS".into(), "200".into()));
     m.mount();
-    if thread_names(&m).iter().any(|n| n.starts_with("fuser-ring")) {
+    if over_io_uring(&m) {
         return;
     }
     // Callers in bursts, each request answered by the daemon (xattrs are never cached), and
