@@ -1038,18 +1038,9 @@ impl WorkerPool {
     /// A worker asked to leave (`shrink`) leaves: it no longer counts, and its thread is let
     /// go (detached) rather than joined at the session's end, so that its stack goes at once.
     fn leave(&self, busy: &Arc<WorkerState>) {
-        use std::sync::atomic::Ordering::AcqRel;
         let me = thread::current().id();
-        self.retired
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(me);
-        self.busy_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|w| !Arc::ptr_eq(w, busy));
-        self.idle.fetch_sub(1, AcqRel);
-        self.leaving.fetch_sub(1, AcqRel);
+        self.count_out(Some(busy));
+        self.leaving.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
         // Not there when `run` is joining it already.
         if let Some(i) = handles.iter().position(|h| h.thread().id() == me) {
@@ -1088,7 +1079,13 @@ impl WorkerPool {
     /// An extra worker, idle, leaves the pool: it no longer counts, and `run` joins it
     /// without taking its end for the session's.
     fn retire(&self, busy: Option<&Arc<WorkerState>>) {
-        use std::sync::atomic::Ordering::AcqRel;
+        self.count_out(busy);
+        self.extra.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// An idle worker that leaves (`retire`, `leave`) no longer counts: `run` joins it
+    /// without taking its end for the session's.
+    fn count_out(&self, busy: Option<&Arc<WorkerState>>) {
         self.retired
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1099,8 +1096,7 @@ impl WorkerPool {
                 .unwrap_or_else(|e| e.into_inner())
                 .retain(|w| !Arc::ptr_eq(w, busy));
         }
-        self.idle.fetch_sub(1, AcqRel);
-        self.extra.fetch_sub(1, AcqRel);
+        self.idle.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     fn was_retired(&self, id: thread::ThreadId) -> bool {
@@ -1647,22 +1643,11 @@ impl Stopper {
         crate::channel::STOPPING.store(true, std::sync::atomic::Ordering::Release);
         self.pool.end();
         loop {
-            let threads: Vec<i32> = self
-                .pool
-                .busy_since
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .map(|w| w.thread.load(std::sync::atomic::Ordering::Relaxed))
-                .collect();
             if self.pool.alive.load(std::sync::atomic::Ordering::Acquire) == 0 {
                 return;
             }
-            let pid = std::process::id() as i32;
-            for tid in threads.into_iter().filter(|&t| t != 0) {
-                // SAFETY: tgkill to a thread of this process; one that ended gives ESRCH.
-                unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, STOP_SIGNAL) };
-            }
+            let workers = self.pool.busy_since.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            workers.iter().for_each(|w| signal_worker(w));
             thread::sleep(std::time::Duration::from_millis(5));
         }
     }
