@@ -4,6 +4,10 @@ use crate::session::MAX_WRITE_SIZE;
 /// up to `MAX_WRITE_SIZE` bytes in a write request, we use that value plus some extra space.
 const BUFFER_SIZE: usize = MAX_WRITE_SIZE + 4096;
 
+/// The start of a request buffer that stays resident: the page every request's header lands
+/// in (`FuseReadBuf::new`, `give_back_after`).
+const KEEP: usize = 4096;
+
 /// A buffer for one request from the kernel, page-aligned (so aligned for
 /// `fuse_in_header`).
 #[derive(Debug)]
@@ -12,11 +16,20 @@ pub(crate) struct FuseReadBuf {
 }
 
 impl FuseReadBuf {
-    /// Creates a new `FuseReadBuf` of `BUFFER_SIZE` bytes.
+    /// Creates a new `FuseReadBuf` of `BUFFER_SIZE` bytes, its first page resident.
+    ///
+    /// mosaicfs patch: the kernel copies a request into the pages of the reader's buffer, and
+    /// when one is not resident it faults it in on a path that gives up if the reader has been
+    /// sent SIGKILL — and then ends the request with EIO instead of leaving it for the next
+    /// daemon to be sent again (fs/fuse/dev.c `fuse_dev_do_read`, mm/gup.c). A daemon killed
+    /// while a fresh worker read its first request failed that request (the fsx model across a
+    /// hundred kills saw EIO from a listing, a rename and a stat). Every request but a big
+    /// WRITE or SETXATTR fits in the first page, which is kept resident from here on
+    /// (`give_back_after` keeps it too).
     pub(crate) fn new() -> Self {
-        Self {
-            buffer: MappedBuf::new(BUFFER_SIZE),
-        }
+        let mut buffer = MappedBuf::new(BUFFER_SIZE);
+        buffer.make_resident(KEEP);
+        Self { buffer }
     }
 
     /// The whole buffer.
@@ -32,7 +45,6 @@ impl FuseReadBuf {
     /// request's header lands in: the 64 KiB kept before stayed resident in every worker a
     /// forget reached, and a write after it faults its pages back in once.
     pub(crate) fn give_back_after(&mut self, used: usize) {
-        const KEEP: usize = 4096;
         if used > KEEP {
             self.buffer.discard(KEEP, used - KEEP);
         }
@@ -83,6 +95,16 @@ impl MappedBuf {
 }
 
 impl MappedBuf {
+    /// Writes to every page of the first `len` bytes, so that they are resident and writable.
+    pub(crate) fn make_resident(&mut self, len: usize) {
+        let len = len.min(self.len);
+        for at in (0..len).step_by(4096) {
+            // SAFETY: inside the mapping, borrowed mutably through `self`; a volatile write of
+            // the zero already there, so that it is not optimised away.
+            unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(at), 0) };
+        }
+    }
+
     /// Drops the pages of `len` bytes from `from` (page-aligned) from memory: they read as
     /// zeros until written again.
     pub(crate) fn discard(&mut self, from: usize, len: usize) {
