@@ -65,6 +65,9 @@ struct Run {
     modes: BTreeMap<String, u32>,
     rng: StdRng,
     log: Vec<String>,
+    /// Held by a remount, and by whatever kills the daemon while a kill is under way
+    /// (`fsx_across_a_hundred_daemon_kills_matches_the_model`).
+    quiet: std::sync::Arc<std::sync::Mutex<()>>,
 }
 
 impl Run {
@@ -121,6 +124,8 @@ impl Run {
     }
 
     fn remount(&mut self) {
+        let quiet = self.quiet.clone();
+        let _no_kill = quiet.lock().unwrap_or_else(|e| e.into_inner());
         self.settle_completions();
         let log = self.m.unmount();
         self.completions += served(&log, "completions");
@@ -377,7 +382,7 @@ fn run_seed_in(base: &std::path::Path, seed: u64, ops: usize, options: &[&str]) 
 }
 
 /// What the lower layer is.
-#[derive(PartialEq)]
+#[derive(PartialEq, Clone)]
 enum Lower {
     Plain,
     /// Read through a FUSE mount of it, as a shared store's client.
@@ -396,18 +401,40 @@ fn run_seed_with(
     lower: Lower,
     cold: bool,
 ) -> Run {
+    let mut run = start_run(Mount::new_in(base, 1), seed, options, &lower);
+    for i in 0..ops {
+        if cold && i % 100 == 0 {
+            for name in initial_lower(seed).keys() {
+                let f = fs::File::open(run.m.lower(0).join(name)).unwrap();
+                f.sync_all().unwrap(); // dirty pages would stay
+                rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+            }
+        }
+        run.step(i);
+        if i % 250 == 249 {
+            run.check_all();
+        }
+    }
+    run.check_all();
+    run.remount();
+    run.check_all();
+    run
+}
+
+/// The layers of seed `seed` under `m`, mounted with `options`, and the model beside them.
+fn start_run(mut m: Mount, seed: u64, options: &[&str], lower: &Lower) -> Run {
     let model = initial_lower(seed);
-    let mut m = Mount::new_in(base, 1);
+    let lower = lower.clone();
     // `MOSAICFS_TEST_*=V` entries are for the daemon's environment, the rest mount options.
     let (env, opts): (Vec<&str>, Vec<&str>) = options
         .iter()
         .partition(|o| o.starts_with("MOSAICFS_TEST_"));
     m.extra = opts.iter().map(|o| o.to_string()).collect();
-    m.env = env
-        .iter()
-        .filter_map(|e| e.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    m.env.extend(
+        env.iter()
+            .filter_map(|e| e.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
     let data = m.dir.path().join("data");
     for (name, bytes) in &model {
         let path = m.lower(0).join(name);
@@ -440,7 +467,7 @@ fn run_seed_with(
     });
     m.mount();
     let modes = model.keys().map(|k| (k.clone(), 0o644)).collect();
-    let mut run = Run {
+    Run {
         m,
         _store: store,
         completions: 0,
@@ -453,24 +480,8 @@ fn run_seed_with(
         modes,
         rng: StdRng::seed_from_u64(seed),
         log: vec![format!("seed {seed}")],
-    };
-    for i in 0..ops {
-        if cold && i % 100 == 0 {
-            for name in initial_lower(seed).keys() {
-                let f = fs::File::open(run.m.lower(0).join(name)).unwrap();
-                f.sync_all().unwrap(); // dirty pages would stay
-                rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
-            }
-        }
-        run.step(i);
-        if i % 250 == 249 {
-            run.check_all();
-        }
+        quiet: Default::default(),
     }
-    run.check_all();
-    run.remount();
-    run.check_all();
-    run
 }
 
 /// Operations per seed: `FSX_OPS`, 2,000 unless set.
@@ -713,4 +724,81 @@ fn fsx_with_reflink_copy_up_matches_the_model() {
     let xfs = LoopFs::new("mkfs.xfs -q -f -m reflink=1", 512 << 20);
     let run = run_seed_in(&xfs.path, seed, ops, &[]);
     assert!(run.reflinks > 0, "no copy-up cloned a file");
+}
+
+/// The model while the daemon is killed with SIGKILL a hundred times, at random moments (a
+/// mount in the background, whose holder starts the next daemon: takeover.rs): every byte,
+/// size, mode and name as without the kills, and no operation sees an error. Requests in
+/// flight at a kill are served again by the next daemon; remounts wait for a takeover to end.
+#[test]
+fn fsx_across_a_hundred_daemon_kills_matches_the_model() {
+    if !runs_on_disk_upper_only() {
+        return; // upper=memory survives upgrades, not kills (tests/restart.rs)
+    }
+    let seed = fsx_seed().unwrap_or(21);
+    let mut m = Mount::new(1);
+    m.background = true;
+    let mut run = start_run(m, seed, &["restart=on"], &Lower::Plain);
+    let mnt = run.m.mnt.clone();
+    let quiet = run.quiet.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut rng = StdRng::seed_from_u64(seed ^ 0xdead);
+            let mut kills = 0;
+            while kills < 100 && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(rng.gen_range(5..40)));
+                let _no_remount = quiet.lock().unwrap_or_else(|e| e.into_inner());
+                let (daemon, before) = serving(&mnt);
+                // SAFETY: kill(2) of the daemon the status report named.
+                assert_eq!(unsafe { libc::kill(daemon, libc::SIGKILL) }, 0);
+                let start = std::time::Instant::now();
+                while serving_quietly(&mnt).is_none_or(|(_, n)| n != before + 1) {
+                    assert!(
+                        start.elapsed() < std::time::Duration::from_secs(30),
+                        "no daemon took over after kill {kills}"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                kills += 1;
+            }
+            kills
+        })
+    };
+    let mut i = 0;
+    while !killer.is_finished() {
+        run.step(i);
+        if i % 250 == 249 {
+            run.check_all();
+        }
+        i += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let kills = killer.join().unwrap();
+    assert_eq!(kills, 100);
+    eprintln!("fsx: seed {seed}, {i} operations across {kills} kills of the daemon");
+    run.check_all();
+    run.remount();
+    run.check_all();
+}
+
+/// The serving daemon's pid and how many daemons served the mount before it.
+fn serving(mnt: &std::path::Path) -> (i32, u64) {
+    serving_quietly(mnt).expect("mosaicfs status answers")
+}
+
+fn serving_quietly(mnt: &std::path::Path) -> Option<(i32, u64)> {
+    let _forking = forking();
+    let out = std::process::Command::new(BIN)
+        .arg("status")
+        .arg(mnt)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Some((
+        status_number(&text, "daemon:", "pid ")? as i32,
+        status_number(&text, "restart:", "daemons before this one: ")?,
+    ))
 }

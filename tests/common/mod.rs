@@ -39,7 +39,14 @@ pub struct Mount {
     pub nofile: Option<u64>,
     /// Environment variables for the daemon.
     pub env: Vec<(String, String)>,
+    /// Mounted in the background, as mount(8) and container engines mount it: the daemon
+    /// beside its holder (it survives being killed), logging to `log_file` in `dir`.
+    pub background: bool,
     child: Option<Child>,
+    /// Mounted in the background and not yet unmounted.
+    in_background: bool,
+    /// How much of the background log earlier unmounts returned.
+    log_seen: usize,
 }
 
 /// The upper store the suite runs against: `MOSAICFS_TEST_UPPER=memory` mounts every
@@ -112,7 +119,10 @@ impl Mount {
             extra: Vec::new(),
             nofile: None,
             env: Vec::new(),
+            background: false,
             child: None,
+            in_background: false,
+            log_seen: 0,
         }
     }
 
@@ -162,7 +172,10 @@ impl Mount {
     }
 
     pub fn mount_with(&mut self, opts: &str) {
-        assert!(self.child.is_none(), "already mounted");
+        assert!(
+            self.child.is_none() && !self.in_background,
+            "already mounted"
+        );
         let with_store;
         let opts = match upper_store() {
             Some(store) if opts.contains("upperdir=") && !opts.contains("upper=") => {
@@ -171,6 +184,25 @@ impl Mount {
             }
             _ => opts,
         };
+        if self.background {
+            let opts = format!("{opts},log_file={}", self.background_log().display());
+            let _forking = forking();
+            let out = Command::new(BIN)
+                .env("MOSAICFS_LOG", "info")
+                .args(["-o", &opts])
+                .arg(&self.mnt)
+                .stdin(Stdio::null())
+                .envs(self.env.iter().map(|(k, v)| (k, v)))
+                .output()
+                .expect("run mosaicfs");
+            assert!(
+                out.status.success(),
+                "mosaicfs failed to mount: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            self.in_background = true;
+            return;
+        }
         let _forking = forking();
         let mut cmd = Command::new(BIN);
         cmd.env("MOSAICFS_LOG", "info")
@@ -225,8 +257,56 @@ impl Mount {
         String::from_utf8_lossy(&out.stderr).into_owned()
     }
 
+    /// Where a daemon in the background logs.
+    fn background_log(&self) -> PathBuf {
+        self.dir.path().join("daemon.log")
+    }
+
+    /// The pid after `key` on the status line starting `line`, if the mount answers.
+    fn status_pid(&self, line: &str, key: &str) -> Option<i32> {
+        status_number(&status(self), line, key).map(|n| n as i32)
+    }
+
+    /// Unmounts a mount in the background and waits for its daemon and holder to end;
+    /// returns what the daemon logged since it was mounted.
+    fn unmount_background(&mut self) -> String {
+        self.in_background = false;
+        let pids = [
+            self.status_pid("daemon:", "pid "),
+            self.status_pid("restart:", "holder pid "),
+        ];
+        let start = Instant::now();
+        while let Err(e) = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::empty()) {
+            if e != rustix::io::Errno::BUSY || start.elapsed() > Duration::from_secs(10) {
+                let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Gone, or a zombie (PID 1 may not reap here): its last words are in the log.
+        let ended = |pid: i32| {
+            fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
+        };
+        for pid in pids.into_iter().flatten() {
+            while !ended(pid) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "process {pid} of the mount did not end"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let log = fs::read(self.background_log()).unwrap_or_default();
+        let new = log.get(self.log_seen..).unwrap_or_default();
+        self.log_seen = log.len();
+        String::from_utf8_lossy(new).into_owned()
+    }
+
     /// Unmounts and waits for the daemon; returns what it printed on stderr.
     pub fn unmount(&mut self) -> String {
+        if self.in_background {
+            return self.unmount_background();
+        }
         let Some(child) = self.child.take() else {
             return String::new();
         };
@@ -265,6 +345,20 @@ impl Mount {
 
     /// Kills the daemon with SIGKILL and detaches the dead mount.
     pub fn kill9(&mut self) {
+        if self.in_background {
+            self.in_background = false;
+            // The holder first: it would start another daemon.
+            for pid in [
+                self.status_pid("restart:", "holder pid "),
+                self.status_pid("daemon:", "pid "),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                // SAFETY: kill(2) of a process of this mount, as its status named it.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
         if let Some(mut child) = self.child.take() {
             child.kill().unwrap();
             child.wait().unwrap();
@@ -273,12 +367,21 @@ impl Mount {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
+        match &self.child {
+            Some(child) => child.id(),
+            None => self
+                .status_pid("daemon:", "pid ")
+                .expect("a daemon serves the mount") as u32,
+        }
     }
 }
 
 impl Drop for Mount {
     fn drop(&mut self) {
+        if self.in_background {
+            // The daemon and its holder end with the connection.
+            let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+        }
         if let Some(mut child) = self.child.take() {
             let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
             let start = Instant::now();
@@ -495,6 +598,17 @@ pub fn status(m: &Mount) -> String {
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The number after `key` on the line of a `mosaicfs status` report that starts with `line`.
+pub fn status_number(status: &str, line: &str, key: &str) -> Option<u64> {
+    let l = status.lines().find(|l| l.starts_with(line))?;
+    let at = l.find(key)? + key.len();
+    l[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn metric(m: &Mount, key: &str) -> Option<u64> {
