@@ -311,9 +311,10 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         ));
     }
     let mut config = Config::from_options(&opts);
-    if restart.is_ok() && !opts.caw_given {
+    if restart == Ok(crate::takeover::Survival::Always) && !opts.caw_given {
         // Pending copy-after-write blocks live in the daemon: a write that returned would die
-        // with it. A partial block is filled before its write returns instead.
+        // with it. A partial block is filled before its write returns instead. (A daemon that
+        // hands over fills them as it ends.)
         config.caw_memory = None;
     }
     let overlay = Overlay::new(layers, config)?;
@@ -327,7 +328,8 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
     let takeovers = inherited.as_ref().map_or(0, |i| i.takeovers);
     let (mut started, channel) = match inherited {
         Some(inherited) => {
-            let channel = crate::takeover::Channel::new(inherited.channel);
+            let survival = restart.clone().unwrap_or(crate::takeover::Survival::Always);
+            let channel = crate::takeover::Channel::new(inherited.channel, &survival);
             let started = resume(overlay, &opts, inherited.fuse, &inherited.init)?;
             (started, Some(channel))
         }
@@ -336,8 +338,8 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
     // The kernel's INIT request, replayed by every daemon: a holder started later needs it.
     let init = started.session.init_request().to_vec();
     // The kernel's part, known once INIT was seen.
-    let restart = restart.and_then(|()| match started.overlay.kernel_resends() {
-        true => Ok(()),
+    let restart = restart.and_then(|survival| match started.overlay.kernel_resends() {
+        true => Ok(survival),
         false => Err(
             "the kernel cannot resend the requests a daemon leaves unanswered \
                       (FUSE_NOTIFY_RESEND, Linux 6.9+)"
@@ -378,7 +380,7 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                     drop(r);
                     w
                 });
-                if restart.is_ok() {
+                if let Ok(survival) = &restart {
                     // This process becomes the mount's holder; the daemon goes on in a child.
                     let w = crate::takeover::split_off_holder(
                         std::os::fd::AsFd::as_fd(&started.session),
@@ -386,22 +388,27 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                         &started_as.0,
                         &started_as.1,
                     )?;
-                    channel = Some(crate::takeover::Channel::new(w));
+                    channel = Some(crate::takeover::Channel::new(w, survival));
                 }
             }
         }
     }
+    let crash_ends = match &restart {
+        Ok(crate::takeover::Survival::UpgradeOnly(why)) => Some(why.clone()),
+        _ => None,
+    };
     let holder = match (&channel, restart) {
         (Some(_), _) => Ok(Arc::new(std::sync::atomic::AtomicI32::new(
             rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get()),
         ))),
-        (None, Ok(())) => Err("no holder process".to_string()),
+        (None, Ok(_)) => Err("no holder process".to_string()),
         (None, Err(why)) => Err(why),
     };
     let holder_pid = holder.as_ref().ok().cloned();
     started.overlay.set_lineage(crate::overlay::Lineage {
         takeovers,
         holder,
+        crash_ends,
         binary: started_as.0.clone(),
     });
     if takeovers == 0 && !opts.read_only {

@@ -240,6 +240,9 @@ pub struct Lineage {
     /// The holder process that restarts the daemon (its pid: another replaces a holder that
     /// ends, takeover.rs `keep_a_holder`), or why the mount ends with its daemon.
     pub holder: std::result::Result<Arc<std::sync::atomic::AtomicI32>, String>,
+    /// Why a daemon that dies ends the mount even with a holder: only a hand-over
+    /// (`mosaicfs upgrade`) is followed by the next daemon (`takeover::Survival`).
+    pub crash_ends: Option<String>,
     /// The binary this daemon was started from: what `mosaicfs upgrade` starts again when
     /// not told another.
     pub binary: PathBuf,
@@ -248,12 +251,16 @@ pub struct Lineage {
 impl Lineage {
     /// `daemon:` and `restart:` lines of `mosaicfs status`.
     pub fn describe(&self) -> String {
-        let restart = match &self.holder {
-            Ok(pid) => format!(
+        let restart = match (&self.holder, &self.crash_ends) {
+            (Ok(pid), None) => format!(
                 "yes, holder pid {}",
                 pid.load(std::sync::atomic::Ordering::Relaxed)
             ),
-            Err(why) => format!("no ({why})"),
+            (Ok(pid), Some(why)) => format!(
+                "upgrade only, holder pid {} ({why})",
+                pid.load(std::sync::atomic::Ordering::Relaxed)
+            ),
+            (Err(why), _) => format!("no ({why})"),
         };
         format!(
             "daemon: pid {}, version {}, binary {}
@@ -657,6 +664,16 @@ impl Overlay {
 
     /// Has the holder start the daemon at `binary` in this one's place; this one stops serving.
     pub fn hand_over(&self, binary: &Path) -> Result<()> {
+        let pinned = self.pins.load(std::sync::atomic::Ordering::Relaxed);
+        if self.layers.memory.is_some() && pinned > 0 {
+            // The next daemon finds upper objects by their names or the work dir's records,
+            // and an object of a memory upper that lost its last name has neither.
+            return Err(crate::message!(
+                "{pinned} file(s) of the memory upper were removed while open, and live only \
+                 in this daemon until they are closed: upgrading now would take them from the \
+                 processes that hold them; try again once they are closed"
+            ));
+        }
         match self.handover.get() {
             Some(f) => f(binary),
             None => Err(crate::message!(

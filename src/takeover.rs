@@ -40,8 +40,9 @@
 //! registrations to the kernel (an OPEN answered just before names one).
 //!
 //! Where it is not done: `-f` (the daemon is whoever supervises it), io_uring (a queue's
-//! entries belong to the ring of the daemon that made them), a memory upper (its tree lives in
-//! the daemon until an fsync), pre-content events (their group is the daemon's), copy-after-
+//! entries belong to the ring of the daemon that made them), a memory upper that dies (its
+//! tree lives in the daemon until an fsync: only a daemon that hands over is followed, see
+//! `Survival`), pre-content events (their group is the daemon's), copy-after-
 //! write given as an option (its pending blocks live in the daemon: without the option a
 //! mount that survives its daemon turns it off), and a mount without a work dir whose files
 //! pass through (no place for the records). `restart=` and docs/ROBUSTNESS.md.
@@ -61,7 +62,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
-use crate::options::{Options, PassthroughPolicy, Switch, UpperKind};
+use crate::options::{FilestorePlace, Options, PassthroughPolicy, Switch, UpperKind};
 
 /// The hidden command the holder runs as.
 pub const HOLDER_COMMAND: &str = "__holder";
@@ -78,10 +79,20 @@ const KILLED_PAUSE: Duration = Duration::from_millis(5);
 /// A daemon that ran this long was good: an upgrade that fails is taken back to it.
 const GOOD_AFTER: Duration = Duration::from_secs(2);
 
+/// How a mount outlives its daemon.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Survival {
+    /// However the daemon ends, the next one takes the mount over.
+    Always,
+    /// Only a daemon that hands over (`mosaicfs upgrade`) is followed by another: one that
+    /// dies ends the mount, as without a holder. Why a death cannot be survived.
+    UpgradeOnly(String),
+}
+
 /// Whether a mount with these options can survive its daemon, decided before it is mounted
 /// (`uring`: requests will come over io_uring). The kernel's part (FUSE_NOTIFY_RESEND) is
 /// known only after INIT.
-pub fn plan(opts: &Options, uring: bool) -> std::result::Result<(), String> {
+pub fn plan(opts: &Options, uring: bool) -> std::result::Result<Survival, String> {
     let why = if opts.restart == Switch::Off {
         "restart=off"
     } else if opts.foreground {
@@ -94,14 +105,29 @@ pub fn plan(opts: &Options, uring: bool) -> std::result::Result<(), String> {
     {
         "files pass through on a mount without a work dir, where the next daemon would find \
          no record of the node ids it must not reuse (passthrough=off survives)"
-    } else if opts.upper_kind == UpperKind::Memory {
-        "upper=memory keeps the layer's tree in the daemon until an fsync"
+    } else if opts.upper_kind == UpperKind::Memory
+        && opts.filestore == Some(FilestorePlace::Anonymous)
+    {
+        "upper=memory with filestore=memory: the layer lives only in its daemon"
     } else if opts.partial_passthrough != Switch::Off {
         "partial_passthrough: pre-content events belong to the daemon's group"
     } else if opts.caw_given && opts.caw_memory.is_some() {
         "copy_after_write: pending blocks live in the daemon until they are filled"
+    } else if opts.upper_kind == UpperKind::Memory {
+        // A daemon that hands over writes the tree's last changes to the journal first
+        // (overlay.rs, at the end of serving), and the next one reads them back; one that
+        // dies takes with it what it changed since the last fsync.
+        let why = "upper=memory keeps the layer's tree in the daemon until an fsync";
+        if opts.restart == Switch::On {
+            return Err(format!(
+                "{why} (without restart=on such a mount is still upgraded in place)"
+            ));
+        }
+        return Ok(Survival::UpgradeOnly(format!(
+            "{why}: a daemon that dies ends the mount"
+        )));
     } else {
-        return Ok(());
+        return Ok(Survival::Always);
     };
     Err(why.to_string())
 }
@@ -148,17 +174,39 @@ impl Inherited {
     }
 }
 
-/// The daemon's end of the pipe to its holder: where it says which binary takes over.
-pub struct Channel(std::sync::Mutex<std::fs::File>);
+/// The daemon's end of the pipe to its holder: where it says which binary takes over, and
+/// whether a daemon that dies is to be followed at all (`Survival::UpgradeOnly`).
+pub struct Channel {
+    end: std::sync::Mutex<std::fs::File>,
+    upgrade_only: bool,
+}
+
+/// The line that tells a holder not to start another daemon after this one dies: the holder
+/// reads what its daemon wrote once that daemon has ended.
+const UPGRADE_ONLY: &str = "upgrade-only";
 
 impl Channel {
-    pub fn new(fd: OwnedFd) -> Channel {
-        Channel(std::sync::Mutex::new(std::fs::File::from(fd)))
+    pub fn new(fd: OwnedFd, survival: &Survival) -> Channel {
+        let channel = Channel {
+            end: std::sync::Mutex::new(std::fs::File::from(fd)),
+            upgrade_only: matches!(survival, Survival::UpgradeOnly(_)),
+        };
+        channel.say_what_survives();
+        channel
+    }
+
+    fn say_what_survives(&self) {
+        if self.upgrade_only {
+            let mut end = self.end.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(e) = end.write_all(format!("{UPGRADE_ONLY}\n").as_bytes()) {
+                log::warn!("cannot reach the mount's holder ({e})");
+            }
+        }
     }
 
     /// A copy of the current end, to wait on: it reports an error once the holder is gone.
     fn watch(&self) -> std::io::Result<OwnedFd> {
-        self.0
+        self.end
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_fd()
@@ -167,7 +215,8 @@ impl Channel {
 
     /// The end of the pipe to a new holder.
     fn replace(&self, fd: OwnedFd) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = std::fs::File::from(fd);
+        *self.end.lock().unwrap_or_else(|e| e.into_inner()) = std::fs::File::from(fd);
+        self.say_what_survives();
     }
 
     /// Tells the holder that `binary` is to serve the mount once this daemon has ended.
@@ -175,7 +224,7 @@ impl Channel {
         let mut line = b"upgrade\t".to_vec();
         line.extend_from_slice(binary.as_os_str().as_bytes());
         line.push(b'\n');
-        self.0
+        self.end
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .write_all(&line)
@@ -425,6 +474,14 @@ impl Holder {
                 .filter_map(|l| l.strip_prefix("upgrade\t"))
                 .next_back()
                 .map(PathBuf::from);
+            if upgrade.is_none() && said.lines().any(|l| l == UPGRADE_ONLY) {
+                log::error!(
+                    "the daemon of this mount ended ({status}) without handing over, and what \
+                     it held since the last fsync went with it (upper=memory): the mount ends \
+                     (its processes get ENOTCONN; unmount it and mount it again)"
+                );
+                return 1;
+            }
             let ran = started.elapsed();
             let handed_over = upgrade.is_some();
             if ran >= GOOD_AFTER {

@@ -337,7 +337,18 @@ fn a_request_held_by_a_killed_daemon_is_answered_by_the_next() {
 /// make the holder give the mount up.)
 #[test]
 fn upgrades_under_load_lose_nothing() {
-    let m = Background::mount(|_| {}, "restart=on", &[]);
+    upgrades_under_load("restart=on");
+}
+
+/// The same with the tree in the daemon: each daemon writes it out as it hands over.
+#[test]
+fn upgrades_of_a_memory_upper_under_load_lose_nothing() {
+    upgrades_under_load("upper=memory");
+}
+
+/// Six upgrades while a shell appends a line and reads it back, as fast as it can.
+fn upgrades_under_load(opts: &str) {
+    let m = Background::mount(|_| {}, opts, &[]);
     let stop = m.dir.path().join("stop");
     let script = format!(
         "i=0; while [ ! -e {stop} ]; do echo $i >> {f} || exit 1; \
@@ -377,6 +388,151 @@ fn upgrades_under_load_lose_nothing() {
     assert!(lines == want, "{n} lines written, the file differs");
     pids.dedup();
     assert_eq!(pids.len(), 7, "each upgrade started a new daemon: {pids:?}");
+}
+
+/// upper=memory: the tree lives in the daemon, so only a daemon that hands over is followed by
+/// another (it writes what changed to the layer's journal as it ends, and the next one reads
+/// it back); a daemon that dies ends the mount, as without a holder. An upgrade waits for
+/// files removed while open, which live nowhere else.
+#[test]
+fn a_memory_upper_is_upgraded_in_place_and_ends_with_a_daemon_that_dies() {
+    let m = Background::mount(
+        |l| {
+            fs::write(l.join("lower"), "lower data\n").unwrap();
+            fs::create_dir(l.join("dir")).unwrap();
+            for i in 0..50 {
+                fs::write(l.join(format!("dir/f{i:02}")), format!("{i}\n")).unwrap();
+            }
+        },
+        "upper=memory",
+        &[],
+    );
+    let status = m.status();
+    assert!(
+        status.contains("restart: upgrade only, holder pid")
+            && status.contains("upper=memory keeps the layer's tree in the daemon"),
+        "{status}"
+    );
+    // Changes that no fsync made durable: they are in this daemon only.
+    fs::write(m.path("made"), "made in memory\n").unwrap();
+    fs::create_dir(m.path("newdir")).unwrap();
+    fs::rename(m.path("dir/f00"), m.path("newdir/moved")).unwrap();
+    fs::remove_file(m.path("dir/f01")).unwrap();
+    let mut writer = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("lower"))
+        .unwrap();
+    writer.write_all(b"LOWER").unwrap();
+    let mut listing = fs::read_dir(m.path("dir")).unwrap();
+    let mut listed: Vec<String> = listing
+        .by_ref()
+        .take(10)
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let upgrade = || {
+        Command::new(BIN)
+            .arg("upgrade")
+            .arg(&m.mnt)
+            .output()
+            .unwrap()
+    };
+
+    let removed = fs::File::create(m.path("removed")).unwrap();
+    fs::remove_file(m.path("removed")).unwrap();
+    let out = upgrade();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("removed while open") && err.contains("try again"),
+        "{err}"
+    );
+    assert_eq!(m.takeovers(), 0);
+    drop(removed);
+    // The node goes once the kernel forgets it, a moment after the close.
+    let start = Instant::now();
+    loop {
+        let out = upgrade();
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(m.takeovers(), 1);
+
+    assert_eq!(
+        fs::read_to_string(m.path("made")).unwrap(),
+        "made in memory\n"
+    );
+    assert_eq!(fs::read_to_string(m.path("newdir/moved")).unwrap(), "0\n");
+    assert!(!m.path("dir/f00").exists() && !m.path("dir/f01").exists());
+    writer.write_all(b" and more").unwrap();
+    writer.seek(SeekFrom::Start(0)).unwrap();
+    let mut text = String::new();
+    writer.read_to_string(&mut text).unwrap();
+    assert_eq!(text, "LOWER and more");
+    listed.extend(listing.map(|e| e.unwrap().file_name().into_string().unwrap()));
+    listed.sort();
+    let want: Vec<String> = (2..50).map(|i| format!("f{i:02}")).collect();
+    assert_eq!(listed, want, "the listing went on across the upgrade");
+    drop(writer);
+    let mut durable = fs::File::create(m.path("durable")).unwrap();
+    durable.write_all(b"fsynced").unwrap();
+    durable.sync_all().unwrap();
+    drop(durable);
+
+    // kill -9: nothing follows it, whatever the holder could do.
+    let (daemon, holder) = (m.daemon(), m.holder());
+    // SAFETY: kill(2) of the daemon the status report named.
+    assert_eq!(unsafe { libc::kill(daemon, libc::SIGKILL) }, 0);
+    let start = Instant::now();
+    while !matches!(fs::metadata(m.path("made")), Err(e) if e.raw_os_error() == Some(libc::ENOTCONN))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the mount lives on"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let gone = |pid: i32| {
+        fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
+    };
+    while !gone(holder) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the holder waits on"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // What the upgrade handed over, and what was fsynced after it, is the layer's.
+    let _ = rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::DETACH);
+    let p = m.dir.path();
+    let _forking = forking();
+    run(Command::new(BIN)
+        .arg("-o")
+        .arg(format!(
+            "lowerdir={0}/l,upperdir={0}/u,workdir={0}/w,upper=memory",
+            p.display()
+        ))
+        .arg(&m.mnt)
+        .env("MOSAICFS_URING", "off"));
+    drop(_forking);
+    assert_eq!(
+        fs::read_to_string(m.path("made")).unwrap(),
+        "made in memory\n"
+    );
+    assert_eq!(fs::read_to_string(m.path("newdir/moved")).unwrap(), "0\n");
+    assert_eq!(fs::read_to_string(m.path("durable")).unwrap(), "fsynced");
+    assert_eq!(
+        fs::read_to_string(m.path("lower")).unwrap(),
+        "LOWER and more"
+    );
+    assert_eq!(fs::read_dir(m.path("dir")).unwrap().count(), 48);
 }
 
 /// kill -9 of the holder: the daemon starts another, which `status` names, and a kill of the
@@ -459,6 +615,24 @@ fn a_mount_that_cannot_survive_its_daemon_says_why() {
     let refused = m.refused(&format!("{},restart=on", m.options()));
     assert!(
         refused.contains("restart=on: this mount cannot survive its daemon: -f"),
+        "{refused}"
+    );
+    // A memory upper is upgraded in place, but a daemon that dies takes its tree along.
+    let out = {
+        let _forking = forking();
+        Command::new(BIN)
+            .arg("-o")
+            .arg(format!("{},restart=on,upper=memory", m.options()))
+            .arg(&m.mnt)
+            .env("MOSAICFS_URING", "off")
+            .output()
+            .unwrap()
+    };
+    assert!(!out.status.success(), "mounted");
+    let refused = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        refused.contains("upper=memory keeps the layer's tree in the daemon")
+            && refused.contains("still upgraded in place"),
         "{refused}"
     );
 }

@@ -327,16 +327,14 @@ impl Overlay {
 const ORPHANS: &str = "../mosaicfs-orphans";
 
 impl Overlay {
-    /// The orphans directory, made on first use; `None` where removed objects are not
-    /// recorded: the mount does not survive its daemon, or its upper is in memory.
+    /// The orphans directory, made on first use; `None` where the mount does not survive its
+    /// daemon. (With a memory upper it holds only records of node ids, of requests and of
+    /// removed lower files: `record_orphan`.)
     fn orphans_dir(&self) -> Option<Arc<OwnedFd>> {
         self.orphans
             .get_or_init(|| {
                 let survives = self.lineage().is_some_and(|l| l.holder.is_ok());
                 let work = self.layers().work.as_ref().filter(|_| survives)?;
-                if self.layers().memory.is_some() {
-                    return None;
-                }
                 let _ =
                     rustix::fs::mkdirat(&**work, ORPHANS, rustix::fs::Mode::from_raw_mode(0o700));
                 let flags = rustix::fs::OFlags::DIRECTORY
@@ -448,6 +446,11 @@ impl Overlay {
         node: &Node,
         upper: Option<(&crate::upper::UpperDir, &OsStr)>,
     ) -> Option<crate::inode::Orphan> {
+        if let Some((crate::upper::UpperDir::Memory(..), _)) = upper {
+            // No name to link it to: it lives in this daemon only (`Overlay::hand_over`
+            // waits for it to be closed).
+            return None;
+        }
         let lower = {
             let st = node.state();
             if st.kind != libc::S_IFREG || st.open.upgrade().is_none() {
