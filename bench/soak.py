@@ -54,7 +54,7 @@ def soak(kind, binary, root, lower, files, minutes):
     tree = os.path.join(mnt, "tree")
     rnd = random.Random(58)
     mine, serial, ops = [], 0, 0
-    rss = []
+    rss, private = [], []
     start = time.time()
     next_minute = start + 60
     while len(rss) < minutes:
@@ -98,13 +98,15 @@ def soak(kind, binary, root, lower, files, minutes):
             # Found again each time: a takeover (an upgrade, a restart) changes the daemon.
             pid = daemon_pid(mnt)
             rss.append(rss_kib(pid) / 1024)
+            private.append(rss_kib(pid, "RssAnon") / 1024)
             next_minute += 60
             m = len(rss)
-            print(f"# {kind}: minute {m}, RSS {rss[-1]:.1f} MiB, {ops:,} operations"
+            print(f"# {kind}: minute {m}, RSS {rss[-1]:.1f} MiB (private {private[-1]:.1f}), "
+                  f"{ops:,} operations"
                   f"{own_memory(kind, binary, mnt)}", file=sys.stderr, flush=True)
     umount(mnt)
     shutil.rmtree(d, ignore_errors=True)
-    return rss, ops
+    return rss, private, ops
 
 
 def main():
@@ -120,14 +122,19 @@ def main():
         lower = make_lower(root, a.files)
         for kind in kinds:
             results[kind] = soak(kind, binary, root, lower, a.files, a.minutes)
+    # RSS counts the program's code the churn has run so far (file pages, shared and taken
+    # back under pressure); the private part (RssAnon) is what the daemon holds itself.
+    columns = [f"{k} {what}" for k in kinds for what in ("RSS", "private")]
     print_head("A soak", f"root, {a.files:,} lower files in {DIRS} directories, {a.minutes} "
-               f"minutes of churn, caches dropped every minute; daemon RSS (MiB) after each "
-               f"minute's drop_caches", "minute", kinds)
+               f"minutes of churn, caches dropped every minute; daemon RSS and its private "
+               f"part (RssAnon), MiB, after each minute's drop_caches", "minute", columns)
     for m in sorted({1, *range(5, a.minutes + 1, 5), a.minutes}):
-        print(f"| {m} | " + " | ".join(f"{results[k][0][m - 1]:.1f}" for k in kinds) + " |")
+        print(f"| {m} | " + " | ".join(f"{results[k][0][m - 1]:.1f} | {results[k][1][m - 1]:.1f}"
+                                       for k in kinds) + " |")
     print("| end / first minute | " + " | ".join(
-        f"{results[k][0][-1] / results[k][0][0]:.2f}x" for k in kinds) + " |")
-    print("| operations | " + " | ".join(f"{results[k][1]:,}" for k in kinds) + " |")
+        f"{results[k][0][-1] / results[k][0][0]:.2f}x | {results[k][1][-1] / results[k][1][0]:.2f}x"
+        for k in kinds) + " |")
+    print("| operations | " + " | ".join(f"{results[k][2]:,} | " for k in kinds) + " |")
 
 
 if __name__ == "__main__":
