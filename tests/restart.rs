@@ -847,6 +847,68 @@ fn files_passing_through_outlive_three_daemons() {
     assert!(opens.contains("daemons before this one: 3"), "{opens}");
 }
 
+/// A node id a daemon that took over handed out by a lookup, and that no daemon opened, is
+/// opened by the daemon after it: the kernel never bound it to a backing file. That is how a
+/// takeover inside the kernel's one retry of an open (after an ESTALE) must end: the retry's
+/// lookup was answered by the daemon that died, its open comes to the next. An O_PATH
+/// descriptor holds such a node id here, and /proc/self/fd opens it without a lookup (which
+/// the kernel cannot retry). One that daemon opened, and whose opener still passes through
+/// to its backing file, is answered ESTALE, not opened under a binding the kernel refuses
+/// (EIO). Without the record of opens, the first open got ESTALE; without its mark of an
+/// open, the second got EIO.
+#[test]
+fn a_node_id_no_daemon_opened_is_opened_after_a_second_takeover() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let m = Background::mount(
+        |l| {
+            fs::write(l.join("unopened"), "lower unopened\n").unwrap();
+        },
+        "",
+        &[],
+    );
+    if !m
+        .status()
+        .contains("complete files served by passthrough: yes")
+    {
+        eprintln!("skipped: no FUSE passthrough here");
+        return;
+    }
+    fs::write(m.path("opened"), pattern(1 << 20, 5)).unwrap();
+    // The second daemon: its lookups hand out node ids of its own.
+    m.kill_daemon();
+    let path_only = |name: &str| {
+        fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(m.path(name))
+            .unwrap()
+    };
+    let unopened = path_only("unopened");
+    let opened = path_only("opened");
+    let mut held = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("opened"))
+        .unwrap();
+    let through_fd = |f: &fs::File| {
+        use std::os::fd::AsRawFd;
+        fs::read(format!("/proc/self/fd/{}", f.as_raw_fd()))
+    };
+    // The third daemon gets the opens of both node ids.
+    m.kill_daemon();
+    assert_eq!(through_fd(&unopened).unwrap(), b"lower unopened\n");
+    let e = through_fd(&opened).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ESTALE), "{e}");
+    // The descriptor the second daemon opened still reads, and a new open by name works.
+    let mut bytes = Vec::new();
+    held.read_to_end(&mut bytes).unwrap();
+    assert!(
+        bytes == pattern(1 << 20, 5),
+        "the descriptor the second daemon opened"
+    );
+    assert!(fs::read(m.path("opened")).unwrap() == pattern(1 << 20, 5));
+}
+
 /// An append the dead daemon had made but not answered is sent again and made once: the
 /// kernel's offset, the end of the file when it sent the write, is where it goes the second
 /// time (appending again doubled it: fsstress found a file 1,668 bytes too long).

@@ -632,6 +632,9 @@ const SELF: u64 = 0;
 const RETIRED: u64 = u64::MAX;
 /// Second identities are numbered from here up; `InoMap` never makes a number this high.
 pub const ALIAS_BASE: u64 = 1 << 63;
+/// In a second identity's record (`set_alias_records`), beside its object's number (always
+/// below `ALIAS_BASE`): a daemon opened it (`mark_opened`).
+const ALIAS_OPENED: u64 = 1 << 63;
 
 impl Node {
     fn new(ino: Ino, generation: u64, state: NodeState) -> Node {
@@ -1262,12 +1265,46 @@ impl InodeTable {
 
     /// The object number recorded for second identity `ino` (`set_alias_records`).
     pub fn recorded_alias(&self, ino: Ino) -> Option<Ino> {
+        self.alias_record(ino).map(|r| r & !ALIAS_OPENED)
+    }
+
+    /// The record of second identity `ino` as written: its object's number, with
+    /// `ALIAS_OPENED` where a daemon opened it.
+    fn alias_record(&self, ino: Ino) -> Option<u64> {
         let records = self.alias_records.get()?;
         let at = ino.checked_sub(ALIAS_BASE)?.checked_mul(8)?;
         let mut buf = [0u8; 8];
         match rustix::io::pread(&**records, &mut buf, at) {
             Ok(8) => Some(u64::from_le_bytes(buf)).filter(|&n| n != 0),
             _ => None,
+        }
+    }
+
+    /// Whether second identity `ino` was never opened by any daemon (`mark_opened`): the
+    /// kernel inode under it was never bound to a file, so that a daemon taking the mount over
+    /// may open it as one of its own. False where the record cannot be read.
+    pub fn never_opened(&self, ino: Ino) -> bool {
+        self.alias_record(ino)
+            .is_some_and(|r| r & ALIAS_OPENED == 0)
+    }
+
+    /// Records that second identity `alias` is being opened, before the kernel hears of the
+    /// open (`never_opened`): the kernel inode may be bound to this daemon's backing file or
+    /// I/O mode from now on, which a daemon after it could not match. Where the record cannot
+    /// be written, a later daemon reads the old one and opens the node as unopened; the
+    /// warning says so.
+    pub fn mark_opened(&self, alias: &Node) {
+        let Some(records) = self.alias_records.get() else {
+            return;
+        };
+        let at = (alias.ino - ALIAS_BASE) * 8;
+        let record = alias.st_ino() | ALIAS_OPENED;
+        if let Err(e) = rustix::io::pwrite(&**records, &record.to_le_bytes(), at) {
+            log::warn!(
+                "cannot record the open of node id {} in the work dir ({e}): a daemon that \
+                 takes the mount over may fail to open it (EIO)",
+                alias.ino
+            );
         }
     }
 

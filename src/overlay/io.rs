@@ -147,12 +147,20 @@ impl Overlay {
         // In a daemon that took over a mount whose files pass through, a node id an earlier
         // daemon gave the kernel may be bound to a backing file this one cannot match
         // (takeover.rs): the kernel looks the name up again and opens the object under a node
-        // id of this daemon's (`InodeTable::fresh_file_ids`).
-        if self.inodes.fresh_files() && node.from_before(self.inodes.first_alias()) {
+        // id of this daemon's (`InodeTable::fresh_file_ids`). Not a second identity no daemon
+        // opened: the one before may have died between its lookup and its open, inside the
+        // kernel's single retry after the ESTALE of an open before it.
+        if self.inodes.fresh_files()
+            && node.from_before(self.inodes.first_alias())
+            && !(node.is_alias() && self.inodes.never_opened(node.ino))
+        {
             if let Some(primary) = self.inodes.get(node.st_ino()) {
                 self.inodes.retire(&primary);
             }
             return Err(errno(libc::ESTALE));
+        }
+        if node.is_alias() {
+            self.inodes.mark_opened(&node);
         }
         // Immutable and append-only files (fileattr.rs): checked before anything changes.
         let append_only = if writable || truncate {
