@@ -489,6 +489,7 @@ impl Filesystem for MosaicFs {
             std::thread::sleep(pause);
         }
         self.core.forget(ino.0, nlookup);
+        self.core.forgets_done();
     }
 
     fn batch_forget(&self, _req: &Request, nodes: &[fuser::ForgetOne]) {

@@ -453,8 +453,9 @@ impl Overlay {
         self.inodes.forget(ino, n);
     }
 
-    /// A batch of FORGETs is done: memory the forgotten nodes held goes back to the system
-    /// when it is much (inode/mod.rs `give_back_after_forgets`).
+    /// A FORGET or a batch of them is done: memory the forgotten nodes held goes back to the
+    /// system now when it is much, or once the kernel stops forgetting (inode/mod.rs
+    /// `give_back_after_forgets`).
     pub fn forgets_done(&self) {
         crate::inode::give_back_after_forgets();
     }

@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use crate::file::{NodeIo, OpenFile};
@@ -607,11 +607,57 @@ fn give_back_now_and_then() {
 /// alone left up to 16,383 nodes' memory of a burst's tail resident until the next burst, so a
 /// churning daemon's RSS a second after each `drop_caches` went 14.8 to 26 MiB depending on
 /// where the count stood (bench/soak.py with `mosaicfs status` beside it).
+///
+/// Fewer than that are trimmed once the forgetting stops (`trim_when_quiet`): the nodes a
+/// burst's last batches forget after its last trim lie scattered over the heap, and each
+/// kept its page resident — up to a thousand pages. A churning daemon's private memory a
+/// second after each `drop_caches` went from 0.6 to 4.7 MiB and back from one minute to
+/// the next, depending on how many nodes the tail held (bench/soak.py, 2026-11-30).
 pub fn give_back_after_forgets() {
     const TRIM_AFTER: u64 = 1_024;
     let n = FORGOTTEN.load(Ordering::Relaxed);
-    if n - FORGOTTEN_AT_TRIM.load(Ordering::Relaxed) >= TRIM_AFTER {
+    let since = n - FORGOTTEN_AT_TRIM.load(Ordering::Relaxed);
+    if since >= TRIM_AFTER {
         trim(n);
+    } else if since > 0 {
+        trim_when_quiet();
+    }
+}
+
+/// Whether a thread of `trim_when_quiet` is waiting for the forgetting to stop.
+static TRIM_WAITING: AtomicBool = AtomicBool::new(false);
+
+/// Trims once no node has been forgotten for `QUIET`, from a thread that lives only that long
+/// (an idle mount keeps no thread for it; one is started per burst of FORGETs, about 100 us).
+/// A batch that ends while the thread is leaving may go untrimmed until the next burst: memory
+/// given back later, never a wrong answer.
+fn trim_when_quiet() {
+    const QUIET: std::time::Duration = std::time::Duration::from_millis(250);
+    if TRIM_WAITING.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("mosaicfs-trim".into())
+        .stack_size(64 << 10)
+        .spawn(|| {
+            let mut seen = FORGOTTEN.load(Ordering::SeqCst);
+            loop {
+                std::thread::sleep(QUIET);
+                let now = FORGOTTEN.load(Ordering::SeqCst);
+                if now == seen {
+                    break;
+                }
+                seen = now;
+            }
+            TRIM_WAITING.store(false, Ordering::SeqCst);
+            let n = FORGOTTEN.load(Ordering::SeqCst);
+            if n != FORGOTTEN_AT_TRIM.load(Ordering::Relaxed) {
+                trim(n);
+            }
+        });
+    if spawned.is_err() {
+        // No thread now (a thread limit): the next batch tries again.
+        TRIM_WAITING.store(false, Ordering::SeqCst);
     }
 }
 

@@ -296,3 +296,25 @@ fn a_shard_gives_back_its_room_once_it_empties() {
     }
     assert_eq!(m.capacity(), 0, "empty, it keeps nothing");
 }
+
+/// The few nodes a burst of FORGETs ends with are given back once the forgetting stops, not
+/// at the next burst: fails without `trim_when_quiet` (no trim below 1,024 nodes).
+#[test]
+fn a_few_forgotten_nodes_are_trimmed_once_the_forgetting_stops() {
+    let t = table();
+    for ino in 100..110 {
+        t.remember(ROOT_INO, OsStr::new(&format!("f{ino}")), &file(ino));
+        t.forget(ino, 1);
+    }
+    give_back_after_forgets();
+    let forgotten = FORGOTTEN.load(Ordering::SeqCst);
+    // Other tests of this process forget nodes too: wait for a trim that counts ours.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while FORGOTTEN_AT_TRIM.load(Ordering::SeqCst) < forgotten {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no trim after {forgotten} forgotten nodes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
