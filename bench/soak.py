@@ -95,6 +95,9 @@ def soak(kind, binary, root, lower, files, minutes):
         if time.time() >= next_minute:
             drop_caches()
             time.sleep(1)
+            # Asked before RSS is read, so that every sample holds what answering took (the
+            # code and stack of `mosaicfs status`), the first one included.
+            own = own_memory(kind, binary, mnt)
             # Found again each time: a takeover (an upgrade, a restart) changes the daemon.
             pid = daemon_pid(mnt)
             rss.append(rss_kib(pid) / 1024)
@@ -102,8 +105,7 @@ def soak(kind, binary, root, lower, files, minutes):
             next_minute += 60
             m = len(rss)
             print(f"# {kind}: minute {m}, RSS {rss[-1]:.1f} MiB (private {private[-1]:.1f}), "
-                  f"{ops:,} operations"
-                  f"{own_memory(kind, binary, mnt)}", file=sys.stderr, flush=True)
+                  f"{ops:,} operations{own}", file=sys.stderr, flush=True)
     umount(mnt)
     shutil.rmtree(d, ignore_errors=True)
     return rss, private, ops
