@@ -1338,11 +1338,15 @@ impl InodeTable {
     /// open (`never_opened`): the kernel inode may be bound to this daemon's backing file or
     /// I/O mode from now on, which a daemon after it could not match. Where the record cannot
     /// be written, a later daemon reads the old one and opens the node as unopened; the
-    /// warning says so.
+    /// warning says so. Written once: a read of the page-cached record is all a later open
+    /// costs (a write would take the file's lock, which every worker's opens share).
     pub fn mark_opened(&self, alias: &Node) {
         let Some(records) = self.alias_records.get() else {
             return;
         };
+        if !self.never_opened(alias.ino) {
+            return;
+        }
         let at = (alias.ino - ALIAS_BASE) * 8;
         let record = alias.st_ino() | ALIAS_OPENED;
         if let Err(e) = rustix::io::pwrite(&**records, &record.to_le_bytes(), at) {
