@@ -10,7 +10,9 @@
 //! stays in the page cache), one word for each such request it is carrying out: the request's
 //! number with `STARTED` before it changes anything, with `DONE` once it succeeded, cleared
 //! once it failed or was answered. The next daemon reads the page before it serves
-//! (`Ledger::open`), and a request sent again is then one of
+//! (`Ledger::open`) and leaves each word in place until it has answered that request itself:
+//! a daemon that ends before the kernel sends it the request again leaves the word to the one
+//! after it. A request sent again is then one of
 //!
 //! - done: answered as the first daemon would have, nothing changed again;
 //! - started and not done: the daemon ended in the middle of it; the tree is looked at as
@@ -70,9 +72,11 @@ pub struct Ledger {
     _file: OwnedFd,
     /// Where the search for a free word starts.
     next: AtomicUsize,
-    /// The words the daemon before left: request number to its state and notes; `None` where
-    /// it kept no ledger (a binary before this one), and a resent request may have been done.
-    before: Option<HashMap<u64, (u64, [u64; 2])>>,
+    /// The words the daemons before left: request number to its word as left (number and
+    /// state), notes and index; `None` where the daemon before kept no ledger (a binary before
+    /// this one), and a resent request may have been done. The words stay in the page until
+    /// the request they record is answered (`start`).
+    before: Option<HashMap<u64, Inherited>>,
 }
 
 // SAFETY: the mapping is only reached through atomics, and lives as long as the ledger.
@@ -126,15 +130,43 @@ impl Ledger {
             )?
         };
         let words = map as *const AtomicU64;
-        let mut before = HashMap::new();
+        let mut before: HashMap<u64, Inherited> = HashMap::new();
         for i in 0..WORDS {
             // SAFETY: `i` and its notes are inside the mapping; AtomicU64 has u64's layout, and
             // the page is aligned.
             let [word, a, b] = [i, note_at(i), note_at(i) + 1].map(|k| unsafe { &*words.add(k) });
-            let w = word.swap(0, Ordering::Relaxed);
-            let notes = [a.swap(0, Ordering::Relaxed), b.swap(0, Ordering::Relaxed)];
+            let w = word.load(Ordering::Relaxed);
             if w != 0 {
-                before.insert(w & NUMBER, (w & !NUMBER, notes));
+                let notes = [a.load(Ordering::Relaxed), b.load(Ordering::Relaxed)];
+                before.insert(
+                    w & NUMBER,
+                    Inherited {
+                        word: w,
+                        notes,
+                        at: i,
+                    },
+                );
+            } else {
+                // A free word's notes are zeros (a daemon may have ended while freeing one).
+                a.store(0, Ordering::Relaxed);
+                b.store(0, Ordering::Relaxed);
+            }
+        }
+        // Left in place, so that a daemon after this one still finds them if this one ends
+        // before the kernel sends it the request again. A word the kernel will not send again
+        // (its answer was written, but the daemon ended before it freed the word) would stay
+        // for good: beyond `INHERITED_KEPT`, the oldest go.
+        if before.len() > INHERITED_KEPT {
+            let mut numbers: Vec<u64> = before.keys().copied().collect();
+            numbers.sort_unstable();
+            for n in &numbers[..numbers.len() - INHERITED_KEPT] {
+                let old = before.remove(n).expect("listed above");
+                // SAFETY: as above.
+                let [word, a, b] = [old.at, note_at(old.at), note_at(old.at) + 1]
+                    .map(|k| unsafe { &*words.add(k) });
+                for w in [a, b, word] {
+                    w.store(0, Ordering::Relaxed);
+                }
             }
         }
         Ok(Ledger {
@@ -152,14 +184,19 @@ impl Ledger {
     pub fn start(&self, unique: u64) -> Slot<'_> {
         let number = unique & NUMBER;
         let mut noted = [0; 2];
+        let mut inherited = None;
         let before = if unique & RESENT == 0 {
             Before::New
         } else {
             match self.before.as_ref().map(|b| b.get(&number)) {
-                Some(Some((s, _))) if s & DONE != 0 => Before::Done,
-                Some(Some((_, notes))) => {
-                    noted = *notes;
-                    Before::Started
+                Some(Some(old)) => {
+                    inherited = Some(old);
+                    if old.word & DONE != 0 {
+                        Before::Done
+                    } else {
+                        noted = old.notes;
+                        Before::Started
+                    }
                 }
                 None => Before::Started,
                 Some(None) => Before::NotStarted,
@@ -170,29 +207,34 @@ impl Ledger {
         } else {
             STARTED
         };
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        for k in 0..WORDS {
-            let i = (start + k) % WORDS;
+        // The word a daemon before left for this request, while it is still there (a request
+        // is sent again once per takeover, so only a stale copy of `before` could find it
+        // taken); else a free one.
+        let claim = |i: usize, from: u64| {
             // SAFETY: `i` is inside the mapping.
             let word = unsafe { &*self.words.add(i) };
-            if word
-                .compare_exchange(0, number | state, Ordering::AcqRel, Ordering::Relaxed)
+            word.compare_exchange(from, number | state, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
-            {
-                // SAFETY: the notes of word `i`, inside the mapping.
-                let notes = unsafe { &*(self.words.add(note_at(i)) as *const [AtomicU64; 2]) };
-                let slot = Slot {
-                    word: Some((word, notes)),
-                    number,
-                    before,
-                    noted,
-                };
-                // Kept for a daemon after this one, should it end before the answer too.
-                if noted != [0; 2] {
-                    slot.note(noted);
-                }
-                return slot;
+                .then_some((i, word))
+        };
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let found = inherited
+            .and_then(|old| claim(old.at, old.word))
+            .or_else(|| (0..WORDS).find_map(|k| claim((start + k) % WORDS, 0)));
+        if let Some((i, word)) = found {
+            // SAFETY: the notes of word `i`, inside the mapping.
+            let notes = unsafe { &*(self.words.add(note_at(i)) as *const [AtomicU64; 2]) };
+            let slot = Slot {
+                word: Some((word, notes)),
+                number,
+                before,
+                noted,
+            };
+            // Kept for a daemon after this one, should it end before the answer too.
+            if noted != [0; 2] {
+                slot.note(noted);
             }
+            return slot;
         }
         log::warn!("more requests in flight than the ledger holds: request {number} unrecorded");
         Slot {
@@ -203,6 +245,20 @@ impl Ledger {
         }
     }
 }
+
+/// A word a daemon before left (`Ledger::before`).
+struct Inherited {
+    /// As it was left: the request's number and its state.
+    word: u64,
+    notes: [u64; 2],
+    /// Its index in the page.
+    at: usize,
+}
+
+/// The most words of daemons before that a daemon keeps (`Ledger::open`): far above the
+/// requests in flight at a kill (at most one per worker), so that only words no request will
+/// claim again go.
+const INHERITED_KEPT: usize = 256;
 
 /// Where the two notes of word `i` are.
 fn note_at(i: usize) -> usize {
@@ -334,6 +390,62 @@ mod tests {
         assert_eq!(after_old.start(10 | RESENT).before(), Before::Started);
         let next = Ledger::open(&d, true).unwrap();
         assert_eq!(next.start(10 | RESENT).before(), Before::NotStarted);
+    }
+
+    /// A daemon that took over and ended before the kernel sent it the requests again leaves
+    /// their words to the next one. Fails where a daemon empties the page as it reads it: the
+    /// fsstress-style checker with a hundred kills saw a rename the first daemon had done
+    /// told "not started" by the third and answered ENOENT.
+    #[test]
+    fn a_daemon_that_ends_before_its_resent_requests_leaves_them_to_the_next() {
+        let (_t, d) = dir();
+        let first = Ledger::open(&d, false).unwrap();
+        let done = first.start(30);
+        done.finish(true);
+        let started = first.start(32);
+        started.note([5, 6]);
+        std::mem::forget((done, started));
+        drop(first);
+        // The second takes over, holds one request of its own, and ends before either of the
+        // first's reaches it.
+        let second = Ledger::open(&d, true).unwrap();
+        std::mem::forget(second.start(34));
+        drop(second);
+        let third = Ledger::open(&d, true).unwrap();
+        assert_eq!(third.start(30 | RESENT).before(), Before::Done);
+        let again = third.start(32 | RESENT);
+        assert_eq!(again.before(), Before::Started);
+        assert_eq!(again.noted(), Some([5, 6]));
+        assert_eq!(third.start(34 | RESENT).before(), Before::Started);
+        // Answered by the third: their words are free, and a fourth daemon does not see them.
+        drop(again);
+        drop(third);
+        let fourth = Ledger::open(&d, true).unwrap();
+        assert_eq!(fourth.start(32 | RESENT).before(), Before::NotStarted);
+        assert_eq!(fourth.start(30 | RESENT).before(), Before::NotStarted);
+    }
+
+    /// Words no request claims again (answered as the daemon ended) do not pile up across
+    /// takeovers: beyond `INHERITED_KEPT`, the oldest go.
+    #[test]
+    fn only_the_newest_inherited_words_are_kept() {
+        let (_t, d) = dir();
+        let first = Ledger::open(&d, false).unwrap();
+        let extra = 40;
+        for n in 0..(INHERITED_KEPT + extra) as u64 {
+            std::mem::forget(first.start(100 + n));
+        }
+        drop(first);
+        let second = Ledger::open(&d, true).unwrap();
+        assert_eq!(second.start(100 | RESENT).before(), Before::NotStarted);
+        let newest = 100 + (INHERITED_KEPT + extra) as u64 - 1;
+        assert_eq!(second.start(newest | RESENT).before(), Before::Started);
+        let oldest_kept = 100 + extra as u64;
+        assert_eq!(second.start(oldest_kept | RESENT).before(), Before::Started);
+        assert_eq!(
+            second.start((oldest_kept - 1) | RESENT).before(),
+            Before::NotStarted
+        );
     }
 
     #[test]
