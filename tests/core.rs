@@ -321,6 +321,79 @@ fn lookups_creates_and_listings_merge_the_layers() {
     }
 }
 
+/// A merged directory's link count is its subdirectories counted over its merged view, kept
+/// until one of them is made, removed or moved. A rename of a file keeps the count: a recount
+/// lists the whole directory, and one per rename made each rename in a directory of n files
+/// cost O(n) (2,000 files: 10 ms a rename, 0.15 ms with the count kept).
+#[test]
+fn a_rename_recounts_subdirectories_only_when_a_directory_moves() {
+    for store in STORES {
+        let c = Core::new(store, lower_tree);
+        let ov = c.ov();
+        let root = Caller::root();
+        let name = OsStr::new;
+        c.create("d", "f", b"f");
+        let (e, _) = ov.mkdir(ROOT, name("e"), 0o755, &root).unwrap();
+        c.create("", "other", b"o");
+        let d = c.lookup("d").unwrap();
+        let counted = |n: &Node| n.state().subdirs();
+        assert_eq!(
+            ov.getattr(d.ino).unwrap().nlink,
+            3,
+            "{store:?}: d holds sub"
+        );
+        assert_eq!(counted(&d), Some(1), "{store:?}: counted once asked");
+        ov.rename(d.ino, name("f"), d.ino, name("g"), 0, &root)
+            .unwrap();
+        ov.rename(d.ino, name("g"), e.ino, name("g"), 0, &root)
+            .unwrap();
+        ov.rename(ROOT, name("other"), d.ino, name("x"), 0, &root)
+            .unwrap();
+        assert_eq!(counted(&d), Some(1), "{store:?}: files moved in and out");
+        c.lookup("d/sub").unwrap();
+        ov.rename(d.ino, name("sub"), e.ino, name("sub"), 0, &root)
+            .unwrap();
+        assert_eq!(counted(&d), None, "{store:?}: a subdirectory moved out");
+        assert_eq!(ov.getattr(d.ino).unwrap().nlink, 2, "{store:?}");
+        c.create("", "plain", b"p");
+        assert_eq!(ov.getattr(d.ino).unwrap().nlink, 2, "{store:?}");
+        let (_, _) = ov.mkdir(d.ino, name("s2"), 0o755, &root).unwrap();
+        ov.rename(
+            d.ino,
+            name("s2"),
+            ROOT,
+            name("s3"),
+            libc::RENAME_NOREPLACE,
+            &root,
+        )
+        .unwrap();
+        assert_eq!(ov.getattr(d.ino).unwrap().nlink, 2, "{store:?}");
+        let (_, _) = ov.mkdir(ROOT, name("s4"), 0o755, &root).unwrap();
+        ov.rename(ROOT, name("s4"), d.ino, name("s5"), 0, &root)
+            .unwrap();
+        assert_eq!(
+            ov.getattr(d.ino).unwrap().nlink,
+            3,
+            "{store:?}: one moved in"
+        );
+        // A file and a directory exchanged: each side gains or loses one.
+        ov.rename(
+            ROOT,
+            name("plain"),
+            d.ino,
+            name("s5"),
+            libc::RENAME_EXCHANGE,
+            &root,
+        )
+        .unwrap();
+        assert_eq!(
+            ov.getattr(d.ino).unwrap().nlink,
+            2,
+            "{store:?}: exchanged out"
+        );
+    }
+}
+
 /// A READDIRPLUS gives the kernel whole entries only where it lacks them: an entry it was given
 /// moments ago under that name (made or looked up through the mount) goes as its name alone,
 /// which spares the daemon its lookup. Entries it never got, one it forgot, and a directory

@@ -768,7 +768,6 @@ impl Overlay {
         flags: u32,
         caller: &Caller,
     ) -> Result<()> {
-        let _recount = SubdirsChange(self, [parent, newparent]);
         let _moving = self.name_moving();
         self.check_writable()?;
         check_name(name)?;
@@ -797,6 +796,11 @@ impl Overlay {
             (None, true) => return Err(errno(libc::ENOENT)),
             _ => {}
         }
+        // Only a directory moved, exchanged or replaced changes a count of subdirectories: a
+        // recount lists the whole directory, once per rename in it when every rename asked
+        // for one (a rename in a directory of n files cost O(n)).
+        let moves_a_dir = src.attr.is_dir() || dst.as_ref().is_some_and(|d| d.attr.is_dir());
+        let _recount = moves_a_dir.then(|| SubdirsChange(self, [parent, newparent]));
         if let Some(d) = &dst
             && d.found.ino == src.found.ino
             && !exchange
