@@ -987,11 +987,8 @@ impl Overlay {
                 .filter(|e| e.kind == libc::S_IFDIR)
                 .count() as u64)
         })?;
-        let mut st = node.state();
         // A count past u32 (no file system links that many) is not kept.
-        if st.subdirs_gen == counted_at {
-            st.set_subdirs(n);
-        }
+        node.state().counted_subdirs(counted_at, n);
         Ok(n)
     }
 

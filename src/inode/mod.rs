@@ -368,6 +368,9 @@ pub struct NodeState {
     subdirs_plus_one: Option<std::num::NonZeroU32>,
     /// Bumped by every change to the subdirectories, so a count taken across one is not kept.
     pub subdirs_gen: u16,
+    /// Changes to the subdirectories under way (`begin_subdirs_change`): no count taken
+    /// while one is may be kept, since it may or may not see that change.
+    subdirs_changing: u8,
     /// What few nodes need (`rare`, `rare_mut`): boxed, so that the rest pay a pointer for it
     /// (docs/PERFORMANCE.md, "Memory per inode").
     rare: Option<Box<Rare>>,
@@ -498,10 +501,47 @@ impl Drop for Pin {
 }
 
 impl NodeState {
-    /// A subdirectory of this directory was made, removed or moved.
+    /// The subdirectories of this directory changed in a way not known: the count goes.
     pub fn subdirs_changed(&mut self) {
         self.subdirs_plus_one = None;
         self.subdirs_gen = self.subdirs_gen.wrapping_add(1);
+    }
+
+    /// A change that may make, remove or move a subdirectory starts: counts under way are
+    /// not kept (`counted_subdirs`); the count held stays right until the change is done.
+    /// False when 255 changes are under way already: this one is not counted in, and its end
+    /// (`end_subdirs_change` with `counted_in` false) drops the count.
+    pub fn begin_subdirs_change(&mut self) -> bool {
+        self.subdirs_gen = self.subdirs_gen.wrapping_add(1);
+        match self.subdirs_changing.checked_add(1) {
+            Some(n) => {
+                self.subdirs_changing = n;
+                true
+            }
+            None => {
+                self.subdirs_plus_one = None;
+                false
+            }
+        }
+    }
+
+    /// The change begun with `begin_subdirs_change` is over: it added `delta` subdirectories
+    /// when known (`Some`), and the count held follows it; otherwise (it failed, perhaps half
+    /// done) the count goes. A count held was taken with no change under way, and every
+    /// change begun since adds its own delta once, so it stays exact without a recount.
+    pub fn end_subdirs_change(&mut self, counted_in: bool, delta: Option<i64>) {
+        self.subdirs_gen = self.subdirs_gen.wrapping_add(1);
+        if counted_in {
+            self.subdirs_changing -= 1;
+        }
+        let now = match (self.subdirs(), delta.filter(|_| counted_in)) {
+            (Some(n), Some(d)) => u64::from(n).checked_add_signed(d),
+            _ => None,
+        };
+        match now {
+            Some(n) => self.set_subdirs(n),
+            None => self.subdirs_plus_one = None,
+        }
     }
 
     /// The directory's count of subdirectories, if counted since the last change.
@@ -509,8 +549,16 @@ impl NodeState {
         self.subdirs_plus_one.map(|n| n.get() - 1)
     }
 
-    /// Keeps `count` as the directory's count of subdirectories (not kept past `u32::MAX - 1`).
-    pub fn set_subdirs(&mut self, count: u64) {
+    /// Keeps `count`, taken from a listing begun at generation `counted_at`, as the
+    /// directory's count of subdirectories, unless a change began since or is under way (not
+    /// kept past `u32::MAX - 1` either).
+    pub fn counted_subdirs(&mut self, counted_at: u16, count: u64) {
+        if self.subdirs_gen == counted_at && self.subdirs_changing == 0 {
+            self.set_subdirs(count);
+        }
+    }
+
+    fn set_subdirs(&mut self, count: u64) {
         self.subdirs_plus_one = u32::try_from(count)
             .ok()
             .and_then(|n| n.checked_add(1))
@@ -870,6 +918,7 @@ impl NodeState {
             open: Weak::new(),
             subdirs_plus_one: None,
             subdirs_gen: 0,
+            subdirs_changing: 0,
             rare: None,
             protection: 0,
         }
