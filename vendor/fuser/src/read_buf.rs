@@ -5,7 +5,7 @@ use crate::session::MAX_WRITE_SIZE;
 const BUFFER_SIZE: usize = MAX_WRITE_SIZE + 4096;
 
 /// The start of a request buffer that stays resident: the page every request's header lands
-/// in (`FuseReadBuf::new`, `give_back_after`).
+/// in (`FuseReadBuf::new`, `served`).
 const KEEP: usize = 4096;
 
 /// A buffer for one request from the kernel, page-aligned (so aligned for
@@ -13,6 +13,9 @@ const KEEP: usize = 4096;
 #[derive(Debug)]
 pub(crate) struct FuseReadBuf {
     buffer: MappedBuf,
+    /// The most bytes a request other than a batch of FORGETs filled (at least `KEEP`): what
+    /// `served` keeps resident.
+    served: usize,
 }
 
 impl FuseReadBuf {
@@ -25,11 +28,14 @@ impl FuseReadBuf {
     /// while a fresh worker read its first request failed that request (the fsx model across a
     /// hundred kills saw EIO from a listing, a rename and a stat). Every request but a big
     /// WRITE or SETXATTR fits in the first page, which is kept resident from here on
-    /// (`give_back_after` keeps it too).
+    /// (`served` keeps it too).
     pub(crate) fn new() -> Self {
         let mut buffer = MappedBuf::new(BUFFER_SIZE);
         buffer.make_resident(KEEP);
-        Self { buffer }
+        Self {
+            buffer,
+            served: KEEP,
+        }
     }
 
     /// The whole buffer.
@@ -37,16 +43,20 @@ impl FuseReadBuf {
         &mut self.buffer
     }
 
-    /// mosaicfs patch: gives the pages of a request of `used` bytes back to the system beyond
-    /// the first `KEEP`, when there are any. The kernel fills a read with as many FORGETs as
-    /// the buffer holds: after `drop_caches` a batch of 37,000 (600 KiB) left that much of
-    /// each worker's buffer resident for the session's life, 2.4 MiB over four workers. Other
-    /// big requests (WRITE) come again, and are left alone. What is kept is the page every
-    /// request's header lands in: the 64 KiB kept before stayed resident in every worker a
-    /// forget reached, and a write after it faults its pages back in once.
-    pub(crate) fn give_back_after(&mut self, used: usize) {
-        if used > KEEP {
-            self.buffer.discard(KEEP, used - KEEP);
+    /// mosaicfs patch: a request of `used` bytes was served; `forgets` when it was a batch of
+    /// FORGETs. The kernel fills a read with as many FORGETs as the buffer holds: after
+    /// `drop_caches` a batch of 37,000 (600 KiB) left that much of each worker's buffer
+    /// resident for the session's life, 2.4 MiB over four workers. What such a batch filled
+    /// beyond the most any other request of this worker filled is given back; what the
+    /// worker's own WRITEs and SETXATTRs filled stays, so that the next one lands in resident
+    /// pages: one given back and faulted in again while the daemon is killed ends that
+    /// request with EIO instead of leaving it to the next daemon (`new`). Only a request
+    /// bigger than every one the worker served before still faults its pages in.
+    pub(crate) fn served(&mut self, used: usize, forgets: bool) {
+        if !forgets {
+            self.served = self.served.max(used);
+        } else if used > self.served {
+            self.buffer.discard(self.served, used - self.served);
         }
     }
 }

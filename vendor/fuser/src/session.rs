@@ -1498,7 +1498,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 }
             }
             // mosaicfs patch: pages a big batch of FORGETs filled are given back after it.
-            let mut forgot = 0;
+            let mut served = (0, false);
             let buf = read_buf.as_mut();
             // mosaicfs patch: a worker the pool may let go waits in its read as `READING`
             // (`WorkerPool::shrink`); asked to leave there, its read ends with ECANCELED. One
@@ -1539,8 +1539,8 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                                 Ok(Operation::Forget(_)) | Ok(Operation::BatchForget(_))
                             );
                             self.serve(&req);
+                            served = (size, forget);
                             if forget {
-                                forgot = size;
                                 if self.is_side_reader() {
                                     thread::sleep(FORGET_PAUSE);
                                 }
@@ -1573,7 +1573,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 Err(nix::errno::Errno::ECANCELED) => leave_after = true,
                 Err(err) => return Err(err.into()),
             }
-            read_buf.give_back_after(forgot);
+            read_buf.served(served.0, served.1);
             if leave_after
                 && let (Some(pool), Some(b)) = (&self.pool, shrinkable)
             {
