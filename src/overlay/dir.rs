@@ -1019,26 +1019,33 @@ impl Overlay {
 struct SubdirsChange {
     /// Each directory, and whether its change was counted in (`begin_subdirs_change`).
     dirs: [Option<(Arc<Node>, bool)>; 2],
+    /// Both are one directory: its delta is the sum of the two.
+    one_dir: bool,
     deltas: Option<[i64; 2]>,
 }
 
 impl SubdirsChange {
     fn begin(ov: &Overlay, dirs: [Ino; 2]) -> Self {
-        let second = (dirs[1] != dirs[0]).then_some(dirs[1]);
+        let one_dir = dirs[1] == dirs[0];
+        let second = (!one_dir).then_some(dirs[1]);
         let dirs = [Some(dirs[0]), second].map(|d| {
             let node = ov.inodes.get(d?)?;
             let counted_in = node.state().begin_subdirs_change();
             Some((node, counted_in))
         });
-        Self { dirs, deltas: None }
+        Self {
+            dirs,
+            one_dir,
+            deltas: None,
+        }
     }
 
     /// The change is made: it added `deltas` subdirectories to the two directories (each
     /// counted once when they are one).
     fn done(&mut self, deltas: [i64; 2]) {
-        self.deltas = Some(match self.dirs[1] {
-            Some(_) => deltas,
-            None => [deltas[0] + deltas[1], 0],
+        self.deltas = Some(match self.one_dir {
+            true => [deltas[0] + deltas[1], 0],
+            false => deltas,
         });
     }
 }
