@@ -659,6 +659,9 @@ fn fuser_config(opts: &Options, uring: bool, restartable: bool) -> fuser::Config
         .and_then(|ms| ms.parse().ok())
         .map(std::time::Duration::from_millis);
     cfg.clone_fd = !restartable;
+    // A request the kernel hands a daemon as it is killed goes to the next one (fuser's
+    // request_pipe.rs).
+    cfg.request_pipe = restartable;
     cfg.uring = uring;
     cfg
 }
@@ -696,7 +699,7 @@ fn fuse_device_problem() -> Option<String> {
 /// Mounts and does all that can fail the mount without a thread: what fails here fails the
 /// command with its reason.
 fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool, restartable: bool) -> Result<Started> {
-    let fs = filesystem(&overlay, opts);
+    let fs = filesystem(&overlay, opts, restartable);
     let under = crate::sys::device_of(&opts.mountpoint);
     let config = fuser_config(opts, uring, restartable);
     let session =
@@ -727,7 +730,7 @@ fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool, restartable: bool) 
 /// left unanswered are queued again. Nothing here may ask the mount anything: no daemon
 /// answers it until this one serves.
 fn resume(overlay: Arc<Overlay>, opts: &Options, fuse: OwnedFd, init: &[u8]) -> Result<Started> {
-    let fs = filesystem(&overlay, opts);
+    let fs = filesystem(&overlay, opts, true);
     let config = fuser_config(opts, false, true);
     let acl = config.acl;
     let session = fuser::Session::resume(fs, fuse, acl, config, init).map_err(|e| {
@@ -740,12 +743,14 @@ fn resume(overlay: Arc<Overlay>, opts: &Options, fuse: OwnedFd, init: &[u8]) -> 
 }
 
 /// The file system a session serves.
-fn filesystem(overlay: &Arc<Overlay>, opts: &Options) -> MosaicFs {
+/// `piped`: workers read requests through pipes (a mount that survives its daemon).
+fn filesystem(overlay: &Arc<Overlay>, opts: &Options, piped: bool) -> MosaicFs {
     overlay.arm_workers();
     log_panics();
     MosaicFs {
         core: overlay.clone(),
         max_write: opts.max_write,
+        piped,
         panic_on_lookup: std::env::var_os("MOSAICFS_TEST_PANIC"),
         hang_on_lookup: std::env::var_os("MOSAICFS_TEST_HANG"),
         hang_after_write: std::env::var_os("MOSAICFS_TEST_HANG_WRITE").map(|v| {

@@ -25,6 +25,9 @@ use crate::upper::ReadData;
 pub struct MosaicFs {
     pub core: Arc<Overlay>,
     pub max_write: Option<u32>,
+    /// Workers read requests through pipes (`fuser::Config::request_pipe`): a mount that
+    /// survives its daemon. The default `max_write` is then the biggest a pipe holds.
+    pub piped: bool,
     /// A name whose lookup panics, from `MOSAICFS_TEST_PANIC`: how the tests check the panic
     /// policy (daemon.rs, `log_panics`) on a real mount.
     pub panic_on_lookup: Option<std::ffi::OsString>,
@@ -433,11 +436,14 @@ impl Filesystem for MosaicFs {
         self.no_opendir = config
             .capabilities()
             .contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT);
-        if let Some(w) = self.max_write {
-            let _ = config.set_max_write(w.max(4096));
-        } else {
-            let _ = config.set_max_write(1 << 20);
-        }
+        // 1 MiB, or what a pipe of the system's largest size holds (1,016 KiB where that is
+        // 1 MiB): a WRITE must fit a worker's pipe whole. The 8 KiB less cost nothing measurable
+        // (docs/ROBUSTNESS.md, "A daemon that ends").
+        let default = match self.piped {
+            true => fuser::largest_piped_write().min(1 << 20),
+            false => 1 << 20,
+        };
+        let _ = config.set_max_write(self.max_write.unwrap_or(default).max(4096));
         let _ = config.set_max_background(64);
         // Counted before the reply leaves: whoever sees a reply sees its request counted.
         let requests = self.core.stats().requests.clone();

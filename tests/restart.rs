@@ -1026,3 +1026,84 @@ fn a_batch_of_forgets_gives_back_no_page_a_write_filled() {
     );
     assert_eq!(fs::read(m.path("big")).unwrap(), vec![7u8; 1 << 20]);
 }
+
+/// A WRITE the kernel is handing to a worker when the daemon is killed goes to the next daemon
+/// instead of failing. Read from /dev/fuse, a request is copied into the worker's buffer, and a
+/// page of it faulted in while SIGKILL is pending ends that request with EIO; workers read
+/// requests through a pipe instead (fuser's request_pipe.rs), and copy them from there once the
+/// request waits in the kernel for the next daemon. Here the first fault on the one worker's
+/// buffer past its first page is held (userfaultfd, `MOSAICFS_TEST_HOLD_FAULT`) and the daemon
+/// killed meanwhile, twice: the daemon that took over reads through a pipe too (it learns the
+/// connection's `max_write` from what the first one saved). Without the pipe the write failed
+/// with EIO at the first kill; without the saved `max_write`, at the second.
+#[test]
+fn a_write_being_handed_over_as_the_daemon_is_killed_goes_to_the_next() {
+    let m = Background::mount(
+        |_| {},
+        "restart=on,passthrough=off,threaded=0",
+        &[("MOSAICFS_TEST_HOLD_FAULT", "3000")],
+    );
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let (path, written) = (m.path("big"), data.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(fs::write(path, written).map_err(|e| e.to_string()));
+    });
+    for held in 1..=2 {
+        let start = Instant::now();
+        while fs::read_to_string(&m.log)
+            .unwrap_or_default()
+            .matches("holding a fault of a request buffer")
+            .count()
+            < held
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "daemon {held} never took the write: {:?}",
+                rx.try_recv()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(rx.try_recv().is_err(), "answered before kill {held}");
+        m.kill_daemon();
+    }
+    let got = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the write was never answered");
+    assert_eq!(got, Ok(()));
+    assert_eq!(fs::read(m.path("big")).unwrap(), data);
+}
+
+/// The biggest WRITEs fit a worker's pipe, which holds a request's header and data in pages of
+/// its own (fuser's request_pipe.rs `slots_for`; a request that finds no free page fails with
+/// EIO): 1 MiB at an offset off a page boundary through the page cache, whose data spans one
+/// page more, and with O_DIRECT from a buffer off a page boundary. And the default `max_write`
+/// is one a pipe can hold: workers read through pipes, not /dev/fuse (the daemon says when
+/// it cannot make one).
+#[test]
+fn the_biggest_writes_fit_a_workers_pipe() {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let m = Background::mount(|_| {}, "restart=on,passthrough=off,threaded=0", &[]);
+    let data: Vec<u8> = (0..(1u32 << 20) + 8192).map(|i| (i % 253) as u8).collect();
+    let f = fs::File::create(m.path("cached")).unwrap();
+    f.write_all_at(&data[..1 << 20], 100).unwrap();
+    drop(f);
+    let mut want = vec![0u8; 100];
+    want.extend_from_slice(&data[..1 << 20]);
+    assert_eq!(fs::read(m.path("cached")).unwrap(), want);
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path("direct"))
+        .unwrap();
+    let from = 4096 - (data.as_ptr() as usize % 4096) + 100;
+    f.write_all_at(&data[from..from + (1 << 20)], 0).unwrap();
+    drop(f);
+    assert_eq!(
+        fs::read(m.path("direct")).unwrap(),
+        &data[from..from + (1 << 20)]
+    );
+    let log = fs::read_to_string(&m.log).unwrap();
+    assert!(!log.contains("cannot make a pipe"), "{log}");
+}

@@ -7,6 +7,7 @@ use nix::errno::Errno;
 
 use crate::dev_fuse::DevFuse;
 use crate::passthrough::BackingId;
+use crate::request_pipe::RequestPipe;
 
 /// mosaicfs patch: set when the session is being stopped while the mount stays
 /// (`Stopper::stop`): one session per process.
@@ -45,13 +46,15 @@ impl Channel {
     /// mosaicfs patch: once the session is being stopped (`Stopper::stop`), an interrupted
     /// read returns ESHUTDOWN instead, and no read starts: the worker ends.
     pub(crate) fn receive_retrying(&self, buffer: &mut [u8]) -> nix::Result<usize> {
-        self.receive_unless(buffer, || false)
+        self.receive_unless(None, buffer, || false)
     }
 
     /// mosaicfs patch: the same, but a read interrupted while `leave()` holds returns
-    /// ECANCELED: the worker was asked to leave the pool (`WorkerPool::shrink`).
+    /// ECANCELED: the worker was asked to leave the pool (`WorkerPool::shrink`). With `pipe`,
+    /// the request comes through it (`RequestPipe::receive`).
     pub(crate) fn receive_unless(
         &self,
+        pipe: Option<&RequestPipe>,
         buffer: &mut [u8],
         leave: impl Fn() -> bool,
     ) -> nix::Result<usize> {
@@ -59,7 +62,11 @@ impl Channel {
             if STOPPING.load(std::sync::atomic::Ordering::Acquire) {
                 return Err(Errno::ESHUTDOWN);
             }
-            match self.receive(buffer) {
+            let received = match pipe {
+                Some(pipe) => pipe.receive(&*self.0, buffer),
+                None => self.receive(buffer),
+            };
+            match received {
                 Ok(size) => return Ok(size),
                 Err(Errno::EINTR) if leave() => return Err(Errno::ECANCELED),
                 Err(Errno::ENOENT | Errno::EINTR | Errno::EAGAIN) => continue,

@@ -1,3 +1,4 @@
+use log::warn;
 use crate::session::MAX_WRITE_SIZE;
 
 /// Size of the buffer for reading a request from the kernel. Since the kernel may send
@@ -32,6 +33,12 @@ impl FuseReadBuf {
     pub(crate) fn new() -> Self {
         let mut buffer = MappedBuf::new(BUFFER_SIZE);
         buffer.make_resident(KEEP);
+        if let Some(ms) = std::env::var("MOSAICFS_TEST_HOLD_FAULT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            hold_first_fault(&buffer, KEEP, std::time::Duration::from_millis(ms));
+        }
         Self {
             buffer,
             served: KEEP,
@@ -59,6 +66,58 @@ impl FuseReadBuf {
             self.buffer.discard(self.served, used - self.served);
         }
     }
+}
+
+/// mosaicfs patch, for the tests (`MOSAICFS_TEST_HOLD_FAULT`, milliseconds): the first fault on
+/// `buffer` past `from` is held `hold` (userfaultfd), and "holding a fault of a request buffer"
+/// logged meanwhile: how tests/restart.rs kills a daemon while the kernel copies a request into
+/// a worker's buffer, or the worker copies one there from its pipe. Needs CAP_SYS_PTRACE
+/// (faults taken by the kernel).
+fn hold_first_fault(buffer: &MappedBuf, from: usize, hold: std::time::Duration) {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // linux/userfaultfd.h
+    const UFFD_API: u64 = 0xaa;
+    const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+    const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+    const UFFDIO_UNREGISTER: libc::c_ulong = 0x8010_aa01;
+    const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+    const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+    let range = [buffer.ptr.as_ptr() as u64 + from as u64, (buffer.len - from) as u64];
+    // SAFETY: userfaultfd(2) makes a descriptor, owned from here on.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    if fd < 0 {
+        warn!(target: "mosaicfs::transport", "MOSAICFS_TEST_HOLD_FAULT: no userfaultfd: {}", std::io::Error::last_os_error());
+        return;
+    }
+    // SAFETY: the descriptor just made.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut api = [UFFD_API, 0, 0];
+    let mut register = [range[0], range[1], UFFDIO_REGISTER_MODE_MISSING, 0];
+    // SAFETY: the ioctls' argument structures, as linux/userfaultfd.h lays them out, over a
+    // range of the buffer's own mapping.
+    let registered = unsafe {
+        libc::ioctl(fd.as_raw_fd(), UFFDIO_API, api.as_mut_ptr()) == 0
+            && libc::ioctl(fd.as_raw_fd(), UFFDIO_REGISTER, register.as_mut_ptr()) == 0
+    };
+    if !registered {
+        warn!(target: "mosaicfs::transport", "MOSAICFS_TEST_HOLD_FAULT: {}", std::io::Error::last_os_error());
+        return;
+    }
+    std::thread::spawn(move || {
+        let mut message = [0u8; 32];
+        loop {
+            match nix::unistd::read(&fd, &mut message) {
+                Ok(32) if message[0] == UFFD_EVENT_PAGEFAULT => break,
+                Err(nix::errno::Errno::EINTR) | Ok(_) => continue,
+                Err(_) => return,
+            }
+        }
+        warn!(target: "mosaicfs::transport", "holding a fault of a request buffer for {hold:?}");
+        std::thread::sleep(hold);
+        let mut range = range;
+        // SAFETY: as above; unregistering wakes the held fault, which then maps a zero page.
+        unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_UNREGISTER, range.as_mut_ptr()) };
+    });
 }
 
 /// mosaicfs patch: a zeroed buffer in an anonymous mapping of its own, for the buffers a

@@ -44,6 +44,7 @@ use crate::mnt::mount_options::Config;
 use crate::mnt::mount_options::check_option_conflicts;
 use crate::notify::Notifier;
 use crate::read_buf::FuseReadBuf;
+use crate::request_pipe::RequestPipe;
 use crate::reply::Reply;
 use crate::reply::ReplyRaw;
 use crate::reply::ReplySender;
@@ -145,8 +146,26 @@ pub struct Session<FS: Filesystem> {
     /// io_uring.
     uring_payload: Option<usize>,
     /// mosaicfs patch: the kernel's INIT request as it came, for a daemon that takes this
-    /// connection over later (`Session::resume`).
+    /// connection over later (`Session::resume`), followed by the `max_write` replied
+    /// (`MAX_WRITE_TAG`).
     init_request: Vec<u8>,
+    /// mosaicfs patch: the `max_write` the kernel took from this connection's INIT reply, when
+    /// known: the biggest WRITE a worker's pipe must hold (`Config::request_pipe`).
+    max_write: Option<u32>,
+}
+
+/// mosaicfs patch: what follows the INIT request in the bytes a daemon keeps for the next one
+/// (`Session::init_request`): `max_write=` and the number the INIT reply gave the kernel. A
+/// daemon that takes the connection over cannot ask the kernel for it, and must know it to read
+/// requests through a pipe (`request_pipe.rs`); saved bytes without it (a daemon of an older
+/// version) leave its workers reading /dev/fuse.
+const MAX_WRITE_TAG: &[u8] = b"max_write=";
+
+/// The `max_write` after the INIT request in `saved`, if there.
+fn saved_max_write(saved: &[u8]) -> Option<u32> {
+    let len = u32::from_le_bytes(saved.get(..4)?.try_into().ok()?) as usize;
+    let number = saved.get(len..)?.strip_prefix(MAX_WRITE_TAG)?;
+    std::str::from_utf8(number).ok()?.parse().ok()
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -197,6 +216,7 @@ impl<FS: Filesystem> Session<FS> {
             config: options.clone(),
             uring_payload: None,
             init_request: Vec::new(),
+            max_write: None,
         };
 
         session.handshake()?;
@@ -228,6 +248,7 @@ impl<FS: Filesystem> Session<FS> {
             config,
             uring_payload: None,
             init_request: Vec::new(),
+            max_write: None,
         };
 
         session.handshake()?;
@@ -267,6 +288,7 @@ impl<FS: Filesystem> Session<FS> {
             config,
             uring_payload: None,
             init_request: init_request.to_vec(),
+            max_write: saved_max_write(init_request),
         };
         if !session.initialize(init_request, false)? {
             return Err(io::Error::new(
@@ -339,9 +361,14 @@ impl<FS: Filesystem> Session<FS> {
             pool,
             uring_payload,
             init_request: _,
+            max_write,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
+        if config.request_pipe && uring_payload.is_none() {
+            pool.max_write
+                .store(max_write.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+        }
 
         if !cfg!(target_os = "linux") && n_threads != 1 {
             // TODO: check whether it works on macOS/FreeBSD and enable if it works.
@@ -582,6 +609,11 @@ impl<FS: Filesystem> Session<FS> {
             };
             if self.initialize(&buf[..size], true)? {
                 self.init_request = buf[..size].to_vec();
+                if let Some(max_write) = self.max_write {
+                    self.init_request.extend_from_slice(MAX_WRITE_TAG);
+                    self.init_request
+                        .extend_from_slice(max_write.to_string().as_bytes());
+                }
                 return Ok(());
             }
         }
@@ -734,6 +766,7 @@ impl<FS: Filesystem> Session<FS> {
             );
 
             if reply {
+                self.max_write = Some(config.max_write);
                 let response = init.reply(&config);
                 <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
                     .send_ll(&response);
@@ -931,6 +964,9 @@ pub(crate) struct WorkerPool {
     spare: std::sync::atomic::AtomicUsize,
     /// Workers asked to leave (`shrink`) that have not left yet.
     leaving: std::sync::atomic::AtomicUsize,
+    /// The biggest WRITE of the connection when workers over /dev/fuse read requests through
+    /// a pipe (`Config::request_pipe`); 0 when they read the device.
+    max_write: std::sync::atomic::AtomicU32,
 }
 
 /// What one worker is doing.
@@ -976,6 +1012,7 @@ impl WorkerPool {
             shrink_since: std::sync::atomic::AtomicU64::new(0),
             spare: std::sync::atomic::AtomicUsize::new(0),
             leaving: std::sync::atomic::AtomicUsize::new(0),
+            max_write: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -1305,6 +1342,8 @@ impl WorkerPool {
             pool: on_dev.then(|| self.clone()),
             watch: tracked.then(|| self.clone()),
             extra,
+            piped_write: Some(self.max_write.load(std::sync::atomic::Ordering::Relaxed))
+                .filter(|&w| on_dev && w > 0),
         };
         if extra {
             self.extra.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -1366,6 +1405,9 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) watch: Option<Arc<WorkerPool>>,
     /// mosaicfs patch: a worker added beyond `n_threads` (`WorkerKind::Extra`).
     pub(crate) extra: bool,
+    /// mosaicfs patch: the connection's biggest WRITE, when this worker reads requests through
+    /// a pipe (`RequestPipe`).
+    pub(crate) piped_write: Option<u32>,
 }
 
 /// mosaicfs patch: how long the /dev/fuse reader beside the io_uring queues waits after a
@@ -1483,6 +1525,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         // Buffer for receiving requests from the kernel. Only one is allocated and
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut read_buf = FuseReadBuf::new();
+        let pipe = self.piped_write.and_then(request_pipe);
         loop {
             // mosaicfs patch: an extra worker waits for a request a while at a time, and
             // leaves when the pool lets it (it holds no request then).
@@ -1515,7 +1558,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             let mut leave_after = false;
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
-            let received = self.ch.receive_unless(buf, asked);
+            let received = self.ch.receive_unless(pipe.as_ref(), buf, asked);
             if let (Ok(_), Some(b)) = (&received, shrinkable) {
                 let was = b.phase.swap(SERVING, std::sync::atomic::Ordering::AcqRel);
                 if was == LEAVING {
@@ -1582,6 +1625,27 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             }
         }
     }
+}
+
+/// mosaicfs patch: a worker's pipe for a connection whose WRITEs carry up to `max_write` bytes;
+/// `None`, said once per process, where the system allows no pipe that big.
+fn request_pipe(max_write: u32) -> Option<RequestPipe> {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    RequestPipe::new(max_write)
+        .inspect_err(|e| {
+            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                // Under mosaicfs' target: the daemon logs fuser's own lines at debug only.
+                warn!(
+                    target: "mosaicfs::transport",
+                    "cannot make a pipe that holds a request of {max_write} bytes ({e}): workers \
+                     read /dev/fuse instead, and a request the kernel is handing over as the \
+                     daemon is killed fails with EIO instead of going to the next daemon \
+                     (see /proc/sys/fs/pipe-max-size and pipe-user-pages-soft, or a smaller \
+                     max_write=)"
+                );
+            }
+        })
+        .ok()
 }
 
 /// mosaicfs patch: ends a session's `run` while the mount stays, for another daemon to take

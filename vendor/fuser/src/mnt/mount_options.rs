@@ -37,6 +37,11 @@ pub struct Config {
     /// mosaicfs patch: carry requests over io_uring when the kernel offers it at INIT
     /// (`Session::transport` says what was agreed).
     pub uring: bool,
+    /// mosaicfs patch: workers over /dev/fuse read requests through a pipe of their own
+    /// (request_pipe.rs), so that a request the kernel is handing over as the daemon is killed
+    /// goes to the next daemon instead of failing. Where no pipe big enough can be had, a
+    /// worker reads /dev/fuse as without it.
+    pub request_pipe: bool,
 }
 
 /// Mount options accepted by the FUSE filesystem type
