@@ -638,7 +638,9 @@ fn a_mount_that_cannot_survive_its_daemon_says_why() {
 }
 
 /// Rootless, as the users who pick a FUSE overlay run it (a user namespace, no passthrough):
-/// the default mount survives kill -9 of its daemon, with a descriptor open across it.
+/// the default mount survives kill -9 of its daemon, with a descriptor open across it, and its
+/// workers read requests through pipes (the daemon logs when it cannot make one: a user's
+/// pipes are held to `pipe-user-pages-soft`).
 #[test]
 fn a_rootless_mount_survives_its_daemon_by_default() {
     let d = tempfile::Builder::new()
@@ -651,7 +653,7 @@ fn a_rootless_mount_survives_its_daemon_by_default() {
     }
     fs::write(d.path().join("l/f"), "lower\n").unwrap();
     let script = format!(
-        "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w,upper=disk {p}/m; \
+        "set -e; {bin} -o lowerdir={p}/l,upperdir={p}/u,workdir={p}/w,upper=disk,log_file={p}/log {p}/m; \
          exec 3>>{p}/m/f; echo before >&3; \
          {bin} status {p}/m > {p}/status-before; \
          pid=$(sed -n 's/^daemon: pid \\([0-9]*\\),.*/\\1/p' {p}/status-before); \
@@ -676,6 +678,8 @@ fn a_rootless_mount_survives_its_daemon_by_default() {
     );
     let after = fs::read_to_string(d.path().join("status-after")).unwrap();
     assert!(after.contains("daemons before this one: 1"), "{after}");
+    let log = fs::read_to_string(d.path().join("log")).unwrap();
+    assert!(!log.contains("cannot make a pipe"), "{log}");
 }
 
 /// Files removed while open — made in the upper layer, copied up, or only in the lower layer
