@@ -56,7 +56,19 @@ pub fn report(overlay: &Overlay, mountpoint: &Path) -> String {
         };
     }
     r += &format!("lower: {}\n", layers.join(":"));
-    r += &format!("transport: {}\n", overlay.transport());
+    r += &format!(
+        "transport: {}{}\n",
+        overlay.transport(),
+        match fuser::requests_piped() {
+            Some(true) =>
+                ", requests read through pipes (one the kernel hands over as the daemon \
+                       dies goes to the next daemon)",
+            Some(false) =>
+                ", requests read from the device, not through pipes (the log says \
+                 why)",
+            None => "",
+        }
+    );
     r += &match overlay.precontent() {
         Ok(pc) => format!(
             "partial files' writers: passthrough, filled on first touch (pre-content events; \

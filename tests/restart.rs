@@ -600,6 +600,11 @@ fn a_mount_that_cannot_survive_its_daemon_says_why() {
         status.contains("restart: no (-f: the daemon runs in the foreground"),
         "{status}"
     );
+    // Its workers read requests straight: no next daemon to leave one to.
+    assert!(
+        status.contains("transport: ") && !status.contains("pipes"),
+        "{status}"
+    );
     let out = Command::new(BIN)
         .arg("upgrade")
         .arg(&m.mnt)
@@ -672,6 +677,7 @@ fn a_rootless_mount_survives_its_daemon_by_default() {
     let before = fs::read_to_string(d.path().join("status-before")).unwrap();
     assert!(before.contains("restart: yes, holder pid"), "{before}");
     assert!(before.contains("passthrough: none"), "{before}");
+    assert!(before.contains("requests read through pipes"), "{before}");
     assert_eq!(
         fs::read_to_string(d.path().join("content")).unwrap(),
         "lower\nbefore\nafter\n"
@@ -1110,4 +1116,6 @@ fn the_biggest_writes_fit_a_workers_pipe() {
     );
     let log = fs::read_to_string(&m.log).unwrap();
     assert!(!log.contains("cannot make a pipe"), "{log}");
+    let status = m.status();
+    assert!(status.contains("requests read through pipes"), "{status}");
 }

@@ -39,6 +39,7 @@ pub use crate::forget_one::ForgetOne;
 pub use crate::ll::Errno;
 pub use crate::request::on_request_served;
 pub use crate::request_pipe::largest_write as largest_piped_write;
+pub use crate::request_pipe::requests_piped;
 pub use crate::ll::Generation;
 pub use crate::ll::RequestId;
 pub use crate::ll::TimeOrNow;

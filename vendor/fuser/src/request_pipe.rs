@@ -45,6 +45,28 @@ pub fn largest_write() -> u32 {
     (slots.saturating_sub(2) * PAGE).max(PAGE) as u32
 }
 
+/// How this process's workers have read requests: `UNASKED` until one has tried a pipe,
+/// `PIPED` while every one that tried has its pipe, `NOT_ALL` once one could not make it.
+static READ_BY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(UNASKED);
+const UNASKED: u8 = 0;
+const PIPED: u8 = 1;
+const NOT_ALL: u8 = 2;
+
+/// Whether workers read requests through pipes: `None` where none was asked to, `Some(false)`
+/// once one could not make its pipe (it reads /dev/fuse).
+pub fn requests_piped() -> Option<bool> {
+    match READ_BY.load(std::sync::atomic::Ordering::Relaxed) {
+        UNASKED => None,
+        read_by => Some(read_by == PIPED),
+    }
+}
+
+/// Workers read /dev/fuse although asked to read through pipes (the connection's `max_write` is
+/// not known).
+pub(crate) fn cannot_pipe() {
+    READ_BY.store(NOT_ALL, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A worker's pipe.
 #[derive(Debug)]
 pub(crate) struct RequestPipe {
@@ -59,6 +81,18 @@ impl RequestPipe {
     /// bytes; an error when the system allows no pipe that big to this process (past
     /// `pipe-max-size`, or past the user's share of pipe pages, `pipe-user-pages-soft`).
     pub(crate) fn new(max_write: u32) -> std::io::Result<RequestPipe> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let made = Self::make(max_write);
+        match made {
+            Ok(_) => {
+                let _ = READ_BY.compare_exchange(UNASKED, PIPED, Relaxed, Relaxed);
+            }
+            Err(_) => READ_BY.store(NOT_ALL, Relaxed),
+        }
+        made
+    }
+
+    fn make(max_write: u32) -> std::io::Result<RequestPipe> {
         let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let want = slots_for(max_write as usize) * PAGE;
         // SAFETY: F_SETPIPE_SZ on a pipe this function owns; it returns the size set.

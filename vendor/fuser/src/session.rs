@@ -366,8 +366,21 @@ impl<FS: Filesystem> Session<FS> {
 
         let n_threads = config.n_threads.unwrap_or(1);
         if config.request_pipe && uring_payload.is_none() {
-            pool.max_write
-                .store(max_write.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+            match max_write {
+                Some(max_write) => pool
+                    .max_write
+                    .store(max_write, std::sync::atomic::Ordering::Relaxed),
+                None => {
+                    crate::request_pipe::cannot_pipe();
+                    warn!(
+                        target: "mosaicfs::transport",
+                        "the daemon before this one saved no max_write with the mount's INIT \
+                         (a binary before 2026-11-30): workers read /dev/fuse, and a request the \
+                         kernel is handing over as the daemon is killed fails with EIO instead \
+                         of going to the next daemon, until the mount is made again"
+                    );
+                }
+            }
         }
 
         if !cfg!(target_os = "linux") && n_threads != 1 {
