@@ -75,22 +75,6 @@ impl Channel {
         }
     }
 
-    /// mosaicfs patch: waits up to `timeout` for a request to read; true also when the device
-    /// reports an error (the read says which) or the session is being stopped.
-    pub(crate) fn wait_readable(&self, timeout: std::time::Duration) -> bool {
-        if STOPPING.load(std::sync::atomic::Ordering::Acquire) {
-            return true;
-        }
-        let mut fds = [libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&*self.0),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: one pollfd for a descriptor this channel holds open.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout.as_millis() as libc::c_int) };
-        n > 0
-    }
-
     /// Returns a sender object for this channel. The sender object can be
     /// used to send to the channel. Multiple sender objects can be used
     /// and they can safely be sent to other threads.

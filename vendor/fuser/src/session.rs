@@ -516,8 +516,6 @@ impl<FS: Filesystem> Session<FS> {
                             if workers >= max_threads || !pool.all_stuck(group) {
                                 continue;
                             }
-                            // Stuck again: no worker leaves now.
-                            pool.leave.store(0, std::sync::atomic::Ordering::Release);
                             // The group doubles: requests that queue behind the stuck ones
                             // (the kernel hands them out in order) wait for free workers, and
                             // one more worker per look would take seconds to reach them.
@@ -919,16 +917,12 @@ const SHRINK_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 /// between marking itself `READING` and entering its read took the signal before the read.
 const LEAVE_AGAIN: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// mosaicfs patch: what a /dev/fuse worker is doing (`WorkerState::phase`), for `shrink`: only
-/// a worker waiting in its read may be asked to leave, so that the signal that ends that read
+/// mosaicfs patch: what a /dev/fuse worker is doing (`WorkerState::phase`), for `shrink` and
+/// `offer_retirement`: only a worker waiting in its read may be asked to leave, so that the signal that ends that read
 /// never lands in a system call a request makes (a lower layer on a FUSE store answers EINTR).
 const SERVING: u8 = 0;
 const READING: u8 = 1;
 const LEAVING: u8 = 2;
-
-/// mosaicfs patch: how long a worker added beyond `n_threads` waits for a request before it
-/// looks whether it may leave.
-const EXTRA_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// mosaicfs patch: how long the supervisor waits, when a worker took a request and left none
 /// waiting, before it adds one: a burst that is over by then needs none.
@@ -960,8 +954,6 @@ pub(crate) struct WorkerPool {
     alive: std::sync::atomic::AtomicUsize,
     /// Workers added beyond `n_threads` (`WorkerKind::Extra`) still serving.
     extra: std::sync::atomic::AtomicUsize,
-    /// How many of them may leave now (`offer_retirement`).
-    leave: std::sync::atomic::AtomicUsize,
     /// Since when (ns since `epoch`) the supervisor has seen two idle workers or more at every
     /// look, while extra workers serve; 0 when not.
     idle_since: std::sync::atomic::AtomicU64,
@@ -993,7 +985,10 @@ pub(crate) struct WorkerState {
     qid: Option<u16>,
     /// A /dev/fuse worker, which may leave when the pool is quiet (`WorkerPool::shrink`).
     shrinkable: bool,
-    /// `SERVING`, `READING` or `LEAVING` (shrinkable workers only).
+    /// A /dev/fuse worker added beyond `n_threads` while all were stuck, which leaves when the
+    /// pool no longer needs it (`WorkerPool::offer_retirement`).
+    extra: bool,
+    /// `SERVING`, `READING` or `LEAVING` (shrinkable and extra workers only).
     phase: std::sync::atomic::AtomicU8,
     /// When its current request was dispatched (ns since the pool's epoch, at least 1), or 0
     /// while it waits for one. Stored last (Release) when a request starts.
@@ -1017,7 +1012,6 @@ impl WorkerPool {
             unmounted: std::sync::atomic::AtomicBool::new(false),
             alive: std::sync::atomic::AtomicUsize::new(0),
             extra: std::sync::atomic::AtomicUsize::new(0),
-            leave: std::sync::atomic::AtomicUsize::new(0),
             idle_since: std::sync::atomic::AtomicU64::new(0),
             retired: std::sync::Mutex::new(Vec::new()),
             floor: std::sync::atomic::AtomicUsize::new(1),
@@ -1085,12 +1079,18 @@ impl WorkerPool {
         }
     }
 
-    /// A worker asked to leave (`shrink`) leaves: it no longer counts, and its thread is let
-    /// go (detached) rather than joined at the session's end, so that its stack goes at once.
+    /// A worker asked to leave (`shrink`, `offer_retirement`) leaves: it no longer counts, and
+    /// its thread is let go (detached) rather than joined at the session's end, so that its
+    /// stack goes at once.
     fn leave(&self, busy: &Arc<WorkerState>) {
+        use std::sync::atomic::Ordering::AcqRel;
         let me = thread::current().id();
-        self.count_out(Some(busy));
-        self.leaving.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.count_out(busy);
+        if busy.extra {
+            self.extra.fetch_sub(1, AcqRel);
+        } else {
+            self.leaving.fetch_sub(1, AcqRel);
+        }
         let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
         // Not there when `run` is joining it already.
         if let Some(i) = handles.iter().position(|h| h.thread().id() == me) {
@@ -1099,7 +1099,10 @@ impl WorkerPool {
     }
 
     /// The supervisor's look at extra workers: once two or more workers have been idle at
-    /// every look for `after`, as many extra workers as are idle beyond one may leave.
+    /// every look for `after`, as many extra workers as are idle beyond one are asked to leave.
+    /// As in `shrink`, only one waiting in its read is asked (`READING` to `LEAVING`), and the
+    /// signal ends that read: an extra worker blocks in its read like any other, and one that
+    /// only looked now and then would stay for as long as no request came its way.
     fn offer_retirement(&self, after: std::time::Duration) {
         use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
         let extra = self.extra.load(Acquire);
@@ -1112,40 +1115,37 @@ impl WorkerPool {
         let since = self.idle_since.load(Relaxed);
         if since == 0 {
             self.idle_since.store(now, Relaxed);
-        } else if now - since >= after.as_nanos() as u64 && self.leave.load(Acquire) == 0 {
-            self.leave.fetch_add(extra.min(idle - 1), AcqRel);
-            self.idle_since.store(now, Relaxed);
+            return;
         }
+        if now - since < after.as_nanos() as u64 {
+            return;
+        }
+        self.idle_since.store(now, Relaxed);
+        let states = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        states
+            .iter()
+            .rev()
+            .filter(|s| s.extra)
+            .filter(|s| {
+                s.phase
+                    .compare_exchange(READING, LEAVING, AcqRel, Acquire)
+                    .is_ok()
+            })
+            .take(extra.min(idle - 1))
+            .for_each(|s| signal_worker(s));
     }
 
-    /// Whether an extra worker may leave now (it takes the permission).
-    fn may_leave(&self) -> bool {
-        use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        self.leave
-            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
-            .is_ok()
-    }
-
-    /// An extra worker, idle, leaves the pool: it no longer counts, and `run` joins it
-    /// without taking its end for the session's.
-    fn retire(&self, busy: Option<&Arc<WorkerState>>) {
-        self.count_out(busy);
-        self.extra.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-    }
-
-    /// An idle worker that leaves (`retire`, `leave`) no longer counts: `run` joins it
-    /// without taking its end for the session's.
-    fn count_out(&self, busy: Option<&Arc<WorkerState>>) {
+    /// An idle worker that leaves (`leave`) no longer counts: `run` joins it without taking
+    /// its end for the session's.
+    fn count_out(&self, busy: &Arc<WorkerState>) {
         self.retired
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(thread::current().id());
-        if let Some(busy) = busy {
-            self.busy_since
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|w| !Arc::ptr_eq(w, busy));
-        }
+        self.busy_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|w| !Arc::ptr_eq(w, busy));
         self.idle.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 
@@ -1329,6 +1329,7 @@ impl WorkerPool {
             ring: ring.is_some(),
             qid: ring.map(|(q, _)| q),
             shrinkable,
+            extra,
             phase: Default::default(),
             since: Default::default(),
             unique: Default::default(),
@@ -1354,7 +1355,6 @@ impl WorkerPool {
             ring,
             pool: on_dev.then(|| self.clone()),
             watch: tracked.then(|| self.clone()),
-            extra,
             piped_write: Some(self.max_write.load(std::sync::atomic::Ordering::Relaxed))
                 .filter(|&w| on_dev && w > 0),
         };
@@ -1416,8 +1416,6 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     /// mosaicfs patch: the pool of a worker whose busy mark the supervisor watches, told when
     /// it takes a request (`WorkerPool::note_busy`).
     pub(crate) watch: Option<Arc<WorkerPool>>,
-    /// mosaicfs patch: a worker added beyond `n_threads` (`WorkerKind::Extra`).
-    pub(crate) extra: bool,
     /// mosaicfs patch: the connection's biggest WRITE, when this worker reads requests through
     /// a pipe (`RequestPipe`).
     pub(crate) piped_write: Option<u32>,
@@ -1540,26 +1538,15 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         let mut read_buf = FuseReadBuf::new();
         let pipe = self.piped_write.and_then(request_pipe);
         loop {
-            // mosaicfs patch: an extra worker waits for a request a while at a time, and
-            // leaves when the pool lets it (it holds no request then).
-            if self.extra
-                && let Some(pool) = &self.pool
-            {
-                if pool.may_leave() {
-                    pool.retire(self.busy.as_ref().map(|(b, _)| b));
-                    return Ok(());
-                }
-                if !self.ch.wait_readable(EXTRA_POLL) {
-                    continue;
-                }
-            }
             // mosaicfs patch: pages a big batch of FORGETs filled are given back after it.
             let mut served = (0, false);
             let buf = read_buf.as_mut();
             // mosaicfs patch: a worker the pool may let go waits in its read as `READING`
-            // (`WorkerPool::shrink`); asked to leave there, its read ends with ECANCELED. One
-            // asked just as it took a request serves that with the signal blocked, then leaves.
-            let shrinkable = self.busy.as_ref().map(|(b, _)| b).filter(|b| b.shrinkable);
+            // (`WorkerPool::shrink`, `offer_retirement`); asked to leave there, its read ends
+            // with ECANCELED. One asked just as it took a request serves that with the signal
+            // blocked, then leaves.
+            let shrinkable = (self.busy.as_ref().map(|(b, _)| b))
+                .filter(|b| b.shrinkable || b.extra);
             if let Some(b) = shrinkable {
                 b.phase.store(READING, std::sync::atomic::Ordering::SeqCst);
             }
