@@ -690,7 +690,11 @@ fn threads_colliding_on_shared_names_get_only_local_file_system_errors() {
         libc::EPERM,
         libc::EBUSY,
     ];
-    let seed: u64 = rand::random();
+    let seed: u64 = std::env::var("MOSAICFS_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("seed {seed} (MOSAICFS_TEST_SEED)");
     std::thread::scope(|s| {
         let threads: Vec<_> = (0..8u64)
             .map(|t| {
@@ -767,7 +771,16 @@ fn threads_colliding_on_shared_names_get_only_local_file_system_errors() {
         while let Some(d) = todo.pop() {
             for e in std::fs::read_dir(&d).unwrap() {
                 let p = e.unwrap().path();
-                let meta = std::fs::symlink_metadata(&p).unwrap();
+                let meta = std::fs::symlink_metadata(&p).unwrap_or_else(|e| {
+                    // Which side is stale: the kernel's dentry (the daemon has the name) or
+                    // the daemon's listing.
+                    std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+                    panic!(
+                        "seed {seed}: {p:?} listed, but lstat says {e}; after drop_caches: \
+                         {:?}",
+                        std::fs::symlink_metadata(&p).map(|m| m.ino())
+                    )
+                });
                 let what = if meta.is_dir() {
                     todo.push(p.clone());
                     format!("dir {:o}", meta.mode())
@@ -1071,9 +1084,25 @@ fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
     }
     // Callers in bursts, each request answered by the daemon (xattrs are never cached), and
     // files written and read back; a burst every 300 ms, longer than the quiet the pool waits.
+    // Returns the most workers seen while the callers ran (on a loaded machine the workers
+    // a burst added may have left again by its end).
     let burst = |m: &Mount, round: usize| {
+        let callers_done = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
+            let sampler = s.spawn(|| {
+                let mut most = 0;
+                // Bounded: a caller that fails never counts itself done.
+                let give_up = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while callers_done.load(std::sync::atomic::Ordering::Acquire) < 4
+                    && std::time::Instant::now() < give_up
+                {
+                    most = most.max(fuse_workers(m));
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                most.max(fuse_workers(m))
+            });
             for t in 0..4 {
+                let callers_done = &callers_done;
                 let m = &m;
                 s.spawn(move || {
                     for i in 0..100 {
@@ -1087,16 +1116,17 @@ fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
                     std::fs::write(&own, &text).unwrap();
                     assert_eq!(std::fs::read_to_string(&own).unwrap(), text);
                     std::fs::remove_file(&own).unwrap();
+                    callers_done.fetch_add(1, std::sync::atomic::Ordering::Release);
                 });
             }
+            sampler.join().unwrap()
         })
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut peak = 0;
     let mut round = 0;
     while std::time::Instant::now() < deadline && (round < 20 || peak < 2) {
-        burst(&m, round);
-        peak = peak.max(fuse_workers(&m));
+        peak = peak.max(burst(&m, round));
         round += 1;
         std::thread::sleep(std::time::Duration::from_millis(300));
     }
