@@ -53,18 +53,25 @@ pub fn act_as(uid: u32, gid: u32) -> bool {
     })
 }
 
+/// The daemon's own effective uid and gid, asked once: they never change while it runs, and
+/// every object it makes for its own bookkeeping (a copy-up's temporary file, a whiteout)
+/// needs them.
+pub fn daemon_ids() -> (u32, u32) {
+    static DAEMON: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *DAEMON.get_or_init(|| {
+        (
+            rustix::process::geteuid().as_raw(),
+            rustix::process::getegid().as_raw(),
+        )
+    })
+}
+
 /// Makes this thread create files as the daemon itself again. Whiteouts, opaque markers and
 /// objects in the work directory belong to the layer's bookkeeping, not to a caller: without
 /// this they would be owned by whoever this thread last created a file for (kernel overlayfs
 /// makes them with the mounter's credentials). Like `act_as`, it switches only when needed.
 pub fn act_as_daemon() {
-    static DAEMON: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
-    let (uid, gid) = *DAEMON.get_or_init(|| {
-        (
-            rustix::process::geteuid().as_raw(),
-            rustix::process::getegid().as_raw(),
-        )
-    });
+    let (uid, gid) = daemon_ids();
     if FS_IDS.with(|cur| cur.get().is_some_and(|ids| ids != (uid, gid))) {
         act_as(uid, gid);
     }

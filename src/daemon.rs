@@ -333,7 +333,16 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
             let started = resume(overlay, &opts, inherited.fuse, &inherited.init)?;
             (started, Some(channel))
         }
-        None => (start(overlay, &opts, uring, restart.is_ok())?, None),
+        None => match start(overlay, &opts, uring, restart.is_ok())? {
+            Some(started) => (started, None),
+            None => {
+                log::info!(
+                    "'{}' was unmounted before the kernel's first request: nothing to serve",
+                    opts.mountpoint.display()
+                );
+                return Ok(());
+            }
+        },
     };
     // The kernel's INIT request, replayed by every daemon: a holder started later needs it.
     let init = started.session.init_request().to_vec();
@@ -697,20 +706,35 @@ fn fuse_device_problem() -> Option<String> {
 }
 
 /// Mounts and does all that can fail the mount without a thread: what fails here fails the
-/// command with its reason.
-fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool, restartable: bool) -> Result<Started> {
+/// command with its reason. `None`: mounted, then unmounted before the kernel's INIT request
+/// was read (a container that ended at once, a quick `umount`): the end its unmounter asked
+/// for, not a failure of the mount.
+fn start(
+    overlay: Arc<Overlay>,
+    opts: &Options,
+    uring: bool,
+    restartable: bool,
+) -> Result<Option<Started>> {
     let fs = filesystem(&overlay, opts, restartable);
     let under = crate::sys::device_of(&opts.mountpoint);
     let config = fuser_config(opts, uring, restartable);
-    let session =
-        fuser::Session::new(fs, &opts.mountpoint, &config).map_err(
-            |e| match fuse_device_problem() {
+    let session = match fuser::Session::new(fs, &opts.mountpoint, &config) {
+        Ok(session) => session,
+        Err(e)
+            if e.get_ref()
+                .is_some_and(|e| e.is::<fuser::UnmountedDuringHandshake>()) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => {
+            return Err(match fuse_device_problem() {
                 Some(problem) => {
                     crate::message!("cannot mount on '{}': {problem}", opts.mountpoint.display())
                 }
                 None => crate::message!("cannot mount on '{}': {e}", opts.mountpoint.display()),
-            },
-        )?;
+            });
+        }
+    };
     if opts.uring == options::Uring::On && session.transport() != "io_uring" {
         return Err(crate::message!(
             "uring=on: the kernel did not offer io_uring when '{}' was mounted; check '{}'",
@@ -722,7 +746,7 @@ fn start(overlay: Arc<Overlay>, opts: &Options, uring: bool, restartable: bool) 
     // daemon (`device_of`), once it differs from the directory's below the mount. Else
     // (a kernel that asks anyway) the newest mount there in /proc/self/mountinfo.
     let device = crate::sys::device_of(&opts.mountpoint).filter(|d| Some(d) != under.as_ref());
-    Ok(connected(session, overlay, opts, device))
+    Ok(Some(connected(session, overlay, opts, device)))
 }
 
 /// Takes over the connection `fuse` of a live mount whose daemon ended (takeover.rs): the

@@ -65,11 +65,12 @@ impl Creation {
     /// An object of the daemon's own (a whiteout, a temporary in the work dir): its owner is
     /// the daemon, its mode exactly `mode`.
     pub fn daemon(mode: u32) -> Creation {
+        let (uid, gid) = crate::creds::daemon_ids();
         Creation {
             mode,
             umask: 0,
-            uid: rustix::process::geteuid().as_raw(),
-            gid: rustix::process::getegid().as_raw(),
+            uid,
+            gid,
         }
     }
 

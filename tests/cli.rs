@@ -77,6 +77,24 @@ fn version_and_help() {
     );
 }
 
+/// A mount unmounted before its daemon read the kernel's INIT request (a container that ends
+/// at once, or any quick umount: the mount point shows the mount before the daemon has read
+/// anything) ends the daemon cleanly: exit 0 and a line that says so. It used to fail with
+/// "cannot mount on ...: FUSE device disconnected during handshake" (seen in make test).
+#[test]
+fn a_mount_unmounted_before_its_first_request_ends_the_daemon_cleanly() {
+    let mut m = Mount::new(1);
+    m.env
+        .push(("MOSAICFS_TEST_HANDSHAKE_PAUSE_MS".into(), "500".into()));
+    m.mount();
+    let log = m.unmount();
+    assert!(
+        log.contains("unmounted before the kernel's first request"),
+        "{log}"
+    );
+    assert!(!log.contains("cannot mount"), "{log}");
+}
+
 /// What kernel overlayfs refuses at mount, or what would fail every write after it, is refused
 /// before mounting with one line saying what to do.
 #[test]

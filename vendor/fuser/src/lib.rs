@@ -87,7 +87,7 @@ pub use crate::request_param::Request;
 pub use crate::session::BackgroundSession;
 use crate::session::MAX_WRITE_SIZE;
 pub use crate::session::Session;
-pub use crate::session::{BusyRequest, RequestWatch, Stopper};
+pub use crate::session::{BusyRequest, RequestWatch, Stopper, UnmountedDuringHandshake};
 pub use crate::session::SessionACL;
 pub use crate::session::SessionUnmounter;
 

@@ -605,6 +605,14 @@ impl<FS: Filesystem> Session<FS> {
     fn handshake(&mut self) -> io::Result<()> {
         let mut buf = FuseReadBuf::new();
         let buf = buf.as_mut();
+        // mosaicfs patch, for the tests: a pause between the mount and the read of INIT, in
+        // which a test unmounts (`UnmountedDuringHandshake`).
+        if let Some(ms) = std::env::var("MOSAICFS_TEST_HANDSHAKE_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            thread::sleep(std::time::Duration::from_millis(ms));
+        }
 
         loop {
             // Read the init request from the kernel
@@ -613,7 +621,7 @@ impl<FS: Filesystem> Session<FS> {
                 Err(nix::errno::Errno::ENODEV) => {
                     return Err(io::Error::new(
                         io::ErrorKind::NotConnected,
-                        "FUSE device disconnected during handshake",
+                        UnmountedDuringHandshake,
                     ));
                 }
                 Err(err) => return Err(err.into()),
@@ -1716,6 +1724,20 @@ impl Stopper {
         }
     }
 }
+
+/// mosaicfs patch: the error of `Session::new` when the mount was unmounted (or its connection
+/// aborted) after the mount and before the kernel's INIT request was read: nothing was served,
+/// and the mount is gone as whoever unmounted it asked.
+#[derive(Debug)]
+pub struct UnmountedDuringHandshake;
+
+impl std::fmt::Display for UnmountedDuringHandshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FUSE device disconnected during handshake (unmounted before INIT was read)")
+    }
+}
+
+impl std::error::Error for UnmountedDuringHandshake {}
 
 /// The background session data structure
 #[derive(Debug)]
