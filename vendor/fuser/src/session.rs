@@ -927,7 +927,8 @@ const LEAVE_AGAIN: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// mosaicfs patch: what a /dev/fuse worker is doing (`WorkerState::phase`), for `shrink` and
 /// `offer_retirement`: only a worker waiting in its read may be asked to leave, so that the
-/// signal that ends that read never lands in a system call a request makes (a lower layer on a FUSE store answers EINTR).
+/// signal that ends that read never lands in a system call a request makes (a lower layer on
+/// a FUSE store answers EINTR).
 const SERVING: u8 = 0;
 const READING: u8 = 1;
 const LEAVING: u8 = 2;
