@@ -648,7 +648,7 @@ fn fuser_config(opts: &Options, uring: bool, restartable: bool) -> fuser::Config
         fuser::SessionACL::Owner
     };
     cfg.n_threads = Some(opts.threads);
-    // One worker at mount; more as requests find none waiting (an idle mount holds one).
+    // One worker at mount; more while requests wait for one (an idle mount holds one).
     cfg.min_threads = Some(1);
     // While every worker is stuck on one request (a lower layer on a network store that
     // stopped answering), more workers serve the rest of the mount; `threaded=0` keeps one.

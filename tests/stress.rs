@@ -1143,6 +1143,61 @@ fn workers_added_by_demand_leave_when_the_mount_is_quiet() {
     burst(&m, round);
 }
 
+/// A caller that sends one request at a time keeps the pool at one worker (vendored fuser
+/// `GROW_LOAD_PERCENT`): the pool grows when its workers were busy most of the time since the
+/// supervisor's last look, which one caller waiting for each answer never makes them. Each
+/// request then finds the worker that served the last one, warm on its CPU; a lone `tar -x`
+/// over two workers or more ran a fifth slower. The pool once grew whenever a request left
+/// no worker idle and none was back a millisecond later, which a lone caller's next request
+/// often found, and woke its supervisor for every such request. On a loaded machine a
+/// worker that loses its CPU mid-request counts as busy, so the check is that one of a few
+/// runs kept one worker; the old pool grew in every run.
+#[test]
+fn a_lone_caller_keeps_one_worker() {
+    let mut m = Mount::new(1);
+    write(m.lower(0).join("f"), "x");
+    m.env
+        .push(("MOSAICFS_TEST_SHRINK_AFTER_MS".into(), "200".into()));
+    m.mount();
+    if over_io_uring(&m) {
+        return;
+    }
+    let path = m.path("f");
+    let mut most_per_run = Vec::new();
+    for _run in 0..5 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while fuse_workers(&m) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let most = std::thread::scope(|s| {
+            let sampler = s.spawn(|| {
+                let mut most = 0;
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    most = most.max(fuse_workers(&m));
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                most.max(fuse_workers(&m))
+            });
+            // Each request answered by the daemon: xattrs are never cached.
+            for _ in 0..5000 {
+                assert!(xattr_get(&path, "user.none").is_err());
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+            sampler.join().unwrap()
+        });
+        most_per_run.push(most);
+        if most == 1 {
+            break;
+        }
+    }
+    assert!(
+        most_per_run.contains(&1),
+        "one caller at a time, and the pool grew in every run: the most workers of each run \
+         {most_per_run:?}"
+    );
+}
+
 /// Context switches of all the daemon's threads so far (each wake-up of a sleeping thread is
 /// one).
 fn daemon_switches(m: &Mount) -> u64 {

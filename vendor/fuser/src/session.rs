@@ -485,29 +485,30 @@ impl<FS: Filesystem> Session<FS> {
             supervisor = Some(thread::Builder::new()
                 .name("fuser-pool".into())
                 .spawn(move || {
+                    let mut last = (pool.now_ns(), 0);
                     while !pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
-                        // A busy pool is looked at four times per STUCK_AFTER; an idle one not
-                        // until a worker takes a request (`supervisor_wait`): an idle mount
-                        // does not wake at all. A worker that finds no other idle wakes it at
-                        // once (`WorkerPool::demand`).
+                        // A busy pool is looked at every LOOK_EVERY; an idle one not until a
+                        // worker takes a request (`supervisor_wait`): an idle mount does not
+                        // wake at all.
                         pool.supervisor_wait();
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
                         }
-                        // A worker took a request and left none waiting: one more, unless
-                        // that was a short burst over in a moment (a listing at a container's
-                        // start), which would leave every idle mount with a worker it never
-                        // needs again.
-                        if pool.wanted.swap(false, std::sync::atomic::Ordering::AcqRel)
-                            && pool.workers_in(None) < pool.demand()
-                            && pool.still_none_waiting()
-                        {
+                        // One worker more while the workers were busy most of the time since
+                        // the last look. A look long after the last (the supervisor slept
+                        // through a quiet spell, or did not get a CPU) starts anew instead:
+                        // a short burst (a listing at a container's start) adds no worker
+                        // that every idle mount would then keep.
+                        let (over, now) = pool.overloaded(last);
+                        let recent = now.0.saturating_sub(last.0) <= 4 * LOOK_EVERY.as_nanos() as u64;
+                        if over && recent {
                             let spawned = worker(&template, None)
                                 .and_then(|w| pool.spawn(w, &filesystem, allowed, session_owner));
                             if let Err(e) = spawned {
                                 warn!("cannot add a FUSE worker: {e}");
                             }
                         }
+                        last = now;
                         pool.offer_retirement(retire_after);
                         pool.shrink();
                         for &group in &groups {
@@ -915,10 +916,10 @@ pub(crate) const STUCK_AFTER: std::time::Duration = std::time::Duration::from_mi
 /// added beyond `n_threads` leave (`Config::retire_after`).
 const RETIRE_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// mosaicfs patch: how long the pool must have kept more than one worker idle before the
+/// mosaicfs patch: the time over which the pool measures how busy its workers were before
 /// workers added by demand leave (`Config::shrink_after`, `WorkerPool::shrink`). Adding one
-/// again costs a thread's start, some 100 us, and the request that finds none idle waits
-/// `GROW_GRACE` at most for it.
+/// again costs a thread's start, some 100 us, and comes at the supervisor's next look
+/// (`LOOK_EVERY`).
 const SHRINK_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// mosaicfs patch: how soon the supervisor wakes a worker asked to leave again: one asked
@@ -933,9 +934,28 @@ const SERVING: u8 = 0;
 const READING: u8 = 1;
 const LEAVING: u8 = 2;
 
-/// mosaicfs patch: how long the supervisor waits, when a worker took a request and left none
-/// waiting, before it adds one: a burst that is over by then needs none.
-const GROW_GRACE: std::time::Duration = std::time::Duration::from_millis(1);
+/// mosaicfs patch: how often the supervisor looks at a pool while a worker is busy: whether
+/// every worker is stuck, and how busy the /dev/fuse workers were since its last look.
+const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// mosaicfs patch: the pool grows by one /dev/fuse worker when, since the supervisor's last
+/// look, its workers spent at least this share (percent) of their time on requests while
+/// another request waited for a worker (`WorkerPool::waited_ns`). A caller that waits for
+/// each answer before it sends the next never makes a request wait, however busy it keeps
+/// the worker: a sequential workload keeps one worker, warm on its CPU. Callers that queue
+/// behind each other make it near 100 %.
+const GROW_WAIT_PERCENT: u64 = 25;
+
+/// mosaicfs patch: a worker's read that returns within this time found its request already
+/// queued: one that must wait for a request sleeps, and the wake-up alone takes longer (on a
+/// 2-CPU VM, a queued request's read took 3-5 us here, a wake-up 15 us and more).
+const QUEUED_READ_NS: u64 = 10_000;
+
+/// mosaicfs patch: below this share (percent) of the workers' time spent while a request
+/// waited, over `Config::shrink_after`, a worker that every request left idle is not needed
+/// (`WorkerPool::shrink`): requests did not wait for lack of it, and one more comes at the
+/// next look if they do.
+const QUIET_WAIT_PERCENT: u64 = 5;
 
 /// mosaicfs patch: the session's workers, for the supervisor that grows the pool and for
 /// `RequestWatch`.
@@ -946,11 +966,13 @@ pub(crate) struct WorkerPool {
     epoch: std::time::Instant,
     /// Set once a worker has ended: the session is over and no worker may be added.
     ended: std::sync::atomic::AtomicBool,
-    /// Workers over /dev/fuse waiting for a request. One that takes a request and leaves
-    /// none waiting sets `wanted` and wakes the supervisor, which adds a worker while fewer
-    /// than `demand` serve /dev/fuse.
+    /// Workers over /dev/fuse waiting for a request (`offer_retirement`).
     idle: std::sync::atomic::AtomicUsize,
-    wanted: std::sync::atomic::AtomicBool,
+    /// Nanoseconds /dev/fuse workers have spent on requests after which the worker's next
+    /// read found a request queued (`QUEUED_READ_NS`), all told: time in which a request
+    /// waited because every worker was busy. The supervisor adds a worker while fewer than
+    /// `demand` serve /dev/fuse and requests waited `GROW_WAIT_PERCENT` of the time.
+    waited_ns: std::sync::atomic::AtomicU64,
     demand: std::sync::atomic::AtomicUsize,
     supervisor: std::sync::OnceLock<thread::Thread>,
     /// The supervisor is parked with no timeout: no worker was busy when it last looked, so
@@ -976,6 +998,8 @@ pub(crate) struct WorkerPool {
     shrink_since: std::sync::atomic::AtomicU64,
     /// The fewest workers a request left idle when it was taken, since `shrink_since`.
     spare: std::sync::atomic::AtomicUsize,
+    /// `waited_ns` at `shrink_since`.
+    shrink_waited: std::sync::atomic::AtomicU64,
     /// Workers asked to leave (`shrink`) that have not left yet.
     leaving: std::sync::atomic::AtomicUsize,
     /// The biggest WRITE of the connection when workers over /dev/fuse read requests through
@@ -1014,7 +1038,7 @@ impl WorkerPool {
             epoch: std::time::Instant::now(),
             ended: std::sync::atomic::AtomicBool::new(false),
             idle: std::sync::atomic::AtomicUsize::new(0),
-            wanted: std::sync::atomic::AtomicBool::new(false),
+            waited_ns: std::sync::atomic::AtomicU64::new(0),
             demand: std::sync::atomic::AtomicUsize::new(0),
             supervisor: std::sync::OnceLock::new(),
             asleep: std::sync::atomic::AtomicBool::new(false),
@@ -1027,6 +1051,7 @@ impl WorkerPool {
             shrink_after_ns: std::sync::atomic::AtomicU64::new(0),
             shrink_since: std::sync::atomic::AtomicU64::new(0),
             spare: std::sync::atomic::AtomicUsize::new(0),
+            shrink_waited: std::sync::atomic::AtomicU64::new(0),
             leaving: std::sync::atomic::AtomicUsize::new(0),
             max_write: std::sync::atomic::AtomicU32::new(0),
         })
@@ -1034,10 +1059,11 @@ impl WorkerPool {
 
     /// The supervisor's look at workers added by demand: once every request taken through
     /// `shrink_after` left two workers idle or more, as many as were never needed beyond one
-    /// spare leave, down to `floor`. Only a worker waiting in its read is asked (`READING` to
-    /// `LEAVING`) and woken by `STOP_SIGNAL`; one that took a request in between serves it
-    /// with the signal blocked, then leaves. An idle mount holds one worker again, and every
-    /// other worker's stack and request buffer go back with its thread.
+    /// spare leave, down to `floor`; and the spare too when requests hardly waited for a
+    /// worker (`QUIET_WAIT_PERCENT`). Only a worker waiting in its read is asked (`READING`
+    /// to `LEAVING`) and woken by `STOP_SIGNAL`; one that took a request in between serves
+    /// it with the signal blocked, then leaves. An idle mount holds one worker again, and
+    /// every other worker's stack and request buffer go back with its thread.
     fn shrink(&self) {
         use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
         let states = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
@@ -1057,12 +1083,18 @@ impl WorkerPool {
         if since != 0 && now - since < self.shrink_after_ns.load(Relaxed) {
             return;
         }
+        let waited = self.waited_ns.load(Acquire);
         let unneeded = if since == 0 {
             0
         } else {
-            self.spare.load(Acquire).saturating_sub(1).min(beyond)
+            let spare = self.spare.load(Acquire);
+            let waited = (waited - self.shrink_waited.load(Relaxed)) as u128;
+            let window = (now - since) as u128;
+            let quiet = waited * 100 < window * QUIET_WAIT_PERCENT as u128 * dev as u128;
+            (if quiet { spare } else { spare.saturating_sub(1) }).min(beyond)
         };
         self.spare.store(self.idle.load(Acquire), Release);
+        self.shrink_waited.store(waited, Relaxed);
         self.shrink_since.store(now, Relaxed);
         // The newest first: the oldest are the ones the pool started with.
         let asked = states
@@ -1177,17 +1209,53 @@ impl WorkerPool {
         let _ = self.supervisor.set(t);
     }
 
-    /// A /dev/fuse worker took a request: if no other waits, ask for one more.
-    fn took_request(&self) {
-        let before = self.idle.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        self.spare
-            .fetch_min(before.saturating_sub(1), std::sync::atomic::Ordering::AcqRel);
-        if before <= 1 && !self.wanted.load(std::sync::atomic::Ordering::Relaxed) {
-            self.wanted.store(true, std::sync::atomic::Ordering::Release);
-            if let Some(t) = self.supervisor.get() {
-                t.unpark();
-            }
+    /// A /dev/fuse worker took a request `started` (ns since `epoch`); `last` is its previous
+    /// request and when the read of this one began. A read that found the request queued
+    /// (`QUEUED_READ_NS`), from another caller than the last request's, means that request
+    /// waited while the worker served the last: its caller did not wait for that answer.
+    /// (One caller's next request comes after its answer, often before the worker is back in
+    /// its read; it waited for no worker. Requests no caller waits for do not count.)
+    /// Nothing wakes the supervisor here: that would cost every request of a lone caller a
+    /// switch to another thread.
+    fn took_request(
+        &self,
+        started: u64,
+        request: &abi::fuse_in_header,
+        last: Option<(Served, u64)>,
+    ) {
+        use abi::fuse_opcode::*;
+        use std::sync::atomic::Ordering::AcqRel;
+        let before = self.idle.fetch_sub(1, AcqRel);
+        self.spare.fetch_min(before.saturating_sub(1), AcqRel);
+        let Some((last, read_began)) = last else {
+            return;
+        };
+        let unawaited = [FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_RELEASE, FUSE_RELEASEDIR, FUSE_INTERRUPT];
+        let awaited = !unawaited.into_iter().any(|op| op as u32 == request.opcode);
+        let read = started.saturating_sub(read_began);
+        if awaited && request.pid != last.pid && read < QUEUED_READ_NS {
+            self.waited_ns.fetch_add(last.took, AcqRel);
         }
+    }
+
+    /// Nanoseconds since the pool's epoch (at least 1: 0 means "not set" in its fields).
+    fn now_ns(&self) -> u64 {
+        (self.epoch.elapsed().as_nanos() as u64).max(1)
+    }
+
+    /// The supervisor's look at demand: whether requests waited for a worker at least
+    /// `GROW_WAIT_PERCENT` of the workers' time from `last` (a look's time and `waited_ns`)
+    /// to now, while fewer than `demand` serve /dev/fuse; and this look, for the next.
+    fn overloaded(&self, last: (u64, u64)) -> (bool, (u64, u64)) {
+        let now = self.now_ns();
+        let waited = self.waited_ns.load(std::sync::atomic::Ordering::Acquire);
+        let workers = self.workers_in(None);
+        let (then, waited_then) = last;
+        let window = now.saturating_sub(then) as u128;
+        let share = waited.saturating_sub(waited_then) as u128 * 100;
+        let over = workers < self.demand()
+            && share >= window * GROW_WAIT_PERCENT as u128 * workers as u128;
+        (over, (now, waited))
     }
 
     /// A worker has just marked itself busy (SeqCst, as `asleep` is read here): wakes the
@@ -1201,13 +1269,13 @@ impl WorkerPool {
         }
     }
 
-    /// The supervisor's wait: a tick while a worker is busy (to see it stuck), else parked
-    /// until a worker takes a request (`note_busy`), the session ends, or (while workers may
-    /// leave, `shrink`) their next look is due.
+    /// The supervisor's wait: a tick while a worker is busy (to see it stuck, and how busy
+    /// the pool is), else parked until a worker takes a request (`note_busy`), the session
+    /// ends, or (while workers may leave, `shrink`) their next look is due.
     fn supervisor_wait(&self) {
         use std::sync::atomic::Ordering::SeqCst;
         if self.any_busy() {
-            thread::park_timeout(STUCK_AFTER / 4);
+            thread::park_timeout(LOOK_EVERY);
             return;
         }
         // Extra workers to let go: a look now and then until they are gone.
@@ -1228,7 +1296,7 @@ impl WorkerPool {
         // Dekker with `note_busy`: a worker that marked itself busy before this fence is seen
         // below; one that marks itself after it sees `asleep` and unparks.
         std::sync::atomic::fence(SeqCst);
-        if self.any_busy() || self.wanted.load(SeqCst) {
+        if self.any_busy() {
             self.asleep.store(false, SeqCst);
             return;
         }
@@ -1237,23 +1305,6 @@ impl WorkerPool {
             None => thread::park(),
         }
         self.asleep.store(false, SeqCst);
-    }
-
-    /// Whether, a moment after a worker asked for another, still no /dev/fuse worker waits.
-    /// The moment is cut short when the session ends (`session_over` unparks).
-    fn still_none_waiting(&self) -> bool {
-        let deadline = std::time::Instant::now() + GROW_GRACE;
-        loop {
-            if self.ended.load(std::sync::atomic::Ordering::Relaxed) {
-                return false;
-            }
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                break;
-            }
-            thread::park_timeout(deadline - now);
-        }
-        self.idle.load(std::sync::atomic::Ordering::Acquire) == 0
     }
 
     fn request_done(&self) {
@@ -1393,6 +1444,16 @@ impl WorkerPool {
     }
 }
 
+/// mosaicfs patch: a request a /dev/fuse worker served, for the pool
+/// (`WorkerPool::took_request`).
+#[derive(Clone, Copy)]
+struct Served {
+    /// Nanoseconds from its read to its answer.
+    took: u64,
+    /// Its caller's thread.
+    pid: u32,
+}
+
 /// mosaicfs patch: what a worker serves.
 enum WorkerKind {
     /// Requests read from /dev/fuse (or a clone of it).
@@ -1468,25 +1529,36 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     }
 
     /// Dispatches one request, under the busy mark and `catch_unwind` (see `event_loop`).
-    fn serve(&self, req: &RequestWithSender<'_>) {
-        if let Some(pool) = &self.pool {
-            pool.took_request();
-        }
+    /// `last`: this worker's previous request (`Served`) and when the read of this one began
+    /// (ns since the pool's epoch), for the pool; returns this one.
+    fn serve(&self, req: &RequestWithSender<'_>, last: Option<(Served, u64)>) -> Option<Served> {
+        let now = |epoch: &std::time::Instant| (epoch.elapsed().as_nanos() as u64).max(1);
+        let mut started = 0;
         if let Some((busy, epoch)) = &self.busy {
-            let t = (epoch.elapsed().as_nanos() as u64).max(1);
+            started = now(epoch);
             busy.unique.store(req.request.unique().0, std::sync::atomic::Ordering::Relaxed);
-            busy.since.store(t, std::sync::atomic::Ordering::SeqCst);
+            busy.since.store(started, std::sync::atomic::Ordering::SeqCst);
+        }
+        let header = req.request.header();
+        if let Some(pool) = &self.pool {
+            pool.took_request(started, header, last);
         }
         if let Some(watch) = &self.watch {
             watch.note_busy();
         }
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| req.dispatch(self)));
-        if let Some((busy, _)) = &self.busy {
+        let mut served = None;
+        if let Some((busy, epoch)) = &self.busy {
+            served = Some(Served {
+                took: now(epoch) - started,
+                pid: header.pid,
+            });
             busy.since.store(0, std::sync::atomic::Ordering::Release);
         }
         if let Some(pool) = &self.pool {
             pool.request_done();
         }
+        served
     }
 
     /// mosaicfs patch: serves one io_uring entry of queue `qid` (uring.rs).
@@ -1527,7 +1599,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             if destroy {
                 req.reply::<ReplyEmpty>().ok();
             } else {
-                self.serve(&req);
+                self.serve(&req, None);
             }
             drop(req);
             slot.take(|reply| match reply {
@@ -1546,6 +1618,9 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut read_buf = FuseReadBuf::new();
         let pipe = self.piped_write.and_then(request_pipe);
+        // mosaicfs patch: how long this worker's last request took, for the pool
+        // (`WorkerPool::took_request`).
+        let mut last = None;
         loop {
             // mosaicfs patch: pages a big batch of FORGETs filled are given back after it.
             let mut served = (0, false);
@@ -1565,6 +1640,8 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 })
             };
             let mut leave_after = false;
+            // mosaicfs patch: when this read began, for the pool (`WorkerPool::took_request`).
+            let read_began = self.busy.as_ref().map(|(_, epoch)| epoch.elapsed().as_nanos() as u64);
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             let received = self.ch.receive_unless(pipe.as_ref(), buf, asked);
@@ -1590,7 +1667,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                                 req.request.operation(),
                                 Ok(Operation::Forget(_)) | Ok(Operation::BatchForget(_))
                             );
-                            self.serve(&req);
+                            last = self.serve(&req, last.zip(read_began));
                             served = (size, forget);
                             if forget {
                                 if self.is_side_reader() {
