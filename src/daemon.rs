@@ -311,10 +311,18 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         ));
     }
     let mut config = Config::from_options(&opts);
-    if restart == Ok(crate::takeover::Survival::Always) && !opts.caw_given {
-        // Pending copy-after-write blocks live in the daemon: a write that returned would die
-        // with it. A partial block is filled before its write returns instead. (A daemon that
-        // hands over fills them as it ends.)
+    let mut inherited = inherited;
+    config.pending_arena = inherited
+        .as_mut()
+        .and_then(|i| i.arena.take())
+        .map(Arc::new);
+    if inherited.is_some()
+        && config.pending_arena.is_none()
+        && restart == Ok(crate::takeover::Survival::Always)
+    {
+        // A holder that keeps no pending blocks (its binary is older than this one's): a
+        // write that returned would die with this daemon. A partial block is filled before its
+        // write returns instead.
         config.caw_memory = None;
     }
     let overlay = Overlay::new(layers, config)?;
@@ -393,6 +401,7 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                     // This process becomes the mount's holder; the daemon goes on in a child.
                     let w = crate::takeover::split_off_holder(
                         std::os::fd::AsFd::as_fd(&started.session),
+                        started.overlay.pending_arena(),
                         &init,
                         &started_as.0,
                         &started_as.1,
@@ -448,6 +457,10 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                 channel.clone(),
                 crate::takeover::HolderSpec {
                     fuse,
+                    arena: started
+                        .overlay
+                        .pending_arena()
+                        .and_then(|a| a.try_clone_to_owned().ok()),
                     takeovers,
                     init,
                     binary: started_as.0.clone(),
@@ -875,6 +888,8 @@ fn serve(
         crate::logging::to_background(log_file);
         detach_stdio();
     }
+    // Before any request is served, resent ones included; once the log goes where it is read.
+    overlay.replay_pending();
     let result = session.run();
     log::debug!("session ended");
     // Pending blocks reach the disk on every way out, not only through FUSE's destroy.

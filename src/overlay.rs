@@ -92,6 +92,9 @@ pub struct Config {
     pub caw_workers: usize,
     /// Defer blocks whose lower data is in the page cache too (`copy_after_write=always`).
     pub caw_always: bool,
+    /// The memfd of pending blocks an earlier daemon of this mount left (file/partial/arena.rs,
+    /// kept by the holder): written by `replay_pending`, then used by this daemon.
+    pub pending_arena: Option<Arc<OwnedFd>>,
     /// Which files FUSE passthrough serves (see file/mod.rs, IoMode).
     pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
@@ -130,6 +133,7 @@ impl Config {
             caw_memory: o.caw_memory,
             caw_workers: o.caw_workers,
             caw_always: o.caw_always,
+            pending_arena: None,
             reflink: o.reflink,
             partial_passthrough: o.partial_passthrough,
             writeback: o.writeback,
@@ -162,6 +166,8 @@ pub struct Overlay {
     completer: crate::file::complete::Completer,
     /// Copy-after-write's shared state; `None` when it is off.
     caw: Option<Arc<crate::file::partial::caw::CawShared>>,
+    /// Where pending blocks live (file/partial/arena.rs); the holder keeps it too.
+    arena: Option<Arc<crate::file::partial::arena::Arena>>,
     /// The control socket (control.rs): shut down and removed at shutdown.
     control_socket: std::sync::Mutex<Option<ControlSocket>>,
     /// Moves of upper directories (renames, removals), which change the upper paths of
@@ -336,12 +342,13 @@ impl Overlay {
             .map(|i| std::sync::atomic::AtomicBool::new(clones && i as LayerId != UPPER))
             .collect();
         let precontent = Self::open_precontent(&layers, &config)?;
-        let caw = config
-            .caw_memory
-            .filter(|_| layers.work.is_some())
-            .map(|limit| {
+        let arena = Self::open_arena(&config, sparse.block as usize);
+        let caw = arena
+            .as_ref()
+            .filter(|_| config.caw_memory.is_some() && layers.work.is_some())
+            .map(|arena| {
                 Arc::new(crate::file::partial::caw::CawShared::new(
-                    limit,
+                    arena.clone(),
                     config.caw_always,
                 ))
             });
@@ -375,6 +382,7 @@ impl Overlay {
             stats: Box::default(),
             completer: Default::default(),
             caw,
+            arena,
             control_socket: Default::default(),
             moves: ChangeSeq::default(),
             names_moved: Default::default(),
@@ -426,6 +434,38 @@ impl Overlay {
     /// The queue of partial files waiting for completion.
     pub fn completer(&self) -> &crate::file::complete::Completer {
         &self.completer
+    }
+
+    /// The memfd of copy-after-write's pending blocks, for the mount's holder to keep.
+    pub fn pending_arena(&self) -> Option<BorrowedFd<'_>> {
+        self.arena.as_ref().map(|a| a.fd())
+    }
+
+    /// Copy-after-write's arena: the one an earlier daemon of this mount left
+    /// (`Config::pending_arena`, written by `replay_pending` first), else a new one where
+    /// copy-after-write is on. `None` where no memfd can be had: partial blocks are then filled
+    /// before their writes return.
+    fn open_arena(
+        config: &Config,
+        block: usize,
+    ) -> Option<Arc<crate::file::partial::arena::Arena>> {
+        use crate::file::partial::arena::Arena;
+        let limit = config.caw_memory.unwrap_or(0);
+        let made = match &config.pending_arena {
+            Some(fd) => fd.try_clone().and_then(|fd| Arena::adopt(fd, limit, block)),
+            None if limit > 0 => Arena::create(limit, block),
+            None => return None,
+        };
+        match made {
+            Ok(arena) => Some(Arc::new(arena)),
+            Err(e) => {
+                log::warn!(
+                    "cannot map the shared memory of copy-after-write's pending blocks ({e}): \
+                     partial blocks are filled before their writes return"
+                );
+                None
+            }
+        }
     }
 
     /// The bytes copy-after-write still has to fill; `None` when it is off.

@@ -117,19 +117,8 @@ impl Ledger {
             }
             rustix::fs::fdatasync(&file)?;
         }
-        // SAFETY: a fresh shared mapping of the file, of its size; reached only through the
-        // atomics below.
-        let map = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                SIZE,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                &file,
-                0,
-            )?
-        };
-        let words = map as *const AtomicU64;
+        // Reached only through the atomics below.
+        let words = crate::sys::map_shared(file.as_fd(), SIZE)? as *const AtomicU64;
         let mut before: HashMap<u64, Inherited> = HashMap::new();
         for i in 0..WORDS {
             // SAFETY: `i` and its notes are inside the mapping; AtomicU64 has u64's layout, and

@@ -22,6 +22,8 @@
 //!   request carries (`Overlay::adopt_handle`). Everything a handle stands for is on disk:
 //!   the upper file, its partial-file mark and present blocks;
 //! - listing offsets: cookies made from names (readdir.rs), the same in every daemon;
+//! - copy-after-write's pending blocks: in a memfd the holder keeps too (file/partial/arena.rs),
+//!   written into their files before the new daemon serves (`Overlay::replay_pending`);
 //!
 //! A request in flight when the old daemon died is served again from the start. Reads and
 //! writes at an offset are the same again, and an append goes where the kernel put it the
@@ -42,10 +44,8 @@
 //! Where it is not done: `-f` (the daemon is whoever supervises it), io_uring (a queue's
 //! entries belong to the ring of the daemon that made them), a memory upper that dies (its
 //! tree lives in the daemon until an fsync: only a daemon that hands over is followed, see
-//! `Survival`), pre-content events (their group is the daemon's), copy-after-
-//! write given as an option (its pending blocks live in the daemon: without the option a
-//! mount that survives its daemon turns it off), and a mount without a work dir whose files
-//! pass through (no place for the records). `restart=` and docs/ROBUSTNESS.md.
+//! `Survival`), pre-content events (their group is the daemon's), and a mount without a work
+//! dir whose files pass through (no place for the records). `restart=` and docs/ROBUSTNESS.md.
 //!
 //! A holder that ends is replaced by the daemon (`keep_a_holder`): the new one waits for the
 //! daemon by its pid, since it is not its parent, and starts the next daemon as before.
@@ -68,6 +68,9 @@ use crate::options::{FilestorePlace, Options, PassthroughPolicy, Switch, UpperKi
 pub const HOLDER_COMMAND: &str = "__holder";
 /// What the holder hands a daemon it starts (hex fields, see `Inherited`).
 const TAKEOVER_ENV: &str = "MOSAICFS_TAKEOVER";
+/// The descriptor of the pending blocks' memfd the holder hands a daemon, if any
+/// (file/partial/arena.rs).
+const TAKEOVER_ARENA_ENV: &str = "MOSAICFS_TAKEOVER_ARENA";
 /// What a holder starts from (hex fields, see `holder_main`).
 const HOLDER_ENV: &str = "MOSAICFS_HOLDER";
 /// This many daemons in a row that exit with an error before `GOOD_AFTER` and the holder gives
@@ -111,8 +114,6 @@ pub fn plan(opts: &Options, uring: bool) -> std::result::Result<Survival, String
         "upper=memory with filestore=memory: the layer lives only in its daemon"
     } else if opts.partial_passthrough != Switch::Off {
         "partial_passthrough: pre-content events belong to the daemon's group"
-    } else if opts.caw_given && opts.caw_memory.is_some() {
-        "copy_after_write: pending blocks live in the daemon until they are filled"
     } else if opts.upper_kind == UpperKind::Memory {
         // A daemon that hands over writes the tree's last changes to the journal first
         // (overlay.rs, at the end of serving), and the next one reads them back; one that
@@ -139,6 +140,9 @@ pub struct Inherited {
     pub channel: OwnedFd,
     pub takeovers: u32,
     pub init: Vec<u8>,
+    /// The memfd of copy-after-write's pending blocks (file/partial/arena.rs); `None` from a
+    /// holder that keeps none (a binary before 2026-12-01, or a mount without one).
+    pub arena: Option<OwnedFd>,
 }
 
 impl Inherited {
@@ -155,6 +159,10 @@ impl Inherited {
         let [fuse, channel, takeovers, init] = fields.as_slice() else {
             return Err(bad());
         };
+        // Its own variable, which a binary from before it ignores (a downgrade still starts).
+        let arena = std::env::var_os(TAKEOVER_ARENA_ENV);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var(TAKEOVER_ARENA_ENV) };
         let number = |f: &OsString| f.to_str().and_then(|s| s.parse::<i32>().ok());
         let fd = |f: &OsString| number(f).and_then(crate::sys::inherited_fd);
         let (Some(fuse), Some(channel), Some(takeovers)) =
@@ -162,7 +170,11 @@ impl Inherited {
         else {
             return Err(bad());
         };
-        for fd in [&fuse, &channel] {
+        let arena = arena.as_ref().and_then(fd);
+        for fd in [Some(&fuse), Some(&channel), arena.as_ref()]
+            .into_iter()
+            .flatten()
+        {
             let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
         }
         Ok(Some(Inherited {
@@ -170,6 +182,7 @@ impl Inherited {
             channel,
             takeovers: takeovers as u32,
             init: init.as_bytes().to_vec(),
+            arena,
         }))
     }
 }
@@ -238,6 +251,7 @@ impl Channel {
 /// started, for the next one.
 pub fn split_off_holder(
     fuse: BorrowedFd<'_>,
+    arena: Option<BorrowedFd<'_>>,
     init: &[u8],
     binary: &Path,
     args: &[OsString],
@@ -253,19 +267,22 @@ pub fn split_off_holder(
     // else the daemon had open (the layers, the work dir's lock, the control socket).
     let fuse = keep_across_exec(fuse);
     let channel = keep_across_exec(r.as_fd());
+    let arena = arena.map(keep_across_exec);
     use std::os::unix::process::CommandExt;
-    let err = holder_command(fuse, channel, daemon, 0, binary, init, args).exec();
+    let err = holder_command(fuse, channel, arena, daemon, 0, binary, init, args).exec();
     // The daemon serves on; it just will not be restarted.
     log::error!("cannot start the mount's holder: {err}; the mount ends with its daemon");
     std::process::exit(0);
 }
 
-/// How a holder is started: the connection's and the pipe's descriptor numbers (open across
-/// the exec), the daemon it waits for and how many served before it, and how to start the
-/// next one.
+/// How a holder is started: the connection's, the pipe's and the pending blocks' descriptor
+/// numbers (open across the exec), the daemon it waits for and how many served before it, and
+/// how to start the next one.
+#[allow(clippy::too_many_arguments)]
 fn holder_command(
     fuse: i32,
     channel: i32,
+    arena: Option<i32>,
     daemon: i32,
     takeovers: u32,
     binary: &Path,
@@ -279,6 +296,7 @@ fn holder_command(
         binary.as_os_str().to_owned(),
         OsString::from_vec(init.to_vec()),
         takeovers.to_string().into(),
+        arena.map_or(OsString::new(), |fd| fd.to_string().into()),
     ];
     fields.extend(args.iter().cloned());
     use std::os::unix::process::CommandExt;
@@ -296,6 +314,8 @@ fn holder_command(
 /// What a daemon needs to start a holder of its own.
 pub struct HolderSpec {
     pub fuse: OwnedFd,
+    /// The memfd of copy-after-write's pending blocks, if the mount has one.
+    pub arena: Option<OwnedFd>,
     /// Daemons before this one.
     pub takeovers: u32,
     pub init: Vec<u8>,
@@ -366,9 +386,11 @@ fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
     let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     let fuse = keep_across_exec(spec.fuse.as_fd());
     let read = keep_across_exec(r.as_fd());
+    let arena = spec.arena.as_ref().map(|a| keep_across_exec(a.as_fd()));
     let mut command = holder_command(
         fuse,
         read,
+        arena,
         std::process::id() as i32,
         spec.takeovers,
         &spec.binary,
@@ -387,8 +409,9 @@ fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
     let child = command.spawn();
     // SAFETY: the copies made for the child, which has them now (or failed to start).
     unsafe {
-        libc::close(fuse);
-        libc::close(read);
+        for fd in [Some(fuse), Some(read), arena].into_iter().flatten() {
+            libc::close(fd);
+        }
     }
     Ok((child?.id() as i32, w))
 }
@@ -422,9 +445,15 @@ pub fn holder_main() -> i32 {
         eprintln!("mosaicfs: {HOLDER_COMMAND} is started by a mount, not by hand");
         return 2;
     };
-    let args: Vec<OsString> = fields[6..].to_vec();
-    crate::sys::close_other_fds(&[fuse.as_raw_fd(), channel.as_raw_fd()]);
-    for fd in [&fuse, &channel] {
+    let arena = number(6).and_then(crate::sys::inherited_fd);
+    let args: Vec<OsString> = fields.get(7..).map(<[_]>::to_vec).unwrap_or_default();
+    let mut keep = vec![fuse.as_raw_fd(), channel.as_raw_fd()];
+    keep.extend(arena.as_ref().map(|a| a.as_raw_fd()));
+    crate::sys::close_other_fds(&keep);
+    for fd in [Some(&fuse), Some(&channel), arena.as_ref()]
+        .into_iter()
+        .flatten()
+    {
         let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
     }
     set_name(c"mosaicfs-holder");
@@ -437,6 +466,7 @@ pub fn holder_main() -> i32 {
     forward_stop_signals();
     Holder {
         fuse,
+        arena,
         init,
         args,
         binary: binary.clone(),
@@ -449,6 +479,9 @@ pub fn holder_main() -> i32 {
 
 struct Holder {
     fuse: OwnedFd,
+    /// The memfd of copy-after-write's pending blocks (file/partial/arena.rs): what a daemon
+    /// killed before it filled them leaves to the next one.
+    arena: Option<OwnedFd>,
     init: Vec<u8>,
     args: Vec<OsString>,
     /// The binary the next daemon runs.
@@ -558,13 +591,18 @@ impl Holder {
         let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
         let fuse = keep_across_exec(self.fuse.as_fd());
         let write = keep_across_exec(w.as_fd());
+        let arena = self.arena.as_ref().map(|a| keep_across_exec(a.as_fd()));
         let fields: Vec<OsString> = vec![
             fuse.to_string().into(),
             write.to_string().into(),
             self.takeovers.to_string().into(),
             OsString::from_vec(self.init.clone()),
         ];
-        let child = std::process::Command::new(&self.binary)
+        let mut command = std::process::Command::new(&self.binary);
+        if let Some(fd) = arena {
+            command.env(TAKEOVER_ARENA_ENV, fd.to_string());
+        }
+        let child = command
             .args(&self.args)
             .env(TAKEOVER_ENV, encode(&fields))
             .stdin(std::process::Stdio::null())
@@ -573,8 +611,9 @@ impl Holder {
             .spawn();
         // SAFETY: the copies made for the child, which has them now (or failed to start).
         unsafe {
-            libc::close(fuse);
-            libc::close(write);
+            for fd in [Some(fuse), Some(write), arena].into_iter().flatten() {
+                libc::close(fd);
+            }
         }
         let child = child?;
         Ok((child.id() as i32, r))

@@ -305,6 +305,95 @@ fn a_killed_daemon_is_replaced_and_its_processes_see_no_error() {
     assert_eq!(names_of(&m.path("")), ["dir", "image", "new"]);
 }
 
+/// Copy-after-write's pending blocks outlive a daemon killed before it filled them: the bytes
+/// of writes that returned sit in memory the holder keeps too (file/partial/arena.rs), and the
+/// next daemon writes them into the file before it serves. Without that, they die with the
+/// daemon and their blocks read the lower file again.
+#[test]
+fn blocks_left_pending_by_a_killed_daemon_are_written_by_the_next() {
+    let m = Background::mount(
+        lower_tree,
+        "restart=on,copy_after_write=always,caw_workers=0,complete_after=0",
+        &[],
+    );
+    let mut want = pattern(3 << 20, 7);
+    let offsets = [5usize, 3 * 4096 + 100, (1 << 20) + 17, (3 << 20) - 3];
+    for (i, &off) in offsets.iter().enumerate() {
+        want[off..off + 2].copy_from_slice(format!("w{i}").as_bytes());
+    }
+    // The writer is a process that starts none: a process started while it holds the file
+    // would close its copy at the exec, and that close (FLUSH) fills pending blocks.
+    let script = format!(
+        "import os, sys\n\
+         fd = os.open('{}', os.O_RDWR)\n\
+         for i, off in enumerate({offsets:?}):\n    os.pwrite(fd, b'w%d' % i, off)\n\
+         print('written', flush=True)\n\
+         sys.stdin.readline()\n\
+         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n\
+         sys.stdout.buffer.write(os.pread(fd, {}, 0))\n\
+         os.fsync(fd)\n",
+        m.path("image").display(),
+        want.len()
+    );
+    let mut writer = {
+        let _forking = forking();
+        Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut out = writer.stdout.take().unwrap();
+    let mut line = [0u8; 8];
+    out.read_exact(&mut line).unwrap();
+    assert_eq!(&line, b"written\n");
+    assert!(
+        m.status().contains("copy-after-write pending: 16384 bytes"),
+        "the four writes are not pending: {}",
+        m.status()
+    );
+
+    m.kill_daemon();
+    assert!(
+        m.status().contains("copy-after-write pending: 0 bytes"),
+        "{}",
+        m.status()
+    );
+    // The next daemon writes them before it serves (its status answers a moment before).
+    let start = Instant::now();
+    while !fs::read_to_string(&m.log)
+        .unwrap_or_default()
+        .contains("writing 4 copy-after-write blocks the daemon before left pending")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the next daemon wrote no left block: {}",
+            fs::read_to_string(&m.log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writer.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut got = Vec::new();
+    out.read_to_end(&mut got).unwrap();
+    assert!(writer.wait().unwrap().success());
+    assert!(
+        got == want,
+        "a write that returned before the kill was lost"
+    );
+    // Each block is in the upper file whole: the written bytes over the lower file's.
+    let upper = fs::read(m.dir.path().join("u/image")).unwrap();
+    for off in offsets {
+        let b = off / 4096 * 4096;
+        assert!(
+            upper[b..b + 4096] == want[b..b + 4096],
+            "block at {b} in the upper file"
+        );
+    }
+    assert_eq!(fs::read(m.path("image")).unwrap(), want);
+}
+
 fn names_of(dir: &Path) -> Vec<String> {
     let mut n: Vec<String> = fs::read_dir(dir)
         .unwrap()

@@ -24,7 +24,7 @@ pub enum FileData {
     /// trip each (bench/stores.sh), more than the read they would serve.
     Unopened(LayerId, std::path::PathBuf),
     /// Some blocks in the upper file, the rest still read from the lower file (partial/).
-    Partial(PartialFile),
+    Partial(Box<PartialFile>),
     /// A complete upper file.
     Upper(UpperFile),
 }

@@ -623,6 +623,16 @@ impl OpenFile {
         }
     }
 
+    /// Writes the bytes a daemon before this one left pending in block `left.block`
+    /// (file/partial/arena.rs). A file that is no longer partial was completed, and completion
+    /// filled its pending blocks first.
+    pub fn write_left(&self, left: &crate::file::partial::arena::LeftBlock) -> Result<()> {
+        match &mut *self.write_data() {
+            FileData::Partial(p) => p.write_left(left),
+            _ => Ok(()),
+        }
+    }
+
     /// Copy-after-write worker step: fills block `blk` if it is still pending.
     pub fn fill_pending(&self, blk: u64) -> Result<bool> {
         let mut data = self.write_data();

@@ -211,12 +211,9 @@ pub struct Options {
     /// Whether the mount survives its daemon (`restart=auto|on|off`, takeover.rs): a holder
     /// process keeps the FUSE connection and starts a new daemon on it when the serving one
     /// ends. `auto` (default) where it can be done: in the background, over /dev/fuse, on a
-    /// disk upper, without copy-after-write or pre-content events; `on` refuses a mount where
+    /// disk upper, without pre-content events; `on` refuses a mount where
     /// it cannot; `off` never.
     pub restart: Switch,
-    /// `copy_after_write=` or `caw_memory=` was given (a restartable mount turns
-    /// copy-after-write off unless asked for it: its pending blocks live in the daemon).
-    pub caw_given: bool,
     /// Whether requests come over io_uring (`uring=on|auto|off`; daemon.rs `use_uring`).
     pub uring: Uring,
     /// Where the writable layer lives (`upper=disk|memory`).
@@ -304,7 +301,6 @@ impl Default for Options {
             partial_passthrough: Switch::Off,
             writeback: Switch::Off,
             restart: Switch::Auto,
-            caw_given: false,
             read_ahead_kb: 4096,
             metrics: None,
             log_file: None,

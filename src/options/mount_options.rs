@@ -174,7 +174,6 @@ impl Options {
             "fsname" => self.fsname = need(value)?,
             "remount" => self.remount = true,
             "copy_after_write" => {
-                self.caw_given = true;
                 self.caw_always = value == Some("always");
                 let on = self.caw_always
                     || parse_bool(name, value).map_err(|_| {
@@ -191,7 +190,6 @@ impl Options {
                 }
             }
             "caw_memory" => {
-                self.caw_given = true;
                 // A size like every other (64M, 1G); a bare number is MiB, as it always was.
                 let bare = value.is_some_and(|v| v.bytes().all(|b| b.is_ascii_digit()));
                 let bytes = if bare {

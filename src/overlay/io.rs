@@ -849,6 +849,40 @@ impl Overlay {
 }
 
 impl Overlay {
+    /// Writes the copy-after-write blocks an earlier daemon of this mount left pending
+    /// (file/partial/arena.rs) into their files, each as a synchronous write, before this
+    /// daemon serves a request. A block is let go only once written, so a daemon killed in
+    /// the middle leaves the rest to the next one.
+    pub fn replay_pending(&self) {
+        let Some(arena) = &self.arena else { return };
+        if self.takeovers() > 0 {
+            let left = arena.left();
+            if !left.is_empty() {
+                log::info!(
+                    "writing {} copy-after-write blocks the daemon before left pending",
+                    left.len()
+                );
+            }
+            for left in left {
+                let written = self.node(left.owner.number).and_then(|node| {
+                    let file = self.open_file_as(&node, true)?;
+                    file.write_left(&left)
+                });
+                match written {
+                    Ok(()) => self.stats.blocks_filled.add(1),
+                    Err(e) => log::error!(
+                        "bytes written into block {} of inode {} before the daemon ended \
+                         cannot be written into the file ({e}): they are lost",
+                        left.block,
+                        left.owner.number
+                    ),
+                }
+                arena.forget_left(left.slot);
+            }
+        }
+        arena.replayed();
+    }
+
     /// Starts the copy-after-write workers (`caw_workers=0`: blocks are filled only when
     /// something needs them, at fsync, truncate, completion or close).
     pub(super) fn start_caw_workers(self: &Arc<Self>) {

@@ -83,12 +83,12 @@ impl Overlay {
                     return Err(Error::with_context(libc::EIO, msg));
                 }
                 let lower = self.open_partial_lower(UPPER, &mark, &path)?;
-                Ok(FileData::Partial(self.partial_file(
+                Ok(FileData::Partial(Box::new(self.partial_file(
                     file,
                     lower,
                     mark,
-                    self.caw.clone(),
-                )?))
+                    self.caw.clone().map(|caw| (caw, node.ino)),
+                )?)))
             }
         }
     }
@@ -183,9 +183,12 @@ impl Overlay {
         file: UpperFile,
         lower: Source,
         mark: PartialMark,
-        caw: Option<Arc<crate::file::partial::caw::CawShared>>,
+        caw: Option<(Arc<crate::file::partial::caw::CawShared>, u64)>,
     ) -> Result<PartialFile> {
         let attr = file.stat()?;
+        // `caw`: copy-after-write's state, and the number of the object (by_number.rs) whose
+        // pending blocks they are.
+        let (caw, number) = caw.unzip();
         // The file's holes mean something at the grain it was written in (v1: this mount's).
         let block = mark.block.unwrap_or(self.sparse.block);
         let mark = PartialMark {
@@ -203,6 +206,10 @@ impl Overlay {
             last_write: Instant::now(),
             pending: Default::default(),
             caw,
+            owner: crate::file::partial::arena::Owner {
+                number: number.unwrap_or(0),
+                upper_ino: attr.ino,
+            },
             disk_size: attr.size,
             by_events: None,
         })

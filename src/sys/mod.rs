@@ -200,6 +200,24 @@ pub fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> Result<Option<Attr>> {
     }
 }
 
+/// A shared read-write mapping of the first `len` bytes of `file` (the file is at least that
+/// long): what a process stores there is in the file as soon as it is stored, so that a
+/// process killed next leaves it to whoever maps the file after it. The caller unmaps it.
+pub fn map_shared(file: BorrowedFd<'_>, len: usize) -> std::io::Result<*mut u8> {
+    // SAFETY: a fresh mapping at an address the kernel picks, overlapping nothing of Rust's.
+    let map = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::SHARED,
+            file,
+            0,
+        )?
+    };
+    Ok(map.cast())
+}
+
 pub fn fstat(fd: BorrowedFd<'_>) -> Result<Attr> {
     let sx = rustix::fs::statx(fd, "", AtFlags::EMPTY_PATH, STAT_MASK)?;
     Ok(sx.into())

@@ -258,7 +258,7 @@ impl Mount {
     }
 
     /// Where a daemon in the background logs.
-    fn background_log(&self) -> PathBuf {
+    pub fn background_log(&self) -> PathBuf {
         self.dir.path().join("daemon.log")
     }
 

@@ -7,9 +7,11 @@
 //! pending bytes on what they read (merge on the fly), and fsync, truncate, fallocate,
 //! completion and the last close fill the file's pending blocks first.
 //!
-//! Nothing half-filled ever reaches disk, so the partial-file invariant holds and there is no
-//! log to replay: a daemon crash loses only writes not yet fsynced, the page cache's contract.
-//! Pending memory is bounded (`caw_memory=`); past the bound a writer fills synchronously.
+//! Nothing half-filled ever reaches disk, so the partial-file invariant holds. The pending bytes
+//! live in shared memory the mount's holder keeps too (arena.rs): a daemon killed before it
+//! filled a block leaves it to the next daemon, which writes it before it serves, so a write
+//! that returned is never lost with the daemon. Pending memory is bounded (`caw_memory=`, the
+//! arena's size); past the bound a writer fills synchronously.
 //!
 //! Only a block whose lower data is not in the page cache is deferred (file/partial/mod.rs
 //! `write`; `copy_after_write=always` defers every one): filling a cached block costs a 4 KiB
@@ -20,9 +22,11 @@
 //! they are written.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
+
+use super::arena::{Arena, Owner};
 
 /// What a worker fills: an open file with pending blocks (file/mod.rs' `OpenFile`), seen only
 /// through this, so that the queue sits below the open-file state that holds pending blocks.
@@ -35,88 +39,68 @@ pub trait FillPending: Send + Sync {
 
 type Job = (Weak<dyn FillPending>, u64);
 
-/// The bytes written so far into one block that is not yet in the upper file.
+/// The bytes written so far into one block that is not yet in the upper file: a slot of the
+/// mount's arena (arena.rs), given back when this drops — after the block was written.
 pub struct PendingBlock {
-    data: Box<[u8]>,
-    /// One bit per byte of `data`: set where a write put the byte.
-    written: Box<[u64]>,
+    arena: Arc<Arena>,
+    slot: usize,
 }
 
 impl PendingBlock {
-    pub fn new(block: usize) -> Self {
-        PendingBlock {
-            data: vec![0u8; block].into_boxed_slice(),
-            written: vec![0u64; block.div_ceil(64)].into_boxed_slice(),
-        }
-    }
-
     /// Puts `bytes` at offset `at` of the block.
     pub fn put(&mut self, at: usize, bytes: &[u8]) {
-        self.data[at..at + bytes.len()].copy_from_slice(bytes);
-        for i in at..at + bytes.len() {
-            self.written[i / 64] |= 1 << (i % 64);
-        }
+        self.arena.put(self.slot, at, bytes);
     }
 
     /// Copies the written bytes of block range `from..from + dst.len()` over `dst`.
     pub fn overlay(&self, from: usize, dst: &mut [u8]) {
-        for (k, byte) in dst.iter_mut().enumerate() {
-            let i = from + k;
-            if self.written[i / 64] & (1 << (i % 64)) != 0 {
-                *byte = self.data[i];
-            }
-        }
+        self.arena.overlay(self.slot, from, dst);
     }
 }
 
-/// What the pending blocks of the whole mount share: the memory bound and the work queue.
+impl Drop for PendingBlock {
+    fn drop(&mut self) {
+        self.arena.free(self.slot);
+    }
+}
+
+/// What the pending blocks of the whole mount share: their arena, which bounds their memory,
+/// and the work queue.
 pub struct CawShared {
     /// Defer a block whose lower data is in the page cache too (`copy_after_write=always`).
     pub always: bool,
-    pending_bytes: AtomicUsize,
-    limit: usize,
+    arena: Arc<Arena>,
     queue: Mutex<VecDeque<Job>>,
     wake: Condvar,
     stop: AtomicBool,
 }
 
 impl CawShared {
-    pub fn new(limit: usize, always: bool) -> Self {
+    pub fn new(arena: Arc<Arena>, always: bool) -> Self {
         CawShared {
             always,
-            pending_bytes: AtomicUsize::new(0),
-            limit,
+            arena,
             queue: Mutex::new(VecDeque::new()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
         }
     }
 
-    /// Takes `n` bytes of pending memory, or says no when the bound is reached.
-    pub fn reserve(&self, n: usize) -> bool {
-        let mut cur = self.pending_bytes.load(Ordering::Relaxed);
-        loop {
-            if cur + n > self.limit {
-                return false;
-            }
-            match self.pending_bytes.compare_exchange_weak(
-                cur,
-                cur + n,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => cur = now,
-            }
+    /// A pending block for block `block` (of `size` bytes) of `owner`'s file, or no when the
+    /// bound is reached (or the file's blocks are not the arena's).
+    pub fn take(&self, owner: Owner, block: u64, size: u64) -> Option<PendingBlock> {
+        if size != self.arena.block() as u64 {
+            return None;
         }
-    }
-
-    pub fn release(&self, n: usize) {
-        self.pending_bytes.fetch_sub(n, Ordering::Relaxed);
+        let slot = self.arena.take(owner, block)?;
+        Some(PendingBlock {
+            arena: self.arena.clone(),
+            slot,
+        })
     }
 
     pub fn pending_bytes(&self) -> usize {
-        self.pending_bytes.load(Ordering::Relaxed)
+        self.arena.pending_bytes()
     }
 
     /// Queues blocks of `file` for the workers.
@@ -148,11 +132,17 @@ impl CawShared {
             if let Some(job) = q.pop_front() {
                 return Some(job);
             }
-            q = self
+            let (guard, waited) = self
                 .wake
                 .wait_timeout(q, Duration::from_millis(200))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+                .unwrap_or_else(|e| e.into_inner());
+            q = guard;
+            if waited.timed_out() {
+                // Not under the queue's lock: the arena's is taken alone.
+                drop(q);
+                self.arena.give_back_if_idle();
+                q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            }
         }
     }
 }

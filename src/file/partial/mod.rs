@@ -2,6 +2,7 @@
 //! invariant (file/partial/mark.rs), truncation, preallocation, SEEK_DATA/SEEK_HOLE, and the
 //! filling of blocks from the lower file.
 
+pub mod arena;
 pub mod caw;
 pub mod mark;
 pub mod precontent;
@@ -131,6 +132,8 @@ pub struct PartialFile {
     pub pending: BTreeMap<u64, PendingBlock>,
     /// Copy-after-write's shared state, or `None` when writes fill synchronously.
     pub caw: Option<Arc<CawShared>>,
+    /// Whose pending blocks these are, for a daemon that finds them left (arena.rs).
+    pub owner: arena::Owner,
     /// The upper file's size on disk, which trails `size` while the last block is pending.
     pub disk_size: u64,
     /// The pre-content mark while writers pass through to the upper file
@@ -376,11 +379,11 @@ impl PartialFile {
             self.disk_size = self.disk_size.max(stop);
         }
         self.blocks.insert(first, end);
+        // Their bytes are in the upper file now: the slots go.
         let done: Vec<u64> = self.pending.range(first..end).map(|(&b, _)| b).collect();
         for blk in &done {
             self.pending.remove(blk);
         }
-        self.release_pending(done.len());
         Ok(())
     }
 
@@ -425,17 +428,30 @@ impl PartialFile {
         Ok(())
     }
 
-    fn release_pending(&self, blocks: usize) {
-        if let Some(caw) = &self.caw {
-            caw.release(blocks * self.block as usize);
-        }
-    }
-
     /// Fills every pending block (before fsync, truncate, fallocate, and at the last close).
     pub fn flush_pending(&mut self) -> Result<()> {
         let blocks: Vec<u64> = self.pending.keys().copied().collect();
         for blk in blocks {
             self.fill_block(blk)?;
+        }
+        Ok(())
+    }
+
+    /// Writes what an earlier daemon left pending in block `left.block` of this file, as a
+    /// synchronous write (the block is filled from the lower file and written whole).
+    pub fn write_left(&mut self, left: &arena::LeftBlock) -> Result<()> {
+        if left.owner.upper_ino != self.owner.upper_ino {
+            return Err(crate::error::Error::with_context(
+                libc::ESTALE,
+                format!(
+                    "its upper file is inode {} now, not {}",
+                    self.owner.upper_ino, left.owner.upper_ino
+                ),
+            ));
+        }
+        let base = left.block * self.block;
+        for (at, bytes) in &left.runs {
+            self.write(base + *at as u64, bytes, false)?;
         }
         Ok(())
     }
@@ -463,25 +479,25 @@ impl PartialFile {
             let seg = &data[(pos - off) as usize..(seg_end - off) as usize];
             let covers = pos == bstart && seg_end >= bend.min(new_size);
             if covers {
-                if self.pending.remove(&blk).is_some() {
-                    self.release_pending(1);
-                }
+                // Written whole below (a resent write if the daemon dies before).
+                self.pending.remove(&blk);
                 push_run(&mut runs, pos, Cow::Borrowed(seg));
             } else if self.blocks.contains(blk) || bstart >= self.mark.valid {
                 push_run(&mut runs, pos, Cow::Borrowed(seg));
             } else if let Some(pb) = self.pending.get_mut(&blk) {
                 pb.put((pos - bstart) as usize, seg);
-            } else if defer
-                && self.caw.as_ref().is_some_and(|c| {
+            } else if let Some(mut pb) = defer
+                .then_some(self.caw.as_ref())
+                .flatten()
+                .filter(|c| {
                     // A block in the page cache is filled at once below (file/partial/caw.rs).
-                    (c.always
+                    c.always
                         || !self
                             .lower
-                            .is_cached(bstart, (bend.min(self.mark.valid) - bstart) as usize))
-                        && c.reserve(bs as usize)
+                            .is_cached(bstart, (bend.min(self.mark.valid) - bstart) as usize)
                 })
+                .and_then(|c| c.take(self.owner, blk, bs))
             {
-                let mut pb = PendingBlock::new(bs as usize);
                 pb.put((pos - bstart) as usize, seg);
                 self.pending.insert(blk, pb);
                 newly_pending.push(blk);
