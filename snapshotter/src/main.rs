@@ -263,6 +263,12 @@ fn run() -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     runtime.block_on(async {
+        // Caught from before the socket is bound: a client may stop the snapshotter the
+        // moment it connects, and an uncaught SIGTERM would kill it without the cleanup.
+        use tokio::signal::unix::{SignalKind, signal};
+        let signals = signal(SignalKind::terminate())
+            .and_then(|term| Ok((term, signal(SignalKind::interrupt())?)))
+            .map_err(|e| format!("cannot catch SIGTERM and SIGINT: {e}"))?;
         let listener = bind(&args.address)?;
         eprintln!(
             "mosaicfs-snapshotter: serving {} on {}",
@@ -271,13 +277,7 @@ fn run() -> Result<(), String> {
         );
         let service = containerd_snapshots::server(Arc::new(service::Service(Arc::new(snapshots))));
         let shutdown = async {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) else {
-                return std::future::pending().await;
-            };
+            let (mut term, mut int) = signals;
             tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
         };
         let served = Server::builder()
