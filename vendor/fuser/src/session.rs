@@ -490,18 +490,20 @@ impl<FS: Filesystem> Session<FS> {
                         // A busy pool is looked at every LOOK_EVERY; an idle one not until a
                         // worker takes a request (`supervisor_wait`): an idle mount does not
                         // wake at all.
-                        pool.supervisor_wait();
+                        let ticked = pool.supervisor_wait();
                         if pool.ended.load(std::sync::atomic::Ordering::Relaxed) {
                             break;
                         }
-                        // One worker more while the workers were busy most of the time since
-                        // the last look. A look long after the last (the supervisor slept
-                        // through a quiet spell, or did not get a CPU) starts anew instead:
-                        // a short burst (a listing at a container's start) adds no worker
-                        // that every idle mount would then keep.
+                        // One worker more while requests waited for one a good part of the
+                        // time since the last look. A look after the supervisor slept through
+                        // a quiet spell starts anew instead: a short burst (a listing at a
+                        // container's start) adds no worker that every idle mount would then
+                        // keep. A tick that came late because the supervisor did not get a
+                        // CPU still counts: a busy host is where requests wait most (until
+                        // 2026-12-01 a look more than 4 ticks after the last started anew, and
+                        // under two busy loops the pool never grew).
                         let (over, now) = pool.overloaded(last);
-                        let recent = now.0.saturating_sub(last.0) <= 4 * LOOK_EVERY.as_nanos() as u64;
-                        if over && recent {
+                        if over && ticked {
                             let spawned = worker(&template, None)
                                 .and_then(|w| pool.spawn(w, &filesystem, allowed, session_owner));
                             if let Err(e) = spawned {
@@ -1271,17 +1273,18 @@ impl WorkerPool {
 
     /// The supervisor's wait: a tick while a worker is busy (to see it stuck, and how busy
     /// the pool is), else parked until a worker takes a request (`note_busy`), the session
-    /// ends, or (while workers may leave, `shrink`) their next look is due.
-    fn supervisor_wait(&self) {
+    /// ends, or (while workers may leave, `shrink`) their next look is due. Whether it was a
+    /// tick of a busy pool (true), not a wait through a quiet spell.
+    fn supervisor_wait(&self) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
         if self.any_busy() {
             thread::park_timeout(LOOK_EVERY);
-            return;
+            return true;
         }
         // Extra workers to let go: a look now and then until they are gone.
         if self.extra.load(SeqCst) > 0 {
             thread::park_timeout(STUCK_AFTER);
-            return;
+            return false;
         }
         // Workers asked to leave, or that may leave once the pool has been quiet a while: a
         // look then (a worker that gets busy meanwhile wakes it sooner, as below).
@@ -1298,13 +1301,14 @@ impl WorkerPool {
         std::sync::atomic::fence(SeqCst);
         if self.any_busy() {
             self.asleep.store(false, SeqCst);
-            return;
+            return true;
         }
         match look {
             Some(after) => thread::park_timeout(after),
             None => thread::park(),
         }
         self.asleep.store(false, SeqCst);
+        false
     }
 
     fn request_done(&self) {
