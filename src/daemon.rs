@@ -316,6 +316,11 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         .as_mut()
         .and_then(|i| i.arena.take())
         .map(Arc::new);
+    config.precontent_kept = inherited
+        .as_mut()
+        .and_then(|i| i.events.take())
+        .map(Arc::new);
+    config.survives = restart == Ok(crate::takeover::Survival::Always) && !opts.foreground;
     if inherited.is_some()
         && config.pending_arena.is_none()
         && restart == Ok(crate::takeover::Survival::Always)
@@ -402,6 +407,7 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                     let w = crate::takeover::split_off_holder(
                         std::os::fd::AsFd::as_fd(&started.session),
                         started.overlay.pending_arena(),
+                        held_events(&started.overlay, &opts).as_ref(),
                         &init,
                         &started_as.0,
                         &started_as.1,
@@ -461,6 +467,7 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                         .overlay
                         .pending_arena()
                         .and_then(|a| a.try_clone_to_owned().ok()),
+                    events: held_events(&started.overlay, &opts),
                     takeovers,
                     init,
                     binary: started_as.0.clone(),
@@ -487,6 +494,18 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         let _ = f.write_all(e.to_string().as_bytes());
     }
     result
+}
+
+/// The pre-content group and table for the mount's holder to keep, if this mount has them.
+fn held_events(overlay: &Overlay, opts: &Options) -> Option<crate::takeover::HeldEvents> {
+    let (group, table) = overlay.precontent_kept()?;
+    let held = crate::takeover::HeldEvents {
+        group: group.try_clone_to_owned().ok()?,
+        table: table.try_clone_to_owned().ok()?,
+        work: overlay.precontent_work()?.to_path_buf(),
+        mount: crate::sys::mount_id(&opts.mountpoint).ok()?,
+    };
+    Some(held)
 }
 
 /// Whether the session asks the kernel for io_uring (`uring=`): `on` fails the mount when the
@@ -889,6 +908,7 @@ fn serve(
         detach_stdio();
     }
     // Before any request is served, resent ones included; once the log goes where it is read.
+    overlay.serve_precontent()?;
     overlay.replay_pending();
     let result = session.run();
     log::debug!("session ended");

@@ -95,6 +95,12 @@ pub struct Config {
     /// The memfd of pending blocks an earlier daemon of this mount left (file/partial/arena.rs,
     /// kept by the holder): written by `replay_pending`, then used by this daemon.
     pub pending_arena: Option<Arc<OwnedFd>>,
+    /// The pre-content group and table an earlier daemon of this mount left (kept by the
+    /// holder, file/partial/served.rs).
+    pub precontent_kept: Option<Arc<(OwnedFd, OwnedFd)>>,
+    /// The mount may outlive this daemon: what it is in the middle of is kept where the next
+    /// one finds it (pre-content events).
+    pub survives: bool,
     /// Which files FUSE passthrough serves (see file/mod.rs, IoMode).
     pub passthrough: crate::options::PassthroughPolicy,
     pub reflink: bool,
@@ -134,6 +140,8 @@ impl Config {
             caw_workers: o.caw_workers,
             caw_always: o.caw_always,
             pending_arena: None,
+            precontent_kept: None,
+            survives: false,
             reflink: o.reflink,
             partial_passthrough: o.partial_passthrough,
             writeback: o.writeback,
@@ -614,7 +622,20 @@ impl Overlay {
             }
             _ if config.passthrough == PassthroughPolicy::Off => Err("passthrough=off".to_string()),
             (None, _) => Err("no upper layer".to_string()),
-            (Some(work), _) => crate::file::partial::precontent::PreContent::open(work.as_fd()),
+            (Some(work), _) => {
+                let kept = config
+                    .precontent_kept
+                    .as_ref()
+                    .map(|k| Ok::<_, std::io::Error>((k.0.try_clone()?, k.1.try_clone()?)));
+                match kept.transpose() {
+                    Ok(kept) => crate::file::partial::precontent::PreContent::open(
+                        work.as_fd(),
+                        kept,
+                        config.survives,
+                    ),
+                    Err(e) => Err(format!("cannot take the pre-content group kept: {e}")),
+                }
+            }
         };
         match available {
             Err(why) if config.partial_passthrough == Switch::On => Err(crate::message!(
@@ -630,14 +651,52 @@ impl Overlay {
         }
     }
 
-    /// Starts the pre-content threads and guardian (after the daemon went to the background).
+    /// Starts the pre-content guardian where no holder keeps the group (after the daemon went
+    /// to the background).
     pub fn start_precontent(&self, mountpoint: &std::path::Path) -> Result<()> {
-        match &self.precontent {
-            Ok(pc) => pc.start(mountpoint).map_err(|e| {
-                crate::message!("cannot start serving partial files by passthrough: {e}")
-            }),
-            Err(_) => Ok(()),
-        }
+        let Ok(pc) = &self.precontent else {
+            return Ok(());
+        };
+        let held = self
+            .lineage
+            .get()
+            .is_some_and(|l| l.holder.is_ok() && pc.kept().is_some());
+        pc.guard(mountpoint, held)
+            .map_err(|e| crate::message!("cannot start serving partial files by passthrough: {e}"))
+    }
+
+    /// Starts serving pre-content events, before any request: a daemon that took the mount
+    /// over answers the events its predecessor left first, opening their files by number.
+    /// Once the log goes where it is read, before the pending blocks are written (their files
+    /// may be marked: the reader answers the daemon's own accesses).
+    pub fn serve_precontent(&self) -> Result<()> {
+        let Ok(pc) = &self.precontent else {
+            return Ok(());
+        };
+        let me = self.me.get().cloned().unwrap_or_default();
+        let resolve: crate::file::partial::precontent::Resolve = Box::new(move |number| {
+            let me = me.upgrade().ok_or_else(|| errno(libc::ESHUTDOWN))?;
+            let file = me.open_file_as(&me.node(number)?, true)?;
+            let Ok(events) = &me.precontent else {
+                return Ok(None);
+            };
+            // Its upper file is marked already: the fills must not raise events of their own.
+            file.unwatch_upper()?;
+            let served = file.serve_by_events(events)?;
+            Ok(served.then_some(file as Arc<dyn crate::file::partial::precontent::FillOnAccess>))
+        });
+        pc.start(resolve)
+            .map_err(|e| crate::message!("cannot start serving partial files by passthrough: {e}"))
+    }
+
+    /// The pre-content group and table, for the mount's holder to keep.
+    pub fn precontent_kept(&self) -> Option<(BorrowedFd<'_>, BorrowedFd<'_>)> {
+        self.precontent.as_ref().ok().and_then(|pc| pc.kept())
+    }
+
+    /// The work dir's path, where pre-content events are served (for the holder's guardian).
+    pub fn precontent_work(&self) -> Option<&std::path::Path> {
+        self.precontent.as_ref().ok().map(|pc| pc.work())
     }
 
     /// The node the kernel calls `ino`. A daemon that took the mount over (takeover.rs) is
@@ -716,7 +775,17 @@ impl Overlay {
             ));
         }
         match self.handover.get() {
-            Some(f) => f(binary),
+            Some(f) => {
+                // Writers passing through stay: their marks go to the next daemon.
+                if let Ok(pc) = &self.precontent {
+                    pc.hand_over(true);
+                }
+                let r = f(binary);
+                if let (Err(_), Ok(pc)) = (&r, &self.precontent) {
+                    pc.hand_over(false);
+                }
+                r
+            }
             None => Err(crate::message!(
                 "this mount does not survive its daemon ({}), so it cannot be upgraded in \
                  place: unmount it and mount it again with the new binary",

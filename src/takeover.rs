@@ -24,6 +24,10 @@
 //! - listing offsets: cookies made from names (readdir.rs), the same in every daemon;
 //! - copy-after-write's pending blocks: in a memfd the holder keeps too (file/partial/arena.rs),
 //!   written into their files before the new daemon serves (`Overlay::replay_pending`);
+//! - pre-content events (`partial_passthrough`): the holder keeps the fanotify group, so the
+//!   marks stay and accesses of holes wait, and a table of the marked files and the events in
+//!   service (file/partial/served.rs), which the new daemon fills and answers before it reads
+//!   an event itself (`Overlay::serve_precontent`);
 //!
 //! A request in flight when the old daemon died is served again from the start. Reads and
 //! writes at an offset are the same again, and an append goes where the kernel put it the
@@ -44,8 +48,11 @@
 //! Where it is not done: `-f` (the daemon is whoever supervises it), io_uring (a queue's
 //! entries belong to the ring of the daemon that made them), a memory upper that dies (its
 //! tree lives in the daemon until an fsync: only a daemon that hands over is followed, see
-//! `Survival`), pre-content events (their group is the daemon's), and a mount without a work
-//! dir whose files pass through (no place for the records). `restart=` and docs/ROBUSTNESS.md.
+//! `Survival`), and a mount without a work dir whose files pass through (no place for the
+//! records). `restart=` and docs/ROBUSTNESS.md.
+//!
+//! A holder that ends with no daemon after the last, which did not exit cleanly, becomes the
+//! pre-content guardian if it keeps the group (`Holder::end`).
 //!
 //! A holder that ends is replaced by the daemon (`keep_a_holder`): the new one waits for the
 //! daemon by its pid, since it is not its parent, and starts the next daemon as before.
@@ -71,6 +78,9 @@ const TAKEOVER_ENV: &str = "MOSAICFS_TAKEOVER";
 /// The descriptor of the pending blocks' memfd the holder hands a daemon, if any
 /// (file/partial/arena.rs).
 const TAKEOVER_ARENA_ENV: &str = "MOSAICFS_TAKEOVER_ARENA";
+/// The pre-content group's and table's descriptors the holder hands a daemon, if any, as
+/// `GROUP,TABLE` (file/partial/served.rs).
+const TAKEOVER_EVENTS_ENV: &str = "MOSAICFS_TAKEOVER_EVENTS";
 /// What a holder starts from (hex fields, see `holder_main`).
 const HOLDER_ENV: &str = "MOSAICFS_HOLDER";
 /// This many daemons in a row that exit with an error before `GOOD_AFTER` and the holder gives
@@ -112,8 +122,6 @@ pub fn plan(opts: &Options, uring: bool) -> std::result::Result<Survival, String
         && opts.filestore == Some(FilestorePlace::Anonymous)
     {
         "upper=memory with filestore=memory: the layer lives only in its daemon"
-    } else if opts.partial_passthrough != Switch::Off {
-        "partial_passthrough: pre-content events belong to the daemon's group"
     } else if opts.upper_kind == UpperKind::Memory {
         // A daemon that hands over writes the tree's last changes to the journal first
         // (overlay.rs, at the end of serving), and the next one reads them back; one that
@@ -143,6 +151,8 @@ pub struct Inherited {
     /// The memfd of copy-after-write's pending blocks (file/partial/arena.rs); `None` from a
     /// holder that keeps none (a binary before 2026-12-01, or a mount without one).
     pub arena: Option<OwnedFd>,
+    /// The pre-content group and its table (file/partial/served.rs), if the holder keeps them.
+    pub events: Option<(OwnedFd, OwnedFd)>,
 }
 
 impl Inherited {
@@ -161,8 +171,12 @@ impl Inherited {
         };
         // Its own variable, which a binary from before it ignores (a downgrade still starts).
         let arena = std::env::var_os(TAKEOVER_ARENA_ENV);
+        let events = std::env::var_os(TAKEOVER_EVENTS_ENV);
         // SAFETY: as above.
-        unsafe { std::env::remove_var(TAKEOVER_ARENA_ENV) };
+        unsafe {
+            std::env::remove_var(TAKEOVER_ARENA_ENV);
+            std::env::remove_var(TAKEOVER_EVENTS_ENV);
+        }
         let number = |f: &OsString| f.to_str().and_then(|s| s.parse::<i32>().ok());
         let fd = |f: &OsString| number(f).and_then(crate::sys::inherited_fd);
         let (Some(fuse), Some(channel), Some(takeovers)) =
@@ -171,8 +185,14 @@ impl Inherited {
             return Err(bad());
         };
         let arena = arena.as_ref().and_then(fd);
+        let events = events.as_ref().and_then(|v| {
+            let (g, t) = v.to_str()?.split_once(',')?;
+            let fd = |n: &str| n.parse().ok().and_then(crate::sys::inherited_fd);
+            Some((fd(g)?, fd(t)?))
+        });
         for fd in [Some(&fuse), Some(&channel), arena.as_ref()]
             .into_iter()
+            .chain(events.iter().flat_map(|(g, t)| [Some(g), Some(t)]))
             .flatten()
         {
             let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
@@ -183,6 +203,7 @@ impl Inherited {
             takeovers: takeovers as u32,
             init: init.as_bytes().to_vec(),
             arena,
+            events,
         }))
     }
 }
@@ -252,6 +273,7 @@ impl Channel {
 pub fn split_off_holder(
     fuse: BorrowedFd<'_>,
     arena: Option<BorrowedFd<'_>>,
+    events: Option<&HeldEvents>,
     init: &[u8],
     binary: &Path,
     args: &[OsString],
@@ -268,21 +290,63 @@ pub fn split_off_holder(
     let fuse = keep_across_exec(fuse);
     let channel = keep_across_exec(r.as_fd());
     let arena = arena.map(keep_across_exec);
+    let events = events.map(|e| e.keep_across_exec());
     use std::os::unix::process::CommandExt;
-    let err = holder_command(fuse, channel, arena, daemon, 0, binary, init, args).exec();
+    let err = holder_command(fuse, channel, arena, events, daemon, 0, binary, init, args).exec();
     // The daemon serves on; it just will not be restarted.
     log::error!("cannot start the mount's holder: {err}; the mount ends with its daemon");
     std::process::exit(0);
 }
 
-/// How a holder is started: the connection's, the pipe's and the pending blocks' descriptor
-/// numbers (open across the exec), the daemon it waits for and how many served before it, and
-/// how to start the next one.
+/// The pre-content group and table a holder keeps for the next daemon (file/partial/served.rs),
+/// and what it needs to guard the group when it gives the mount up: the work dir and the
+/// mount's id (`mosaicfs __guardian`, file/partial/precontent.rs).
+pub struct HeldEvents {
+    pub group: OwnedFd,
+    pub table: OwnedFd,
+    pub work: PathBuf,
+    pub mount: u64,
+}
+
+/// `HeldEvents` as descriptor numbers open across an exec.
+struct EventsAcrossExec<'a> {
+    group: i32,
+    table: i32,
+    work: &'a Path,
+    mount: u64,
+}
+
+impl HeldEvents {
+    fn keep_across_exec(&self) -> EventsAcrossExec<'_> {
+        EventsAcrossExec {
+            group: keep_across_exec(self.group.as_fd()),
+            table: keep_across_exec(self.table.as_fd()),
+            work: &self.work,
+            mount: self.mount,
+        }
+    }
+}
+
+impl EventsAcrossExec<'_> {
+    /// Closes the copies (the process they were made for has them now, or failed to start).
+    fn close(&self) {
+        // SAFETY: the copies `keep_across_exec` made, closed once.
+        unsafe {
+            libc::close(self.group);
+            libc::close(self.table);
+        }
+    }
+}
+
+/// How a holder is started: the connection's, the pipe's, the pending blocks' and the
+/// pre-content group's descriptor numbers (open across the exec), the daemon it waits for and
+/// how many served before it, and how to start the next one.
 #[allow(clippy::too_many_arguments)]
 fn holder_command(
     fuse: i32,
     channel: i32,
     arena: Option<i32>,
+    events: Option<EventsAcrossExec<'_>>,
     daemon: i32,
     takeovers: u32,
     binary: &Path,
@@ -298,6 +362,20 @@ fn holder_command(
         takeovers.to_string().into(),
         arena.map_or(OsString::new(), |fd| fd.to_string().into()),
     ];
+    match &events {
+        Some(e) => fields.extend([
+            e.group.to_string().into(),
+            e.table.to_string().into(),
+            e.mount.to_string().into(),
+            e.work.as_os_str().to_owned(),
+        ]),
+        None => fields.extend([
+            OsString::new(),
+            OsString::new(),
+            OsString::new(),
+            OsString::new(),
+        ]),
+    }
     fields.extend(args.iter().cloned());
     use std::os::unix::process::CommandExt;
     let mut command = std::process::Command::new("/proc/self/exe");
@@ -316,6 +394,8 @@ pub struct HolderSpec {
     pub fuse: OwnedFd,
     /// The memfd of copy-after-write's pending blocks, if the mount has one.
     pub arena: Option<OwnedFd>,
+    /// The pre-content group and table, if the mount serves partial files so.
+    pub events: Option<HeldEvents>,
     /// Daemons before this one.
     pub takeovers: u32,
     pub init: Vec<u8>,
@@ -387,10 +467,13 @@ fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
     let fuse = keep_across_exec(spec.fuse.as_fd());
     let read = keep_across_exec(r.as_fd());
     let arena = spec.arena.as_ref().map(|a| keep_across_exec(a.as_fd()));
+    let events = spec.events.as_ref().map(HeldEvents::keep_across_exec);
+    let closing = events.as_ref().map(|e| (e.group, e.table));
     let mut command = holder_command(
         fuse,
         read,
         arena,
+        events,
         std::process::id() as i32,
         spec.takeovers,
         &spec.binary,
@@ -409,7 +492,11 @@ fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
     let child = command.spawn();
     // SAFETY: the copies made for the child, which has them now (or failed to start).
     unsafe {
-        for fd in [Some(fuse), Some(read), arena].into_iter().flatten() {
+        for fd in [Some(fuse), Some(read), arena]
+            .into_iter()
+            .chain(closing.into_iter().flat_map(|(g, t)| [Some(g), Some(t)]))
+            .flatten()
+        {
             libc::close(fd);
         }
     }
@@ -446,12 +533,32 @@ pub fn holder_main() -> i32 {
         return 2;
     };
     let arena = number(6).and_then(crate::sys::inherited_fd);
-    let args: Vec<OsString> = fields.get(7..).map(<[_]>::to_vec).unwrap_or_default();
+    let events = match (
+        number(7).and_then(crate::sys::inherited_fd),
+        number(8).and_then(crate::sys::inherited_fd),
+        fields.get(9).and_then(|f| f.to_str()?.parse().ok()),
+        fields.get(10).filter(|f| !f.is_empty()),
+    ) {
+        (Some(group), Some(table), Some(mount), Some(work)) => Some(HeldEvents {
+            group,
+            table,
+            work: PathBuf::from(work),
+            mount,
+        }),
+        _ => None,
+    };
+    let args: Vec<OsString> = fields.get(11..).map(<[_]>::to_vec).unwrap_or_default();
     let mut keep = vec![fuse.as_raw_fd(), channel.as_raw_fd()];
     keep.extend(arena.as_ref().map(|a| a.as_raw_fd()));
+    keep.extend(
+        events
+            .iter()
+            .flat_map(|e| [e.group.as_raw_fd(), e.table.as_raw_fd()]),
+    );
     crate::sys::close_other_fds(&keep);
     for fd in [Some(&fuse), Some(&channel), arena.as_ref()]
         .into_iter()
+        .chain(events.iter().flat_map(|e| [Some(&e.group), Some(&e.table)]))
         .flatten()
     {
         let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
@@ -467,6 +574,7 @@ pub fn holder_main() -> i32 {
     Holder {
         fuse,
         arena,
+        events,
         init,
         args,
         binary: binary.clone(),
@@ -482,6 +590,8 @@ struct Holder {
     /// The memfd of copy-after-write's pending blocks (file/partial/arena.rs): what a daemon
     /// killed before it filled them leaves to the next one.
     arena: Option<OwnedFd>,
+    /// The pre-content group and table: the events a killed daemon left wait for the next.
+    events: Option<HeldEvents>,
     init: Vec<u8>,
     args: Vec<OsString>,
     /// The binary the next daemon runs.
@@ -500,7 +610,7 @@ impl Holder {
             let status = wait_for(daemon);
             let said = read_all(&channel);
             if !self.connected() {
-                return 0;
+                return self.end(0, &status);
             }
             let upgrade = said
                 .lines()
@@ -513,7 +623,7 @@ impl Holder {
                      it held since the last fsync went with it (upper=memory): the mount ends \
                      (its processes get ENOTCONN; unmount it and mount it again)"
                 );
-                return 1;
+                return self.end(1, &status);
             }
             let ran = started.elapsed();
             let handed_over = upgrade.is_some();
@@ -556,7 +666,7 @@ impl Holder {
                     "{MAX_FAILED_STARTS} daemons in a row failed to start: giving the mount up \
                      (its processes get ENOTCONN; unmount it and mount it again)"
                 );
-                return 1;
+                return self.end(1, &status);
             }
             if killed && ran < GOOD_AFTER {
                 std::thread::sleep(KILLED_PAUSE);
@@ -586,12 +696,43 @@ impl Holder {
         connected(&self.fuse)
     }
 
+    /// The holder ends, with no daemon after the last (which ended with `status`). If that one
+    /// did not exit cleanly (which removes every pre-content mark), writers passing through
+    /// may still reach marked files: the holder becomes the group's guardian
+    /// (file/partial/precontent.rs), which refuses their accesses of holes.
+    fn end(self, code: i32, status: &str) -> i32 {
+        let Some(events) = self.events else {
+            return code;
+        };
+        if status == "exit status 0" {
+            return code;
+        }
+        let Ok((r, w)) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) else {
+            return code;
+        };
+        // The guardian's daemon is gone already: the pipe it waits on is at its end.
+        drop(w);
+        let group = keep_across_exec(events.group.as_fd());
+        let alive = keep_across_exec(r.as_fd());
+        use std::os::unix::process::CommandExt;
+        let err = std::process::Command::new("/proc/self/exe")
+            .arg(crate::file::partial::precontent::GUARDIAN_COMMAND)
+            .arg(group.to_string())
+            .arg(alive.to_string())
+            .arg(&events.work)
+            .arg(events.mount.to_string())
+            .exec();
+        log::error!("cannot become the pre-content guardian: {err}");
+        code
+    }
+
     /// Starts the next daemon: its pid and the holder's end of the pipe to it.
     fn start(&self) -> std::io::Result<(i32, OwnedFd)> {
         let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
         let fuse = keep_across_exec(self.fuse.as_fd());
         let write = keep_across_exec(w.as_fd());
         let arena = self.arena.as_ref().map(|a| keep_across_exec(a.as_fd()));
+        let events = self.events.as_ref().map(HeldEvents::keep_across_exec);
         let fields: Vec<OsString> = vec![
             fuse.to_string().into(),
             write.to_string().into(),
@@ -601,6 +742,9 @@ impl Holder {
         let mut command = std::process::Command::new(&self.binary);
         if let Some(fd) = arena {
             command.env(TAKEOVER_ARENA_ENV, fd.to_string());
+        }
+        if let Some(e) = &events {
+            command.env(TAKEOVER_EVENTS_ENV, format!("{},{}", e.group, e.table));
         }
         let child = command
             .args(&self.args)
@@ -614,6 +758,9 @@ impl Holder {
             for fd in [Some(fuse), Some(write), arena].into_iter().flatten() {
                 libc::close(fd);
             }
+        }
+        if let Some(e) = &events {
+            e.close();
         }
         let child = child?;
         Ok((child.id() as i32, r))

@@ -1208,3 +1208,184 @@ fn the_biggest_writes_fit_a_workers_pipe() {
     let status = m.status();
     assert!(status.contains("requests read through pipes"), "{status}");
 }
+
+/// A partial file's writer passing through to the upper file (`partial_passthrough`): a write
+/// that waits on its pre-content event as the daemon is killed goes on once the next daemon
+/// filled its block; a later write into a hole is filled by that daemon, which never opened
+/// the file; an upgrade keeps the file marked. Each written block holds the lower file's bytes
+/// around the written ones. Before, such a mount did not survive its daemon at all, and with a
+/// guardian the waiting write got EIO.
+#[test]
+fn a_partial_files_writer_passing_through_outlives_a_kill_and_an_upgrade() {
+    use std::os::unix::fs::FileExt;
+    let len = 8 << 20;
+    let m = Background::mount(
+        |l| fs::write(l.join("f"), pattern(len, 6)).unwrap(),
+        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
+        // Each fill the reader makes waits 1.5 s first: the kill lands while a write waits.
+        &[("MOSAICFS_TEST_SLOW_FILL", "1500")],
+    );
+    let status = m.status();
+    if !status.contains("partial files' writers: passthrough") {
+        eprintln!("skipped: no pre-content events here: {status}");
+        return;
+    }
+    assert!(status.contains("restart: yes"), "{status}");
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    let mut want = pattern(len, 6);
+    let write = |want: &mut Vec<u8>, f: &fs::File, bytes: &[u8], off: usize| {
+        f.write_all_at(bytes, off as u64).unwrap();
+        want[off..off + bytes.len()].copy_from_slice(bytes);
+    };
+    write(&mut want, &f, b"filled", 10);
+    assert!(m.status().contains("marked-files=1"), "{}", m.status());
+    let waiting = {
+        let f = f.try_clone().unwrap();
+        std::thread::spawn(move || f.write_all_at(b"waits", 4 << 20))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    m.kill_daemon();
+    waiting
+        .join()
+        .unwrap()
+        .expect("the write that waited on the killed daemon");
+    want[4 << 20..(4 << 20) + 5].copy_from_slice(b"waits");
+    let log = fs::read_to_string(&m.log).unwrap();
+    assert!(
+        log.contains("answering the pre-content events the daemon before left: 1"),
+        "{log}"
+    );
+    // Into a hole, through the descriptor opened before the kill: an event on a file the new
+    // daemon never opened.
+    write(&mut want, &f, b"later", (6 << 20) + 1);
+    let out = run(Command::new(BIN).arg("upgrade").arg(&m.mnt));
+    assert!(out.contains("took over from pid"), "{out}");
+    write(&mut want, &f, b"after the upgrade", (7 << 20) + 4000);
+    write(&mut want, &f, b"FILLED", 10);
+    assert!(fs::read(m.path("f")).unwrap() == want, "the merged view");
+    let upper = fs::read(m.dir.path().join("u/f")).unwrap();
+    for off in [0, 4 << 20, 6 << 20, (7 << 20) + 4000] {
+        let b = off / 4096 * 4096;
+        let e = (b + 8192).min(upper.len());
+        assert!(
+            upper[b..e] == want[b..e],
+            "the blocks at {b} in the upper file hold the lower bytes around the written"
+        );
+    }
+    assert!(
+        m.status().contains("marked-files=1"),
+        "the file stays marked: {}",
+        m.status()
+    );
+    drop(f);
+    assert!(
+        fs::read(m.path("f")).unwrap() == want,
+        "after the writer's close"
+    );
+}
+
+/// A daemon killed between its read of a pre-content event and the event's record: the next
+/// daemon cannot know which events wait, so it fills the marked file whole and answers every
+/// number the dead daemon could have held. The write that waited goes on, with the lower
+/// file's bytes around it.
+#[test]
+fn an_event_read_and_not_recorded_by_a_killed_daemon_is_answered_by_the_next() {
+    use std::os::unix::fs::FileExt;
+    let len = 4 << 20;
+    let m = Background::mount(
+        |l| fs::write(l.join("f"), pattern(len, 9)).unwrap(),
+        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
+        &[("MOSAICFS_TEST_SLOW_RECORD", "1500")],
+    );
+    let status = m.status();
+    if !status.contains("partial files' writers: passthrough") {
+        eprintln!("skipped: no pre-content events here: {status}");
+        return;
+    }
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    let waiting = {
+        let f = f.try_clone().unwrap();
+        std::thread::spawn(move || f.write_all_at(b"waits", (2 << 20) + 3))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    m.kill_daemon();
+    waiting
+        .join()
+        .unwrap()
+        .expect("the write whose event was read and not recorded");
+    let log = fs::read_to_string(&m.log).unwrap();
+    assert!(
+        log.contains("some unrecorded, so every marked file (1) is filled first"),
+        "{log}"
+    );
+    let mut want = pattern(len, 9);
+    want[(2 << 20) + 3..(2 << 20) + 8].copy_from_slice(b"waits");
+    assert!(fs::read(m.path("f")).unwrap() == want, "the merged view");
+    assert!(
+        fs::read(m.dir.path().join("u/f")).unwrap() == want,
+        "the upper file is filled whole"
+    );
+    drop(f);
+}
+
+/// A holder that gives the mount up (its daemons fail to start: here the upper dir is gone)
+/// becomes the pre-content guardian: a writer passing through gets EIO for a hole instead of
+/// writing into it, and the guardian ends once no file of the mount is open.
+#[test]
+fn a_holder_that_gives_up_guards_the_writers_passing_through() {
+    use std::os::unix::fs::FileExt;
+    let m = Background::mount(
+        |l| fs::write(l.join("f"), pattern(2 << 20, 4)).unwrap(),
+        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
+        &[],
+    );
+    let status = m.status();
+    if !status.contains("partial files' writers: passthrough") {
+        eprintln!("skipped: no pre-content events here: {status}");
+        return;
+    }
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(b"filled", 5).unwrap();
+    let (holder, daemon) = (m.holder(), m.daemon());
+    let upper = m.dir.path().join("u");
+    fs::rename(&upper, m.dir.path().join("u.gone")).unwrap();
+    // SAFETY: kill(2) of the daemon the status report named.
+    assert_eq!(unsafe { libc::kill(daemon, libc::SIGKILL) }, 0);
+    let is_guardian = || {
+        fs::read(format!("/proc/{holder}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("__guardian"))
+    };
+    let start = Instant::now();
+    while !is_guardian() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the holder did not become the guardian: {}",
+            fs::read_to_string(&m.log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let hole = f.write_all_at(b"hole", 1 << 20);
+    assert_eq!(hole.map_err(|e| e.raw_os_error()), Err(Some(libc::EIO)));
+    f.write_all_at(b"FILLED", 5).unwrap();
+    drop(f);
+    let start = Instant::now();
+    while is_guardian()
+        && fs::read_to_string(format!("/proc/{holder}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the guardian stays with no file of its mount open"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    fs::rename(m.dir.path().join("u.gone"), &upper).unwrap();
+}

@@ -553,9 +553,24 @@ impl OpenFile {
         p.flush_pending()?;
         let fd = p.upper.disk_fd()?;
         let me: std::sync::Weak<dyn FillOnAccess> = Arc::downgrade(self) as _;
-        let mark = events.mark(fd, me)?;
+        let mark = events.mark(fd, me, p.owner.number)?;
         p.by_events = Some(Box::new(crate::file::partial::ByEvents::new(mark)));
         Ok(true)
+    }
+
+    /// Reaches the upper file of this partial file through a descriptor whose own reads and
+    /// writes raise no pre-content event (sys `open_unwatched`): for a file a daemon before
+    /// this one marked, as a daemon's own descriptors opened before the mark are.
+    pub fn unwatch_upper(&self) -> Result<()> {
+        let mut data = self.write_data();
+        if let FileData::Partial(p) = &mut *data
+            && let crate::upper::UpperFile::Disk(fd) = &p.upper
+        {
+            p.upper = crate::upper::UpperFile::Disk(crate::sys::open_unwatched(
+                std::os::fd::AsFd::as_fd(fd),
+            )?);
+        }
+        Ok(())
     }
 
     /// A partial file that holds blocks written to it, not only the lower file's metadata.

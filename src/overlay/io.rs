@@ -82,7 +82,7 @@ impl Overlay {
 
     /// `open_file` for an open that may write (`writer`), which the descriptor reserve counts
     /// as a partial file's.
-    fn open_file_as(&self, node: &Arc<Node>, writer: bool) -> Result<Arc<OpenFile>> {
+    pub(super) fn open_file_as(&self, node: &Arc<Node>, writer: bool) -> Result<Arc<OpenFile>> {
         let copied_up = {
             let st = node.state();
             if let Some(f) = st.open.upgrade() {

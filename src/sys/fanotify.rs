@@ -107,6 +107,49 @@ pub fn read_access_events(group: BorrowedFd<'_>, buf: &mut Vec<u8>) -> Result<Ve
     Ok(events)
 }
 
+/// A read-write descriptor of the file `file` is of, whose own reads and writes raise no
+/// fanotify event, whatever marks its inode carries: the kind the kernel opens a fanotify
+/// event's file with, for the listener. Had through a notification group of its own, told of
+/// one open of the file. A daemon that takes a mount over reaches so the upper files its
+/// predecessor marked: a descriptor opened after the mark would raise events on the daemon's
+/// own fills, which it answers only once its reader runs.
+pub fn open_unwatched(file: BorrowedFd<'_>) -> Result<OwnedFd> {
+    let flags = libc::FAN_CLASS_NOTIF | libc::FAN_CLOEXEC | libc::FAN_NONBLOCK;
+    let event_flags = (libc::O_RDWR | libc::O_LARGEFILE | libc::O_CLOEXEC) as u32;
+    // SAFETY: plain system call; the descriptor it returns is owned below.
+    let fd = unsafe { libc::fanotify_init(flags, event_flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `fd` was just returned by fanotify_init and is owned by nobody else.
+    let group = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: a null path marks the object `file` refers to; both descriptors are borrowed.
+    let r = unsafe {
+        libc::fanotify_mark(
+            group.as_raw_fd(),
+            libc::FAN_MARK_ADD,
+            libc::FAN_OPEN,
+            file.as_raw_fd(),
+            std::ptr::null(),
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    drop(reopen(file, OFlags::RDONLY | OFlags::CLOEXEC)?);
+    let mut buf = Vec::new();
+    read_access_events(group.as_fd(), &mut buf)?
+        .into_iter()
+        .next()
+        .map(|ev| ev.fd)
+        .ok_or_else(|| {
+            crate::error::Error::with_context(
+                libc::EIO,
+                "no fanotify event for an open of the file",
+            )
+        })
+}
+
 /// Answers the event whose descriptor number is `fd`: allowed, or refused with `errno` (which
 /// the waiting caller's read or write returns).
 pub fn answer_access(group: BorrowedFd<'_>, fd: i32, deny_with: Option<i32>) -> Result<()> {

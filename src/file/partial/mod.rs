@@ -6,6 +6,7 @@ pub mod arena;
 pub mod caw;
 pub mod mark;
 pub mod precontent;
+pub mod served;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

@@ -24,12 +24,21 @@
 //! wait on it. The rest go to a filler thread, which takes the file's lock to fill. Events of
 //! one file are filled one after another, so a range is never filled twice over a write.
 //!
-//! Crash safety: the group is shared with a guardian process (`mosaicfs __guardian`) that
-//! does nothing while the daemon lives. When the daemon dies, the guardian answers every
-//! event the daemon left unanswered, and every later one on a range that holds a hole, with
-//! EIO: a writer still holding a passthrough descriptor gets an error instead of writing into
-//! a hole (which would make the rest of that block read as zeros). Without the guardian the
-//! kernel would let those accesses through when the group's last descriptor closed.
+//! A daemon that dies: on a mount that survives its daemon (takeover.rs) the holder keeps the
+//! group, so the marks stay and events wait for the next daemon, and keeps the table of what
+//! the daemon was in the middle of (served.rs): which object each marked file belongs to, and
+//! the events read and not answered. The next daemon fills and answers those before it reads
+//! an event itself (`answer_left`), and opens the object of an event on a file it never
+//! opened by its number (`resolve`), keeping it open, and so marked, until the file is
+//! complete or the mount ends (`stand_ins`): a writer passing through may still hold it.
+//!
+//! Where no daemon follows (no holder, or a holder that gives up), the group is kept by a
+//! guardian process (`mosaicfs __guardian`) that does nothing while the daemon lives. When
+//! the daemon dies, the guardian answers every event the daemon left unanswered, and every
+//! later one on a range that holds a hole, with EIO: a writer still holding a passthrough
+//! descriptor gets an error instead of writing into a hole (which would make the rest of that
+//! block read as zeros). Without the guardian the kernel would let those accesses through
+//! when the group's last descriptor closed. A holder that gives up becomes the guardian.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -37,6 +46,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak, mpsc};
 
 use crate::error::{Error, Result};
+use crate::file::partial::served::{Left, Recorded, Served};
 use crate::sys::{self, AccessEvent};
 
 /// What the filler needs of an open partial file.
@@ -61,13 +71,37 @@ pub struct AccessStats {
 }
 
 /// Identity of an upper file: device and inode number.
-type Key = (u64, u64);
+type Key = crate::file::partial::served::Key;
+
+/// How a daemon that took the mount over opens the partial file of an object its predecessor
+/// marked, by the object's number, served by events (so marked and known by its key again):
+/// `None` when the file is no partial file any more.
+pub type Resolve = Box<dyn Fn(u64) -> Result<Option<Arc<dyn FillOnAccess>>> + Send + Sync>;
+
+/// An event read and not answered yet, with where it is recorded.
+struct InService {
+    ev: AccessEvent,
+    rec: Recorded,
+}
 
 /// This mount's pre-content group and the partial files marked in it.
 pub struct PreContent {
     group: OwnedFd,
     files: Mutex<HashMap<Key, Weak<dyn FillOnAccess>>>,
-    filler: Mutex<Option<mpsc::Sender<AccessEvent>>>,
+    filler: Mutex<Option<mpsc::Sender<InService>>>,
+    /// What this daemon is in the middle of, for the next one (a mount that may survive its
+    /// daemon only).
+    served: Option<Served>,
+    /// Marked files of the daemons before that this one has not opened yet: key to number.
+    left_files: Mutex<HashMap<Key, u64>>,
+    /// What the daemon before left unanswered, until `answer_left`.
+    left: Mutex<Left>,
+    /// Files opened for events of the daemons before (`resolve`): kept until unmarked.
+    stand_ins: Mutex<HashMap<Key, Arc<dyn FillOnAccess>>>,
+    resolve: std::sync::OnceLock<Resolve>,
+    /// The daemon hands the mount over (`mosaicfs upgrade`): files let go of keep their marks
+    /// and records, for the next daemon and the writers still passing through.
+    handing_over: AtomicBool,
     pid: i32,
     pub stats: AccessStats,
     guardian: Mutex<Option<Guardian>>,
@@ -77,6 +111,9 @@ pub struct PreContent {
     /// Tests only (`MOSAICFS_TEST_SLOW_FILL=ms`): each fill waits this long first, so that a
     /// test can kill the daemon while an access waits on an event.
     slow_fill: Option<std::time::Duration>,
+    /// Tests only (`MOSAICFS_TEST_SLOW_RECORD=ms`): a batch read waits this long before its
+    /// events are recorded, so that a test can kill the daemon while they are unrecorded.
+    slow_record: Option<std::time::Duration>,
 }
 
 /// A mark on one upper file, removed by `remove` with a descriptor of that file (the file
@@ -95,8 +132,59 @@ impl AccessMark {
 
 impl PreContent {
     /// Makes the group and checks that the upper file system takes marks, on a scratch file
-    /// in the work dir. Err says why partial files stay on the daemon path.
-    pub fn open(work: std::os::fd::BorrowedFd<'_>) -> std::result::Result<Arc<PreContent>, String> {
+    /// in the work dir; or takes over the group and table a holder kept (`inherited`). With
+    /// `survives` (the mount may outlive its daemon) a table of what is in service is kept.
+    /// Err says why partial files stay on the daemon path.
+    pub fn open(
+        work: std::os::fd::BorrowedFd<'_>,
+        inherited: Option<(OwnedFd, OwnedFd)>,
+        survives: bool,
+    ) -> std::result::Result<Arc<PreContent>, String> {
+        let work = std::fs::read_link(format!("/proc/self/fd/{}", work.as_raw_fd()))
+            .map_err(|e| format!("cannot name the work dir: {e}"))?;
+        let (group, served, left) = match inherited {
+            Some((group, table)) => {
+                let (served, left) = Served::adopt(table)
+                    .map_err(|e| format!("cannot read the pre-content table kept: {e}"))?;
+                (group, Some(served), left)
+            }
+            None => {
+                let group = Self::new_group(&work)?;
+                let served = survives
+                    .then(Served::create)
+                    .transpose()
+                    .map_err(|e| format!("cannot make the pre-content table: {e}"))?;
+                (group, served, Left::default())
+            }
+        };
+        Ok(Arc::new(PreContent {
+            work,
+            slow_fill: std::env::var("MOSAICFS_TEST_SLOW_FILL")
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+                .map(std::time::Duration::from_millis),
+            slow_record: std::env::var("MOSAICFS_TEST_SLOW_RECORD")
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+                .map(std::time::Duration::from_millis),
+            group,
+            files: Mutex::new(HashMap::new()),
+            filler: Mutex::new(None),
+            served,
+            left_files: Mutex::new(left.files.clone()),
+            left: Mutex::new(left),
+            stand_ins: Mutex::new(HashMap::new()),
+            resolve: std::sync::OnceLock::new(),
+            handing_over: AtomicBool::new(false),
+            pid: std::process::id() as i32,
+            stats: AccessStats::default(),
+            guardian: Mutex::new(None),
+            started: AtomicBool::new(false),
+        }))
+    }
+
+    /// A new group, checked on a scratch file of the work dir (`work`).
+    fn new_group(work: &std::path::Path) -> std::result::Result<OwnedFd, String> {
         let group = sys::pre_content_group(true).map_err(|e| {
             if e.is(libc::EPERM) {
                 "making a fanotify group needs CAP_SYS_ADMIN (a rootless mount)".to_string()
@@ -106,8 +194,14 @@ impl PreContent {
                 format!("fanotify_init failed: {e}")
             }
         })?;
-        let probe = rustix::fs::openat(
+        let dir = rustix::fs::open(
             work,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(|e| format!("cannot open the work dir: {e}"))?;
+        let probe = rustix::fs::openat(
+            &dir,
             ".",
             rustix::fs::OFlags::TMPFILE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
             rustix::fs::Mode::from_raw_mode(0o600),
@@ -119,36 +213,41 @@ impl PreContent {
             )
         })?;
         let _ = sys::mark_pre_access(group.as_fd(), probe.as_fd(), false);
-        let work = std::fs::read_link(format!("/proc/self/fd/{}", work.as_raw_fd()))
-            .map_err(|e| format!("cannot name the work dir: {e}"))?;
         // A guardian left by a daemon of this work dir that died guards files this mount
         // will serve: its group would refuse their writers. It goes before the mount is up.
-        Guardian::dismiss_stale(&work);
-        Ok(Arc::new(PreContent {
-            work,
-            slow_fill: std::env::var("MOSAICFS_TEST_SLOW_FILL")
-                .ok()
-                .and_then(|ms| ms.parse().ok())
-                .map(std::time::Duration::from_millis),
-            group,
-            files: Mutex::new(HashMap::new()),
-            filler: Mutex::new(None),
-            pid: std::process::id() as i32,
-            stats: AccessStats::default(),
-            guardian: Mutex::new(None),
-            started: AtomicBool::new(false),
-        }))
+        Guardian::dismiss_stale(work);
+        Ok(group)
     }
 
-    /// Starts the reader and filler threads and the guardian (once), for the mount at
-    /// `mountpoint` (mounted by now).
-    pub fn start(self: &Arc<Self>, mountpoint: &std::path::Path) -> Result<()> {
+    /// The group and the table, for the holder to keep (a mount that survives its daemon).
+    pub fn kept(&self) -> Option<(std::os::fd::BorrowedFd<'_>, std::os::fd::BorrowedFd<'_>)> {
+        self.served.as_ref().map(|s| (self.group.as_fd(), s.fd()))
+    }
+
+    /// The work dir's path.
+    pub fn work(&self) -> &std::path::Path {
+        &self.work
+    }
+
+    /// Starts a guardian for the mount at `mountpoint` (mounted by now), unless a holder keeps
+    /// the group (`held`).
+    pub fn guard(&self, mountpoint: &std::path::Path, held: bool) -> Result<()> {
+        let mut guardian = self.guardian.lock().unwrap_or_else(|e| e.into_inner());
+        if !held && guardian.is_none() {
+            *guardian = Some(Guardian::spawn(self.group.as_fd(), &self.work, mountpoint)?);
+        }
+        Ok(())
+    }
+
+    /// Starts the reader and filler threads (once). A daemon that took the mount over first
+    /// answers what the daemon before left (`resolve` opens its files).
+    pub fn start(self: &Arc<Self>, resolve: Resolve) -> Result<()> {
         if self.started.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        *self.guardian.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(Guardian::spawn(self.group.as_fd(), &self.work, mountpoint)?);
-        let (tx, rx) = mpsc::channel::<AccessEvent>();
+        let _ = self.resolve.set(resolve);
+        self.answer_left();
+        let (tx, rx) = mpsc::channel::<InService>();
         *self.filler.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         let me = self.clone();
         std::thread::Builder::new()
@@ -168,13 +267,24 @@ impl PreContent {
     /// Marks the upper file `file` of the partial file `owner`; the mark lasts as long as the
     /// returned guard. `file` must have been opened before (the daemon's own descriptors of
     /// the file raise no events only if they were).
+    /// `number`: the object's, for a daemon that takes the mount over.
     pub fn mark(
         self: &Arc<Self>,
         file: std::os::fd::BorrowedFd<'_>,
         owner: Weak<dyn FillOnAccess>,
+        number: u64,
     ) -> Result<AccessMark> {
         let attr = sys::fstat(file)?;
         let key = (attr.dev, attr.ino);
+        // Recorded before the mark: every event the group raises is of a recorded file.
+        if let Some(served) = &self.served
+            && !served.add_file(key, number)
+        {
+            return Err(Error::with_context(
+                libc::ENFILE,
+                "the table of marked files a next daemon reads is full",
+            ));
+        }
         self.files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -184,6 +294,9 @@ impl PreContent {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&key);
+            if let Some(served) = &self.served {
+                served.remove_file(key);
+            }
             return Err(e);
         }
         Ok(AccessMark {
@@ -192,7 +305,19 @@ impl PreContent {
         })
     }
 
+    /// The daemon is (`true`) or is no longer handing the mount over.
+    pub fn hand_over(&self, on: bool) {
+        self.handing_over.store(on, Ordering::SeqCst);
+    }
+
     fn unmark(&self, key: Key, file: std::os::fd::BorrowedFd<'_>) {
+        if self.handing_over.load(Ordering::SeqCst) {
+            self.files
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+            return;
+        }
         // The mark first: an event raised before it went still finds the file to fill.
         // ENOENT: the kernel dropped it already (the file was removed).
         if let Err(e) = sys::mark_pre_access(self.group.as_fd(), file, false)
@@ -207,6 +332,16 @@ impl PreContent {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&key);
+        if let Some(served) = &self.served {
+            served.remove_file(key);
+        }
+        // Dropped out of the lock: the caller holds the file (it is completing it).
+        let stand_in = self
+            .stand_ins
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+        drop(stand_in);
     }
 
     /// The counters, as `name=N` words (the unmount log line, `mosaicfs status`).
@@ -225,17 +360,66 @@ impl PreContent {
         self.files.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
-    fn answer(&self, ev: &AccessEvent, deny_with: Option<i32>) {
-        if let Err(e) = sys::answer_access(self.group.as_fd(), ev.fd.as_raw_fd(), deny_with) {
+    /// Answers the event, then clears its record, then closes its descriptor: its number is
+    /// handed out again only after its record is gone.
+    fn answer(&self, ev: InService, deny_with: Option<i32>) {
+        if let Err(e) = sys::answer_access(self.group.as_fd(), ev.ev.fd.as_raw_fd(), deny_with) {
             log::error!("answering a pre-content event failed: {e}");
         }
+        if let Some(served) = &self.served {
+            served.answered(ev.rec);
+        }
+    }
+
+    /// Reads a batch of events, each recorded for the next daemon before it is served.
+    fn read_batch(&self, buf: &mut Vec<u8>) -> Result<Vec<InService>> {
+        let Some(served) = &self.served else {
+            let events = sys::read_access_events(self.group.as_fd(), buf)?;
+            return Ok(events
+                .into_iter()
+                .map(|ev| InService {
+                    ev,
+                    rec: Recorded::Not,
+                })
+                .collect());
+        };
+        // Wait first, so that the read below returns at once: events read and not yet
+        // recorded are unknown to a next daemon (served.rs).
+        let mut fds = [rustix::event::PollFd::new(
+            &self.group,
+            rustix::event::PollFlags::IN,
+        )];
+        match rustix::event::poll(&mut fds, None) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+        served.reading(true);
+        let events = sys::read_access_events(self.group.as_fd(), buf);
+        if let Some(pause) = self.slow_record {
+            std::thread::sleep(pause);
+        }
+        let events = events.map(|events| {
+            events
+                .into_iter()
+                .map(|ev| {
+                    let rec = match sys::fstat(ev.fd.as_fd()) {
+                        Ok(a) => served.add_event(ev.fd.as_raw_fd(), (a.dev, a.ino), ev.range),
+                        // No file to name: a next daemon answers it without a fill.
+                        Err(_) => served.add_event(ev.fd.as_raw_fd(), (0, 0), ev.range),
+                    };
+                    InService { ev, rec }
+                })
+                .collect()
+        });
+        served.reading(false);
+        events
     }
 
     /// The reader: answers what needs no fill, hands the rest to the filler.
     fn read_events(&self) {
         let mut buf = Vec::new();
         loop {
-            let events = match sys::read_access_events(self.group.as_fd(), &mut buf) {
+            let events = match self.read_batch(&mut buf) {
                 Ok(events) => events,
                 Err(e) => {
                     log::error!("reading pre-content events failed, stopping: {e}");
@@ -243,9 +427,9 @@ impl PreContent {
                 }
             };
             for ev in events {
-                if ev.pid == self.pid || !self.holds_hole(&ev) {
+                if ev.ev.pid == self.pid || !self.holds_hole(&ev.ev) {
                     self.stats.answered_at_once.fetch_add(1, Ordering::Relaxed);
-                    self.answer(&ev, None);
+                    self.answer(ev, None);
                     continue;
                 }
                 // Filled here when the file's lock is free (no thread switch); a thread that
@@ -261,7 +445,7 @@ impl PreContent {
                     .as_ref()
                     .map(|tx| tx.send(ev));
                 if let Some(Err(mpsc::SendError(ev))) = sent {
-                    self.answer(&ev, Some(libc::EIO));
+                    self.answer(ev, Some(libc::EIO));
                 }
             }
         }
@@ -279,18 +463,126 @@ impl PreContent {
     /// The open partial file an event's descriptor is of, if it is marked.
     fn file_of(&self, ev: &AccessEvent) -> Option<Arc<dyn FillOnAccess>> {
         let a = sys::fstat(ev.fd.as_fd()).ok()?;
+        self.file_by_key((a.dev, a.ino))
+    }
+
+    fn file_by_key(&self, key: Key) -> Option<Arc<dyn FillOnAccess>> {
         self.files
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&(a.dev, a.ino))
+            .get(&key)
             .and_then(Weak::upgrade)
+    }
+
+    /// The open partial file of upper file `key`: this daemon's, or one a daemon before
+    /// marked, opened now by its number (takes the file's lock: never from the reader).
+    /// `None`: not marked (complete). Err: marked, and its file cannot be opened.
+    fn resolve_key(&self, key: Key) -> Result<Option<Arc<dyn FillOnAccess>>> {
+        if let Some(file) = self.file_by_key(key) {
+            return Ok(Some(file));
+        }
+        let number = self
+            .left_files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .copied();
+        let (Some(number), Some(resolve)) = (number, self.resolve.get()) else {
+            return Ok(None);
+        };
+        let file = resolve(number)?;
+        self.left_files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+        match &file {
+            Some(f) => {
+                self.stand_ins
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key, f.clone());
+            }
+            // Complete: the daemon before ended between its unmark and the record's.
+            None => {
+                if let Some(served) = &self.served {
+                    served.remove_file(key);
+                }
+            }
+        }
+        Ok(file)
+    }
+
+    /// Fills and answers what the daemon before left unanswered, before this daemon reads an
+    /// event (a number of its own could equal one of those). With events no slot recorded,
+    /// every marked file is filled whole and every number answered (served.rs).
+    fn answer_left(&self) {
+        let left = std::mem::take(&mut *self.left.lock().unwrap_or_else(|e| e.into_inner()));
+        let Some(served) = &self.served else { return };
+        if left.events.is_empty() && !left.unknown {
+            return;
+        }
+        log::info!(
+            "answering the pre-content events the daemon before left: {}",
+            if left.unknown {
+                format!(
+                    "some unrecorded, so every marked file ({}) is filled first",
+                    left.files.len()
+                )
+            } else {
+                format!("{}", left.events.len())
+            }
+        );
+        let fill = |key: Key, range: Option<(u64, u64)>| -> Result<()> {
+            let Some(file) = self.resolve_key(key)? else {
+                return Ok(());
+            };
+            let (off, len) = range.unwrap_or((0, u64::MAX));
+            file.fill_range(off, len.max(1))
+        };
+        let refusal = |e: &Error| match e.errno() {
+            e @ (libc::ENOSPC | libc::EDQUOT | libc::EPERM | libc::EACCES) => e,
+            _ => libc::EIO,
+        };
+        if left.unknown {
+            let mut deny = None;
+            for &key in left.files.keys() {
+                if let Err(e) = fill(key, None) {
+                    log::error!("filling a partial file whole for the events left failed: {e}");
+                    deny = Some(refusal(&e));
+                }
+            }
+            let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+                .maximum
+                .unwrap_or(1 << 20)
+                .min(1 << 20) as i32;
+            for n in 0..limit {
+                let _ = sys::answer_access(self.group.as_fd(), n, deny);
+            }
+        } else {
+            // Every range first, then every number once: a number answered twice would
+            // answer whatever event holds it next.
+            let mut answers: HashMap<i32, Option<i32>> = HashMap::new();
+            for ev in &left.events {
+                let deny = fill(ev.key, ev.range).err().map(|e| {
+                    log::error!("filling a range for an event left failed: {e}");
+                    refusal(&e)
+                });
+                let slot = answers.entry(ev.fd).or_insert(None);
+                *slot = slot.or(deny);
+            }
+            for (fd, deny) in answers {
+                // ENOENT: answered by the daemon before after all.
+                let _ = sys::answer_access(self.group.as_fd(), fd, deny);
+            }
+        }
+        served.forget_left_events();
     }
 
     /// Fills and answers the event in the reader if its file's lock is free; else gives it
     /// back for the filler.
-    fn try_fill_here(&self, ev: AccessEvent) -> std::result::Result<(), AccessEvent> {
-        let (off, len) = ev.range.unwrap_or((0, 0));
-        let Some(file) = self.file_of(&ev) else {
+    fn try_fill_here(&self, ev: InService) -> std::result::Result<(), InService> {
+        let (off, len) = ev.ev.range.unwrap_or((0, 0));
+        let Some(file) = self.file_of(&ev.ev) else {
             return Err(ev);
         };
         if let Some(pause) = self.slow_fill {
@@ -299,20 +591,20 @@ impl PreContent {
         match file.try_fill_range(off, len.max(1)) {
             None => Err(ev),
             Some(result) => {
-                self.answer_filled(&ev, result);
+                self.answer_filled(ev, result);
                 Ok(())
             }
         }
     }
 
-    fn answer_filled(&self, ev: &AccessEvent, result: Result<()>) {
+    fn answer_filled(&self, ev: InService, result: Result<()>) {
         match result {
             Ok(()) => {
                 self.stats.filled.fetch_add(1, Ordering::Relaxed);
                 self.answer(ev, None);
             }
             Err(e) => {
-                let (off, len) = ev.range.unwrap_or((0, 0));
+                let (off, len) = ev.ev.range.unwrap_or((0, 0));
                 // The errnos a denial may carry (Linux 6.14 `fanotify_is_valid_errno`): a
                 // full disk is ENOSPC to the writer, as a write of its own would be.
                 let errno = match e.errno() {
@@ -322,7 +614,7 @@ impl PreContent {
                 log::error!(
                     "filling {len} bytes at {off} of a partial file for process {} failed, \
                      refused with errno {errno}: {e}",
-                    ev.pid
+                    ev.ev.pid
                 );
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
                 self.answer(ev, Some(errno));
@@ -331,18 +623,23 @@ impl PreContent {
     }
 
     /// The filler: fills the event's range in its partial file, then lets the access go on.
-    fn fill(&self, ev: AccessEvent) {
-        let (off, len) = ev.range.unwrap_or((0, 0));
-        let result = match self.file_of(&ev) {
-            Some(f) => f.fill_range(off, len.max(1)),
+    fn fill(&self, ev: InService) {
+        let (off, len) = ev.ev.range.unwrap_or((0, 0));
+        let file = sys::fstat(ev.ev.fd.as_fd()).and_then(|a| self.resolve_key((a.dev, a.ino)));
+        let result = match file {
+            Ok(Some(f)) => f.fill_range(off, len.max(1)),
             // Unmarked meanwhile: complete, so its holes are the file's own.
-            None => Ok(()),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
         };
-        self.answer_filled(&ev, result);
+        self.answer_filled(ev, result);
     }
 
     /// At unmount, after every mark went: the guardian may go.
     pub fn stop(&self) {
+        let stand_ins =
+            std::mem::take(&mut *self.stand_ins.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(stand_ins);
         if let Some(g) = self
             .guardian
             .lock()
