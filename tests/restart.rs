@@ -1209,6 +1209,28 @@ fn the_biggest_writes_fit_a_workers_pipe() {
     assert!(status.contains("requests read through pipes"), "{status}");
 }
 
+/// A mount in the background of one lower file `f` of `len` bytes of `pattern(.., seed)` whose
+/// write-only writers pass through (`partial_passthrough=on`) and which never completes files
+/// by itself, and such a writer of `f`; `None` where pre-content events cannot be had.
+fn passing_writer(len: usize, seed: u64, env: &[(&str, &str)]) -> Option<(Background, fs::File)> {
+    let m = Background::mount(
+        |l| fs::write(l.join("f"), pattern(len, seed)).unwrap(),
+        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
+        env,
+    );
+    let status = m.status();
+    if !status.contains("partial files' writers: passthrough") {
+        eprintln!("skipped: no pre-content events here: {status}");
+        return None;
+    }
+    assert!(status.contains("restart: yes"), "{status}");
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    Some((m, f))
+}
+
 /// A partial file's writer passing through to the upper file (`partial_passthrough`): a write
 /// that waits on its pre-content event as the daemon is killed goes on once the next daemon
 /// filled its block; a later write into a hole is filled by that daemon, which never opened
@@ -1219,22 +1241,10 @@ fn the_biggest_writes_fit_a_workers_pipe() {
 fn a_partial_files_writer_passing_through_outlives_a_kill_and_an_upgrade() {
     use std::os::unix::fs::FileExt;
     let len = 8 << 20;
-    let m = Background::mount(
-        |l| fs::write(l.join("f"), pattern(len, 6)).unwrap(),
-        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
-        // Each fill the reader makes waits 1.5 s first: the kill lands while a write waits.
-        &[("MOSAICFS_TEST_SLOW_FILL", "1500")],
-    );
-    let status = m.status();
-    if !status.contains("partial files' writers: passthrough") {
-        eprintln!("skipped: no pre-content events here: {status}");
+    // Each fill the reader makes waits 1.5 s first: the kill lands while a write waits.
+    let Some((m, f)) = passing_writer(len, 6, &[("MOSAICFS_TEST_SLOW_FILL", "1500")]) else {
         return;
-    }
-    assert!(status.contains("restart: yes"), "{status}");
-    let f = fs::OpenOptions::new()
-        .write(true)
-        .open(m.path("f"))
-        .unwrap();
+    };
     let mut want = pattern(len, 6);
     let write = |want: &mut Vec<u8>, f: &fs::File, bytes: &[u8], off: usize| {
         f.write_all_at(bytes, off as u64).unwrap();
@@ -1295,20 +1305,9 @@ fn a_partial_files_writer_passing_through_outlives_a_kill_and_an_upgrade() {
 fn an_event_read_and_not_recorded_by_a_killed_daemon_is_answered_by_the_next() {
     use std::os::unix::fs::FileExt;
     let len = 4 << 20;
-    let m = Background::mount(
-        |l| fs::write(l.join("f"), pattern(len, 9)).unwrap(),
-        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
-        &[("MOSAICFS_TEST_SLOW_RECORD", "1500")],
-    );
-    let status = m.status();
-    if !status.contains("partial files' writers: passthrough") {
-        eprintln!("skipped: no pre-content events here: {status}");
+    let Some((m, f)) = passing_writer(len, 9, &[("MOSAICFS_TEST_SLOW_RECORD", "1500")]) else {
         return;
-    }
-    let f = fs::OpenOptions::new()
-        .write(true)
-        .open(m.path("f"))
-        .unwrap();
+    };
     let waiting = {
         let f = f.try_clone().unwrap();
         std::thread::spawn(move || f.write_all_at(b"waits", (2 << 20) + 3))
@@ -1340,20 +1339,9 @@ fn an_event_read_and_not_recorded_by_a_killed_daemon_is_answered_by_the_next() {
 #[test]
 fn a_holder_that_gives_up_guards_the_writers_passing_through() {
     use std::os::unix::fs::FileExt;
-    let m = Background::mount(
-        |l| fs::write(l.join("f"), pattern(2 << 20, 4)).unwrap(),
-        "complete_after=0,complete_ratio=0,copy_whole=0,partial_passthrough=on",
-        &[],
-    );
-    let status = m.status();
-    if !status.contains("partial files' writers: passthrough") {
-        eprintln!("skipped: no pre-content events here: {status}");
+    let Some((m, f)) = passing_writer(2 << 20, 4, &[]) else {
         return;
-    }
-    let f = fs::OpenOptions::new()
-        .write(true)
-        .open(m.path("f"))
-        .unwrap();
+    };
     f.write_all_at(b"filled", 5).unwrap();
     let (holder, daemon) = (m.holder(), m.daemon());
     let upper = m.dir.path().join("u");
