@@ -638,6 +638,12 @@ impl Overlay {
             }
         };
         match available {
+            // The group a holder kept carries marks whose accesses wait for this daemon: it
+            // cannot serve the mount without it (the holder tries again, then gives up and
+            // guards the group).
+            Err(why) if config.precontent_kept.is_some() => Err(crate::message!(
+                "cannot take over the pre-content events the daemon before served: {why}"
+            )),
             Err(why) if config.partial_passthrough == Switch::On => Err(crate::message!(
                 "partial_passthrough=on, but writers of partial files cannot pass through \
                  here: {why}; mount with partial_passthrough=auto to serve them through the \

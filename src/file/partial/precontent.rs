@@ -140,7 +140,8 @@ impl PreContent {
         inherited: Option<(OwnedFd, OwnedFd)>,
         survives: bool,
     ) -> std::result::Result<Arc<PreContent>, String> {
-        let work = std::fs::read_link(format!("/proc/self/fd/{}", work.as_raw_fd()))
+        let dir = work;
+        let work = std::fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))
             .map_err(|e| format!("cannot name the work dir: {e}"))?;
         let (group, served, left) = match inherited {
             Some((group, table)) => {
@@ -149,7 +150,7 @@ impl PreContent {
                 (group, Some(served), left)
             }
             None => {
-                let group = Self::new_group(&work)?;
+                let group = Self::new_group(dir, &work)?;
                 let served = survives
                     .then(Served::create)
                     .transpose()
@@ -183,8 +184,11 @@ impl PreContent {
         }))
     }
 
-    /// A new group, checked on a scratch file of the work dir (`work`).
-    fn new_group(work: &std::path::Path) -> std::result::Result<OwnedFd, String> {
+    /// A new group, checked on a scratch file of the work dir (`dir`, at `work`).
+    fn new_group(
+        dir: std::os::fd::BorrowedFd<'_>,
+        work: &std::path::Path,
+    ) -> std::result::Result<OwnedFd, String> {
         let group = sys::pre_content_group(true).map_err(|e| {
             if e.is(libc::EPERM) {
                 "making a fanotify group needs CAP_SYS_ADMIN (a rootless mount)".to_string()
@@ -194,14 +198,8 @@ impl PreContent {
                 format!("fanotify_init failed: {e}")
             }
         })?;
-        let dir = rustix::fs::open(
-            work,
-            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .map_err(|e| format!("cannot open the work dir: {e}"))?;
         let probe = rustix::fs::openat(
-            &dir,
+            dir,
             ".",
             rustix::fs::OFlags::TMPFILE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
             rustix::fs::Mode::from_raw_mode(0o600),
