@@ -780,6 +780,26 @@ impl Overlay {
                  processes that hold them; try again once they are closed"
             ));
         }
+        if self.precontent_kept().is_some() {
+            match crate::takeover::takes_over_events(binary) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(crate::message!(
+                        "'{}' does not take over the pre-content events of this mount's \
+                         writers passing through (a binary from before 2026-12-01): they would \
+                         wait for good; upgrade to a newer binary, or unmount the mount first",
+                        binary.display()
+                    ));
+                }
+                Err(e) => {
+                    return Err(crate::message!(
+                        "cannot read '{}' to check that it takes over the pre-content events of \
+                         this mount's writers passing through: {e}",
+                        binary.display()
+                    ));
+                }
+            }
+        }
         match self.handover.get() {
             Some(f) => {
                 // Writers passing through stay: their marks go to the next daemon.

@@ -81,6 +81,30 @@ const TAKEOVER_ARENA_ENV: &str = "MOSAICFS_TAKEOVER_ARENA";
 /// The pre-content group's and table's descriptors the holder hands a daemon, if any, as
 /// `GROUP,TABLE` (file/partial/served.rs).
 const TAKEOVER_EVENTS_ENV: &str = "MOSAICFS_TAKEOVER_EVENTS";
+/// Whether the binary at `path` takes over the pre-content group a holder keeps: it names
+/// `TAKEOVER_EVENTS_ENV` (a binary from before does not, and would leave the writers waiting on
+/// the kept group's events for good).
+pub fn takes_over_events(path: &Path) -> std::io::Result<bool> {
+    use std::io::Read;
+    let needle = TAKEOVER_EVENTS_ENV.as_bytes();
+    let mut file = std::fs::File::open(path)?;
+    let mut buf = vec![0u8; 1 << 20];
+    // The last bytes of each read are kept for the next: the name may straddle two reads.
+    let mut kept = 0;
+    loop {
+        let n = file.read(&mut buf[kept..])?;
+        if n == 0 {
+            return Ok(false);
+        }
+        let end = kept + n;
+        if buf[..end].windows(needle.len()).any(|w| w == needle) {
+            return Ok(true);
+        }
+        kept = (needle.len() - 1).min(end);
+        buf.copy_within(end - kept..end, 0);
+    }
+}
+
 /// What a holder starts from (hex fields, see `holder_main`).
 const HOLDER_ENV: &str = "MOSAICFS_HOLDER";
 /// This many daemons in a row that exit with an error before `GOOD_AFTER` and the holder gives
@@ -889,6 +913,23 @@ fn decode(value: &OsStr) -> Vec<OsString> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_binary_is_searched_for_the_events_variable_across_its_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bin");
+        let name = TAKEOVER_EVENTS_ENV.as_bytes();
+        // Straddling the first read's end, then nowhere.
+        let mut bytes = vec![0u8; (1 << 20) - 5];
+        bytes.extend_from_slice(name);
+        bytes.extend_from_slice(&[0u8; 100]);
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(takes_over_events(&path).unwrap());
+        bytes.truncate((1 << 20) - 5 + name.len() - 1);
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(!takes_over_events(&path).unwrap());
+        assert!(takes_over_events(&dir.path().join("none")).is_err());
+    }
 
     #[test]
     fn fields_survive_the_environment() {

@@ -1271,6 +1271,24 @@ fn a_partial_files_writer_passing_through_outlives_a_kill_and_an_upgrade() {
     // Into a hole, through the descriptor opened before the kill: an event on a file the new
     // daemon never opened.
     write(&mut want, &f, b"later", (6 << 20) + 1);
+    // A binary that answers as mosaicfs does but cannot take the group over is refused.
+    let old = m.dir.path().join("old-mosaicfs");
+    fs::write(&old, "#!/bin/sh\necho mosaicfs 0.1.0\n").unwrap();
+    fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = {
+        let _forking = forking();
+        Command::new(BIN)
+            .args(["upgrade", "--binary"])
+            .arg(&old)
+            .arg(&m.mnt)
+            .output()
+            .unwrap()
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("does not take over the pre-content events"),
+        "{err}"
+    );
     let out = run(Command::new(BIN).arg("upgrade").arg(&m.mnt));
     assert!(out.contains("took over from pid"), "{out}");
     write(&mut want, &f, b"after the upgrade", (7 << 20) + 4000);
