@@ -68,7 +68,8 @@ impl Before {
 }
 
 pub struct Ledger {
-    words: *const AtomicU64,
+    /// The words, reached only through atomics.
+    map: crate::sys::SharedMap,
     _file: OwnedFd,
     /// Where the search for a free word starts.
     next: AtomicUsize,
@@ -79,20 +80,12 @@ pub struct Ledger {
     before: Option<HashMap<u64, Inherited>>,
 }
 
-// SAFETY: the mapping is only reached through atomics, and lives as long as the ledger.
-unsafe impl Send for Ledger {}
-unsafe impl Sync for Ledger {}
-
-impl Drop for Ledger {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `open`, of `SIZE` bytes; no `Slot` outlives the ledger.
-        unsafe {
-            let _ = rustix::mm::munmap(self.words as *mut _, SIZE);
-        }
-    }
-}
-
 impl Ledger {
+    /// The first word of the page.
+    fn words(&self) -> *const AtomicU64 {
+        self.map.ptr() as *const AtomicU64
+    }
+
     /// The ledger file `FILE` in directory `dir`: read for what the daemon before left
     /// (`took_over`), then emptied for this daemon.
     pub fn open(dir: impl AsFd, took_over: bool) -> std::io::Result<Ledger> {
@@ -118,7 +111,8 @@ impl Ledger {
             rustix::fs::fdatasync(&file)?;
         }
         // Reached only through the atomics below.
-        let words = crate::sys::map_shared(file.as_fd(), SIZE)? as *const AtomicU64;
+        let map = crate::sys::map_shared(file.as_fd(), SIZE)?;
+        let words = map.ptr() as *const AtomicU64;
         let mut before: HashMap<u64, Inherited> = HashMap::new();
         for i in 0..WORDS {
             // SAFETY: `i` and its notes are inside the mapping; AtomicU64 has u64's layout, and
@@ -159,7 +153,7 @@ impl Ledger {
             }
         }
         Ok(Ledger {
-            words,
+            map,
             _file: file,
             next: AtomicUsize::new(0),
             before: (kept || !took_over).then_some(before),
@@ -201,7 +195,7 @@ impl Ledger {
         // taken); else a free one.
         let claim = |i: usize, from: u64| {
             // SAFETY: `i` is inside the mapping.
-            let word = unsafe { &*self.words.add(i) };
+            let word = unsafe { &*self.words().add(i) };
             word.compare_exchange(from, number | state, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
                 .then_some((i, word))
@@ -212,7 +206,7 @@ impl Ledger {
             .or_else(|| (0..WORDS).find_map(|k| claim((start + k) % WORDS, 0)));
         if let Some((i, word)) = found {
             // SAFETY: the notes of word `i`, inside the mapping.
-            let notes = unsafe { &*(self.words.add(note_at(i)) as *const [AtomicU64; 2]) };
+            let notes = unsafe { &*(self.words().add(note_at(i)) as *const [AtomicU64; 2]) };
             let slot = Slot {
                 word: Some((word, notes)),
                 number,

@@ -200,10 +200,40 @@ pub fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> Result<Option<Attr>> {
     }
 }
 
-/// A shared read-write mapping of the first `len` bytes of `file` (the file is at least that
+/// A shared read-write mapping of the first `len` bytes of a file (the file is at least that
 /// long): what a process stores there is in the file as soon as it is stored, so that a
-/// process killed next leaves it to whoever maps the file after it. The caller unmaps it.
-pub fn map_shared(file: BorrowedFd<'_>, len: usize) -> std::io::Result<*mut u8> {
+/// process killed next leaves it to whoever maps the file after it. Unmapped when dropped.
+/// Its owners reach the bytes through `ptr`, with the discipline each states (atomics, or a
+/// lock of their own), and must not keep a pointer past the owner.
+pub struct SharedMap {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory, valid until drop; every access goes through `ptr` in an
+// unsafe block of its owner, which says how concurrent accesses are kept apart.
+unsafe impl Send for SharedMap {}
+unsafe impl Sync for SharedMap {}
+
+impl SharedMap {
+    /// Where the mapping starts.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for SharedMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `map_shared` made, of `len` bytes; its owner keeps no pointer
+        // into it past this.
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// Maps the first `len` bytes of `file` shared (`SharedMap`).
+pub fn map_shared(file: BorrowedFd<'_>, len: usize) -> std::io::Result<SharedMap> {
     // SAFETY: a fresh mapping at an address the kernel picks, overlapping nothing of Rust's.
     let map = unsafe {
         rustix::mm::mmap(
@@ -215,7 +245,10 @@ pub fn map_shared(file: BorrowedFd<'_>, len: usize) -> std::io::Result<*mut u8> 
             0,
         )?
     };
-    Ok(map.cast())
+    Ok(SharedMap {
+        ptr: map.cast(),
+        len,
+    })
 }
 
 pub fn fstat(fd: BorrowedFd<'_>) -> Result<Attr> {

@@ -93,25 +93,12 @@ struct Free {
 /// The shared memory of a mount's pending blocks.
 pub struct Arena {
     file: OwnedFd,
-    map: *mut u8,
+    /// A slot's bytes are reached only by the file that holds the slot, under that file's
+    /// lock, and the state words through atomics.
+    map: crate::sys::SharedMap,
     layout: Layout,
     /// Taken briefly to hand out or take back a slot, and to give pages back.
     free: Mutex<Free>,
-}
-
-// SAFETY: the mapping lives as long as the arena; a slot's bytes are reached only by the file
-// that holds the slot, under that file's lock, and the state words through atomics.
-unsafe impl Send for Arena {}
-unsafe impl Sync for Arena {}
-
-impl Drop for Arena {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made by `map`, of `layout.len` bytes; no slot outlives the arena
-        // (each holds an `Arc` of it).
-        unsafe {
-            let _ = rustix::mm::munmap(self.map.cast(), self.layout.len);
-        }
-    }
 }
 
 impl Arena {
@@ -171,7 +158,7 @@ impl Arena {
         Ok(Arena::from_parts(file, map, layout))
     }
 
-    fn from_parts(file: OwnedFd, map: *mut u8, layout: Layout) -> Arena {
+    fn from_parts(file: OwnedFd, map: crate::sys::SharedMap, layout: Layout) -> Arena {
         Arena {
             file,
             map,
@@ -209,18 +196,22 @@ impl Arena {
         debug_assert!(slot < self.layout.slots);
         // SAFETY: the record of a slot inside the mapping, 64-byte aligned (the mapping is
         // page-aligned, PAGE and `record` are multiples of 64); AtomicU64 has u64's layout.
-        unsafe { &*(self.map.add(PAGE + slot * self.layout.record) as *const AtomicU64) }
+        unsafe { &*(self.map.ptr().add(PAGE + slot * self.layout.record) as *const AtomicU64) }
     }
 
     /// Word `i` (1..4) of a slot's record, or of its written bits (4..).
     fn word(&self, slot: usize, i: usize) -> *mut u64 {
         // SAFETY: inside the slot's record (`RECORD_HEAD` + the bits, within `record`).
-        unsafe { (self.map.add(PAGE + slot * self.layout.record) as *mut u64).add(i) }
+        unsafe { (self.map.ptr().add(PAGE + slot * self.layout.record) as *mut u64).add(i) }
     }
 
     fn data(&self, slot: usize) -> *mut u8 {
         // SAFETY: slot `slot`'s block, inside the mapping.
-        unsafe { self.map.add(self.layout.data_at + slot * self.layout.block) }
+        unsafe {
+            self.map
+                .ptr()
+                .add(self.layout.data_at + slot * self.layout.block)
+        }
     }
 
     /// A free slot for block `block` of `owner`'s file, with nothing written in it; `None`

@@ -74,21 +74,9 @@ struct Slots {
 
 pub struct Served {
     file: OwnedFd,
-    words: *const AtomicU64,
+    /// The words, each reached through an atomic.
+    map: crate::sys::SharedMap,
     slots: Mutex<Slots>,
-}
-
-// SAFETY: the mapping lives as long as `Served`; every word is reached through an atomic.
-unsafe impl Send for Served {}
-unsafe impl Sync for Served {}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        // SAFETY: the mapping `map` made, of `LEN` bytes; nothing borrows it past `self`.
-        unsafe {
-            let _ = rustix::mm::munmap(self.words as *mut _, LEN);
-        }
-    }
 }
 
 impl Served {
@@ -176,10 +164,10 @@ impl Served {
     }
 
     fn map(file: OwnedFd) -> std::io::Result<Served> {
-        let words = crate::sys::map_shared(file.as_fd(), LEN)? as *const AtomicU64;
+        let map = crate::sys::map_shared(file.as_fd(), LEN)?;
         Ok(Served {
             file,
-            words,
+            map,
             slots: Mutex::new(Slots {
                 files: HashMap::new(),
                 free_files: (0..FILES).rev().collect(),
@@ -191,7 +179,7 @@ impl Served {
     fn word(&self, i: usize) -> &AtomicU64 {
         debug_assert!(i < WORDS);
         // SAFETY: `i` is within the mapping, which lives as long as `self`, and is aligned.
-        unsafe { &*self.words.add(i) }
+        unsafe { &*(self.map.ptr() as *const AtomicU64).add(i) }
     }
 
     fn event_word(&self, slot: usize, k: usize) -> &AtomicU64 {
