@@ -14,6 +14,7 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::fuse::MosaicFs;
 use crate::layers::{LayerStack, MemorySpec};
+use crate::memory_upper::ChangeLogPlace;
 use crate::options::{self, Command, Options};
 use crate::overlay::{Config, Overlay};
 
@@ -283,9 +284,11 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         }
     };
     raise_nofile_limit();
+    let mut inherited = inherited;
     let memory_spec = (opts.upper_kind == options::UpperKind::Memory).then(|| MemorySpec {
         filestore: opts.filestore.clone().unwrap_or_default(),
         size_limit: opts.size_limit,
+        change_log: change_log_place(&opts, inherited.as_mut()),
     });
     let mut layers = LayerStack::open(
         &opts.lowerdirs,
@@ -304,14 +307,16 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         None if opts.restart == options::Switch::On && opts.uring == options::Uring::Auto => false,
         None => use_uring(&opts, &layers)?,
     };
-    let restart = crate::takeover::plan(&opts, uring);
+    let change_log = memory_spec
+        .as_ref()
+        .is_some_and(|s| !matches!(s.change_log, ChangeLogPlace::Off));
+    let restart = crate::takeover::plan(&opts, uring, change_log);
     if let (Err(why), options::Switch::On) = (&restart, opts.restart) {
         return Err(crate::message!(
             "restart=on: this mount cannot survive its daemon: {why}"
         ));
     }
     let mut config = Config::from_options(&opts);
-    let mut inherited = inherited;
     config.pending_arena = inherited
         .as_mut()
         .and_then(|i| i.arena.take())
@@ -407,6 +412,7 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                     let w = crate::takeover::split_off_holder(
                         std::os::fd::AsFd::as_fd(&started.session),
                         started.overlay.pending_arena(),
+                        change_log_fd(&started.overlay),
                         held_events(&started.overlay, &opts).as_ref(),
                         &init,
                         &started_as.0,
@@ -439,6 +445,12 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
         // Records of removed files of a mount before this one: its daemons are gone with it.
         started.overlay.clear_orphans();
     }
+    if !opts.read_only {
+        started.overlay.empty_memory_work(takeovers > 0);
+        if takeovers > 0 {
+            started.overlay.note_left_records();
+        }
+    }
     started.overlay.start_request_records();
     if channel.is_some() {
         started.overlay.start_alias_records();
@@ -466,6 +478,8 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
                     arena: started
                         .overlay
                         .pending_arena()
+                        .and_then(|a| a.try_clone_to_owned().ok()),
+                    changes: change_log_fd(&started.overlay)
                         .and_then(|a| a.try_clone_to_owned().ok()),
                     events: held_events(&started.overlay, &opts),
                     takeovers,
@@ -497,6 +511,31 @@ fn mount(opts: Options, started_as: (std::path::PathBuf, Vec<OsString>)) -> Resu
 }
 
 /// The pre-content group and table for the mount's holder to keep, if this mount has them.
+/// Whether a memory upper keeps a change log for the daemon that takes the mount over after a
+/// crash (memory_upper/changes.rs): the one the holder kept (`inherited`), else a new one —
+/// none where no daemon will take over, nor when a holder of a binary from before keeps none.
+fn change_log_place(
+    opts: &Options,
+    inherited: Option<&mut crate::takeover::Inherited>,
+) -> ChangeLogPlace {
+    let survives = opts.restart != options::Switch::Off
+        && !opts.foreground
+        && opts.filestore != Some(options::FilestorePlace::Anonymous);
+    match inherited {
+        _ if !survives => ChangeLogPlace::Off,
+        Some(i) => i
+            .changes
+            .take()
+            .map_or(ChangeLogPlace::Off, |fd| ChangeLogPlace::Kept(Arc::new(fd))),
+        None => ChangeLogPlace::New,
+    }
+}
+
+/// The memory upper's change log, for the holder to keep.
+fn change_log_fd(overlay: &Overlay) -> Option<std::os::fd::BorrowedFd<'_>> {
+    overlay.layers().memory.as_ref()?.change_log()
+}
+
 fn held_events(overlay: &Overlay, opts: &Options) -> Option<crate::takeover::HeldEvents> {
     let (group, table) = overlay.precontent_kept()?;
     let held = crate::takeover::HeldEvents {

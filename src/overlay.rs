@@ -25,6 +25,7 @@ mod sources;
 mod upper_meta;
 
 pub use attr::SetAttr;
+pub(crate) use by_number::memory_orphan_name;
 pub(crate) use metacopy::parse_metacopy;
 pub use namei::Redirect;
 pub(crate) use namei::origin_number;
@@ -229,6 +230,11 @@ pub struct Overlay {
     /// The work dir's orphans directory, where a mount that survives its daemon records the
     /// removed objects still open (by_number.rs), once opened; `None` where it cannot be.
     pub(crate) orphans: std::sync::OnceLock<Option<Arc<OwnedFd>>>,
+    /// Node ids whose records of removed files earlier daemons left, which this daemon has
+    /// not found yet: a FORGET of one it never found removes the record (by_number.rs,
+    /// `note_left_records`).
+    pub(crate) left_records: std::sync::Mutex<std::collections::HashSet<Ino>>,
+    pub(crate) records_left: std::sync::atomic::AtomicBool,
     /// What this daemon does of the requests that change the tree, for the next daemon
     /// (resend.rs), where the mount survives its daemon and has a work dir.
     pub(crate) requests: std::sync::OnceLock<crate::resend::Ledger>,
@@ -414,6 +420,8 @@ impl Overlay {
             lineage: Default::default(),
             handover: Default::default(),
             orphans: Default::default(),
+            left_records: Default::default(),
+            records_left: Default::default(),
             requests: Default::default(),
             layers,
         })
@@ -498,6 +506,11 @@ impl Overlay {
 
     /// The kernel forgot `n` lookups of `ino`.
     pub fn forget(&self, ino: Ino, n: u64) {
+        if self.records_left.load(std::sync::atomic::Ordering::Relaxed)
+            && self.inodes.get(ino).is_none()
+        {
+            self.forget_left_record(ino);
+        }
         self.inodes.forget(ino, n);
     }
 
@@ -770,16 +783,6 @@ impl Overlay {
 
     /// Has the holder start the daemon at `binary` in this one's place; this one stops serving.
     pub fn hand_over(&self, binary: &Path) -> Result<()> {
-        let pinned = self.pins.load(std::sync::atomic::Ordering::Relaxed);
-        if self.layers.memory.is_some() && pinned > 0 {
-            // The next daemon finds upper objects by their names or the work dir's records,
-            // and an object of a memory upper that lost its last name has neither.
-            return Err(crate::message!(
-                "{pinned} file(s) of the memory upper were removed while open, and live only \
-                 in this daemon until they are closed: upgrading now would take them from the \
-                 processes that hold them; try again once they are closed"
-            ));
-        }
         if self.precontent_kept().is_some() {
             match crate::takeover::takes_over_events(binary) {
                 Ok(true) => {}
@@ -1206,6 +1209,8 @@ impl Overlay {
         {
             return;
         }
+        // Files removed while open are found by the next daemon through their records.
+        crate::inode::keep_orphan_records();
         self.stop_threads();
         // Pending copy-after-write blocks go to disk before the daemon exits.
         let files = self

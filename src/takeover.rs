@@ -28,6 +28,10 @@
 //!   marks stay and accesses of holes wait, and a table of the marked files and the events in
 //!   service (file/partial/served.rs), which the new daemon fills and answers before it reads
 //!   an event itself (`Overlay::serve_precontent`);
+//! - a memory upper's tree as it was at the last change: the image and journal hold it as of
+//!   the last fsync, and a change log in a memfd the holder keeps holds the rest, which the
+//!   new daemon applies as it opens the layer (memory_upper/changes.rs); a file of the layer
+//!   removed while open keeps a name in the layer's work root until the kernel forgets it;
 //!
 //! A request in flight when the old daemon died is served again from the start. Reads and
 //! writes at an offset are the same again, and an append goes where the kernel put it the
@@ -46,10 +50,11 @@
 //! registrations to the kernel (an OPEN answered just before names one).
 //!
 //! Where it is not done: `-f` (the daemon is whoever supervises it), io_uring (a queue's
-//! entries belong to the ring of the daemon that made them), a memory upper that dies (its
-//! tree lives in the daemon until an fsync: only a daemon that hands over is followed, see
-//! `Survival`), and a mount without a work dir whose files pass through (no place for the
-//! records). `restart=` and docs/ROBUSTNESS.md.
+//! entries belong to the ring of the daemon that made them), a memory upper whose filestore
+//! is in memory too (the layer lives only in its daemon) or whose holder keeps no change log
+//! (a binary from before: only a daemon that hands over is followed, see `Survival`), and a
+//! mount without a work dir whose files pass through (no place for the records). `restart=`
+//! and docs/ROBUSTNESS.md.
 //!
 //! A holder that ends with no daemon after the last, which did not exit cleanly, becomes the
 //! pre-content guardian if it keeps the group (`Holder::end`).
@@ -81,6 +86,9 @@ const TAKEOVER_ARENA_ENV: &str = "MOSAICFS_TAKEOVER_ARENA";
 /// The pre-content group's and table's descriptors the holder hands a daemon, if any, as
 /// `GROUP,TABLE` (file/partial/served.rs).
 const TAKEOVER_EVENTS_ENV: &str = "MOSAICFS_TAKEOVER_EVENTS";
+/// The descriptor of a memory upper's change log the holder hands a daemon, if any
+/// (memory_upper/changes.rs).
+const TAKEOVER_CHANGES_ENV: &str = "MOSAICFS_TAKEOVER_CHANGES";
 /// Whether the binary at `path` takes over the pre-content group a holder keeps: it names
 /// `TAKEOVER_EVENTS_ENV` (a binary from before does not, and would leave the writers waiting on
 /// the kept group's events for good).
@@ -127,9 +135,13 @@ pub enum Survival {
 }
 
 /// Whether a mount with these options can survive its daemon, decided before it is mounted
-/// (`uring`: requests will come over io_uring). The kernel's part (FUSE_NOTIFY_RESEND) is
-/// known only after INIT.
-pub fn plan(opts: &Options, uring: bool) -> std::result::Result<Survival, String> {
+/// (`uring`: requests will come over io_uring; `change_log`: a memory upper keeps one). The
+/// kernel's part (FUSE_NOTIFY_RESEND) is known only after INIT.
+pub fn plan(
+    opts: &Options,
+    uring: bool,
+    change_log: bool,
+) -> std::result::Result<Survival, String> {
     let why = if opts.restart == Switch::Off {
         "restart=off"
     } else if opts.foreground {
@@ -146,11 +158,13 @@ pub fn plan(opts: &Options, uring: bool) -> std::result::Result<Survival, String
         && opts.filestore == Some(FilestorePlace::Anonymous)
     {
         "upper=memory with filestore=memory: the layer lives only in its daemon"
-    } else if opts.upper_kind == UpperKind::Memory {
+    } else if opts.upper_kind == UpperKind::Memory && !change_log {
         // A daemon that hands over writes the tree's last changes to the journal first
         // (overlay.rs, at the end of serving), and the next one reads them back; one that
-        // dies takes with it what it changed since the last fsync.
-        let why = "upper=memory keeps the layer's tree in the daemon until an fsync";
+        // dies without a change log the holder keeps (memory_upper/changes.rs) takes with it
+        // what it changed since the last fsync.
+        let why = "upper=memory: the mount's holder keeps no change log of the tree (it runs \
+                   a binary from before 2026-12-01)";
         if opts.restart == Switch::On {
             return Err(format!(
                 "{why} (without restart=on such a mount is still upgraded in place)"
@@ -177,6 +191,8 @@ pub struct Inherited {
     pub arena: Option<OwnedFd>,
     /// The pre-content group and its table (file/partial/served.rs), if the holder keeps them.
     pub events: Option<(OwnedFd, OwnedFd)>,
+    /// A memory upper's change log (memory_upper/changes.rs), if the holder keeps one.
+    pub changes: Option<OwnedFd>,
 }
 
 impl Inherited {
@@ -196,10 +212,12 @@ impl Inherited {
         // Its own variable, which a binary from before it ignores (a downgrade still starts).
         let arena = std::env::var_os(TAKEOVER_ARENA_ENV);
         let events = std::env::var_os(TAKEOVER_EVENTS_ENV);
+        let changes = std::env::var_os(TAKEOVER_CHANGES_ENV);
         // SAFETY: as above.
         unsafe {
             std::env::remove_var(TAKEOVER_ARENA_ENV);
             std::env::remove_var(TAKEOVER_EVENTS_ENV);
+            std::env::remove_var(TAKEOVER_CHANGES_ENV);
         }
         let number = |f: &OsString| f.to_str().and_then(|s| s.parse::<i32>().ok());
         let fd = |f: &OsString| number(f).and_then(crate::sys::inherited_fd);
@@ -209,15 +227,21 @@ impl Inherited {
             return Err(bad());
         };
         let arena = arena.as_ref().and_then(fd);
+        let changes = changes.as_ref().and_then(fd);
         let events = events.as_ref().and_then(|v| {
             let (g, t) = v.to_str()?.split_once(',')?;
             let fd = |n: &str| n.parse().ok().and_then(crate::sys::inherited_fd);
             Some((fd(g)?, fd(t)?))
         });
-        for fd in [Some(&fuse), Some(&channel), arena.as_ref()]
-            .into_iter()
-            .chain(events.iter().flat_map(|(g, t)| [Some(g), Some(t)]))
-            .flatten()
+        for fd in [
+            Some(&fuse),
+            Some(&channel),
+            arena.as_ref(),
+            changes.as_ref(),
+        ]
+        .into_iter()
+        .chain(events.iter().flat_map(|(g, t)| [Some(g), Some(t)]))
+        .flatten()
         {
             let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
         }
@@ -228,6 +252,7 @@ impl Inherited {
             init: init.as_bytes().to_vec(),
             arena,
             events,
+            changes,
         }))
     }
 }
@@ -297,6 +322,7 @@ impl Channel {
 pub fn split_off_holder(
     fuse: BorrowedFd<'_>,
     arena: Option<BorrowedFd<'_>>,
+    changes: Option<BorrowedFd<'_>>,
     events: Option<&HeldEvents>,
     init: &[u8],
     binary: &Path,
@@ -313,10 +339,10 @@ pub fn split_off_holder(
     // else the daemon had open (the layers, the work dir's lock, the control socket).
     let fuse = keep_across_exec(fuse);
     let channel = keep_across_exec(r.as_fd());
-    let arena = arena.map(keep_across_exec);
+    let memfds = [arena.map(keep_across_exec), changes.map(keep_across_exec)];
     let events = events.map(|e| e.keep_across_exec());
     use std::os::unix::process::CommandExt;
-    let err = holder_command(fuse, channel, arena, events, daemon, 0, binary, init, args).exec();
+    let err = holder_command(fuse, channel, memfds, events, daemon, 0, binary, init, args).exec();
     // The daemon serves on; it just will not be restarted.
     log::error!("cannot start the mount's holder: {err}; the mount ends with its daemon");
     std::process::exit(0);
@@ -362,14 +388,14 @@ impl EventsAcrossExec<'_> {
     }
 }
 
-/// How a holder is started: the connection's, the pipe's, the pending blocks' and the
-/// pre-content group's descriptor numbers (open across the exec), the daemon it waits for and
-/// how many served before it, and how to start the next one.
+/// How a holder is started: the connection's, the pipe's, the pending blocks' and change
+/// log's (`memfds`) and the pre-content group's descriptor numbers (open across the exec), the
+/// daemon it waits for and how many served before it, and how to start the next one.
 #[allow(clippy::too_many_arguments)]
 fn holder_command(
     fuse: i32,
     channel: i32,
-    arena: Option<i32>,
+    memfds: [Option<i32>; 2],
     events: Option<EventsAcrossExec<'_>>,
     daemon: i32,
     takeovers: u32,
@@ -384,7 +410,7 @@ fn holder_command(
         binary.as_os_str().to_owned(),
         OsString::from_vec(init.to_vec()),
         takeovers.to_string().into(),
-        arena.map_or(OsString::new(), |fd| fd.to_string().into()),
+        memfds[0].map_or(OsString::new(), |fd| fd.to_string().into()),
     ];
     match &events {
         Some(e) => fields.extend([
@@ -400,6 +426,7 @@ fn holder_command(
             OsString::new(),
         ]),
     }
+    fields.push(memfds[1].map_or(OsString::new(), |fd| fd.to_string().into()));
     fields.extend(args.iter().cloned());
     use std::os::unix::process::CommandExt;
     let mut command = std::process::Command::new("/proc/self/exe");
@@ -418,6 +445,8 @@ pub struct HolderSpec {
     pub fuse: OwnedFd,
     /// The memfd of copy-after-write's pending blocks, if the mount has one.
     pub arena: Option<OwnedFd>,
+    /// The memory upper's change log, if the mount has one.
+    pub changes: Option<OwnedFd>,
     /// The pre-content group and table, if the mount serves partial files so.
     pub events: Option<HeldEvents>,
     /// Daemons before this one.
@@ -490,13 +519,14 @@ fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
     let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     let fuse = keep_across_exec(spec.fuse.as_fd());
     let read = keep_across_exec(r.as_fd());
-    let arena = spec.arena.as_ref().map(|a| keep_across_exec(a.as_fd()));
+    let memfds =
+        [&spec.arena, &spec.changes].map(|m| m.as_ref().map(|f| keep_across_exec(f.as_fd())));
     let events = spec.events.as_ref().map(HeldEvents::keep_across_exec);
     let closing = events.as_ref().map(|e| (e.group, e.table));
     let mut command = holder_command(
         fuse,
         read,
-        arena,
+        memfds,
         events,
         std::process::id() as i32,
         spec.takeovers,
@@ -516,7 +546,7 @@ fn start_holder(spec: &HolderSpec) -> std::io::Result<(i32, OwnedFd)> {
     let child = command.spawn();
     // SAFETY: the copies made for the child, which has them now (or failed to start).
     unsafe {
-        for fd in [Some(fuse), Some(read), arena]
+        for fd in [Some(fuse), Some(read), memfds[0], memfds[1]]
             .into_iter()
             .chain(closing.into_iter().flat_map(|(g, t)| [Some(g), Some(t)]))
             .flatten()
@@ -571,19 +601,26 @@ pub fn holder_main() -> i32 {
         }),
         _ => None,
     };
-    let args: Vec<OsString> = fields.get(11..).map(<[_]>::to_vec).unwrap_or_default();
+    let changes = number(11).and_then(crate::sys::inherited_fd);
+    let args: Vec<OsString> = fields.get(12..).map(<[_]>::to_vec).unwrap_or_default();
     let mut keep = vec![fuse.as_raw_fd(), channel.as_raw_fd()];
     keep.extend(arena.as_ref().map(|a| a.as_raw_fd()));
+    keep.extend(changes.as_ref().map(|a| a.as_raw_fd()));
     keep.extend(
         events
             .iter()
             .flat_map(|e| [e.group.as_raw_fd(), e.table.as_raw_fd()]),
     );
     crate::sys::close_other_fds(&keep);
-    for fd in [Some(&fuse), Some(&channel), arena.as_ref()]
-        .into_iter()
-        .chain(events.iter().flat_map(|e| [Some(&e.group), Some(&e.table)]))
-        .flatten()
+    for fd in [
+        Some(&fuse),
+        Some(&channel),
+        arena.as_ref(),
+        changes.as_ref(),
+    ]
+    .into_iter()
+    .chain(events.iter().flat_map(|e| [Some(&e.group), Some(&e.table)]))
+    .flatten()
     {
         let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
     }
@@ -598,6 +635,7 @@ pub fn holder_main() -> i32 {
     Holder {
         fuse,
         arena,
+        changes,
         events,
         init,
         args,
@@ -614,6 +652,9 @@ struct Holder {
     /// The memfd of copy-after-write's pending blocks (file/partial/arena.rs): what a daemon
     /// killed before it filled them leaves to the next one.
     arena: Option<OwnedFd>,
+    /// A memory upper's change log (memory_upper/changes.rs): the tree a killed daemon
+    /// changed since its last commit.
+    changes: Option<OwnedFd>,
     /// The pre-content group and table: the events a killed daemon left wait for the next.
     events: Option<HeldEvents>,
     init: Vec<u8>,
@@ -756,6 +797,7 @@ impl Holder {
         let fuse = keep_across_exec(self.fuse.as_fd());
         let write = keep_across_exec(w.as_fd());
         let arena = self.arena.as_ref().map(|a| keep_across_exec(a.as_fd()));
+        let changes = self.changes.as_ref().map(|a| keep_across_exec(a.as_fd()));
         let events = self.events.as_ref().map(HeldEvents::keep_across_exec);
         let fields: Vec<OsString> = vec![
             fuse.to_string().into(),
@@ -766,6 +808,9 @@ impl Holder {
         let mut command = std::process::Command::new(&self.binary);
         if let Some(fd) = arena {
             command.env(TAKEOVER_ARENA_ENV, fd.to_string());
+        }
+        if let Some(fd) = changes {
+            command.env(TAKEOVER_CHANGES_ENV, fd.to_string());
         }
         if let Some(e) = &events {
             command.env(TAKEOVER_EVENTS_ENV, format!("{},{}", e.group, e.table));
@@ -779,7 +824,10 @@ impl Holder {
             .spawn();
         // SAFETY: the copies made for the child, which has them now (or failed to start).
         unsafe {
-            for fd in [Some(fuse), Some(write), arena].into_iter().flatten() {
+            for fd in [Some(fuse), Some(write), arena, changes]
+                .into_iter()
+                .flatten()
+            {
                 libc::close(fd);
             }
         }

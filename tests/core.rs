@@ -96,6 +96,7 @@ impl Core {
         let spec = memory.then(|| MemorySpec {
             filestore: o.filestore.clone().unwrap_or_default(),
             size_limit: o.size_limit,
+            change_log: mosaicfs::layers::ChangeLogPlace::Off,
         });
         let layers = LayerStack::open(
             &o.lowerdirs,

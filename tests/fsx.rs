@@ -780,9 +780,6 @@ fn fsx_across_a_hundred_daemon_kills_matches_the_model() {
 /// leaves them every time.
 #[test]
 fn fsx_across_a_hundred_daemon_kills_with_blocks_pending_matches_the_model() {
-    if !runs_on_disk_upper_only() {
-        return; // upper=memory survives upgrades, not kills (tests/restart.rs)
-    }
     let log = across_a_hundred_kills(
         22,
         &[
@@ -813,6 +810,9 @@ fn fsx_across_a_hundred_daemon_kills_with_blocks_pending_matches_the_model() {
 /// fills and answers (file/partial/served.rs).
 #[test]
 fn fsx_across_a_hundred_daemon_kills_with_writers_passing_through_matches_the_model() {
+    if !runs_on_disk_upper_only() {
+        return; // a memory upper's files never pass through
+    }
     let log = across_a_hundred_kills(
         23,
         &[
@@ -832,9 +832,6 @@ fn fsx_across_a_hundred_daemon_kills_with_writers_passing_through_matches_the_mo
 
 /// Runs the model across a hundred kills; the daemons' log.
 fn across_a_hundred_kills(default_seed: u64, opts: &[&str]) -> String {
-    if !runs_on_disk_upper_only() {
-        return String::new(); // upper=memory survives upgrades, not kills (tests/restart.rs)
-    }
     let seed = fsx_seed().unwrap_or(default_seed);
     let mut m = Mount::new(1);
     m.background = true;

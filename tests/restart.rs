@@ -6,6 +6,7 @@ mod common;
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -479,12 +480,12 @@ fn upgrades_under_load(opts: &str) {
     assert_eq!(pids.len(), 7, "each upgrade started a new daemon: {pids:?}");
 }
 
-/// upper=memory: the tree lives in the daemon, so only a daemon that hands over is followed by
-/// another (it writes what changed to the layer's journal as it ends, and the next one reads
-/// it back); a daemon that dies ends the mount, as without a holder. An upgrade waits for
-/// files removed while open, which live nowhere else.
+/// upper=memory: the tree lives in the daemon, and what it changed since the last fsync lives
+/// in its change log too, which the holder keeps (memory_upper/changes.rs): a daemon killed
+/// with changes no fsync made durable is followed by one that serves every one of them, as is
+/// an upgrade. And once the mount is gone, a new mount has them all.
 #[test]
-fn a_memory_upper_is_upgraded_in_place_and_ends_with_a_daemon_that_dies() {
+fn a_memory_upper_outlives_kills_and_upgrades_with_every_change() {
     let m = Background::mount(
         |l| {
             fs::write(l.join("lower"), "lower data\n").unwrap();
@@ -497,16 +498,24 @@ fn a_memory_upper_is_upgraded_in_place_and_ends_with_a_daemon_that_dies() {
         &[],
     );
     let status = m.status();
-    assert!(
-        status.contains("restart: upgrade only, holder pid")
-            && status.contains("upper=memory keeps the layer's tree in the daemon"),
-        "{status}"
-    );
-    // Changes that no fsync made durable: they are in this daemon only.
-    fs::write(m.path("made"), "made in memory\n").unwrap();
-    fs::create_dir(m.path("newdir")).unwrap();
-    fs::rename(m.path("dir/f00"), m.path("newdir/moved")).unwrap();
-    fs::remove_file(m.path("dir/f01")).unwrap();
+    assert!(status.contains("restart: yes, holder pid"), "{status}");
+    let mut durable = fs::File::create(m.path("durable")).unwrap();
+    durable.write_all(b"fsynced").unwrap();
+    durable.sync_all().unwrap();
+    drop(durable);
+    // Changes that no fsync made durable.
+    let changes = || {
+        fs::write(m.path("made"), "made in memory\n").unwrap();
+        fs::create_dir(m.path("newdir")).unwrap();
+        fs::rename(m.path("dir/f00"), m.path("newdir/moved")).unwrap();
+        fs::remove_file(m.path("dir/f01")).unwrap();
+        fs::hard_link(m.path("made"), m.path("newdir/link")).unwrap();
+        std::os::unix::fs::symlink("made", m.path("sym")).unwrap();
+        fs::set_permissions(m.path("newdir"), fs::Permissions::from_mode(0o751)).unwrap();
+        set_xattr(&m.path("made"), "user.kept", b"yes");
+        fs::write(m.path("big"), pattern(3 << 20, 9)).unwrap();
+    };
+    changes();
     let mut writer = fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -519,46 +528,33 @@ fn a_memory_upper_is_upgraded_in_place_and_ends_with_a_daemon_that_dies() {
         .take(10)
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
-    let upgrade = || {
-        Command::new(BIN)
-            .arg("upgrade")
-            .arg(&m.mnt)
-            .output()
-            .unwrap()
+    let check = |what: &str| {
+        assert_eq!(
+            fs::read_to_string(m.path("made")).unwrap(),
+            "made in memory\n",
+            "{what}"
+        );
+        assert_eq!(fs::read_to_string(m.path("newdir/moved")).unwrap(), "0\n");
+        assert!(!m.path("dir/f00").exists() && !m.path("dir/f01").exists());
+        assert_eq!(fs::metadata(m.path("made")).unwrap().nlink(), 2, "{what}");
+        assert_eq!(fs::read_link(m.path("sym")).unwrap(), Path::new("made"));
+        assert_eq!(
+            fs::metadata(m.path("newdir")).unwrap().permissions().mode() & 0o7777,
+            0o751
+        );
+        assert_eq!(
+            get_xattr(&m.path("made"), "user.kept").as_deref(),
+            Some(&b"yes"[..])
+        );
+        assert!(
+            fs::read(m.path("big")).unwrap() == pattern(3 << 20, 9),
+            "{what}: big"
+        );
+        assert_eq!(fs::read_to_string(m.path("durable")).unwrap(), "fsynced");
     };
 
-    let removed = fs::File::create(m.path("removed")).unwrap();
-    fs::remove_file(m.path("removed")).unwrap();
-    let out = upgrade();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("removed while open") && err.contains("try again"),
-        "{err}"
-    );
-    assert_eq!(m.takeovers(), 0);
-    drop(removed);
-    // The node goes once the kernel forgets it, a moment after the close.
-    let start = Instant::now();
-    loop {
-        let out = upgrade();
-        if out.status.success() {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(m.takeovers(), 1);
-
-    assert_eq!(
-        fs::read_to_string(m.path("made")).unwrap(),
-        "made in memory\n"
-    );
-    assert_eq!(fs::read_to_string(m.path("newdir/moved")).unwrap(), "0\n");
-    assert!(!m.path("dir/f00").exists() && !m.path("dir/f01").exists());
+    m.kill_daemon();
+    check("after the kill");
     writer.write_all(b" and more").unwrap();
     writer.seek(SeekFrom::Start(0)).unwrap();
     let mut text = String::new();
@@ -567,61 +563,62 @@ fn a_memory_upper_is_upgraded_in_place_and_ends_with_a_daemon_that_dies() {
     listed.extend(listing.map(|e| e.unwrap().file_name().into_string().unwrap()));
     listed.sort();
     let want: Vec<String> = (2..50).map(|i| format!("f{i:02}")).collect();
-    assert_eq!(listed, want, "the listing went on across the upgrade");
+    assert_eq!(listed, want, "the listing went on across the kill");
+
+    // More changes, then an upgrade, then a kill again.
+    fs::write(m.path("second"), "after the first kill\n").unwrap();
+    let out = Command::new(BIN)
+        .arg("upgrade")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(m.takeovers(), 2);
+    check("after the upgrade");
+    fs::remove_file(m.path("second")).unwrap();
+    fs::write(m.path("third"), "after the upgrade\n").unwrap();
+    m.kill_daemon();
+    check("after the second kill");
+    assert!(!m.path("second").exists());
+    assert_eq!(
+        fs::read_to_string(m.path("third")).unwrap(),
+        "after the upgrade\n"
+    );
     drop(writer);
-    let mut durable = fs::File::create(m.path("durable")).unwrap();
-    durable.write_all(b"fsynced").unwrap();
-    durable.sync_all().unwrap();
-    drop(durable);
 
-    // kill -9: nothing follows it, whatever the holder could do.
-    let (daemon, holder) = (m.daemon(), m.holder());
-    // SAFETY: kill(2) of the daemon the status report named.
-    assert_eq!(unsafe { libc::kill(daemon, libc::SIGKILL) }, 0);
+    // The layer outlives the mount: a new mount finds every change.
     let start = Instant::now();
-    while !matches!(fs::metadata(m.path("made")), Err(e) if e.raw_os_error() == Some(libc::ENOTCONN))
-    {
+    while rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::empty()).is_err() {
         assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the mount lives on"
+            start.elapsed() < Duration::from_secs(10),
+            "the mount stays busy"
         );
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(50));
     }
-    let gone = |pid: i32| {
-        fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
-    };
-    while !gone(holder) {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the holder waits on"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-
-    // What the upgrade handed over, and what was fsynced after it, is the layer's.
-    let _ = rustix::mount::unmount(&m.mnt, rustix::mount::UnmountFlags::DETACH);
-    let p = m.dir.path();
     let _forking = forking();
     run(Command::new(BIN)
         .arg("-o")
         .arg(format!(
             "lowerdir={0}/l,upperdir={0}/u,workdir={0}/w,upper=memory",
-            p.display()
+            m.dir.path().display()
         ))
         .arg(&m.mnt)
         .env("MOSAICFS_URING", "off"));
     drop(_forking);
-    assert_eq!(
-        fs::read_to_string(m.path("made")).unwrap(),
-        "made in memory\n"
-    );
-    assert_eq!(fs::read_to_string(m.path("newdir/moved")).unwrap(), "0\n");
-    assert_eq!(fs::read_to_string(m.path("durable")).unwrap(), "fsynced");
+    check("after a new mount");
     assert_eq!(
         fs::read_to_string(m.path("lower")).unwrap(),
         "LOWER and more"
     );
     assert_eq!(fs::read_dir(m.path("dir")).unwrap().count(), 48);
+    assert_eq!(
+        fs::read_to_string(m.path("third")).unwrap(),
+        "after the upgrade\n"
+    );
 }
 
 /// kill -9 of the holder: the daemon starts another, which `status` names, and a kill of the
@@ -711,12 +708,15 @@ fn a_mount_that_cannot_survive_its_daemon_says_why() {
         refused.contains("restart=on: this mount cannot survive its daemon: -f"),
         "{refused}"
     );
-    // A memory upper is upgraded in place, but a daemon that dies takes its tree along.
+    // A memory upper whose filestore is in memory too dies with its daemon.
     let out = {
         let _forking = forking();
         Command::new(BIN)
             .arg("-o")
-            .arg(format!("{},restart=on,upper=memory", m.options()))
+            .arg(format!(
+                "{},restart=on,upper=memory,filestore=memory",
+                m.options()
+            ))
             .arg(&m.mnt)
             .env("MOSAICFS_URING", "off")
             .output()
@@ -725,8 +725,7 @@ fn a_mount_that_cannot_survive_its_daemon_says_why() {
     assert!(!out.status.success(), "mounted");
     let refused = String::from_utf8_lossy(&out.stderr);
     assert!(
-        refused.contains("upper=memory keeps the layer's tree in the daemon")
-            && refused.contains("still upgraded in place"),
+        refused.contains("filestore=memory: the layer lives only in its daemon"),
         "{refused}"
     );
 }
@@ -783,12 +782,25 @@ fn a_rootless_mount_survives_its_daemon_by_default() {
 /// records, which go when the files are closed (an upper file's blocks are freed then).
 #[test]
 fn files_removed_while_open_outlive_the_daemon() {
+    removed_while_open_across_a_kill("restart=on");
+}
+
+/// The same on a memory upper, whose removed objects are recorded in the layer itself (a name
+/// in its work root, carried to the next daemon by the change log), and an upgrade after the
+/// kill (it no longer waits for them to be closed).
+#[test]
+fn files_of_a_memory_upper_removed_while_open_outlive_the_daemon() {
+    removed_while_open_across_a_kill("restart=on,upper=memory");
+}
+
+fn removed_while_open_across_a_kill(opts: &str) {
+    let memory = opts.contains("upper=memory");
     let m = Background::mount(
         |l| {
             fs::write(l.join("lower-only"), "lower data\n").unwrap();
             fs::write(l.join("copied"), "other\n").unwrap();
         },
-        "restart=on",
+        opts,
         &[],
     );
     let mut made = fs::OpenOptions::new()
@@ -808,8 +820,13 @@ fn files_removed_while_open_outlive_the_daemon() {
         .unwrap();
     copied.write_all(b"XX").unwrap();
     fs::remove_file(m.path("copied")).unwrap();
+    // Closed only after the kill, never touched by the next daemon: the kernel's FORGET of a
+    // node that daemon never found removes its record.
+    let untouched = fs::File::create(m.path("untouched")).unwrap();
+    fs::remove_file(m.path("untouched")).unwrap();
 
     m.kill_daemon();
+    drop(untouched);
 
     let read_all = |f: &mut fs::File| {
         let mut s = String::new();
@@ -828,7 +845,38 @@ fn files_removed_while_open_outlive_the_daemon() {
         19,
         "fstat of a removed file"
     );
+    // An upgrade keeps the records too (until 2026-12-01 the daemon that handed over removed
+    // them on its way out, and the next answered ESTALE).
+    let out = Command::new(BIN)
+        .arg("upgrade")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    made.write_all(b"after\n").unwrap();
+    assert_eq!(read_all(&mut made), "unlinked data\nmore\nafter\n");
+    assert_eq!(read_all(&mut copied), "XXher\n");
+    assert_eq!(read_all(&mut lower), "lower data\n");
     drop((made, lower, copied));
+    if memory {
+        // The layer's records go with the kernel's last reference: the two roots and the
+        // whiteout of "lower-only" are left.
+        let start = Instant::now();
+        while !m.status().contains("memory, 3 objects") {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "records left after the close: {}\n{}",
+                m.status(),
+                fs::read_to_string(&m.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return;
+    }
     let orphans = m.dir.path().join("w/mosaicfs-orphans");
     let start = Instant::now();
     loop {
@@ -854,9 +902,20 @@ fn files_removed_while_open_outlive_the_daemon() {
 /// (a create, an unlink) finds its work done and answers as the first time would have.
 #[test]
 fn fsstress_sees_nothing_of_eight_kills() {
-    const STRESS: &str = env!("CARGO_BIN_EXE_mosaicfs-fsstress");
     // The default options: as root, files pass through (takeover.rs: fresh node ids).
-    let m = Background::mount(|_| {}, "", &[]);
+    fsstress_across_eight_kills("");
+}
+
+/// The same on a memory upper: every change the dead daemon made since the last fsync comes
+/// back from the change log its holder kept (memory_upper/changes.rs).
+#[test]
+fn fsstress_on_a_memory_upper_sees_nothing_of_eight_kills() {
+    fsstress_across_eight_kills("upper=memory");
+}
+
+fn fsstress_across_eight_kills(opts: &str) {
+    const STRESS: &str = env!("CARGO_BIN_EXE_mosaicfs-fsstress");
+    let m = Background::mount(|_| {}, opts, &[]);
     let stress = {
         let _forking = forking();
         Command::new(STRESS)

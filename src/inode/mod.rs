@@ -437,6 +437,19 @@ pub struct Pin {
 pub struct Orphan {
     pub dir: Arc<std::os::fd::OwnedFd>,
     pub name: String,
+    /// A memory upper's object is recorded in the layer itself: a name in its work root
+    /// (by_number.rs `memory_orphan_name`), held here.
+    pub memory: Option<crate::upper::UpperDir>,
+}
+
+/// Set as the daemon ends (`Overlay::shutdown`): the records of removed files still open stay
+/// for the daemon that takes the mount over, whatever this one lets go of on its way out (an
+/// upgrade; a mount that really ends has no such file open, and the next mount clears them).
+static KEEP_RECORDS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on every `Orphan` record stays when dropped.
+pub fn keep_orphan_records() {
+    KEEP_RECORDS.store(true, Ordering::SeqCst);
 }
 
 impl Orphan {
@@ -448,12 +461,15 @@ impl Orphan {
 
 impl Drop for Orphan {
     fn drop(&mut self) {
-        if self.name.is_empty() {
+        if self.name.is_empty() || KEEP_RECORDS.load(Ordering::SeqCst) {
             return;
         }
         let lower = format!("{}.lower", self.name);
         for name in [self.name.as_str(), lower.as_str()] {
             let _ = rustix::fs::unlinkat(&*self.dir, name, rustix::fs::AtFlags::empty());
+        }
+        if let Some(work) = &self.memory {
+            let _ = work.unlink(&crate::overlay::memory_orphan_name(&self.name));
         }
     }
 }

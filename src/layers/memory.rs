@@ -9,6 +9,9 @@ pub struct MemorySpec {
     pub filestore: FilestorePlace,
     /// The most the layer's file data may take, in bytes (`size=`).
     pub size_limit: Option<u64>,
+    /// The change log a daemon that takes the mount over after a crash rebuilds the tree
+    /// from (memory_upper/changes.rs).
+    pub change_log: ChangeLogPlace,
 }
 
 /// The device number a memory upper's objects are counted on (`InoMap`): no file system has it.
@@ -127,7 +130,7 @@ pub(super) fn open_memory_upper(
     // Not O_PATH: images are fsynced through it.
     let dir =
         sys::open_beneath(ufd, Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, 0).map_err(at)?;
-    MemoryUpper::open(dir, filestore, limit).map_err(|e| match e {
+    MemoryUpper::open(dir, filestore, limit, spec.change_log.clone()).map_err(|e| match e {
         ImageError::Damaged(_) => crate::message!(
             "upperdir '{}': {e}; the layer was not changed. To start it empty, move \
              {IMAGE_NAME} and .mosaicfs-journal out of the upper dir; to keep it, restore the \

@@ -19,6 +19,7 @@ use std::sync::atomic::Ordering;
 use rustix::fs::OFlags;
 
 use crate::error::{Error, Result, errno};
+pub use crate::memory_upper::ChangeLogPlace;
 use crate::memory_upper::{IMAGE_NAME, ImageError, MemoryUpper};
 use crate::options::FilestorePlace;
 use crate::stat_override::{self, XattrPermissions};

@@ -13,6 +13,7 @@ use std::io::IoSlice;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::changes::MapChange;
 use super::filestore::{BLOCK, Filestore};
 use super::{MemoryUpper, Node, now};
 use crate::error::{Result, errno};
@@ -38,6 +39,11 @@ pub(super) struct FileBody {
     extents: BTreeMap<u64, Extent>,
     store: Arc<Filestore>,
     closing: Arc<AtomicBool>,
+    /// Changes to the map since `take_changes`, for the change log (changes.rs).
+    changes: Vec<MapChange>,
+    /// Blocks no image holds that the map let go of since `take_changes`: freed once the
+    /// change is logged.
+    released: Vec<u64>,
 }
 
 impl FileBody {
@@ -47,15 +53,19 @@ impl FileBody {
             extents: BTreeMap::new(),
             store,
             closing,
+            changes: Vec::new(),
+            released: Vec::new(),
         }
     }
 
-    /// A file as the image has it: every extent frozen.
+    /// A file as the image has it: every extent frozen that `frozen` says the durable image
+    /// or journal holds.
     pub fn from_image(
         store: Arc<Filestore>,
         closing: Arc<AtomicBool>,
         size: u64,
         extents: BTreeMap<u64, u64>,
+        frozen: impl Fn(u64) -> bool,
     ) -> FileBody {
         let extents = extents
             .into_iter()
@@ -64,7 +74,7 @@ impl FileBody {
                     k,
                     Extent {
                         block,
-                        frozen: true,
+                        frozen: frozen(block),
                     },
                 )
             })
@@ -74,7 +84,34 @@ impl FileBody {
             extents,
             store,
             closing,
+            changes: Vec::new(),
+            released: Vec::new(),
         }
+    }
+
+    /// What the map went through since the last call, and the blocks it let go of that are
+    /// to be freed once that is logged.
+    pub fn take_changes(&mut self) -> (Vec<MapChange>, Vec<u64>) {
+        (
+            std::mem::take(&mut self.changes),
+            std::mem::take(&mut self.released),
+        )
+    }
+
+    /// The whole map as changes to an empty one: a file joining the tree (changes.rs).
+    pub fn whole_map(&self) -> Vec<MapChange> {
+        std::iter::once(MapChange::Cut(0))
+            .chain(
+                self.extents
+                    .iter()
+                    .map(|(&k, e)| MapChange::Set(k, e.block)),
+            )
+            .collect()
+    }
+
+    fn map(&mut self, k: u64, e: Extent) {
+        self.extents.insert(k, e);
+        self.changes.push(MapChange::Set(k, e.block));
     }
 
     pub fn size(&self) -> u64 {
@@ -94,24 +131,28 @@ impl FileBody {
         })
     }
 
-    /// Releases the extents of blocks `from..`: at once if no image holds them, else later.
-    fn release_from(&mut self, from: u64) -> Result<()> {
+    /// Releases the extents of blocks `from..`: once logged if no image holds them, else
+    /// after the next image.
+    fn release_from(&mut self, from: u64) {
         let gone = self.extents.split_off(&from);
+        if gone.is_empty() {
+            return;
+        }
+        self.changes.push(MapChange::Cut(from));
         let (now, later): (Vec<&Extent>, Vec<&Extent>) = gone.values().partition(|e| !e.frozen);
         self.store
             .free_later(&later.iter().map(|e| e.block).collect::<Vec<_>>());
-        self.store
-            .free(&now.iter().map(|e| e.block).collect::<Vec<_>>())
+        self.released.extend(now.iter().map(|e| e.block));
     }
 
-    fn release_one(&mut self, k: u64) -> Result<()> {
-        match self.extents.remove(&k) {
-            Some(e) if e.frozen => {
+    fn release_one(&mut self, k: u64) {
+        if let Some(e) = self.extents.remove(&k) {
+            self.changes.push(MapChange::Unset(k));
+            if e.frozen {
                 self.store.free_later(&[e.block]);
-                Ok(())
+            } else {
+                self.released.push(e.block);
             }
-            Some(e) => self.store.free(&[e.block]),
-            None => Ok(()),
         }
     }
 
@@ -303,7 +344,9 @@ impl FileBody {
         }
         write_plan(&self.store, data, &plan)?;
         for (k, ext, _) in &plan {
-            self.extents.insert(*k, *ext);
+            if self.extents.get(k) != Some(ext) {
+                self.map(*k, *ext);
+            }
         }
         Ok(old_frozen)
     }
@@ -325,7 +368,7 @@ impl FileBody {
                 self.zero_part(size / BLOCK, size % BLOCK, BLOCK)?;
                 self.size = old;
             }
-            self.release_from(keep)?;
+            self.release_from(keep);
         }
         self.size = size;
         Ok(())
@@ -344,7 +387,7 @@ impl FileBody {
             let lo = off.max(k * BLOCK) - k * BLOCK;
             let hi = end.min((k + 1) * BLOCK) - k * BLOCK;
             if lo == 0 && (hi == BLOCK || past_end) {
-                self.release_one(k)?;
+                self.release_one(k);
             } else {
                 self.zero_part(k, lo, hi)?;
             }
@@ -372,7 +415,7 @@ impl FileBody {
             }
         }
         for (k, block) in missing.into_iter().zip(blocks) {
-            self.extents.insert(
+            self.map(
                 k,
                 Extent {
                     block,
@@ -418,7 +461,9 @@ impl Drop for FileBody {
         if self.closing.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = self.release_from(0) {
+        // Its node left the tree in a logged change before the last reference went.
+        self.release_from(0);
+        if let Err(e) = self.store.free(&self.released) {
             log::warn!(
                 "memory upper: blocks of a removed file not punched out of the filestore: {e}"
             );
@@ -538,42 +583,55 @@ impl MemoryUpper {
 
     /// pwrite: the whole of `data` or nothing (ENOSPC past the layer's size, EFBIG).
     pub fn write(&self, node: &Node, data: &[u8], off: u64) -> Result<()> {
-        let _q = self.quiesce.read();
-        node.changed();
-        node.file()?.write().unwrap().write(data, off)?;
-        node.touch_data();
-        Ok(())
+        self.change_data(node, true, |f| f.write(data, off))
     }
 
     pub fn truncate(&self, node: &Node, size: u64) -> Result<()> {
-        let _q = self.quiesce.read();
-        node.changed();
-        node.file()?.write().unwrap().truncate(size)?;
-        node.touch_data();
-        Ok(())
+        self.change_data(node, true, |f| f.truncate(size))
     }
 
     /// FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE.
     pub fn punch_hole(&self, node: &Node, off: u64, len: u64) -> Result<()> {
-        let _q = self.quiesce.read();
-        node.changed();
-        node.file()?.write().unwrap().punch(off, len)?;
-        node.touch_data();
-        Ok(())
+        self.change_data(node, true, |f| f.punch(off, len))
     }
 
     /// fallocate mode 0, or FALLOC_FL_KEEP_SIZE.
     pub fn allocate(&self, node: &Node, off: u64, len: u64, keep_size: bool) -> Result<()> {
+        self.change_data(node, !keep_size, |f| f.allocate(off, len, keep_size))
+    }
+
+    /// Runs `op` on `node`'s data; then, still holding the data and the attributes, sets
+    /// mtime and ctime as a local file system does (`touch`, when `op` succeeded) and logs
+    /// what changed (changes.rs); and only then frees the blocks the map let go of.
+    fn change_data(
+        &self,
+        node: &Node,
+        touch: bool,
+        op: impl FnOnce(&mut FileBody) -> Result<()>,
+    ) -> Result<()> {
+        let file = node.file()?;
+        self.keep_log_short();
         let _q = self.quiesce.read();
         node.changed();
-        node.file()?
-            .write()
-            .unwrap()
-            .allocate(off, len, keep_size)?;
-        if !keep_size {
-            node.touch_data();
+        let mut f = file.write().unwrap();
+        let done = op(&mut f);
+        let (changes, released) = f.take_changes();
+        let touch = touch && done.is_ok();
+        if touch || !changes.is_empty() {
+            let mut m = node.meta.lock().unwrap();
+            if touch {
+                let t = now();
+                m.mtime = t;
+                m.ctime = t;
+            }
+            let mut txn = self.txn();
+            txn.file(node.ino, f.size(), &changes);
+            txn.meta(node, &m);
+            self.log(&txn);
         }
-        Ok(())
+        drop(f);
+        let freed = self.store.free(&released);
+        done.and(freed)
     }
 
     /// lseek SEEK_DATA: `None` where the file has no data at or past `off` (ENXIO there).
@@ -594,13 +652,5 @@ impl Node {
             super::Body::Dir(..) => Err(errno(libc::EISDIR)),
             _ => Err(errno(libc::EINVAL)),
         }
-    }
-
-    /// A write or truncate changed the data: mtime and ctime, as a local file system sets them.
-    fn touch_data(&self) {
-        let t = now();
-        let mut m = self.meta.lock().unwrap();
-        m.mtime = t;
-        m.ctime = t;
     }
 }

@@ -468,7 +468,7 @@ impl<'a> Reader<'a> {
         self.b = rest;
         Ok(head)
     }
-    fn u8(&mut self) -> std::result::Result<u8, ImageError> {
+    pub fn u8(&mut self) -> std::result::Result<u8, ImageError> {
         Ok(self.take(1)?[0])
     }
     pub fn u32(&mut self) -> std::result::Result<u32, ImageError> {
@@ -492,7 +492,7 @@ pub(super) fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     put_u32(out, b.len() as u32);
     out.extend_from_slice(b);
 }

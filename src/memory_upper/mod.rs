@@ -15,17 +15,22 @@
 //! journal (journal.rs); a new mount serves the image with the journal applied. Nothing else
 //! of the tree reaches the disk, and the filestore never overwrites a block the image or
 //! journal refers to, so a crash leaves the layer as it was at the last image or entry: never
-//! a mix of two states.
+//! a mix of two states. A daemon that dies loses nothing more than its machine would not:
+//! each change is also logged in a memfd the mount's holder keeps (changes.rs), which the next
+//! daemon applies over the image and journal.
 //!
 //! **Locks** (order in docs/ROBUSTNESS.md, "Lock order"): every change takes `quiesce` for
 //! reading on its thread's shard (a writer of an image takes all shards, so an image sees no
 //! change half made); then directory entries (an ancestor before its descendant; two unrelated
 //! directories of a cross-directory rename by inode number, under `rename_lock`); then a
-//! file's data; then a node's `meta`; the node table's shards and the filestore last, alone.
+//! file's data; then a node's `meta` (several at once only in a change of names, by number:
+//! names.rs `Metas`); the node table's shards, the filestore and the change log last, alone.
+//! A change is logged before it lets go of any of its locks (changes.rs).
 
 use crate::acl;
 
 mod attrs;
+mod changes;
 mod data;
 mod filestore;
 mod image;
@@ -170,6 +175,20 @@ pub struct MemoryUpper {
     journal_len: AtomicU64,
     /// The journal could not be reset after an image: the next fsync writes a full image.
     journal_stale: AtomicBool,
+    /// What changed since the last image or journal entry, for a daemon that takes the mount
+    /// over after this one dies (changes.rs); `None` where no daemon will.
+    log: Option<changes::ChangeLog>,
+}
+
+/// Whether a memory upper keeps a change log (changes.rs), and which.
+#[derive(Clone, Debug)]
+pub enum ChangeLogPlace {
+    /// None: no daemon takes the mount over after a crash.
+    Off,
+    /// A new one, in a memfd of its own.
+    New,
+    /// The one an earlier daemon of the mount kept: its changes are applied at the open.
+    Kept(Arc<OwnedFd>),
 }
 
 /// Past this, an fsync writes a full image and starts the journal anew.
@@ -181,27 +200,47 @@ impl MemoryUpper {
     pub fn new_volatile(filestore: OwnedFd, limit_blocks: Option<u64>) -> Result<MemoryUpper> {
         rustix::fs::ftruncate(&filestore, 0)?;
         let store = Filestore::open(filestore, &[], limit_blocks)?;
-        let up = MemoryUpper::from_parts(store, None, WORK + 1);
+        let up = MemoryUpper::from_parts(store, None, WORK + 1, None);
         up.insert_roots();
         Ok(up)
     }
 
     /// The layer kept in directory `dir`: its last image (`IMAGE_NAME`), with data in
     /// `filestore`; an empty layer when no image was ever written (one is written at once).
+    /// With a kept change log, the changes it holds are applied over image and journal, and
+    /// the result written as a new image.
     pub fn open(
         dir: OwnedFd,
         filestore: OwnedFd,
         limit_blocks: Option<u64>,
+        log: ChangeLogPlace,
     ) -> std::result::Result<MemoryUpper, ImageError> {
         let store_len = rustix::fs::fstat(&filestore)
             .map_err(ImageError::io)?
             .st_size as u64;
+        let taken_over = matches!(log, ChangeLogPlace::Kept(_));
+        let (log, changes) = match log {
+            ChangeLogPlace::Off => (None, Vec::new()),
+            ChangeLogPlace::New => (
+                Some(changes::ChangeLog::create().map_err(ImageError::io)?),
+                Vec::new(),
+            ),
+            ChangeLogPlace::Kept(fd) => {
+                let fd = fd.try_clone().map_err(ImageError::io)?;
+                let (log, changes) = changes::ChangeLog::adopt(fd)?;
+                (Some(log), changes)
+            }
+        };
         match image::read(&dir).map_err(ImageError::io)? {
+            None if !changes.is_empty() => image::damaged(
+                "the daemon before left changes to a layer whose image is gone from the upper \
+                 dir",
+            ),
             None => {
                 rustix::fs::ftruncate(&filestore, 0).map_err(ImageError::io)?;
                 let store =
                     Filestore::open(filestore, &[], limit_blocks).map_err(ImageError::io)?;
-                let up = MemoryUpper::from_parts(store, Some(Persist { dir }), WORK + 1);
+                let up = MemoryUpper::from_parts(store, Some(Persist { dir }), WORK + 1, log);
                 up.insert_roots();
                 up.sync().map_err(ImageError::io)?;
                 Ok(up)
@@ -215,29 +254,63 @@ impl MemoryUpper {
                     None => (Vec::new(), None),
                 };
                 let (nodes, next_ino) = replay(tree, deltas);
-                let used = image::check_tree(&nodes, next_ino, store_len)?;
+                let durable = image::check_tree(&nodes, next_ino, store_len)?;
+                // The changes a daemon that died made since: the tree as it was at its last
+                // one. Blocks the durable tree holds stay frozen; those it alone holds are
+                // freed after the next image.
+                let (nodes, next_ino, used, deferred, touched) = if changes.is_empty() {
+                    let touched = changes::Touched::default();
+                    (nodes, next_ino, durable.clone(), Vec::new(), touched)
+                } else {
+                    let mut tree: BTreeMap<Ino, image::ImageNode> =
+                        nodes.into_iter().map(|n| (n.ino, n)).collect();
+                    let mut next_ino = next_ino;
+                    let touched = changes::apply(&changes, &mut tree, &mut next_ino)?;
+                    let nodes: Vec<_> = tree.into_values().collect();
+                    let now = image::check_tree(&nodes, next_ino, store_len)?;
+                    let deferred: Vec<u64> = durable
+                        .iter()
+                        .filter(|b| now.binary_search(b).is_err())
+                        .copied()
+                        .collect();
+                    let mut used = [now, deferred.clone()].concat();
+                    used.sort_unstable();
+                    (nodes, next_ino, used, deferred, touched)
+                };
                 let store =
                     Filestore::open(filestore, &used, limit_blocks).map_err(ImageError::io)?;
+                store.restore_deferred(deferred);
                 // Entries go on after the last whole one (the image and the journal so far
                 // are the tree as it is now).
                 if let Some(len) = journal_len {
                     journal::truncate(&dir, len).map_err(ImageError::io)?;
                 }
-                let up = MemoryUpper::from_parts(store, Some(Persist { dir }), next_ino);
+                let up = MemoryUpper::from_parts(store, Some(Persist { dir }), next_ino, log);
                 up.generation.store(generation, Ordering::Relaxed);
                 up.journal_len
                     .store(journal_len.unwrap_or(0), Ordering::Relaxed);
                 up.journal_stale
                     .store(journal_len.is_none(), Ordering::Relaxed);
+                let frozen = |b: u64| durable.binary_search(&b).is_ok();
                 for node in nodes {
-                    up.insert(up.node_from_image(node));
+                    up.insert(up.node_from_image(node, frozen));
                 }
+                // The log's changes stay in it (they are the layer until the next commit) and
+                // go into the next journal entry; this daemon appends its own after them.
+                for ino in touched.nodes {
+                    if let Ok(n) = up.node(ino) {
+                        n.changed();
+                    }
+                }
+                up.removed.lock().unwrap().extend(touched.gone);
                 // A journal with entries (an unmount writes one) or none at all is folded
                 // into a new image now, while nobody else uses the layer directory: the
                 // journal starts each mount empty, and an unmount has one to append to.
                 // Not a reason to refuse the mount (a full disk): the image and journal there
-                // are the layer, and the failed image left every node to the next entry.
-                if journal_len.is_none_or(|len| len > journal::HEADER as u64) {
+                // are the layer, and the failed image left every node to the next entry. A
+                // daemon that takes a mount over leaves that to the next mount: it serves
+                // sooner.
+                if !taken_over && journal_len.is_none_or(|len| len > journal::HEADER as u64) {
                     let _one = up.commit_lock.lock().unwrap();
                     let persist = up.persist.as_ref().expect("opened with a directory");
                     if let Err(e) = up.write_image(persist) {
@@ -262,7 +335,7 @@ impl MemoryUpper {
         filestore: OwnedFd,
     ) -> std::result::Result<MemoryUpper, ImageError> {
         let Some(bytes) = image::read(&dir).map_err(ImageError::io)? else {
-            let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, WORK + 1);
+            let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, WORK + 1, None);
             up.insert_roots();
             return Ok(up);
         };
@@ -292,16 +365,21 @@ impl MemoryUpper {
         };
         let (nodes, next_ino) = replay(tree, deltas);
         image::check_tree(&nodes, next_ino, store_len)?;
-        let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, next_ino);
+        let up = MemoryUpper::from_parts(Filestore::read_only(filestore), None, next_ino, None);
         for node in nodes {
-            up.insert(up.node_from_image(node));
+            up.insert(up.node_from_image(node, |_| true));
         }
         // Nothing frees blocks: the store is never written.
         up.closing.store(true, Ordering::Relaxed);
         Ok(up)
     }
 
-    fn from_parts(store: Filestore, persist: Option<Persist>, next_ino: Ino) -> MemoryUpper {
+    fn from_parts(
+        store: Filestore,
+        persist: Option<Persist>,
+        next_ino: Ino,
+        log: Option<changes::ChangeLog>,
+    ) -> MemoryUpper {
         MemoryUpper {
             nodes: NodeTable::default(),
             next_ino: AtomicU64::new(next_ino),
@@ -317,6 +395,40 @@ impl MemoryUpper {
             removed: Mutex::new(Vec::new()),
             journal_len: AtomicU64::new(0),
             journal_stale: AtomicBool::new(true),
+            log,
+        }
+    }
+
+    /// The change log's memfd, for the mount's holder to keep (changes.rs).
+    pub fn change_log(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.log.as_ref().map(|l| l.fd())
+    }
+
+    /// The records of one change; appended with `log`.
+    fn txn(&self) -> changes::Txn {
+        changes::Txn::new(self.log.is_some())
+    }
+
+    /// Appends `txn` to the change log. The caller still holds the locks of what it records.
+    fn log(&self, txn: &changes::Txn) {
+        if let Some(log) = &self.log {
+            log.append(txn);
+        }
+    }
+
+    /// Before a change, outside every lock: a change log past `COMMIT_AT` is trimmed by making
+    /// the tree durable (an fsync's journal entry).
+    fn keep_log_short(&self) {
+        if self
+            .log
+            .as_ref()
+            .is_some_and(|l| l.used() > changes::COMMIT_AT)
+            && let Err(e) = self.sync_changes()
+        {
+            log::warn!(
+                "memory upper: the tree cannot be made durable to keep the change log short \
+                 ({e}); free space in the upper dir's file system"
+            );
         }
     }
 
@@ -449,8 +561,10 @@ impl MemoryUpper {
             }
             // Blocks freed before this image are not in it: they go when it is durable.
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
-            (bytes, self.store.take_deferred(), removed, commit)
+            let mark = self.log.as_ref().map(|l| (l, l.mark()));
+            (bytes, self.store.take_deferred(), removed, (commit, mark))
         };
+        let (commit, mark) = commit;
         let written = self
             .store
             .sync()
@@ -462,6 +576,9 @@ impl MemoryUpper {
         }
         self.generation.store(generation, Ordering::Relaxed);
         self.commits_durable.fetch_max(commit, Ordering::SeqCst);
+        if let Some((log, mark)) = mark {
+            log.trim(mark);
+        }
         self.store.free(&deferred)?;
         // The journal of the old image is ignored from now on; a new one follows this image.
         match journal::reset(&persist.dir, generation) {
@@ -546,13 +663,15 @@ impl MemoryUpper {
             changed.sort_by_key(|n| n.ino);
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
             let next = self.next_ino.load(Ordering::Relaxed);
+            let mark = self.log.as_ref().map(|l| (l, l.mark()));
             (
                 journal::encode(next, &removed, &changed),
                 changed,
                 removed,
-                commit,
+                (commit, mark),
             )
         };
+        let (commit, mark) = commit;
         let appended = self
             .store
             .sync()
@@ -561,6 +680,9 @@ impl MemoryUpper {
             Ok(len) => {
                 self.journal_len.store(len, Ordering::Relaxed);
                 self.commits_durable.fetch_max(commit, Ordering::SeqCst);
+                if let Some((log, mark)) = mark {
+                    log.trim(mark);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -584,7 +706,8 @@ impl MemoryUpper {
         self.removed.lock().unwrap().extend(removed);
     }
 
-    fn node_from_image(&self, n: image::ImageNode) -> Arc<Node> {
+    /// `frozen`: whether the durable image or journal holds a filestore block.
+    fn node_from_image(&self, n: image::ImageNode, frozen: impl Fn(u64) -> bool) -> Arc<Node> {
         let body = match n.body {
             image::ImageBody::Dir { parent, entries } => Body::Dir(
                 RwLock::new(DirBody {
@@ -593,9 +716,15 @@ impl MemoryUpper {
                 }),
                 AtomicU64::new(parent),
             ),
-            image::ImageBody::File { size, extents } => Body::File(RwLock::new(
-                data::FileBody::from_image(self.store.clone(), self.closing.clone(), size, extents),
-            )),
+            image::ImageBody::File { size, extents } => {
+                Body::File(RwLock::new(data::FileBody::from_image(
+                    self.store.clone(),
+                    self.closing.clone(),
+                    size,
+                    extents,
+                    frozen,
+                )))
+            }
             image::ImageBody::Symlink(t) => Body::Symlink(t),
             image::ImageBody::Special => Body::Special,
         };

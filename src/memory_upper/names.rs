@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use super::changes::Txn;
 use super::{
     Body, DirBody, Ino, MemoryUpper, Meta, NewNode, Node, RenameFlags, acl, check_name, data,
     is_root, now,
@@ -29,6 +30,7 @@ impl MemoryUpper {
     /// with the setgid bit passes its group on, and the bit to subdirectories.
     pub fn make(&self, dir: Ino, name: &OsStr, new: &NewNode<'_>) -> Result<Ino> {
         check_name(name)?;
+        self.keep_log_short();
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
         d.changed();
@@ -43,6 +45,9 @@ impl MemoryUpper {
         let node = self.new_node(&d, new, t)?;
         let ino = node.ino;
         let is_dir = node.is_dir();
+        let mut txn = self.txn();
+        // No other thread reaches the new node before the directory's names are let go.
+        txn.made(&node, &node.meta.lock().unwrap());
         self.insert(node);
         entries.entries.insert(name.to_owned(), ino);
         let mut m = d.meta.lock().unwrap();
@@ -51,6 +56,9 @@ impl MemoryUpper {
         }
         m.mtime = t;
         m.ctime = t;
+        txn.entry(dir, name, Some(ino));
+        txn.meta(&d, &m);
+        self.log(&txn);
         Ok(ino)
     }
 
@@ -164,6 +172,7 @@ impl MemoryUpper {
     /// O_TMPFILE file.
     pub fn link(&self, node: &Arc<Node>, dir: Ino, name: &OsStr) -> Result<()> {
         check_name(name)?;
+        self.keep_log_short();
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
         d.changed();
@@ -180,22 +189,39 @@ impl MemoryUpper {
         }
         let t = now();
         node.changed();
-        {
-            let mut m = node.meta.lock().unwrap();
-            if m.nlink == 0 && !m.unnamed {
-                return Err(errno(libc::ENOENT));
+        let mut txn = self.txn();
+        // An O_TMPFILE file's first name: its data joins the tree with it.
+        let data = match &node.body {
+            Body::File(f) => Some(f.write().unwrap()),
+            _ => None,
+        };
+        let mut metas = Metas::lock(&[node, &d]);
+        let m = metas.get(node.ino);
+        if m.nlink == 0 && !m.unnamed {
+            return Err(errno(libc::ENOENT));
+        }
+        let first = m.nlink == 0;
+        if first {
+            m.unnamed = false;
+            self.insert(node.clone());
+        }
+        m.nlink += 1;
+        m.ctime = t;
+        if first {
+            txn.made(node, m);
+            if let Some(f) = &data {
+                txn.file(node.ino, f.size(), &f.whole_map());
             }
-            if m.nlink == 0 {
-                m.unnamed = false;
-                self.insert(node.clone());
-            }
-            m.nlink += 1;
-            m.ctime = t;
+        } else {
+            txn.meta(node, m);
         }
         entries.entries.insert(name.to_owned(), node.ino);
-        let mut m = d.meta.lock().unwrap();
+        let m = metas.get(d.ino);
         m.mtime = t;
         m.ctime = t;
+        txn.entry(dir, name, Some(node.ino));
+        txn.meta(&d, m);
+        self.log(&txn);
         Ok(())
     }
 
@@ -210,6 +236,7 @@ impl MemoryUpper {
     }
 
     fn remove(&self, dir: Ino, name: &OsStr, want_dir: bool) -> Result<()> {
+        self.keep_log_short();
         let _q = self.quiesce.read();
         let d = self.node(dir)?;
         d.changed();
@@ -227,21 +254,26 @@ impl MemoryUpper {
         }
         entries.entries.remove(name);
         let t = now();
-        self.drop_link(&victim, t);
-        let mut m = d.meta.lock().unwrap();
+        let mut txn = self.txn();
+        txn.entry(dir, name, None);
+        let mut metas = Metas::lock(&[&victim, &d]);
+        self.drop_link(&victim, metas.get(ino), t, &mut txn);
+        let m = metas.get(dir);
         if want_dir {
             m.nlink -= 1;
         }
         m.mtime = t;
         m.ctime = t;
+        txn.meta(&d, m);
+        self.log(&txn);
         Ok(())
     }
 
-    /// One name of `node` is gone: its link count drops (a directory's to 0), and at 0 it
-    /// leaves the table; its data goes when the last handle does.
-    fn drop_link(&self, node: &Arc<Node>, t: (i64, u32)) {
+    /// One name of `node` is gone (`m`, its attributes, locked): its link count drops (a
+    /// directory's to 0), and at 0 it leaves the table; its data goes when the last handle
+    /// does.
+    fn drop_link(&self, node: &Arc<Node>, m: &mut Meta, t: (i64, u32), txn: &mut Txn) {
         node.changed();
-        let mut m = node.meta.lock().unwrap();
         m.nlink = if node.is_dir() {
             0
         } else {
@@ -255,6 +287,9 @@ impl MemoryUpper {
                 .write()
                 .unwrap()
                 .remove(&node.ino);
+            txn.gone(node.ino);
+        } else {
+            txn.meta(node, m);
         }
     }
 
@@ -272,6 +307,7 @@ impl MemoryUpper {
             return Err(errno(libc::EINVAL));
         }
         check_name(dname)?;
+        self.keep_log_short();
         let _q = self.quiesce.read();
         let _shape = (sdir != ddir).then(|| self.rename_lock.lock().unwrap());
         let s = self.node(sdir)?;
@@ -334,6 +370,7 @@ impl MemoryUpper {
             }
         }
         let t = now();
+        let mut txn = self.txn();
         if flags.exchange {
             let dn = dst_node.ok_or_else(|| errno(libc::ENOENT))?;
             let dst = dn.ino;
@@ -347,6 +384,9 @@ impl MemoryUpper {
                     sg.entries.insert(sname.to_owned(), dst);
                 }
             }
+            txn.entry(ddir, dname, Some(src));
+            txn.entry(sdir, sname, Some(dst));
+            let mut metas = Metas::lock(&[&s, &d, &src_node, &dn]);
             if sdir != ddir {
                 if let Some(p) = src_node.parent() {
                     p.store(ddir, Ordering::Relaxed);
@@ -355,12 +395,14 @@ impl MemoryUpper {
                     p.store(sdir, Ordering::Relaxed);
                 }
                 let delta = src_node.is_dir() as i64 - dn.is_dir() as i64;
-                add_nlink(&s, -delta);
-                add_nlink(&d, delta);
+                add_nlink(metas.get(sdir), -delta);
+                add_nlink(metas.get(ddir), delta);
             }
-            touch_ctime(&src_node, t);
-            touch_ctime(&dn, t);
-            touch_dirs(&s, &d, t);
+            metas.get(src).ctime = t;
+            metas.get(dst).ctime = t;
+            touch_dirs(&mut metas, sdir, ddir, t);
+            metas.log_all(&mut txn, &[&s, &d, &src_node, &dn]);
+            self.log(&txn);
             return Ok(());
         }
         if let Some(dn) = &dst_node {
@@ -397,25 +439,36 @@ impl MemoryUpper {
             Some(g) => g.entries.insert(dname.to_owned(), src),
             None => sg.entries.insert(dname.to_owned(), src),
         };
-        if let Some(w) = whiteout {
-            sg.entries.insert(sname.to_owned(), w.ino);
-            self.insert(w);
+        txn.entry(ddir, dname, Some(src));
+        match whiteout {
+            Some(w) => {
+                sg.entries.insert(sname.to_owned(), w.ino);
+                txn.made(&w, &w.meta.lock().unwrap());
+                txn.entry(sdir, sname, Some(w.ino));
+                self.insert(w);
+            }
+            None => txn.entry(sdir, sname, None),
         }
+        let mut locked = vec![&s, &d, &src_node];
+        locked.extend(dst_node.as_ref());
+        let mut metas = Metas::lock(&locked);
         if let Some(dn) = &dst_node {
-            self.drop_link(dn, t);
+            self.drop_link(dn, metas.get(dn.ino), t, &mut txn);
             if dn.is_dir() {
-                add_nlink(&d, -1);
+                add_nlink(metas.get(ddir), -1);
             }
         }
         if sdir != ddir && src_node.is_dir() {
             if let Some(p) = src_node.parent() {
                 p.store(ddir, Ordering::Relaxed);
             }
-            add_nlink(&s, -1);
-            add_nlink(&d, 1);
+            add_nlink(metas.get(sdir), -1);
+            add_nlink(metas.get(ddir), 1);
         }
-        touch_ctime(&src_node, t);
-        touch_dirs(&s, &d, t);
+        metas.get(src).ctime = t;
+        touch_dirs(&mut metas, sdir, ddir, t);
+        metas.log_all(&mut txn, &[&s, &d, &src_node]);
+        self.log(&txn);
         Ok(())
     }
 
@@ -469,19 +522,55 @@ fn kill_empty_dir(victim: &Node) -> Result<()> {
     Ok(())
 }
 
-fn add_nlink(dir: &Node, delta: i64) {
-    let mut m = dir.meta.lock().unwrap();
+fn add_nlink(m: &mut Meta, delta: i64) {
     m.nlink = m.nlink.saturating_add_signed(delta);
 }
 
-fn touch_ctime(node: &Node, t: (i64, u32)) {
-    node.meta.lock().unwrap().ctime = t;
-}
-
-fn touch_dirs(s: &Node, d: &Node, t: (i64, u32)) {
+fn touch_dirs(metas: &mut Metas<'_>, s: Ino, d: Ino, t: (i64, u32)) {
     for dir in [s, d] {
-        let mut m = dir.meta.lock().unwrap();
+        let m = metas.get(dir);
         m.mtime = t;
         m.ctime = t;
+    }
+}
+
+/// The attributes of the nodes a change of names touches, locked together until the change is
+/// logged (changes.rs): in the order of their numbers, each once — the one order of every
+/// change that holds more than one node's attributes (docs/ROBUSTNESS.md, "Lock order").
+struct Metas<'a> {
+    held: Vec<(Ino, MutexGuard<'a, Meta>)>,
+}
+
+impl<'a> Metas<'a> {
+    fn lock(nodes: &[&'a Arc<Node>]) -> Metas<'a> {
+        let mut nodes = nodes.to_vec();
+        nodes.sort_by_key(|n| n.ino);
+        nodes.dedup_by_key(|n| n.ino);
+        Metas {
+            held: nodes
+                .into_iter()
+                .map(|n| (n.ino, n.meta.lock().unwrap()))
+                .collect(),
+        }
+    }
+
+    fn get(&mut self, ino: Ino) -> &mut Meta {
+        let i = self
+            .held
+            .iter()
+            .position(|(i, _)| *i == ino)
+            .expect("a node whose attributes the change locked");
+        &mut self.held[i].1
+    }
+
+    /// Logs the attributes of `nodes` as they are now, each once.
+    fn log_all(&mut self, txn: &mut Txn, nodes: &[&Arc<Node>]) {
+        let mut done = Vec::new();
+        for n in nodes {
+            if !done.contains(&n.ino) {
+                done.push(n.ino);
+                txn.meta(n, self.get(n.ino));
+            }
+        }
     }
 }

@@ -62,7 +62,12 @@ impl Place {
         .unwrap()
     }
     fn open(&self, limit: Option<u64>) -> std::result::Result<MemoryUpper, ImageError> {
-        MemoryUpper::open(self.dir_fd(), self.store_fd(), limit)
+        MemoryUpper::open(self.dir_fd(), self.store_fd(), limit, ChangeLogPlace::Off)
+    }
+    /// The layer with a change log: a new one, or the one a "crashed" store kept.
+    fn open_logged(&self, kept: Option<&Arc<OwnedFd>>) -> MemoryUpper {
+        let log = kept.map_or(ChangeLogPlace::New, |fd| ChangeLogPlace::Kept(fd.clone()));
+        MemoryUpper::open(self.dir_fd(), self.store_fd(), None, log).unwrap()
     }
     fn store_blocks(&self) -> u64 {
         std::fs::metadata(self.dir.join(".mosaicfs-filestore"))
@@ -1213,4 +1218,170 @@ fn forged_journal_entries_with_fitting_checksums_load_or_are_refused() {
             Err(e) => panic!("a forged journal gave {e}, not a reason"),
         }
     }
+}
+
+/// The change log's contract (changes.rs): a daemon that dies at any point between commits
+/// leaves the next one the tree exactly as it was after its last change, whatever mix of
+/// images, journal entries and log entries holds it; and a machine that dies (the log gone
+/// with it) leaves the tree as of the last commit, even after daemons rebuilt from the log
+/// wrote into the filestore.
+#[test]
+fn a_crash_with_a_change_log_loses_nothing() {
+    let place = Place::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let first = place.open_logged(None);
+    let mut log = Arc::new(first.change_log().unwrap().try_clone_to_owned().unwrap());
+    let mut last = describe(&first);
+    let mut durable = last.clone();
+    drop(first);
+    for round in 0..60 {
+        if rng.gen_bool(0.15) {
+            let up = place.open(None).unwrap();
+            assert_eq!(
+                describe(&up),
+                durable,
+                "round {round}: after a machine crash the layer is not its last commit"
+            );
+            drop(up);
+            let up = place.open_logged(None);
+            log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+            last = durable.clone();
+            drop(up);
+        }
+        let up = place.open_logged(Some(&log));
+        assert_eq!(
+            describe(&up),
+            last,
+            "round {round}: the tree rebuilt from the log differs from the one before the crash"
+        );
+        for _ in 0..rng.gen_range(0..80) {
+            random_change(&up, &mut rng);
+            let commit = match rng.gen_range(0..40) {
+                0 => Some(up.sync()),
+                1 | 2 => Some(up.sync_changes()),
+                _ => None,
+            };
+            if let Some(done) = commit {
+                done.unwrap();
+                durable = describe(&up);
+            }
+        }
+        last = describe(&up);
+        drop(up); // the daemon dies: no sync
+    }
+}
+
+/// Changes from several threads at once, and commits among them: the log's entries follow the
+/// order in which the changes saw each other, so the rebuilt tree is the one they left.
+#[test]
+fn a_crash_after_concurrent_changes_with_a_change_log_loses_nothing() {
+    let place = Place::new();
+    let up = Arc::new(place.open_logged(None));
+    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    for d in ["a", "b", "c"] {
+        up.make(ROOT, n(d), &dir_node()).unwrap();
+    }
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let up = up.clone();
+            s.spawn(move || {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(100 + t);
+                for _ in 0..500 {
+                    random_change(&up, &mut rng);
+                }
+            });
+        }
+        let up = up.clone();
+        s.spawn(move || {
+            for i in 0..10 {
+                std::thread::sleep(std::time::Duration::from_millis(3));
+                if i % 3 == 0 {
+                    up.sync().unwrap();
+                } else {
+                    up.sync_changes().unwrap();
+                }
+            }
+        });
+    });
+    let want = describe(&up);
+    drop(up);
+    assert_eq!(describe(&place.open_logged(Some(&log))), want);
+}
+
+/// What the log must not take: an entry past its tail (an append a kill cut short) is not
+/// applied, a log that lost changes is refused, and a memfd of another layout too.
+#[test]
+fn the_change_log_counts_only_whole_entries_and_refuses_what_it_cannot_rebuild() {
+    let place = Place::new();
+    let up = place.open_logged(None);
+    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    up.make(ROOT, n("kept"), &reg(0o644)).unwrap();
+    let want = describe(&up);
+    let tail = {
+        let mut w = [0u8; 8];
+        rustix::io::pread(&*log, &mut w, 32).unwrap();
+        u64::from_le_bytes(w)
+    };
+    // An entry written and never counted: a make of "lost".
+    let mut junk = Vec::new();
+    junk.extend_from_slice(&64u32.to_le_bytes());
+    junk.extend_from_slice(&0u32.to_le_bytes());
+    junk.extend_from_slice(&[3u8; 64]);
+    rustix::io::pwrite(&*log, &junk, 4096 + tail).unwrap();
+    drop(up);
+    let up = place.open_logged(Some(&log));
+    assert_eq!(describe(&up), want);
+    up.make(ROOT, n("after"), &reg(0o644)).unwrap();
+    drop(up);
+    // Lost changes: refused, with a reason.
+    rustix::io::pwrite(&*log, &1u64.to_le_bytes(), 40).unwrap();
+    let refused = MemoryUpper::open(
+        place.dir_fd(),
+        place.store_fd(),
+        None,
+        ChangeLogPlace::Kept(log.clone()),
+    );
+    assert!(
+        matches!(&refused, Err(ImageError::Damaged(why)) if why.contains("lost changes")),
+        "a log that lost changes was served"
+    );
+    let other = rustix::fs::memfd_create("other", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&other, 8192).unwrap();
+    let refused = MemoryUpper::open(
+        place.dir_fd(),
+        place.store_fd(),
+        None,
+        ChangeLogPlace::Kept(Arc::new(other)),
+    );
+    assert!(matches!(refused, Err(ImageError::Damaged(_))));
+}
+
+/// A file removed and its blocks taken by another before the crash: the rebuilt tree maps each
+/// block once, and the bytes are the new file's.
+#[test]
+fn blocks_freed_and_taken_again_before_a_crash_come_back_right() {
+    let place = Place::new();
+    let up = place.open_logged(None);
+    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    let a = up.make(ROOT, n("a"), &reg(0o644)).unwrap();
+    up.write(&up.node(a).unwrap(), &vec![1u8; 8 * BLOCK as usize], 0)
+        .unwrap();
+    up.sync_changes().unwrap();
+    // Overwritten after the commit (fresh blocks), truncated, removed; then another file.
+    up.write(&up.node(a).unwrap(), &vec![2u8; 4 * BLOCK as usize], 0)
+        .unwrap();
+    up.truncate(&up.node(a).unwrap(), BLOCK + 5).unwrap();
+    up.unlink(ROOT, n("a")).unwrap();
+    let b = up.make(ROOT, n("b"), &reg(0o644)).unwrap();
+    up.write(&up.node(b).unwrap(), &vec![3u8; 6 * BLOCK as usize], 0)
+        .unwrap();
+    let want = describe(&up);
+    drop(up);
+    let up = place.open_logged(Some(&log));
+    assert_eq!(describe(&up), want);
+    assert_eq!(read_all(&up, b), vec![3u8; 6 * BLOCK as usize]);
+    // And a host crash after the next fsync (no log): the journal holds it all.
+    up.sync_changes().unwrap();
+    drop(up);
+    assert_eq!(describe(&place.open(None).unwrap()), want);
 }

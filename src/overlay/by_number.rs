@@ -321,6 +321,12 @@ impl Overlay {
     }
 }
 
+/// The name of node `id`'s record in a memory upper's work root: the object itself, as the
+/// layer holds it (its change log carries the name to a daemon that takes the mount over).
+pub(crate) fn memory_orphan_name(id: &str) -> std::ffi::OsString {
+    format!("mosaicfs-orphan-{id}").into()
+}
+
 /// The work dir's directory of records of removed objects still open (module comment): beside
 /// `mosaicfs-work`, which every mount empties, this is emptied by a mount that does not take
 /// another's over.
@@ -437,6 +443,90 @@ impl Overlay {
         }
     }
 
+    /// Empties a memory upper's work root of what a daemon before left there: objects it was
+    /// building when it died, and, unless this daemon takes the mount over (`keep_records`),
+    /// the records of removed files still open (`memory_orphan_name`).
+    pub fn empty_memory_work(&self, keep_records: bool) {
+        if self.layers().memory.is_none() {
+            return;
+        }
+        let Ok(work) = self.layers().work() else {
+            return;
+        };
+        let Ok(entries) = work.read_dir() else {
+            return;
+        };
+        for e in entries {
+            let record = e.name.as_encoded_bytes().starts_with(b"mosaicfs-orphan-");
+            if record && keep_records {
+                continue;
+            }
+            if let Err(err) = work.remove_tree(&e.name) {
+                log::warn!(
+                    "memory upper: {:?} left in the layer's work root cannot be removed ({err})",
+                    e.name
+                );
+            }
+        }
+    }
+
+    /// In a daemon that takes the mount over: notes the records of removed files still open
+    /// that the daemons before left (upper objects: `ID` in the orphans directory, or a
+    /// memory upper's `memory_orphan_name`). A file such a daemon reached through its record
+    /// keeps it until the kernel forgets the node (`inode::Orphan`); one the kernel forgets
+    /// before this daemon ever needed it (its pages were cached) would keep it for good.
+    pub fn note_left_records(&self) {
+        let mut ids = std::collections::HashSet::new();
+        if self.layers().memory.is_some() {
+            if let Ok(work) = self.layers().work()
+                && let Ok(entries) = work.read_dir()
+            {
+                ids.extend(entries.iter().filter_map(|e| {
+                    e.name
+                        .to_str()?
+                        .strip_prefix("mosaicfs-orphan-")?
+                        .parse::<Ino>()
+                        .ok()
+                }));
+            }
+        } else if let Some(dir) = self.orphans_dir()
+            && let Ok(entries) = rustix::fs::Dir::read_from(&*dir)
+        {
+            ids.extend(
+                entries
+                    .flatten()
+                    .filter_map(|e| e.file_name().to_str().ok()?.parse::<Ino>().ok()),
+            );
+        }
+        if !ids.is_empty() {
+            *self.left_records.lock().unwrap() = ids;
+            self.records_left
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The kernel forgot node `ino`, which this daemon never found: its record, if an earlier
+    /// daemon left one, goes (`note_left_records`).
+    pub(super) fn forget_left_record(&self, ino: Ino) {
+        let mut left = self.left_records.lock().unwrap();
+        if !left.remove(&ino) {
+            return;
+        }
+        if left.is_empty() {
+            self.records_left
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        drop(left);
+        let name = ino.to_string();
+        if self.layers().memory.is_some() {
+            if let Ok(work) = self.layers().work() {
+                let _ = work.unlink(&memory_orphan_name(&name));
+            }
+        } else if let Some(dir) = self.orphans_dir() {
+            let _ = rustix::fs::unlinkat(&*dir, name.as_str(), rustix::fs::AtFlags::empty());
+        }
+    }
+
     /// Records `node`, whose last name is about to go while a handle has it open: its upper
     /// object `upper` (a name in a disk upper dir, still there) and its lower file. The
     /// record goes when the returned `Orphan` is dropped (with the node's pin); a lower-only
@@ -446,11 +536,6 @@ impl Overlay {
         node: &Node,
         upper: Option<(&crate::upper::UpperDir, &OsStr)>,
     ) -> Option<crate::inode::Orphan> {
-        if let Some((crate::upper::UpperDir::Memory(..), _)) = upper {
-            // No name to link it to: it lives in this daemon only (`Overlay::hand_over`
-            // waits for it to be closed).
-            return None;
-        }
         let lower = {
             let st = node.state();
             if st.kind != libc::S_IFREG || st.open.upgrade().is_none() {
@@ -458,19 +543,22 @@ impl Overlay {
             }
             st.lower.clone()
         };
-        if let Some((crate::upper::UpperDir::Disk(fd), entry)) = upper {
+        if let Some((udir, entry)) = upper {
             // Another name keeps it: found by that one.
-            let links = rustix::fs::statat(&**fd, entry, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
-                .map_or(0, |st| st.st_nlink);
+            let links = udir
+                .object(entry)
+                .and_then(|o| o.stat())
+                .map_or(0, |a| a.nlink);
             if links != 1 {
                 return None;
             }
         }
         let dir = self.orphans_dir()?;
         let name = node.ino.to_string();
-        let orphan = crate::inode::Orphan {
+        let mut orphan = crate::inode::Orphan {
             dir: dir.clone(),
             name: name.clone(),
+            memory: None,
         };
         if let Some(lower) = lower {
             // Only a lower file at one place (no redirect, no metacopy data elsewhere).
@@ -482,16 +570,28 @@ impl Overlay {
             let _ = rustix::fs::unlinkat(&*dir, link.as_str(), rustix::fs::AtFlags::empty());
             rustix::fs::symlinkat(target.as_str(), &*dir, link.as_str()).ok()?;
         }
-        if let Some((crate::upper::UpperDir::Disk(fd), entry)) = upper {
-            let _ = rustix::fs::unlinkat(&*dir, name.as_str(), rustix::fs::AtFlags::empty());
-            rustix::fs::linkat(
-                &**fd,
-                entry,
-                &*dir,
-                name.as_str(),
-                rustix::fs::AtFlags::empty(),
-            )
-            .ok()?;
+        match upper {
+            Some((crate::upper::UpperDir::Disk(fd), entry)) => {
+                let _ = rustix::fs::unlinkat(&*dir, name.as_str(), rustix::fs::AtFlags::empty());
+                rustix::fs::linkat(
+                    &**fd,
+                    entry,
+                    &*dir,
+                    name.as_str(),
+                    rustix::fs::AtFlags::empty(),
+                )
+                .ok()?;
+            }
+            Some((udir @ crate::upper::UpperDir::Memory(..), entry)) => {
+                // A memory upper's object keeps a name in the layer's own work root, which
+                // its change log and images carry to the next daemon.
+                let work = self.layers().work().ok()?;
+                let record = memory_orphan_name(&name);
+                let _ = work.unlink(&record);
+                udir.link(entry, &work, &record).ok()?;
+                orphan.memory = Some(work);
+            }
+            None => {}
         }
         Some(orphan)
     }
@@ -511,9 +611,17 @@ impl Overlay {
             });
         let flags =
             rustix::fs::OFlags::PATH | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC;
-        let upper = rustix::fs::openat(&*dir, name.as_str(), flags, rustix::fs::Mode::empty())
-            .ok()
-            .map(crate::upper::UpperFile::Disk);
+        let memory_work = self
+            .layers()
+            .memory
+            .as_ref()
+            .and_then(|_| self.layers().work().ok());
+        let upper = match &memory_work {
+            Some(work) => work.object(&memory_orphan_name(&name)).ok(),
+            None => rustix::fs::openat(&*dir, name.as_str(), flags, rustix::fs::Mode::empty())
+                .ok()
+                .map(crate::upper::UpperFile::Disk),
+        };
         if upper.is_none() && lower.is_none() {
             return None;
         }
@@ -539,6 +647,7 @@ impl Overlay {
             let orphan = crate::inode::Orphan {
                 dir: dir.clone(),
                 name,
+                memory: memory_work,
             };
             let pin = crate::inode::Pin::take(&self.pins, || Some(object));
             if let Some(mut pin) = pin {
