@@ -708,14 +708,21 @@ fn a_mount_that_cannot_survive_its_daemon_says_why() {
         refused.contains("restart=on: this mount cannot survive its daemon: -f"),
         "{refused}"
     );
-    // A memory upper whose filestore is in memory too dies with its daemon.
+    // A memory upper whose filestore is in memory too dies with its daemon (an upper dir of
+    // its own: the one above holds a kept memory layer in the memory run of the suite).
+    let fresh = tempfile::tempdir().unwrap();
+    for d in ["upper", "work"] {
+        fs::create_dir(fresh.path().join(d)).unwrap();
+    }
     let out = {
         let _forking = forking();
         Command::new(BIN)
             .arg("-o")
             .arg(format!(
-                "{},restart=on,upper=memory,filestore=memory",
-                m.options()
+                "lowerdir={},upperdir={1}/upper,workdir={1}/work,restart=on,upper=memory,\
+                 filestore=memory",
+                m.lower(0).display(),
+                fresh.path().display()
             ))
             .arg(&m.mnt)
             .env("MOSAICFS_URING", "off")
