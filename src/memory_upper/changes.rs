@@ -39,9 +39,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::image::{
-    self, ImageBody, ImageError, ImageNode, Reader, crc, damaged, put_u32, put_u64,
-};
+use super::image::{self, ImageBody, ImageError, ImageNode, Reader, crc, put_u32, put_u64};
 use super::{Body, Ino, Meta, Node};
 use crate::error::Result;
 use crate::sys;
@@ -472,6 +470,11 @@ impl ChangeLog {
         })?;
         Ok(())
     }
+}
+
+/// The log cannot be applied: why.
+fn damaged<T>(why: impl Into<String>) -> std::result::Result<T, ImageError> {
+    Err(ImageError::ChangeLog(why.into()))
 }
 
 fn padded(n: u64) -> u64 {

@@ -41,6 +41,9 @@ pub enum ImageError {
     Damaged(String),
     /// Reading the image or the filestore failed.
     Io(crate::error::Error),
+    /// The change log a daemon before kept cannot be applied (memory_upper/changes.rs): the
+    /// tree it describes is lost, the layer on disk is as of its last commit.
+    ChangeLog(String),
 }
 
 impl ImageError {
@@ -54,6 +57,12 @@ impl fmt::Display for ImageError {
         match self {
             ImageError::Damaged(why) => write!(f, "the tree image {IMAGE_NAME} is damaged: {why}"),
             ImageError::Io(e) => write!(f, "{e}"),
+            ImageError::ChangeLog(why) => {
+                write!(
+                    f,
+                    "the changes the daemon before made cannot be rebuilt: {why}"
+                )
+            }
         }
     }
 }

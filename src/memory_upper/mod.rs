@@ -267,7 +267,13 @@ impl MemoryUpper {
                     let mut next_ino = next_ino;
                     let touched = changes::apply(&changes, &mut tree, &mut next_ino)?;
                     let nodes: Vec<_> = tree.into_values().collect();
-                    let now = image::check_tree(&nodes, next_ino, store_len)?;
+                    let now =
+                        image::check_tree(&nodes, next_ino, store_len).map_err(|e| match e {
+                            ImageError::Damaged(why) => ImageError::ChangeLog(format!(
+                                "the tree the change log gives fails the checks of an image: {why}"
+                            )),
+                            other => other,
+                        })?;
                     let deferred: Vec<u64> = durable
                         .iter()
                         .filter(|b| now.binary_search(b).is_err())

@@ -1342,7 +1342,7 @@ fn the_change_log_counts_only_whole_entries_and_refuses_what_it_cannot_rebuild()
         ChangeLogPlace::Kept(log.clone()),
     );
     assert!(
-        matches!(&refused, Err(ImageError::Damaged(why)) if why.contains("lost changes")),
+        matches!(&refused, Err(ImageError::ChangeLog(why)) if why.contains("lost changes")),
         "a log that lost changes was served"
     );
     let other = rustix::fs::memfd_create("other", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
@@ -1353,7 +1353,7 @@ fn the_change_log_counts_only_whole_entries_and_refuses_what_it_cannot_rebuild()
         None,
         ChangeLogPlace::Kept(Arc::new(other)),
     );
-    assert!(matches!(refused, Err(ImageError::Damaged(_))));
+    assert!(matches!(refused, Err(ImageError::ChangeLog(_))));
 }
 
 /// A file removed and its blocks taken by another before the crash: the rebuilt tree maps each
