@@ -255,7 +255,17 @@ impl MemoryUpper {
                 };
                 let (log, changes) = open_log((generation, journal_entries(journal_len)))?;
                 let (nodes, next_ino) = replay(tree, deltas);
-                let durable = image::check_tree(&nodes, next_ino, store_len)?;
+                // The blocks the durable tree holds. Checked whole when it is what is served;
+                // under a change log, the tree the log gives is (below), and of the durable
+                // tree's blocks only those within the filestore count, once each.
+                let durable = if changes.is_empty() {
+                    image::check_tree(&nodes, next_ino, store_len)?
+                } else {
+                    let mut blocks = image::blocks_of(&nodes);
+                    blocks.retain(|&b| (b + 1) * BLOCK <= store_len);
+                    blocks.dedup();
+                    blocks
+                };
                 // The changes a daemon that died made since: the tree as it was at its last
                 // one. Blocks the durable tree holds stay frozen; those it alone holds are
                 // freed after the next image.
