@@ -137,6 +137,11 @@ pub(super) fn open_memory_upper(
              upper dir from a copy",
             upper.display()
         ),
+        ImageError::ChangeLog(_) => crate::message!(
+            "upperdir '{}': {e}. The layer on disk was not changed and holds every change up \
+             to the last fsync: unmount the mount and mount it again to serve it as that",
+            upper.display()
+        ),
         ImageError::Io(e) => crate::message!(
             "upperdir '{}': the memory layer cannot be read or written there ({e}): check \
              that its file system is writable and not full",

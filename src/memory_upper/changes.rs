@@ -39,19 +39,28 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::image::{
-    self, ImageBody, ImageError, ImageNode, Reader, crc, damaged, put_u32, put_u64,
-};
+use super::image::{self, ImageBody, ImageError, ImageNode, Reader, crc, put_u32, put_u64};
 use super::{Body, Ino, Meta, Node};
 use crate::error::Result;
 use crate::sys;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"MOSAICCL");
 const VERSION: u64 = 1;
-/// The header's words: magic, version, capacity, head, tail, lost.
+/// The header's words: magic, version, capacity, head, tail, lost, the durable state the
+/// entries from the head on follow (`Durable`: generation, journal bytes), and the commit in
+/// progress (its durable state, and the tail it took its snapshot at).
 const HEAD_AT: u64 = 24;
 const TAIL_AT: u64 = 32;
 const LOST_AT: u64 = 40;
+const FOLLOWS_AT: u64 = 48;
+const NEXT_AT: u64 = 64;
+const NEXT_MARK_AT: u64 = 80;
+const HEADER_WORDS: u64 = 11;
+
+/// A durable state of the layer: the image's generation and the bytes of journal entries
+/// after it. The log's entries follow one; a log that follows none the layer has now was left
+/// by a daemon before one of a binary that keeps no log served the layer, and is dropped.
+pub(super) type Durable = (u64, u64);
 /// Where the ring starts in the memfd.
 const RING_AT: u64 = 4096;
 /// The ring's size. The memfd is sparse: pages are taken as entries are written, and given
@@ -230,9 +239,10 @@ impl ChangeLog {
         rustix::fs::ftruncate(&file, RING_AT + CAPACITY)?;
         rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, RING_AT)?;
         let mut header = Vec::new();
-        for w in [MAGIC, VERSION, CAPACITY, 0, 0, 0] {
+        for w in [MAGIC, VERSION, CAPACITY] {
             put_u64(&mut header, w);
         }
+        header.resize(HEADER_WORDS as usize * 8, 0);
         sys::pwrite_full(file.as_fd(), &header, 0)?;
         let map = sys::map_shared(file.as_fd(), (RING_AT + CAPACITY) as usize)?;
         Ok(ChangeLog {
@@ -249,9 +259,12 @@ impl ChangeLog {
     }
 
     /// The log an earlier daemon of the mount kept, and its entries not yet trimmed: what it
-    /// changed since the tree was last made durable. An error for a memfd of another layout,
-    /// or a log that lost changes (they cannot be rebuilt).
-    pub fn adopt(file: OwnedFd) -> std::result::Result<(ChangeLog, Vec<Vec<u8>>), ImageError> {
+    /// changed since the layer was last made durable, which is now `durable`. An error for a
+    /// memfd of another layout, or a log that lost changes (they cannot be rebuilt).
+    pub fn adopt(
+        file: OwnedFd,
+        durable: Durable,
+    ) -> std::result::Result<(ChangeLog, Vec<Vec<u8>>), ImageError> {
         let word = |at: u64| -> std::result::Result<u64, ImageError> {
             let mut w = [0u8; 8];
             sys::pread_full(file.as_fd(), &mut w, at).map_err(ImageError::io)?;
@@ -267,15 +280,27 @@ impl ChangeLog {
         if len != RING_AT + CAPACITY {
             return damaged("the change log's memfd is not the size of its ring");
         }
-        if word(LOST_AT)? != 0 {
+        let (head, tail) = (word(HEAD_AT)?, word(TAIL_AT)?);
+        if tail < head || tail - head > CAPACITY {
+            return damaged("the change log's ends do not fit its ring");
+        }
+        let follows = (word(FOLLOWS_AT)?, word(FOLLOWS_AT + 8)?);
+        let next = (word(NEXT_AT)?, word(NEXT_AT + 8)?);
+        let next_mark = word(NEXT_MARK_AT)?;
+        // Where the entries that follow `durable` start: the head, or where a commit that
+        // became durable before its daemon died took its snapshot.
+        let start = if head == tail || durable == follows {
+            Some(head)
+        } else if durable == next && (head..=tail).contains(&next_mark) {
+            Some(next_mark)
+        } else {
+            None
+        };
+        if start.is_some() && word(LOST_AT)? != 0 {
             return damaged(
                 "the daemon before lost changes to the tree that its change log could not hold \
                  (the upper dir's file system refused its commits)",
             );
-        }
-        let (head, tail) = (word(HEAD_AT)?, word(TAIL_AT)?);
-        if tail < head || tail - head > CAPACITY {
-            return damaged("the change log's ends do not fit its ring");
         }
         let map =
             sys::map_shared(file.as_fd(), (RING_AT + CAPACITY) as usize).map_err(ImageError::io)?;
@@ -290,8 +315,25 @@ impl ChangeLog {
                 resumed_at: None,
             }),
         };
-        let mut ring = vec![0u8; (tail - head) as usize];
-        log.read_ring(&mut ring, head).map_err(ImageError::io)?;
+        let Some(start) = start else {
+            log::warn!(
+                "memory upper: the change log the holder kept follows another state of the \
+                 layer (a daemon of a binary that keeps none served it since, and wrote what it \
+                 changed as it handed over): its entries are dropped"
+            );
+            log.settle(tail, durable);
+            return Ok((log, Vec::new()));
+        };
+        let now_follows = if head == tail {
+            durable
+        } else if start == head {
+            follows
+        } else {
+            next
+        };
+        log.settle(start, now_follows);
+        let mut ring = vec![0u8; (tail - start) as usize];
+        log.read_ring(&mut ring, start).map_err(ImageError::io)?;
         let mut entries = Vec::new();
         let mut at = 0;
         while at < ring.len() {
@@ -407,26 +449,58 @@ impl ChangeLog {
         Ok(())
     }
 
-    /// The log's tail now, for a commit taking its snapshot (no change in flight). A log that
-    /// stopped goes on from here.
-    pub fn mark(&self) -> u64 {
+    /// The log starts at `head` and follows `durable` (at adopt: before any append). The
+    /// head first: a daemon killed between the two leaves a log the next one reads the same.
+    fn settle(&self, head: u64, durable: Durable) {
+        let mut e = self.ends.lock().unwrap();
+        e.head = head;
+        self.word(HEAD_AT).store(head, Ordering::Release);
+        self.word(FOLLOWS_AT).store(durable.0, Ordering::Release);
+        self.word(FOLLOWS_AT + 8)
+            .store(durable.1, Ordering::Release);
+        if head == e.tail {
+            self.word(LOST_AT).store(0, Ordering::Release);
+        }
+    }
+
+    /// A log with no entries follows `durable`, the layer as a mount found it.
+    pub fn follow(&self, durable: Durable) {
+        let (head, tail) = {
+            let e = self.ends.lock().unwrap();
+            (e.head, e.tail)
+        };
+        if head == tail {
+            self.settle(head, durable);
+        }
+    }
+
+    /// The log's tail now, for a commit taking its snapshot (no change in flight) that will
+    /// leave the layer as `next` once durable. A log that stopped goes on from here.
+    pub fn mark(&self, next: Durable) -> u64 {
         let mut e = self.ends.lock().unwrap();
         if e.stopped {
             e.stopped = false;
             e.resumed_at = Some(e.tail);
         }
+        self.word(NEXT_AT).store(next.0, Ordering::Release);
+        self.word(NEXT_AT + 8).store(next.1, Ordering::Release);
+        self.word(NEXT_MARK_AT).store(e.tail, Ordering::Release);
         e.tail
     }
 
-    /// A commit that took its snapshot at `mark` is durable: the log starts there.
-    pub fn trim(&self, mark: u64) {
+    /// A commit that took its snapshot at `mark` is durable, and the layer is `next`: the log
+    /// starts there. (A daemon killed before this leaves a log whose `next` is the layer: the
+    /// next one starts it at the mark.)
+    pub fn trim(&self, mark: u64, next: Durable) {
         let mut e = self.ends.lock().unwrap();
-        if mark <= e.head {
+        if mark < e.head {
             return;
         }
         let old = e.head;
         e.head = mark;
         self.word(HEAD_AT).store(mark, Ordering::Release);
+        self.word(FOLLOWS_AT).store(next.0, Ordering::Release);
+        self.word(FOLLOWS_AT + 8).store(next.1, Ordering::Release);
         if e.resumed_at.is_some_and(|r| r <= mark) && !e.stopped {
             e.resumed_at = None;
             self.word(LOST_AT).store(0, Ordering::Release);
@@ -472,6 +546,11 @@ impl ChangeLog {
         })?;
         Ok(())
     }
+}
+
+/// The log cannot be applied: why.
+fn damaged<T>(why: impl Into<String>) -> std::result::Result<T, ImageError> {
+    Err(ImageError::ChangeLog(why.into()))
 }
 
 fn padded(n: u64) -> u64 {

@@ -207,8 +207,8 @@ impl MemoryUpper {
 
     /// The layer kept in directory `dir`: its last image (`IMAGE_NAME`), with data in
     /// `filestore`; an empty layer when no image was ever written (one is written at once).
-    /// With a kept change log, the changes it holds are applied over image and journal, and
-    /// the result written as a new image.
+    /// With a kept change log, the changes it holds are applied over image and journal; they
+    /// stay in the log until the next commit.
     pub fn open(
         dir: OwnedFd,
         filestore: OwnedFd,
@@ -219,24 +219,24 @@ impl MemoryUpper {
             .map_err(ImageError::io)?
             .st_size as u64;
         let taken_over = matches!(log, ChangeLogPlace::Kept(_));
-        let (log, changes) = match log {
-            ChangeLogPlace::Off => (None, Vec::new()),
-            ChangeLogPlace::New => (
-                Some(changes::ChangeLog::create().map_err(ImageError::io)?),
-                Vec::new(),
-            ),
+        // The log, given the layer's durable state as image and journal hold it.
+        let open_log = |durable: changes::Durable| match &log {
+            ChangeLogPlace::Off => Ok((None, Vec::new())),
+            ChangeLogPlace::New => {
+                let log = changes::ChangeLog::create().map_err(ImageError::io)?;
+                log.follow(durable);
+                Ok((Some(log), Vec::new()))
+            }
             ChangeLogPlace::Kept(fd) => {
                 let fd = fd.try_clone().map_err(ImageError::io)?;
-                let (log, changes) = changes::ChangeLog::adopt(fd)?;
-                (Some(log), changes)
+                let (log, changes) = changes::ChangeLog::adopt(fd, durable)?;
+                Ok::<_, ImageError>((Some(log), changes))
             }
         };
         match image::read(&dir).map_err(ImageError::io)? {
-            None if !changes.is_empty() => image::damaged(
-                "the daemon before left changes to a layer whose image is gone from the upper \
-                 dir",
-            ),
             None => {
+                // A layer no image was written for: any log follows another one.
+                let (log, _) = open_log((u64::MAX, u64::MAX))?;
                 rustix::fs::ftruncate(&filestore, 0).map_err(ImageError::io)?;
                 let store =
                     Filestore::open(filestore, &[], limit_blocks).map_err(ImageError::io)?;
@@ -253,8 +253,19 @@ impl MemoryUpper {
                     Some((deltas, len)) => (deltas, Some(len)),
                     None => (Vec::new(), None),
                 };
+                let (log, changes) = open_log((generation, journal_entries(journal_len)))?;
                 let (nodes, next_ino) = replay(tree, deltas);
-                let durable = image::check_tree(&nodes, next_ino, store_len)?;
+                // The blocks the durable tree holds. Checked whole when it is what is served;
+                // under a change log, the tree the log gives is (below), and of the durable
+                // tree's blocks only those within the filestore count, once each.
+                let durable = if changes.is_empty() {
+                    image::check_tree(&nodes, next_ino, store_len)?
+                } else {
+                    let mut blocks = image::blocks_of(&nodes);
+                    blocks.retain(|&b| (b + 1) * BLOCK <= store_len);
+                    blocks.dedup();
+                    blocks
+                };
                 // The changes a daemon that died made since: the tree as it was at its last
                 // one. Blocks the durable tree holds stay frozen; those it alone holds are
                 // freed after the next image.
@@ -267,7 +278,13 @@ impl MemoryUpper {
                     let mut next_ino = next_ino;
                     let touched = changes::apply(&changes, &mut tree, &mut next_ino)?;
                     let nodes: Vec<_> = tree.into_values().collect();
-                    let now = image::check_tree(&nodes, next_ino, store_len)?;
+                    let now =
+                        image::check_tree(&nodes, next_ino, store_len).map_err(|e| match e {
+                            ImageError::Damaged(why) => ImageError::ChangeLog(format!(
+                                "the tree the change log gives fails the checks of an image: {why}"
+                            )),
+                            other => other,
+                        })?;
                     let deferred: Vec<u64> = durable
                         .iter()
                         .filter(|b| now.binary_search(b).is_err())
@@ -561,7 +578,9 @@ impl MemoryUpper {
             }
             // Blocks freed before this image are not in it: they go when it is durable.
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
-            let mark = self.log.as_ref().map(|l| (l, l.mark()));
+            // Once durable: the new image, and an empty journal after it.
+            let next = (generation, 0);
+            let mark = self.log.as_ref().map(|l| (l, l.mark(next), next));
             (bytes, self.store.take_deferred(), removed, (commit, mark))
         };
         let (commit, mark) = commit;
@@ -576,8 +595,8 @@ impl MemoryUpper {
         }
         self.generation.store(generation, Ordering::Relaxed);
         self.commits_durable.fetch_max(commit, Ordering::SeqCst);
-        if let Some((log, mark)) = mark {
-            log.trim(mark);
+        if let Some((log, mark, next)) = mark {
+            log.trim(mark, next);
         }
         self.store.free(&deferred)?;
         // The journal of the old image is ignored from now on; a new one follows this image.
@@ -663,13 +682,13 @@ impl MemoryUpper {
             changed.sort_by_key(|n| n.ino);
             let removed = std::mem::take(&mut *self.removed.lock().unwrap());
             let next = self.next_ino.load(Ordering::Relaxed);
-            let mark = self.log.as_ref().map(|l| (l, l.mark()));
-            (
-                journal::encode(next, &removed, &changed),
-                changed,
-                removed,
-                (commit, mark),
-            )
+            let entry = journal::encode(next, &removed, &changed);
+            // Once durable: this image's journal with the entry after what it holds.
+            let after = journal_entries(Some(self.journal_len.load(Ordering::Relaxed)))
+                + entry.len() as u64;
+            let next = (self.generation.load(Ordering::Relaxed), after);
+            let mark = self.log.as_ref().map(|l| (l, l.mark(next), next));
+            (entry, changed, removed, (commit, mark))
         };
         let (commit, mark) = commit;
         let appended = self
@@ -680,8 +699,8 @@ impl MemoryUpper {
             Ok(len) => {
                 self.journal_len.store(len, Ordering::Relaxed);
                 self.commits_durable.fetch_max(commit, Ordering::SeqCst);
-                if let Some((log, mark)) = mark {
-                    log.trim(mark);
+                if let Some((log, mark, next)) = mark {
+                    log.trim(mark, next);
                 }
                 Ok(())
             }
@@ -817,6 +836,11 @@ impl Node {
             btime: None,
         }
     }
+}
+
+/// The bytes of entries in a journal `len` bytes long (`None`: none usable).
+fn journal_entries(len: Option<u64>) -> u64 {
+    len.map_or(0, |l| l.saturating_sub(journal::HEADER as u64))
 }
 
 /// The image's nodes with the journal's entries applied in order: the tree as of the last
