@@ -3,7 +3,8 @@
 # mount_program. Builds a busybox image without any registry, then checks: a container that
 # creates, modifies, renames and deletes files and writes to a file of the image; podman commit
 # and a run of the committed image; podman build of a multi-layer image; user-namespace id
-# mapping; the options containers/storage passes (volatile); no mount left behind.
+# mapping; the options containers/storage passes (volatile); a container's write/fsync loop
+# across ten kills of its daemon and an upgrade; no mount left behind.
 #
 # Usage: tests/podman/run.sh [path/to/mosaicfs]   (needs root, podman, runc, busybox-static)
 set -uo pipefail
@@ -175,6 +176,55 @@ check "user-namespace id mapping (uidmapping/gidmapping)" \
     test -e /etc/hosts'
 check "containers/storage passed uidmapping and volatile" \
   sh -c "grep -q 'uidmapping=' '$t/calls.log' && grep -q 'volatile' '$t/calls.log'"
+# A container's read/write/fsync loop across ten kills of its mount's daemon and one
+# `mosaicfs upgrade` (docs/ROBUSTNESS.md, "A daemon that ends"): the holder containers/storage's
+# mount left behind starts the next daemon, and the loop sees no error.
+LOOP='
+    i=0
+    while [ ! -e /data/stop ]; do
+      i=$((i + 1))
+      echo "line $i" | dd of=/data/loop oflag=append conv=notrunc,fsync status=none || { echo "ERROR write $i"; exit 1; }
+      test "$(tail -n 1 /data/loop)" = "line $i" || { echo "ERROR read $i"; exit 1; }
+      echo "$i" > /data/count.new && sync /data/count.new && mv /data/count.new /data/count || { echo "ERROR rename $i"; exit 1; }
+      ls /data >/dev/null || { echo "ERROR list $i"; exit 1; }
+    done
+    test "$(wc -l < /data/loop)" -eq "$i" || { echo "ERROR lines"; exit 1; }
+    echo "done $i"'
+daemon_of() { "$bin" status "$1" | sed -n "s/^daemon: pid \([0-9]*\).*/\1/p"; }
+takeovers_of() { "$bin" status "$1" | sed -n "s/.*daemons before this one: \([0-9]*\).*/\1/p"; }
+survives_kills() {
+  podman run -d --name loop "${RUN[@]}" localhost/mosaic-test:base sh -c "$LOOP" >/dev/null || return 1
+  local merged k old
+  merged=$(layer_of loop MergedDir)
+  for _ in $(seq 100); do [ -s "$merged/data/count" ] && break; sleep 0.1; done
+  local restart; restart=$("$bin" status "$merged" | grep "^restart:")
+  case "$restart" in
+    # The io_uring pass of the suite: a ring does not outlive its daemon (docs/ROBUSTNESS.md).
+    "restart: no ("*io_uring*)
+      echo "$restart"; touch "$merged/data/stop"; podman wait loop >/dev/null
+      podman rm -f -t 0 loop >/dev/null 2>&1; return 0 ;;
+  esac
+  for k in $(seq 10); do
+    old=$(daemon_of "$merged")
+    [ -n "$old" ] || { echo "no daemon serves $merged"; return 1; }
+    kill -9 "$old"
+    for _ in $(seq 300); do [ "$(takeovers_of "$merged" 2>/dev/null)" = "$k" ] && break; sleep 0.05; done
+    [ "$(takeovers_of "$merged")" = "$k" ] || { echo "no daemon took over after kill $k"; return 1; }
+    sleep 0.2
+  done
+  "$bin" upgrade "$merged" || return 1
+  sleep 0.5
+  local before; before=$(cat "$merged/data/count")
+  touch "$merged/data/stop"
+  test "$(podman wait loop)" = 0 || { podman logs loop; return 1; }
+  local out; out=$(podman logs loop)
+  podman rm -f -t 0 loop >/dev/null 2>&1
+  echo "$out"
+  case "$out" in *ERROR*) return 1 ;; esac
+  test "${out#done }" -ge "$before"
+}
+check "a container's write/fsync loop outlives ten kills of its daemon and an upgrade" survives_kills
+
 check "no mosaicfs mount is left after the containers ended" \
   sh -c "! grep -q 'fuse.mosaicfs' /proc/self/mounts || ! grep ' $t/' /proc/self/mounts | grep -q fuse.mosaicfs"
 
