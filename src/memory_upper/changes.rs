@@ -39,7 +39,10 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::image::{self, ImageBody, ImageError, ImageNode, Reader, crc, put_u32, put_u64};
+use super::image::{
+    self, ImageBody, ImageError, ImageNode, KIND_DIR, KIND_FILE, KIND_SYMLINK, Reader, crc,
+    put_u32, put_u64,
+};
 use super::{Body, Ino, Meta, Node};
 use crate::error::Result;
 use crate::sys;
@@ -76,11 +79,6 @@ const META: u8 = 2;
 const ENTRY: u8 = 3;
 const FILE: u8 = 4;
 const GONE: u8 = 5;
-
-const KIND_DIR: u8 = 1;
-const KIND_FILE: u8 = 2;
-const KIND_SYMLINK: u8 = 3;
-const KIND_SPECIAL: u8 = 4;
 
 /// A change to a file's block map, in the order it was made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,28 +123,7 @@ impl Txn {
         }
         let b = &mut self.buf;
         b.push(tag);
-        put_u64(b, n.ino);
-        let kind = match &n.body {
-            Body::Dir(..) => KIND_DIR,
-            Body::File(_) => KIND_FILE,
-            Body::Symlink(_) => KIND_SYMLINK,
-            Body::Special => KIND_SPECIAL,
-        };
-        b.push(kind);
-        for v in [m.mode, m.uid, m.gid] {
-            put_u32(b, v);
-        }
-        put_u64(b, m.nlink);
-        put_u64(b, m.rdev);
-        for (s, ns) in [m.atime, m.mtime, m.ctime] {
-            put_u64(b, s as u64);
-            put_u32(b, ns);
-        }
-        put_u32(b, m.xattrs.len() as u32);
-        for (k, v) in &m.xattrs {
-            image::put_bytes(b, k.as_bytes());
-            image::put_bytes(b, v);
-        }
+        image::put_attrs(n, m, b);
         match &n.body {
             Body::Dir(_, parent) => put_u64(b, parent.load(Ordering::Relaxed)),
             Body::Symlink(t) => image::put_bytes(b, t.as_bytes()),
@@ -652,21 +629,9 @@ pub(super) fn apply(
 
 /// A node record: the node with an empty body, and its parent (a directory's).
 fn read_node(r: &mut Reader<'_>) -> std::result::Result<(ImageNode, Ino), ImageError> {
-    let ino = r.u64()?;
-    let kind = r.u8()?;
-    let (mode, uid, gid) = (r.u32()?, r.u32()?, r.u32()?);
-    let (nlink, rdev) = (r.u64()?, r.u64()?);
-    let mut times = [(0i64, 0u32); 3];
-    for t in &mut times {
-        *t = (r.u64()? as i64, r.u32()?);
-    }
-    let mut xattrs = BTreeMap::new();
-    for _ in 0..r.u32()? {
-        let k = OsString::from_vec(r.bytes()?.to_vec());
-        xattrs.insert(k, r.bytes()?.to_vec());
-    }
+    let attrs = image::read_attrs(r)?;
     let mut parent = 0;
-    let body = match kind {
+    let body = match attrs.kind {
         KIND_DIR => {
             parent = r.u64()?;
             ImageBody::Dir {
@@ -679,24 +644,9 @@ fn read_node(r: &mut Reader<'_>) -> std::result::Result<(ImageNode, Ino), ImageE
             extents: BTreeMap::new(),
         },
         KIND_SYMLINK => ImageBody::Symlink(OsString::from_vec(r.bytes()?.to_vec())),
-        KIND_SPECIAL => ImageBody::Special,
-        k => return damaged(format!("node {ino} in the change log has kind {k}")),
+        _ => ImageBody::Special,
     };
-    let [atime, mtime, ctime] = times;
-    let node = ImageNode {
-        ino,
-        mode,
-        uid,
-        gid,
-        nlink,
-        rdev,
-        atime,
-        mtime,
-        ctime,
-        xattrs,
-        body,
-    };
-    Ok((node, parent))
+    Ok((attrs.with_body(body), parent))
 }
 
 /// A node record applied: `made` inserts the node where it is missing; either way the

@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use rustix::fs::{Mode, OFlags};
 
 use super::filestore::BLOCK;
-use super::{Body, Ino, MemoryUpper, Node, ROOT, WORK, is_root};
+use super::{Body, Ino, MemoryUpper, Meta, Node, ROOT, WORK, is_root};
 use crate::error::Result;
 use crate::sys;
 
@@ -28,10 +28,10 @@ pub const MAGIC: &[u8; 8] = b"MOSAICTR";
 const VERSION: u32 = 1;
 const HEADER: usize = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4;
 
-const KIND_DIR: u8 = 1;
-const KIND_FILE: u8 = 2;
-const KIND_SYMLINK: u8 = 3;
-const KIND_SPECIAL: u8 = 4;
+pub(super) const KIND_DIR: u8 = 1;
+pub(super) const KIND_FILE: u8 = 2;
+pub(super) const KIND_SYMLINK: u8 = 3;
+pub(super) const KIND_SPECIAL: u8 = 4;
 /// Blocks in a file of the largest size (`i64::MAX` bytes): no extent of a sound image ends later.
 const MAX_FILE_BLOCKS: u64 = (i64::MAX as u64).div_ceil(BLOCK);
 
@@ -130,27 +130,7 @@ pub(super) fn encode(up: &MemoryUpper, generation: u64) -> Vec<u8> {
 /// is about to be written). The caller holds every quiesce shard.
 pub(super) fn encode_node(n: &Node, body: &mut Vec<u8>) {
     let m = n.meta.lock().unwrap().clone();
-    put_u64(body, n.ino);
-    body.push(match &n.body {
-        Body::Dir(..) => KIND_DIR,
-        Body::File(_) => KIND_FILE,
-        Body::Symlink(_) => KIND_SYMLINK,
-        Body::Special => KIND_SPECIAL,
-    });
-    for v in [m.mode, m.uid, m.gid] {
-        put_u32(body, v);
-    }
-    put_u64(body, m.nlink);
-    put_u64(body, m.rdev);
-    for (s, ns) in [m.atime, m.mtime, m.ctime] {
-        put_u64(body, s as u64);
-        put_u32(body, ns);
-    }
-    put_u32(body, m.xattrs.len() as u32);
-    for (k, v) in &m.xattrs {
-        put_bytes(body, k.as_bytes());
-        put_bytes(body, v);
-    }
+    put_attrs(n, &m, body);
     match &n.body {
         Body::Dir(d, parent) => {
             let d = d.read().unwrap();
@@ -181,6 +161,103 @@ pub(super) fn encode_node(n: &Node, body: &mut Vec<u8>) {
         }
         Body::Symlink(t) => put_bytes(body, t.as_bytes()),
         Body::Special => {}
+    }
+}
+
+/// The first part of a node's record, which the image and the change log (changes.rs) share:
+/// its number, its kind and its attributes `m`.
+pub(super) fn put_attrs(n: &Node, m: &Meta, out: &mut Vec<u8>) {
+    put_u64(out, n.ino);
+    out.push(match &n.body {
+        Body::Dir(..) => KIND_DIR,
+        Body::File(_) => KIND_FILE,
+        Body::Symlink(_) => KIND_SYMLINK,
+        Body::Special => KIND_SPECIAL,
+    });
+    for v in [m.mode, m.uid, m.gid] {
+        put_u32(out, v);
+    }
+    put_u64(out, m.nlink);
+    put_u64(out, m.rdev);
+    for (s, ns) in [m.atime, m.mtime, m.ctime] {
+        put_u64(out, s as u64);
+        put_u32(out, ns);
+    }
+    put_u32(out, m.xattrs.len() as u32);
+    for (k, v) in &m.xattrs {
+        put_bytes(out, k.as_bytes());
+        put_bytes(out, v);
+    }
+}
+
+/// A node's number, kind and attributes as `put_attrs` wrote them, its mode checked against
+/// its kind; its body is read next.
+pub(super) struct Attrs {
+    pub ino: Ino,
+    pub kind: u8,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    nlink: u64,
+    rdev: u64,
+    times: [(i64, u32); 3],
+    xattrs: BTreeMap<OsString, Vec<u8>>,
+}
+
+pub(super) fn read_attrs(r: &mut Reader<'_>) -> std::result::Result<Attrs, ImageError> {
+    let ino = r.u64()?;
+    let kind = r.u8()?;
+    let (mode, uid, gid) = (r.u32()?, r.u32()?, r.u32()?);
+    let (nlink, rdev) = (r.u64()?, r.u64()?);
+    let mut times = [(0i64, 0u32); 3];
+    for t in &mut times {
+        *t = (r.u64()? as i64, r.u32()?);
+    }
+    let mut xattrs = BTreeMap::new();
+    for _ in 0..r.u32()? {
+        let k = OsString::from_vec(r.bytes()?.to_vec());
+        xattrs.insert(k, r.bytes()?.to_vec());
+    }
+    let want_type = match kind {
+        KIND_DIR => libc::S_IFDIR,
+        KIND_FILE => libc::S_IFREG,
+        KIND_SYMLINK => libc::S_IFLNK,
+        KIND_SPECIAL => mode & libc::S_IFMT,
+        _ => return damaged(format!("node {ino} has unknown kind {kind}")),
+    };
+    let special = [libc::S_IFCHR, libc::S_IFBLK, libc::S_IFIFO, libc::S_IFSOCK];
+    if mode & libc::S_IFMT != want_type || (kind == KIND_SPECIAL && !special.contains(&want_type)) {
+        return damaged(format!("node {ino}: mode {mode:o} does not fit its kind"));
+    }
+    Ok(Attrs {
+        ino,
+        kind,
+        mode,
+        uid,
+        gid,
+        nlink,
+        rdev,
+        times,
+        xattrs,
+    })
+}
+
+impl Attrs {
+    pub fn with_body(self, body: ImageBody) -> ImageNode {
+        let [atime, mtime, ctime] = self.times;
+        ImageNode {
+            ino: self.ino,
+            mode: self.mode,
+            uid: self.uid,
+            gid: self.gid,
+            nlink: self.nlink,
+            rdev: self.rdev,
+            atime,
+            mtime,
+            ctime,
+            xattrs: self.xattrs,
+            body,
+        }
     }
 }
 
@@ -294,30 +371,8 @@ pub(super) fn read_nodes(
 }
 
 fn read_node(r: &mut Reader<'_>, budget: &mut u64) -> std::result::Result<ImageNode, ImageError> {
-    let ino = r.u64()?;
-    let kind = r.u8()?;
-    let (mode, uid, gid) = (r.u32()?, r.u32()?, r.u32()?);
-    let (nlink, rdev) = (r.u64()?, r.u64()?);
-    let mut times = [(0i64, 0u32); 3];
-    for t in &mut times {
-        *t = (r.u64()? as i64, r.u32()?);
-    }
-    let mut xattrs = BTreeMap::new();
-    for _ in 0..r.u32()? {
-        let k = OsString::from_vec(r.bytes()?.to_vec());
-        xattrs.insert(k, r.bytes()?.to_vec());
-    }
-    let want_type = match kind {
-        KIND_DIR => libc::S_IFDIR,
-        KIND_FILE => libc::S_IFREG,
-        KIND_SYMLINK => libc::S_IFLNK,
-        KIND_SPECIAL => mode & libc::S_IFMT,
-        _ => return damaged(format!("node {ino} has unknown kind {kind}")),
-    };
-    let special = [libc::S_IFCHR, libc::S_IFBLK, libc::S_IFIFO, libc::S_IFSOCK];
-    if mode & libc::S_IFMT != want_type || (kind == KIND_SPECIAL && !special.contains(&want_type)) {
-        return damaged(format!("node {ino}: mode {mode:o} does not fit its kind"));
-    }
+    let attrs = read_attrs(r)?;
+    let (ino, kind) = (attrs.ino, attrs.kind);
     let body = match kind {
         KIND_DIR => {
             let parent = r.u64()?;
@@ -362,20 +417,7 @@ fn read_node(r: &mut Reader<'_>, budget: &mut u64) -> std::result::Result<ImageN
         KIND_SYMLINK => ImageBody::Symlink(OsString::from_vec(r.bytes()?.to_vec())),
         _ => ImageBody::Special,
     };
-    let [atime, mtime, ctime] = times;
-    Ok(ImageNode {
-        ino,
-        mode,
-        uid,
-        gid,
-        nlink,
-        rdev,
-        atime,
-        mtime,
-        ctime,
-        xattrs,
-        body,
-    })
+    Ok(attrs.with_body(body))
 }
 
 /// The nodes form two trees, from `ROOT` and from `WORK`, with link counts that match their names,
