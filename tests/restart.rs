@@ -567,16 +567,7 @@ fn a_memory_upper_outlives_kills_and_upgrades_with_every_change() {
 
     // More changes, then an upgrade, then a kill again.
     fs::write(m.path("second"), "after the first kill\n").unwrap();
-    let out = Command::new(BIN)
-        .arg("upgrade")
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run(Command::new(BIN).arg("upgrade").arg(&m.mnt));
     assert_eq!(m.takeovers(), 2);
     check("after the upgrade");
     fs::remove_file(m.path("second")).unwrap();
@@ -854,16 +845,7 @@ fn removed_while_open_across_a_kill(opts: &str) {
     );
     // An upgrade keeps the records too (until 2026-12-01 the daemon that handed over removed
     // them on its way out, and the next answered ESTALE).
-    let out = Command::new(BIN)
-        .arg("upgrade")
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run(Command::new(BIN).arg("upgrade").arg(&m.mnt));
     made.write_all(b"after\n").unwrap();
     assert_eq!(read_all(&mut made), "unlinked data\nmore\nafter\n");
     assert_eq!(read_all(&mut copied), "XXher\n");
