@@ -76,6 +76,12 @@ impl Place {
     }
 }
 
+/// The change log of `up`, as the mount's holder keeps it: what a store opened after `up` is
+/// dropped (its daemon "crashed") is handed.
+fn kept_log(up: &MemoryUpper) -> Arc<OwnedFd> {
+    Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap())
+}
+
 fn volatile(limit: Option<u64>) -> MemoryUpper {
     let fd = rustix::fs::memfd_create("test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
     MemoryUpper::new_volatile(fd, limit).unwrap()
@@ -1230,7 +1236,7 @@ fn a_crash_with_a_change_log_loses_nothing() {
     let place = Place::new();
     let mut rng = rand::rngs::StdRng::seed_from_u64(12);
     let first = place.open_logged(None);
-    let mut log = Arc::new(first.change_log().unwrap().try_clone_to_owned().unwrap());
+    let mut log = kept_log(&first);
     let mut last = describe(&first);
     let mut durable = last.clone();
     drop(first);
@@ -1244,7 +1250,7 @@ fn a_crash_with_a_change_log_loses_nothing() {
             );
             drop(up);
             let up = place.open_logged(None);
-            log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+            log = kept_log(&up);
             last = durable.clone();
             drop(up);
         }
@@ -1277,7 +1283,7 @@ fn a_crash_with_a_change_log_loses_nothing() {
 fn a_crash_after_concurrent_changes_with_a_change_log_loses_nothing() {
     let place = Place::new();
     let up = Arc::new(place.open_logged(None));
-    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    let log = kept_log(&up);
     for d in ["a", "b", "c"] {
         up.make(ROOT, n(d), &dir_node()).unwrap();
     }
@@ -1314,7 +1320,7 @@ fn a_crash_after_concurrent_changes_with_a_change_log_loses_nothing() {
 fn the_change_log_counts_only_whole_entries_and_refuses_what_it_cannot_rebuild() {
     let place = Place::new();
     let up = place.open_logged(None);
-    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    let log = kept_log(&up);
     up.make(ROOT, n("kept"), &reg(0o644)).unwrap();
     let want = describe(&up);
     let tail = {
@@ -1362,7 +1368,7 @@ fn the_change_log_counts_only_whole_entries_and_refuses_what_it_cannot_rebuild()
 fn blocks_freed_and_taken_again_before_a_crash_come_back_right() {
     let place = Place::new();
     let up = place.open_logged(None);
-    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    let log = kept_log(&up);
     let a = up.make(ROOT, n("a"), &reg(0o644)).unwrap();
     up.write(&up.node(a).unwrap(), &vec![1u8; 8 * BLOCK as usize], 0)
         .unwrap();
@@ -1393,7 +1399,7 @@ fn blocks_freed_and_taken_again_before_a_crash_come_back_right() {
 fn a_change_log_the_layer_moved_on_from_is_dropped() {
     let place = Place::new();
     let up = place.open_logged(None);
-    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    let log = kept_log(&up);
     up.make(ROOT, n("logged"), &reg(0o644)).unwrap();
     drop(up); // the daemon dies with "logged" in its log only
     let other = place.open(None).unwrap();
@@ -1416,7 +1422,7 @@ fn a_change_log_the_layer_moved_on_from_is_dropped() {
 fn a_commit_durable_before_the_log_was_trimmed_is_not_applied_twice() {
     let place = Place::new();
     let up = place.open_logged(None);
-    let log = Arc::new(up.change_log().unwrap().try_clone_to_owned().unwrap());
+    let log = kept_log(&up);
     let f = up.make(ROOT, n("f"), &reg(0o644)).unwrap();
     up.write(&up.node(f).unwrap(), b"first", 0).unwrap();
     up.sync_changes().unwrap();
